@@ -1,0 +1,93 @@
+"""SamplingParams: how one request is sampled and when it stops (vLLM's names and defaults)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+class SamplingParamsError(ValueError):
+  """A sampling parameter is out of range; `param` names it (the server reports it as OpenAI's `param`)."""
+
+  def __init__(self, param: str, message: str):
+    super().__init__(message)
+    self.param = param
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+  if not ok: raise SamplingParamsError(param, message)
+
+
+def _is_int(x: object) -> bool: return isinstance(x, int) and not isinstance(x, bool)
+def _is_number(x: object) -> bool: return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+  """Per-request sampling settings, validated at construction.
+
+  temperature 0 means greedy. top_k 0 or -1 turns top-k off. seed makes sampling reproducible for this request
+  whatever else is batched with it. Stop conditions: EOS (unless ignore_eos), stop_token_ids, stop strings (cut from
+  the text unless include_stop_str_in_output), max_tokens.
+  """
+  n: int = 1
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  min_p: float = 0.0
+  seed: int | None = None
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  repetition_penalty: float = 1.0
+  max_tokens: int | None = 16
+  min_tokens: int = 0
+  stop: str | list[str] | None = None
+  stop_token_ids: list[int] | None = None
+  ignore_eos: bool = False
+  include_stop_str_in_output: bool = False
+  skip_special_tokens: bool = True
+  logprobs: int | None = None
+  prompt_logprobs: int | None = None
+  stop_strings: list[str] = field(init=False, repr=False)
+
+  def __post_init__(self) -> None:
+    self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+    self.stop_token_ids = list(self.stop_token_ids or [])
+    self._validate()
+    if self.top_k == -1: self.top_k = 0
+
+  def _validate(self) -> None:
+    _check(_is_int(self.n) and self.n >= 1, "n", f"n must be an integer >= 1, got {self.n!r}")
+    _check(_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0, "temperature",
+           f"temperature must be a finite number >= 0, got {self.temperature!r}")
+    _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+    _check(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k",
+           f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k!r}")
+    _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
+    _check(self.seed is None or _is_int(self.seed), "seed", f"seed must be an integer, got {self.seed!r}")
+    for name in ("presence_penalty", "frequency_penalty"):
+      value = getattr(self, name)
+      _check(_is_number(value) and -2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value!r}")
+    _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 100, "repetition_penalty",
+           f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
+    _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+           f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+    _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
+           f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+    _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+           f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+    _check(all(isinstance(s, str) and s for s in self.stop_strings), "stop", "stop must be a non-empty string or a list of them")
+    _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+           f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+    for name in ("logprobs", "prompt_logprobs"):
+      value = getattr(self, name)
+      _check(value is None or (_is_int(value) and 0 <= value <= 20), name, f"{name} must be an integer in [0, 20], got {value!r}")
+
+  @property
+  def greedy(self) -> bool: return self.temperature == 0
+
+  @property
+  def uses_penalties(self) -> bool:
+    return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+  @property
+  def uses_filters(self) -> bool: return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
