@@ -1,0 +1,27 @@
+"""The command line: generate | chat | serve | bench (`python main.py` and the `tinyvllm` script are the same)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tinyvllm.cli import bench, chat, generate
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="tinyvllm", description="A small, fast LLM inference engine on tinygrad.")
+  sub = parser.add_subparsers(dest="command", required=True)
+  for module in (generate, chat, bench): module.add_parser(sub)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  from tinyvllm.config import ConfigError
+  from tinyvllm.engine.llm_engine import PromptError
+  from tinyvllm.sampling_params import SamplingParamsError
+  from tinyvllm.tokenizer import TokenizerError
+  try:
+    return args.run(args)
+  except (ConfigError, PromptError, SamplingParamsError, TokenizerError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2

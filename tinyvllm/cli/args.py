@@ -1,0 +1,46 @@
+"""Engine flags shared by every subcommand (vLLM's names)."""
+from __future__ import annotations
+
+import argparse
+import random
+from typing import Any
+
+from tinyvllm.config import DTYPES
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+  g = p.add_argument_group("model and engine")
+  g.add_argument("--model", required=True, help="local HF model folder, hub id, or (with --load-format dummy) a preset name")
+  g.add_argument("--tokenizer", help="tokenizer folder, if not the model's")
+  g.add_argument("--dtype", default="auto", choices=DTYPES, help="compute dtype (auto: checkpoint's on GPU, float32 on CPU)")
+  g.add_argument("--device", help="tinygrad backend (CUDA, METAL, CPU, ...); default: detected")
+  g.add_argument("--max-model-len", type=int, help="context length limit (default: the model's)")
+  g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"), help="dummy: random weights")
+  g.add_argument("--seed", type=int, help="random seed: makes sampling reproducible (default: a fresh one each run)")
+  g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+  kwargs = {k: getattr(args, k) for k in ("tokenizer", "dtype", "device", "max_model_len", "load_format", "max_num_seqs")}
+  return {**kwargs, "seed": args.seed if args.seed is not None else random.SystemRandom().getrandbits(32)}
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+  g = p.add_argument_group("sampling")
+  g.add_argument("--max-tokens", type=int, default=max_tokens)
+  g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+  g.add_argument("--top-p", type=float, default=1.0)
+  g.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
+  g.add_argument("--min-p", type=float, default=0.0)
+  g.add_argument("--presence-penalty", type=float, default=0.0)
+  g.add_argument("--frequency-penalty", type=float, default=0.0)
+  g.add_argument("--repetition-penalty", type=float, default=1.0)
+  g.add_argument("--stop", action="append", help="stop string (repeatable)")
+  g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+  return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+          "min_p": args.min_p, "presence_penalty": args.presence_penalty, "frequency_penalty": args.frequency_penalty,
+          "repetition_penalty": args.repetition_penalty, "seed": args.seed, "stop": args.stop,
+          "ignore_eos": args.ignore_eos}

@@ -1,0 +1,120 @@
+"""Configuration dataclasses: the model's shape (read from an HF config.json) and the engine's settings."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+class ConfigError(ValueError):
+  """A model folder or an engine setting cannot be used; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+  """Llama-3.1/3.2 frequency scaling (rope_type "llama3")."""
+  factor: float
+  low_freq_factor: float
+  high_freq_factor: float
+  original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+  architecture: str
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  vocab_size: int
+  max_position_embeddings: int
+  rms_norm_eps: float
+  rope_theta: float
+  tie_word_embeddings: bool
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  rope_scaling: RopeScaling | None = None
+  torch_dtype: str = "float32"
+  bos_token_id: int | None = None
+  eos_token_ids: tuple[int, ...] = ()
+
+  @property
+  def q_size(self) -> int: return self.num_heads * self.head_dim
+
+  @property
+  def kv_size(self) -> int: return self.num_kv_heads * self.head_dim
+
+  @staticmethod
+  def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+      raise ConfigError(f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
+                        f"tinyvllm supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if raw.get("use_sliding_window"):
+      raise ConfigError(f"{source}: sliding-window attention (use_sliding_window=true) is not supported")
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+               if k not in raw]
+    if missing: raise ConfigError(f"{source}: missing required field(s) {', '.join(missing)}")
+    heads = int(raw["num_attention_heads"])
+    kv_heads = int(raw.get("num_key_value_heads") or heads)
+    if heads % kv_heads: raise ConfigError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    theta, scaling = _rope(raw, source)
+    eos = raw.get("eos_token_id")
+    return ModelConfig(
+      architecture=arch, hidden_size=int(raw["hidden_size"]), intermediate_size=int(raw["intermediate_size"]),
+      num_layers=int(raw["num_hidden_layers"]), num_heads=heads, num_kv_heads=kv_heads,
+      head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads), vocab_size=int(raw["vocab_size"]),
+      max_position_embeddings=int(raw.get("max_position_embeddings", 2048)), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+      rope_theta=theta, rope_scaling=scaling, tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+      qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)), qk_norm=arch == "Qwen3ForCausalLM",
+      torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+      bos_token_id=raw.get("bos_token_id"), eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]))
+
+  @staticmethod
+  def from_folder(folder: Path) -> ModelConfig:
+    path = folder / "config.json"
+    if not path.is_file(): raise ConfigError(f"{folder}: no config.json (is this a HuggingFace model folder?)")
+    try: raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e: raise ConfigError(f"{path}: not valid JSON ({e})") from e
+    return ModelConfig.from_dict(raw, str(path))
+
+
+def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
+  """rope_theta and scaling, from either the classic fields or transformers 5's `rope_parameters`."""
+  params = dict(raw.get("rope_parameters") or {})
+  scaling = raw.get("rope_scaling") or params
+  theta = float(raw.get("rope_theta", params.get("rope_theta", 10000.0)))
+  rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+  if rope_type == "default": return theta, None
+  if rope_type != "llama3": raise ConfigError(f"{source}: rope scaling type {rope_type!r} is not supported (default and llama3 are)")
+  return theta, RopeScaling(float(scaling["factor"]), float(scaling.get("low_freq_factor", 1.0)),
+                            float(scaling.get("high_freq_factor", 4.0)), int(scaling["original_max_position_embeddings"]))
+
+
+@dataclass
+class EngineConfig:
+  """Everything the engine needs besides the model's own config (vLLM's flag names)."""
+  model: str
+  dtype: str = "auto"
+  device: str | None = None
+  max_model_len: int | None = None
+  load_format: str = "auto"
+  tokenizer: str | None = None
+  seed: int = 0
+  max_num_seqs: int = 64
+  extra: dict[str, Any] = field(default_factory=dict)
+
+  def __post_init__(self) -> None:
+    if self.dtype not in DTYPES: raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+    if self.load_format not in ("auto", "safetensors", "dummy"):
+      raise ConfigError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
+    if self.max_model_len is not None and self.max_model_len < 1:
+      raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+    if self.max_num_seqs < 1: raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

@@ -1,0 +1,73 @@
+"""Sequences and requests: the scheduler's bookkeeping, plain Python (no tensors)."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from tinyvllm.sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+  WAITING = "waiting"
+  RUNNING = "running"
+  FINISHED_STOPPED = "stop"
+  FINISHED_LENGTH = "length"
+  FINISHED_ABORTED = "abort"
+
+  @property
+  def finished(self) -> bool: return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                                              SequenceStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Sequence:
+  """One generated continuation of a prompt. Its KV lives in the blocks of `block_table`."""
+  request_id: str
+  prompt_token_ids: list[int]
+  params: SamplingParams
+  seed: int                                   # the sampling seed (the request's, or one drawn for it)
+  index: int = 0                              # which of the request's n samples this is
+  seq_id: int = field(default_factory=lambda: next(_seq_ids))
+  output_token_ids: list[int] = field(default_factory=list)
+  status: SequenceStatus = SequenceStatus.WAITING
+  num_computed_tokens: int = 0                # tokens whose K/V are in the cache
+  block_table: list[int] = field(default_factory=list)
+  stop_reason: int | str | None = None
+  arrival_time: float = field(default_factory=time.monotonic)
+
+  @property
+  def num_tokens(self) -> int: return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+  @property
+  def token_ids(self) -> list[int]: return self.prompt_token_ids + self.output_token_ids
+
+  @property
+  def is_finished(self) -> bool: return self.status.finished
+
+  @property
+  def finish_reason(self) -> str | None:
+    return self.status.value if self.status in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH) else None
+
+  @property
+  def num_uncomputed_tokens(self) -> int: return self.num_tokens - self.num_computed_tokens
+
+  @property
+  def in_prefill(self) -> bool: return self.num_computed_tokens < len(self.prompt_token_ids)
+
+
+@dataclass
+class Request:
+  """What a user asked for: one prompt, n sequences sampled from it."""
+  request_id: str
+  prompt: str | None
+  prompt_token_ids: list[int]
+  params: SamplingParams
+  seqs: list[Sequence]
+  arrival_time: float = field(default_factory=time.monotonic)
+
+  @property
+  def is_finished(self) -> bool: return all(s.is_finished for s in self.seqs)

@@ -1,0 +1,36 @@
+"""Backend detection: CUDA on NVIDIA, METAL on Apple, else the CPU; --device overrides it."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+from tinygrad import Device
+from tinygrad.helpers import DEV
+
+from tinyvllm.config import ConfigError
+
+
+def _opens(name: str) -> bool:
+  try:
+    Device[name]
+    return True
+  except Exception:  # tinygrad raises many kinds of errors for a backend that cannot start
+    return False
+
+
+def detect_device() -> str:
+  if sys.platform == "darwin" and _opens("METAL"): return "METAL"
+  # On Hopper, tinygrad's own NV driver does not start; the CUDA backend (libcuda + NVRTC) does.
+  if shutil.which("nvidia-smi") and _opens("CUDA"): return "CUDA"
+  return "CPU"
+
+
+def select_device(requested: str | None) -> str:
+  """The tinygrad device to run on (--device, else $DEV, else detection), made the default for every tensor."""
+  device = requested or os.environ.get("DEV") or detect_device()
+  if device.split(":")[0].upper() == "CPU" and not shutil.which(os.environ.get("CC", "clang")):
+    raise ConfigError("the CPU backend needs a `clang` binary on PATH (e.g. `apt-get install clang`); none was found")
+  if not _opens(device): raise ConfigError(f"device {device!r} is not available on this machine")
+  DEV.value = device
+  return Device.DEFAULT

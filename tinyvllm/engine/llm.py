@@ -1,0 +1,91 @@
+"""LLM: the offline API (vLLM's names): generate, a streaming form, and chat."""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+
+from tqdm import tqdm
+
+from tinyvllm.config import EngineConfig
+from tinyvllm.engine.llm_engine import LLMEngine, PromptError, PromptType
+from tinyvllm.outputs import RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.tokenizer import Tokenizer
+
+_ids = itertools.count()
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+  """One prompt (a string, a list of token ids, a dict) or a list of them."""
+  if isinstance(prompts, (str, dict)): return [prompts]
+  if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts): return [list(prompts)]
+  return list(prompts)
+
+
+class LLM:
+  def __init__(self, model: str, *, tokenizer: str | None = None, dtype: str = "auto", device: str | None = None,
+               max_model_len: int | None = None, load_format: str = "auto", seed: int = 0, max_num_seqs: int = 64,
+               **kwargs):
+    self.engine = LLMEngine(EngineConfig(model=model, tokenizer=tokenizer, dtype=dtype, device=device,
+                                         max_model_len=max_model_len, load_format=load_format, seed=seed,
+                                         max_num_seqs=max_num_seqs, extra=kwargs))
+
+  def get_tokenizer(self) -> Tokenizer | None: return self.engine.tokenizer
+
+  def _add_all(self, prompts: list[PromptType], params: SamplingParams | Sequence[SamplingParams] | None) -> list[str]:
+    """Validate every prompt first so that a bad one leaves nothing queued, then add them all."""
+    plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+    if len(plist) != len(prompts): raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
+    for i, (prompt, p) in enumerate(zip(prompts, plist)):
+      try: self.engine.check_request(self.engine.tokenize_prompt(prompt)[1], p)
+      except PromptError as e: raise PromptError(f"prompt {i}: {e}") from None
+    ids = [f"offline-{next(_ids)}" for _ in prompts]
+    for rid, prompt, p in zip(ids, prompts, plist): self.engine.add_request(rid, prompt, p)
+    return ids
+
+  def generate(self, prompts: PromptType | Sequence[PromptType],
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+               use_tqdm: bool = True) -> list[RequestOutput]:
+    ids = self._add_all(_as_prompt_list(prompts), sampling_params)
+    finals: dict[str, RequestOutput] = {}
+    start, generated = time.perf_counter(), 0
+    with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+      try:
+        while self.engine.has_unfinished_requests():
+          for out in self.engine.step():
+            generated += sum(len(o.delta_token_ids) for o in out.outputs)
+            if out.finished:
+              finals[out.request_id] = out
+              bar.update(1)
+          bar.set_postfix_str(f"{generated / max(time.perf_counter() - start, 1e-9):.1f} tok/s")
+      except BaseException:
+        for rid in ids: self.engine.abort_request(rid)
+        raise
+    return [finals[rid] for rid in ids]
+
+  def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+    """Yields the completion's text as it is produced (first sample only)."""
+    (rid,) = self._add_all([prompt], sampling_params)
+    try:
+      done = False
+      while not done:
+        for out in self.engine.step():
+          if out.request_id != rid: continue
+          if out.outputs[0].delta_text: yield out.outputs[0].delta_text
+          done = out.finished
+    finally:
+      self.engine.abort_request(rid)
+
+  def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+           use_tqdm: bool = True, add_generation_prompt: bool = True,
+           chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+    """One conversation (a list of messages) or several, rendered with the model's chat template."""
+    tokenizer = self.get_tokenizer()
+    if tokenizer is None: raise PromptError("chat needs a tokenizer with a chat template")
+    conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+    prompts: list[PromptType] = []
+    for conv in conversations:
+      text = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+      prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+    return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -1,0 +1,97 @@
+"""After each step: append sampled tokens, detokenize incrementally, apply stop conditions, build RequestOutputs.
+
+Stop rules (vLLM's order): EOS (unless ignore_eos) or a stop_token_id ends the sequence with "stop" and its text leaves
+that token out; then max_tokens or the context limit ends it with "length"; a stop string found in the new text ends it
+with "stop" and the text is cut before it (kept with include_stop_str_in_output). While a sequence runs, text that could
+still turn out to be the start of a stop string is held back from the deltas.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tinyvllm.core.sequence import Request, Sequence, SequenceStatus
+from tinyvllm.outputs import CompletionOutput, RequestOutput
+from tinyvllm.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class TextState:
+  detokenizer: IncrementalDetokenizer | None
+  text: str = ""
+  emitted_chars: int = 0
+  emitted_tokens: int = 0
+
+
+def find_stop(text: str, new_from: int, stops: list[str]) -> tuple[int, str] | None:
+  """The earliest stop string that ends inside text[new_from:], as (start index, stop string)."""
+  best: tuple[int, str] | None = None
+  for stop in stops:
+    idx = text.find(stop, max(0, new_from - len(stop) + 1))
+    if idx >= 0 and (best is None or idx < best[0]): best = (idx, stop)
+  return best
+
+
+def partial_stop_len(text: str, stops: list[str]) -> int:
+  """How many trailing characters of text could be the beginning of a stop string (to hold back while streaming)."""
+  longest = 0
+  for stop in stops:
+    for k in range(min(len(stop) - 1, len(text)), longest, -1):
+      if text.endswith(stop[:k]):
+        longest = k
+        break
+  return longest
+
+
+class OutputProcessor:
+  def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int], max_model_len: int):
+    self.tokenizer, self.eos_token_ids, self.max_model_len = tokenizer, eos_token_ids, max_model_len
+    self.states: dict[int, TextState] = {}
+
+  def register(self, seq: Sequence) -> None:
+    det = None
+    if self.tokenizer is not None:
+      det = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens)
+    self.states[seq.seq_id] = TextState(det)
+
+  def release(self, seq: Sequence) -> None: self.states.pop(seq.seq_id, None)
+
+  def append_token(self, seq: Sequence, token: int) -> None:
+    """Add one sampled token and decide whether the sequence is finished (sets seq.status)."""
+    params, state = seq.params, self.states[seq.seq_id]
+    seq.output_token_ids.append(token)
+    stopped_by_token = self._token_stop(seq, token)
+    if seq.status is SequenceStatus.RUNNING and (params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens
+                                                 or seq.num_tokens >= self.max_model_len):
+      seq.status = SequenceStatus.FINISHED_LENGTH
+    if state.detokenizer is None or (stopped_by_token and not params.include_stop_str_in_output): return
+    old_len = len(state.text)
+    state.text += state.detokenizer.add([token])
+    if (hit := find_stop(state.text, old_len, params.stop_strings)) is not None:
+      idx, stop = hit
+      state.text = state.text[:idx + (len(stop) if params.include_stop_str_in_output else 0)]
+      seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+
+  def _token_stop(self, seq: Sequence, token: int) -> bool:
+    params = seq.params
+    if token in self.eos_token_ids and not params.ignore_eos:
+      seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, None
+    elif token in params.stop_token_ids:
+      seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+    else: return False
+    return True
+
+  def completion(self, seq: Sequence) -> CompletionOutput:
+    """The sequence's output so far, with what became final since the last call as the delta."""
+    state = self.states[seq.seq_id]
+    final_chars = len(state.text)
+    if not seq.is_finished: final_chars -= partial_stop_len(state.text, seq.params.stop_strings)
+    final_chars = max(final_chars, state.emitted_chars)
+    delta_text, state.emitted_chars = state.text[state.emitted_chars:final_chars], final_chars
+    delta_tokens, state.emitted_tokens = seq.output_token_ids[state.emitted_tokens:], len(seq.output_token_ids)
+    text = state.text if seq.is_finished else state.text[:final_chars]
+    return CompletionOutput(seq.index, text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason,
+                            delta_text=delta_text, delta_token_ids=delta_tokens)
+
+  def request_output(self, request: Request) -> RequestOutput:
+    outputs = [self.completion(seq) for seq in request.seqs]
+    return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, request.is_finished)

@@ -1,0 +1,60 @@
+"""Paged attention, the portable way: tinygrad tensor ops that read K/V through block tables.
+
+The batch is flat: N new tokens from S sequences. For attention the queries are laid out as [S, Tq] (Tq = the longest
+query run in the batch, 1 for pure decode); each sequence's keys are gathered from the cache through its block table
+up to a static length L (a multiple of the block size, at least every context in the batch). A key j is visible to a
+query at position p iff j <= p, which is the causal mask and also hides whatever lies past the context.
+
+This path runs on every backend and is the reference the hand-written kernels are checked against.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tinygrad import Tensor, dtypes
+
+from tinyvllm.layers.scatter import scatter_rows
+
+
+@dataclass
+class AttentionMetadata:
+  slot_mapping: Tensor   # [N] int32: cache slot (block * block_size + offset) each new token's K/V goes to; -1 = skip
+  block_tables: Tensor   # [S, max_blocks] int32: physical block of each logical block (padding: any valid block)
+  query_index: Tensor    # [S, Tq] int32: flat token index of each padded query (padding: any valid index)
+  query_pos: Tensor      # [S, Tq] int32: position of each padded query in its sequence
+  output_index: Tensor   # [N] int32: where each flat token's output sits in the [S * Tq] padded layout
+  block_size: int
+  context_len: int       # L: keys gathered per sequence, a multiple of block_size
+
+
+def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> tuple[Tensor, Tensor]:
+  """Scatter the new tokens' K/V ([N, kv_heads, head_dim]) into the [slots, kv_heads * head_dim] caches."""
+  n = k.shape[0]
+  k_rows, v_rows = k.reshape(n, -1).cast(k_cache.dtype), v.reshape(n, -1).cast(v_cache.dtype)
+  return scatter_rows(k_cache, slot_mapping, k_rows), scatter_rows(v_cache, slot_mapping, v_rows)
+
+
+def gather_context(cache: Tensor, meta: AttentionMetadata, kv_heads: int, head_dim: int) -> Tensor:
+  """[S, kv_heads, L, head_dim]: each sequence's first L cached tokens, read through its block table."""
+  positions = Tensor.arange(meta.context_len, dtype=dtypes.int32)
+  blocks = meta.block_tables[:, positions // meta.block_size]             # [S, L]
+  slots = blocks * meta.block_size + positions % meta.block_size
+  return cache[slots].reshape(slots.shape[0], meta.context_len, kv_heads, head_dim).permute(0, 2, 1, 3)
+
+
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> Tensor:
+  """q: [N, heads, head_dim] (already rotated); the caches already hold this step's K/V. Returns [N, heads * head_dim]."""
+  n, heads, head_dim = q.shape
+  kv_heads = k_cache.shape[1] // head_dim
+  group = heads // kv_heads
+  s, tq = meta.query_index.shape
+  qp = q[meta.query_index].reshape(s, tq, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)   # [S, KVH, G, Tq, D]
+  qp = qp.reshape(s, kv_heads, group * tq, head_dim)
+  keys, values = gather_context(k_cache, meta, kv_heads, head_dim), gather_context(v_cache, meta, kv_heads, head_dim)
+  scores = qp.matmul(keys.transpose(-1, -2), dtype=dtypes.float32) * (1.0 / math.sqrt(head_dim))  # [S, KVH, G*Tq, L]
+  visible = Tensor.arange(meta.context_len, dtype=dtypes.int32).reshape(1, 1, -1) <= meta.query_pos.unsqueeze(-1)
+  visible = visible.unsqueeze(1).expand(s, group, tq, meta.context_len).reshape(s, 1, group * tq, meta.context_len)
+  probs = scores.masked_fill(visible.logical_not(), float("-inf")).softmax(-1).cast(values.dtype)
+  out = (probs @ values).reshape(s, kv_heads, group, tq, head_dim).permute(0, 3, 1, 2, 4)      # [S, Tq, KVH, G, D]
+  return out.reshape(s * tq, heads * head_dim)[meta.output_index]

@@ -1,0 +1,38 @@
+"""Rotary position embeddings: cos/sin tables (with Llama-3 frequency scaling) and HF's rotate-half application."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from tinygrad import Tensor
+
+from tinyvllm.config import RopeScaling
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+  """1 / theta^(2i/d) as HF computes it (float32), rescaled per Llama-3.1's long-context recipe when asked."""
+  inv = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))).astype(np.float32)
+  if scaling is None: return inv
+  low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+  high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+  wavelen = 2 * math.pi / inv
+  scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+  smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / \
+           (scaling.high_freq_factor - scaling.low_freq_factor)
+  smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+  medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_tables(head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None) -> tuple[np.ndarray, np.ndarray]:
+  """cos and sin of shape [max_positions, head_dim // 2], float32."""
+  angles = np.arange(max_positions, dtype=np.float32)[:, None] * inverse_frequencies(head_dim, theta, scaling)[None, :]
+  return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+  """x: [N, heads, head_dim]; cos/sin: [N, head_dim // 2]. Rotates the two halves (HF's rotate_half layout)."""
+  half = x.shape[-1] // 2
+  x1, x2 = x[..., :half], x[..., half:]
+  c, s = cos.unsqueeze(1).cast(x.dtype), sin.unsqueeze(1).cast(x.dtype)
+  return (x1 * c - x2 * s).cat(x2 * c + x1 * s, dim=-1)

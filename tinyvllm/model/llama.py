@@ -1,0 +1,95 @@
+"""The decoder-only transformer shared by Llama 2/3, Qwen2 and Qwen3, on flat batches of tokens.
+
+Differences between the three are flags on ModelConfig: q/k/v bias (Qwen2, Llama with attention_bias), per-head
+RMSNorm on q and k before RoPE (Qwen3), head_dim independent of hidden_size (Qwen3). q/k/v and gate/up projections
+are fused into one matrix each at load time, so a layer runs four matmuls.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tinygrad import Tensor, dtypes
+
+from tinyvllm.config import ModelConfig
+from tinyvllm.layers.attention import AttentionMetadata, paged_attention, write_kv
+from tinyvllm.layers.norm import rms_norm
+from tinyvllm.layers.rotary import apply_rope
+
+# An attention implementation: (q [N,H,D], k_cache, v_cache, metadata) -> [N, H*D]. The portable one is the default.
+AttentionFn = Callable[[Tensor, Tensor, Tensor, AttentionMetadata], Tensor]
+
+
+@dataclass
+class DecoderLayer:
+  input_norm: Tensor
+  qkv_proj: Tensor              # [q_size + 2 * kv_size, hidden]
+  qkv_bias: Tensor | None
+  q_norm: Tensor | None         # [head_dim], Qwen3
+  k_norm: Tensor | None
+  o_proj: Tensor                # [hidden, q_size]
+  post_attention_norm: Tensor
+  gate_up_proj: Tensor          # [2 * intermediate, hidden]
+  down_proj: Tensor             # [hidden, intermediate]
+
+
+@dataclass
+class StepInputs:
+  """One forward pass: N flat tokens, their positions, attention metadata and which rows to return logits for."""
+  token_ids: Tensor             # [N] int32
+  positions: Tensor             # [N] int32
+  attention: AttentionMetadata
+  logits_index: Tensor          # [S] int32: the flat token whose logits each sampled row needs
+
+
+class TransformerLM:
+  def __init__(self, config: ModelConfig, embed_tokens: Tensor, layers: list[DecoderLayer], norm: Tensor,
+               lm_head: Tensor, rope_cos: Tensor, rope_sin: Tensor):
+    self.config, self.embed_tokens, self.layers, self.norm, self.lm_head = config, embed_tokens, layers, norm, lm_head
+    self.rope_cos, self.rope_sin = rope_cos, rope_sin
+    self.attention_fn: AttentionFn = paged_attention
+
+  @property
+  def dtype(self): return self.embed_tokens.dtype
+
+  @property
+  def device(self) -> str: return str(self.embed_tokens.device)
+
+  def parameters(self) -> list[Tensor]:
+    tensors = [self.embed_tokens, self.norm, self.lm_head, self.rope_cos, self.rope_sin]
+    for layer in self.layers: tensors += [t for t in vars(layer).values() if t is not None]
+    return tensors
+
+  def __call__(self, inputs: StepInputs, kv_caches: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+    """Returns float32 logits [S, vocab] and the KV caches after this step's writes."""
+    h = self.embed_tokens[inputs.token_ids]
+    cos, sin = self.rope_cos[inputs.positions], self.rope_sin[inputs.positions]
+    new_caches = []
+    for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+      attn, k_cache, v_cache = self._attention(layer, rms_norm(h, layer.input_norm, self.config.rms_norm_eps),
+                                               cos, sin, k_cache, v_cache, inputs.attention)
+      h = h + attn
+      h = h + self._mlp(layer, rms_norm(h, layer.post_attention_norm, self.config.rms_norm_eps))
+      new_caches.append((k_cache, v_cache))
+    last = rms_norm(h[inputs.logits_index], self.norm, self.config.rms_norm_eps)
+    return last.matmul(self.lm_head.T, dtype=dtypes.float32).cast(dtypes.float32), new_caches
+
+  def _attention(self, layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                 meta: AttentionMetadata) -> tuple[Tensor, Tensor, Tensor]:
+    cfg = self.config
+    qkv = x.linear(layer.qkv_proj.T, layer.qkv_bias)
+    n = x.shape[0]
+    q = qkv[:, :cfg.q_size].reshape(n, cfg.num_heads, cfg.head_dim)
+    k = qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].reshape(n, cfg.num_kv_heads, cfg.head_dim)
+    v = qkv[:, cfg.q_size + cfg.kv_size:].reshape(n, cfg.num_kv_heads, cfg.head_dim)
+    if layer.q_norm is not None and layer.k_norm is not None:
+      q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = self.attention_fn(q, k_cache, v_cache, meta)
+    return out.linear(layer.o_proj.T), k_cache, v_cache
+
+  def _mlp(self, layer: DecoderLayer, x: Tensor) -> Tensor:
+    gate_up = x.linear(layer.gate_up_proj.T)
+    inter = self.config.intermediate_size
+    return (gate_up[:, :inter].silu() * gate_up[:, inter:]).linear(layer.down_proj.T)

@@ -1,0 +1,113 @@
+"""Build a TransformerLM from an HF checkpoint (or random "dummy" weights) on a tinygrad device."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from tinygrad import Tensor, dtypes
+from tinygrad.dtype import DType
+
+from tinyvllm.config import ConfigError, ModelConfig
+from tinyvllm.layers.rotary import rope_tables
+from tinyvllm.model.llama import DecoderLayer, TransformerLM
+from tinyvllm.model.safetensors_file import Checkpoint
+
+DTYPE_BY_NAME = {"bfloat16": dtypes.bfloat16, "float16": dtypes.float16, "float32": dtypes.float32}
+# Weights that some checkpoints carry but the forward pass recomputes.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+# name -> tensor on the device in the compute dtype; raises KeyError for a missing name
+TensorSource = Callable[[list[str], tuple[int, ...], str], Tensor]
+
+
+def resolve_dtype(requested: str, config: ModelConfig, device: str) -> DType:
+  """auto: the checkpoint's dtype on a GPU, float32 on the CPU (where half precision is slow and inexact)."""
+  if requested != "auto": return DTYPE_BY_NAME[requested]
+  if device.split(":")[0] in ("CPU", "PYTHON"): return dtypes.float32
+  return DTYPE_BY_NAME.get(config.torch_dtype.replace("torch.", ""), dtypes.float32)
+
+
+def _upload(arr: np.ndarray, stored: str, dtype: DType, device: str) -> Tensor:
+  if stored == "BF16" and dtype == dtypes.bfloat16:
+    return Tensor(np.ascontiguousarray(arr), device=device).bitcast(dtypes.bfloat16)
+  if stored == "BF16": arr = (arr.astype(np.uint32) << 16).view(np.float32)
+  t = Tensor(np.ascontiguousarray(arr), device=device)
+  return t if t.dtype == dtype else t.cast(dtype)
+
+
+def checkpoint_source(checkpoint: Checkpoint, dtype: DType, device: str) -> TensorSource:
+  """Reads (and concatenates, for fused projections) named tensors from the checkpoint, checking their shapes."""
+  def get(names: list[str], shape: tuple[int, ...], kind: str) -> Tensor:
+    missing = [n for n in names if n not in checkpoint]
+    if missing: raise KeyError(", ".join(missing))
+    arrays = [checkpoint.array(n) for n in names]
+    stored = {checkpoint.dtype(n) for n in names}
+    if len(stored) > 1: raise ConfigError(f"tensors {', '.join(names)} have different dtypes {sorted(stored)}")
+    arr = arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
+    if tuple(arr.shape) != shape: raise ConfigError(f"tensor {' + '.join(names)} has shape {tuple(arr.shape)}, the config implies {shape}")
+    return _upload(arr, stored.pop(), dtype, device)
+  return get
+
+
+def dummy_source(dtype: DType, device: str, seed: int) -> TensorSource:
+  """Random weights (normal, std 0.02; norms at 1) so that speed can be measured without a checkpoint."""
+  Tensor.manual_seed(seed)
+  def get(names: list[str], shape: tuple[int, ...], kind: str) -> Tensor:
+    if kind == "norm": return Tensor.ones(*shape, dtype=dtype, device=device).contiguous()
+    return (Tensor.randn(*shape, dtype=dtypes.float32, device=device) * 0.02).cast(dtype).contiguous()
+  return get
+
+
+def _layer(cfg: ModelConfig, get: TensorSource, i: int) -> DecoderLayer:
+  p, d = f"model.layers.{i}.", cfg.hidden_size
+  qkv_names = [f"{p}self_attn.{x}_proj" for x in "qkv"]
+  qkv_rows = cfg.q_size + 2 * cfg.kv_size
+  return DecoderLayer(
+    input_norm=get([p + "input_layernorm.weight"], (d,), "norm"),
+    qkv_proj=get([n + ".weight" for n in qkv_names], (qkv_rows, d), "matrix"),
+    qkv_bias=get([n + ".bias" for n in qkv_names], (qkv_rows,), "bias") if cfg.qkv_bias else None,
+    q_norm=get([p + "self_attn.q_norm.weight"], (cfg.head_dim,), "norm") if cfg.qk_norm else None,
+    k_norm=get([p + "self_attn.k_norm.weight"], (cfg.head_dim,), "norm") if cfg.qk_norm else None,
+    o_proj=get([p + "self_attn.o_proj.weight"], (d, cfg.q_size), "matrix"),
+    post_attention_norm=get([p + "post_attention_layernorm.weight"], (d,), "norm"),
+    gate_up_proj=get([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], (2 * cfg.intermediate_size, d), "matrix"),
+    down_proj=get([p + "mlp.down_proj.weight"], (d, cfg.intermediate_size), "matrix"))
+
+
+def build_model(cfg: ModelConfig, get: TensorSource, dtype: DType, device: str, max_positions: int) -> TransformerLM:
+  try:
+    embed = get(["model.embed_tokens.weight"], (cfg.vocab_size, cfg.hidden_size), "matrix")
+    layers = [_layer(cfg, get, i) for i in range(cfg.num_layers)]
+    norm = get(["model.norm.weight"], (cfg.hidden_size,), "norm")
+    lm_head = embed if cfg.tie_word_embeddings else get(["lm_head.weight"], (cfg.vocab_size, cfg.hidden_size), "matrix")
+  except KeyError as e:
+    raise ConfigError(f"checkpoint is missing tensor(s) {e.args[0]} needed by {cfg.architecture}") from None
+  cos, sin = rope_tables(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+  model = TransformerLM(cfg, embed, layers, norm, lm_head, Tensor(cos, device=device), Tensor(sin, device=device))
+  Tensor.realize(*model.parameters())
+  return model
+
+
+def unused_tensors(checkpoint: Checkpoint, cfg: ModelConfig) -> list[str]:
+  """Checkpoint tensors the model does not read (reported, so that a wrong architecture does not pass silently)."""
+  expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+  for i in range(cfg.num_layers):
+    p = f"model.layers.{i}."
+    expected |= {p + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
+                                 "self_attn.q_norm.weight", "self_attn.k_norm.weight")}
+    expected |= {f"{p}self_attn.{x}_proj.{w}" for x in "qkv" for w in ("weight", "bias")}
+    expected |= {f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
+  return [n for n in checkpoint.names() if n not in expected and not n.endswith(IGNORED_SUFFIXES)]
+
+
+def load_model(cfg: ModelConfig, folder: Path | None, load_format: str, dtype: DType, device: str, max_positions: int,
+               seed: int = 0) -> TransformerLM:
+  if load_format == "dummy": return build_model(cfg, dummy_source(dtype, device, seed), dtype, device, max_positions)
+  assert folder is not None
+  checkpoint = Checkpoint(folder)
+  extra = unused_tensors(checkpoint, cfg)
+  if extra:
+    raise ConfigError(f"{folder}: checkpoint has tensor(s) {cfg.architecture} does not use: {', '.join(extra[:5])}"
+                      f"{f' and {len(extra) - 5} more' if len(extra) > 5 else ''}")
+  return build_model(cfg, checkpoint_source(checkpoint, dtype, device), dtype, device, max_positions)

@@ -1,0 +1,30 @@
+"""What generation returns (vLLM's RequestOutput / CompletionOutput)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+  index: int
+  text: str
+  token_ids: list[int]
+  finish_reason: str | None = None         # "stop" | "length" | None while running
+  stop_reason: int | str | None = None     # the stop string or stop token id that ended it (None for EOS)
+  cumulative_logprob: float | None = None
+  logprobs: list[dict[int, float]] | None = None
+  delta_text: str = ""                     # text that became final in the step that produced this output
+  delta_token_ids: list[int] = field(default_factory=list)
+
+  @property
+  def finished(self) -> bool: return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+  request_id: str
+  prompt: str | None
+  prompt_token_ids: list[int]
+  outputs: list[CompletionOutput]
+  finished: bool
+  num_cached_tokens: int = 0
