@@ -38,6 +38,8 @@ class ModelConfig:
   rope_theta: float
   tie_word_embeddings: bool
   qkv_bias: bool = False
+  o_bias: bool = False
+  mlp_bias: bool = False
   qk_norm: bool = False
   rope_scaling: RopeScaling | None = None
   torch_dtype: str = "float32"
@@ -73,7 +75,9 @@ class ModelConfig:
       head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads), vocab_size=int(raw["vocab_size"]),
       max_position_embeddings=int(raw.get("max_position_embeddings", 2048)), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
       rope_theta=theta, rope_scaling=scaling, tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-      qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)), qk_norm=arch == "Qwen3ForCausalLM",
+      qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+      o_bias=arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias", False)),
+      mlp_bias=bool(raw.get("mlp_bias", False)), qk_norm=arch == "Qwen3ForCausalLM",
       torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
       bos_token_id=raw.get("bos_token_id"), eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]))
 

@@ -39,7 +39,6 @@ class SamplingParams:
   frequency_penalty: float = 0.0
   repetition_penalty: float = 1.0
   max_tokens: int | None = 16
-  min_tokens: int = 0
   stop: str | list[str] | None = None
   stop_token_ids: list[int] | None = None
   ignore_eos: bool = False
@@ -71,10 +70,6 @@ class SamplingParams:
            f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
     _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-    _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
-           f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-    _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-           f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
     _check(all(isinstance(s, str) and s for s in self.stop_strings), "stop", "stop must be a non-empty string or a list of them")
     _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
            f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")

@@ -36,6 +36,8 @@ class Sequence:
   status: SequenceStatus = SequenceStatus.WAITING
   num_computed_tokens: int = 0                # tokens whose K/V are in the cache
   block_table: list[int] = field(default_factory=list)
+  block_hashes: list[int] = field(default_factory=list)   # chained hashes of full blocks (prefix caching)
+  num_registered_blocks: int = 0                          # leading blocks already entered in the prefix cache
   stop_reason: int | str | None = None
   arrival_time: float = field(default_factory=time.monotonic)
 

@@ -7,8 +7,11 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from tinyvllm.config import ConfigError, EngineConfig, ModelConfig
 from tinyvllm.core.contiguous_allocator import ContiguousAllocator
+from tinyvllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from tinyvllm.core.sequence import Request, Sequence, SequenceStatus
 from tinyvllm.core.static_scheduler import StaticScheduler
 from tinyvllm.device import select_device
@@ -23,6 +26,7 @@ from tinyvllm.worker.kv_cache import KVCache
 from tinyvllm.worker.model_runner import ModelRunner
 
 PromptType = str | list[int] | dict
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 class PromptError(ValueError):
@@ -76,8 +80,12 @@ class LLMEngine:
 
   @staticmethod
   def _tokenizer(config: EngineConfig, folder: Path | None) -> Tokenizer | None:
-    source = config.tokenizer or folder
-    return None if source is None else load_tokenizer(resolve_model(str(source)))
+    """--tokenizer, else the model folder's own; a folder without tokenizer files serves token-id prompts only."""
+    if config.tokenizer: return load_tokenizer(resolve_model(config.tokenizer))
+    if folder is None or not any((folder / f).exists() for f in TOKENIZER_FILES):
+      log("no tokenizer: prompts must be token ids")
+      return None
+    return load_tokenizer(folder)
 
   # ---- requests ----
   def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -132,6 +140,19 @@ class LLMEngine:
   def _release(self, seq: Sequence) -> None:
     self.scheduler.finish(seq)
     self.output_processor.release(seq)
+
+  def compute_logits(self, prompt_ids: list[int]) -> np.ndarray:
+    """The model's next-token logits after prompt_ids ([vocab], float32), using a free cache row for the pass."""
+    seq = Sequence("score", list(prompt_ids), SamplingParams(max_tokens=1), seed=0)
+    self.check_request(seq.prompt_token_ids, seq.params)
+    allocator = self.scheduler.allocator
+    if not allocator.can_allocate(seq): raise RuntimeError("no free KV cache space to score a prompt")
+    allocator.allocate(seq)
+    try:
+      allocator.append_slots(seq, seq.num_tokens)
+      return self.runner.logits(SchedulerOutput([ScheduledSequence(seq, seq.num_tokens)]))[0]
+    finally:
+      allocator.free(seq)
 
   # ---- the loop ----
   def step(self) -> list[RequestOutput]:

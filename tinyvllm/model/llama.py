@@ -28,9 +28,12 @@ class DecoderLayer:
   q_norm: Tensor | None         # [head_dim], Qwen3
   k_norm: Tensor | None
   o_proj: Tensor                # [hidden, q_size]
+  o_bias: Tensor | None
   post_attention_norm: Tensor
   gate_up_proj: Tensor          # [2 * intermediate, hidden]
+  gate_up_bias: Tensor | None
   down_proj: Tensor             # [hidden, intermediate]
+  down_bias: Tensor | None
 
 
 @dataclass
@@ -87,9 +90,9 @@ class TransformerLM:
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = self.attention_fn(q, k_cache, v_cache, meta)
-    return out.linear(layer.o_proj.T), k_cache, v_cache
+    return out.linear(layer.o_proj.T, layer.o_bias), k_cache, v_cache
 
   def _mlp(self, layer: DecoderLayer, x: Tensor) -> Tensor:
-    gate_up = x.linear(layer.gate_up_proj.T)
+    gate_up = x.linear(layer.gate_up_proj.T, layer.gate_up_bias)
     inter = self.config.intermediate_size
-    return (gate_up[:, :inter].silu() * gate_up[:, inter:]).linear(layer.down_proj.T)
+    return (gate_up[:, :inter].silu() * gate_up[:, inter:]).linear(layer.down_proj.T, layer.down_bias)

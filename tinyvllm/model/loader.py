@@ -36,11 +36,12 @@ def _upload(arr: np.ndarray, stored: str, dtype: DType, device: str) -> Tensor:
   return t if t.dtype == dtype else t.cast(dtype)
 
 
-def checkpoint_source(checkpoint: Checkpoint, dtype: DType, device: str) -> TensorSource:
+def checkpoint_source(checkpoint: Checkpoint, dtype: DType, device: str, used: set[str]) -> TensorSource:
   """Reads (and concatenates, for fused projections) named tensors from the checkpoint, checking their shapes."""
   def get(names: list[str], shape: tuple[int, ...], kind: str) -> Tensor:
     missing = [n for n in names if n not in checkpoint]
     if missing: raise KeyError(", ".join(missing))
+    used.update(names)
     arrays = [checkpoint.array(n) for n in names]
     stored = {checkpoint.dtype(n) for n in names}
     if len(stored) > 1: raise ConfigError(f"tensors {', '.join(names)} have different dtypes {sorted(stored)}")
@@ -70,9 +71,13 @@ def _layer(cfg: ModelConfig, get: TensorSource, i: int) -> DecoderLayer:
     q_norm=get([p + "self_attn.q_norm.weight"], (cfg.head_dim,), "norm") if cfg.qk_norm else None,
     k_norm=get([p + "self_attn.k_norm.weight"], (cfg.head_dim,), "norm") if cfg.qk_norm else None,
     o_proj=get([p + "self_attn.o_proj.weight"], (d, cfg.q_size), "matrix"),
+    o_bias=get([p + "self_attn.o_proj.bias"], (d,), "bias") if cfg.o_bias else None,
     post_attention_norm=get([p + "post_attention_layernorm.weight"], (d,), "norm"),
     gate_up_proj=get([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], (2 * cfg.intermediate_size, d), "matrix"),
-    down_proj=get([p + "mlp.down_proj.weight"], (d, cfg.intermediate_size), "matrix"))
+    gate_up_bias=get([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"], (2 * cfg.intermediate_size,), "bias")
+    if cfg.mlp_bias else None,
+    down_proj=get([p + "mlp.down_proj.weight"], (d, cfg.intermediate_size), "matrix"),
+    down_bias=get([p + "mlp.down_proj.bias"], (d,), "bias") if cfg.mlp_bias else None)
 
 
 def build_model(cfg: ModelConfig, get: TensorSource, dtype: DType, device: str, max_positions: int) -> TransformerLM:
@@ -89,25 +94,16 @@ def build_model(cfg: ModelConfig, get: TensorSource, dtype: DType, device: str, 
   return model
 
 
-def unused_tensors(checkpoint: Checkpoint, cfg: ModelConfig) -> list[str]:
-  """Checkpoint tensors the model does not read (reported, so that a wrong architecture does not pass silently)."""
-  expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
-  for i in range(cfg.num_layers):
-    p = f"model.layers.{i}."
-    expected |= {p + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
-                                 "self_attn.q_norm.weight", "self_attn.k_norm.weight")}
-    expected |= {f"{p}self_attn.{x}_proj.{w}" for x in "qkv" for w in ("weight", "bias")}
-    expected |= {f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
-  return [n for n in checkpoint.names() if n not in expected and not n.endswith(IGNORED_SUFFIXES)]
-
-
 def load_model(cfg: ModelConfig, folder: Path | None, load_format: str, dtype: DType, device: str, max_positions: int,
                seed: int = 0) -> TransformerLM:
   if load_format == "dummy": return build_model(cfg, dummy_source(dtype, device, seed), dtype, device, max_positions)
   assert folder is not None
-  checkpoint = Checkpoint(folder)
-  extra = unused_tensors(checkpoint, cfg)
+  checkpoint, used = Checkpoint(folder), set()
+  model = build_model(cfg, checkpoint_source(checkpoint, dtype, device, used), dtype, device, max_positions)
+  # a tensor nobody read means the config describes a different model than the checkpoint holds
+  extra = [n for n in checkpoint.names() if n not in used and not n.endswith(IGNORED_SUFFIXES)]
+  if cfg.tie_word_embeddings and "lm_head.weight" in extra: extra.remove("lm_head.weight")
   if extra:
-    raise ConfigError(f"{folder}: checkpoint has tensor(s) {cfg.architecture} does not use: {', '.join(extra[:5])}"
-                      f"{f' and {len(extra) - 5} more' if len(extra) > 5 else ''}")
-  return build_model(cfg, checkpoint_source(checkpoint, dtype, device), dtype, device, max_positions)
+    raise ConfigError(f"{folder}: checkpoint has tensor(s) that {cfg.architecture} with this config does not use: "
+                      f"{', '.join(extra[:5])}{f' and {len(extra) - 5} more' if len(extra) > 5 else ''}")
+  return model

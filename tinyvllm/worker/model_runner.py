@@ -74,6 +74,16 @@ class ModelRunner:
     tokens = self._step_fn(layout)(packed)
     return StepResult(host.sample_rows, tokens.numpy()[:len(host.sample_rows)].tolist())
 
+  def logits(self, sched: SchedulerOutput) -> np.ndarray:
+    """Float32 logits of each sampling row, without sampling (eager; for scoring and checks, not the hot path)."""
+    host = prepare_batch(sched.scheduled, self.kv_cache.block_size)
+    meta = AttentionMetadata(*(Tensor(a) for a in (host.slot_mapping, host.block_tables, host.query_index, host.query_pos,
+                                                   host.output_index)), self.kv_cache.block_size, host.context_len)
+    inputs = StepInputs(Tensor(host.token_ids), Tensor(host.positions), meta, Tensor(host.logits_index))
+    logits, caches = self.model(inputs, self.kv_cache.layers)
+    Tensor.realize(logits, *[t for pair in caches for t in pair])
+    return logits.numpy()[:len(host.sample_rows)]
+
   def _step_fn(self, layout: StepLayout):
     if not USE_JIT: return lambda packed: self._forward(layout, packed)
     if layout not in self._captures: self._captures[layout] = TinyJit(lambda packed: self._forward(layout, packed))

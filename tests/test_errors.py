@@ -1,0 +1,115 @@
+"""Acceptance 5: bad input raises a clear error that names the problem, and nothing else is lost."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.hf_models import make_model
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.config import ConfigError
+from tinyvllm.engine.llm_engine import PromptError
+from tinyvllm.sampling_params import SamplingParamsError
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+  folder = tmp_path_factory.mktemp("tiny")
+  make_model("llama", folder, max_position_embeddings=64)
+  return folder
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+  return LLM(str(model_dir), max_num_seqs=2)
+
+
+def copy_with(model_dir, tmp_path, **config_changes):
+  target = tmp_path / "model"
+  shutil.copytree(model_dir, target)
+  cfg = json.loads((target / "config.json").read_text())
+  cfg.update(config_changes)
+  (target / "config.json").write_text(json.dumps(cfg))
+  return target
+
+
+def test_missing_folder(tmp_path):
+  with pytest.raises(ConfigError, match="does not exist"): LLM(str(tmp_path / "nope"))
+
+
+def test_folder_without_config(tmp_path):
+  with pytest.raises(ConfigError, match="no config.json"): LLM(str(tmp_path))
+
+
+def test_unknown_architecture(model_dir, tmp_path):
+  folder = copy_with(model_dir, tmp_path, architectures=["MambaForCausalLM"])
+  with pytest.raises(ConfigError, match="unsupported architecture.*MambaForCausalLM"): LLM(str(folder))
+
+
+def test_truncated_safetensors(model_dir, tmp_path):
+  folder = copy_with(model_dir, tmp_path)
+  weights = folder / "model.safetensors"
+  weights.write_bytes(weights.read_bytes()[:-1000])
+  with pytest.raises(ConfigError, match="truncated"): LLM(str(folder))
+
+
+def test_missing_tensor_is_named(model_dir, tmp_path):
+  folder = copy_with(model_dir, tmp_path, num_hidden_layers=3)
+  with pytest.raises(ConfigError, match="model.layers.2.input_layernorm.weight"): LLM(str(folder))
+
+
+def test_checkpoint_with_unused_tensors(model_dir, tmp_path):
+  folder = copy_with(model_dir, tmp_path, num_hidden_layers=1)
+  with pytest.raises(ConfigError, match="does not use: model.layers.1"): LLM(str(folder))
+
+
+def test_no_weights(model_dir, tmp_path):
+  folder = copy_with(model_dir, tmp_path)
+  (folder / "model.safetensors").unlink()
+  with pytest.raises(ConfigError, match="no weights found"): LLM(str(folder))
+
+
+def test_max_model_len_beyond_model(model_dir):
+  with pytest.raises(ConfigError, match="exceeds the model's context of 64"): LLM(str(model_dir), max_model_len=100)
+
+
+def test_hub_id_without_network_fails_fast(tmp_path, monkeypatch):
+  monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+  monkeypatch.setenv("TINYVLLM_CACHE", str(tmp_path))
+  with pytest.raises(ConfigError, match="pass its local folder with --model"): LLM("Qwen/Qwen3-0.6B")
+
+
+def test_prompt_longer_than_context(llm):
+  with pytest.raises(PromptError, match="prompt has 70 tokens, the model's context is 64"): llm.generate([[5] * 70])
+
+
+def test_prompt_plus_max_tokens_beyond_context(llm):
+  with pytest.raises(PromptError, match="prompt has 40 tokens and max_tokens is 30: 70 exceeds"):
+    llm.generate([[5] * 40], SamplingParams(max_tokens=30))
+
+
+def test_bad_prompt_in_a_batch_queues_nothing(llm):
+  with pytest.raises(PromptError, match="prompt 1: the prompt is empty"): llm.generate([[5, 6], []])
+  assert not llm.engine.has_unfinished_requests()
+  out = llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+  assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_token_ids_outside_vocab(llm):
+  with pytest.raises(PromptError, match=r"outside the vocabulary \[0, 320\)"): llm.generate([[1, 320]])
+
+
+def test_text_prompt_without_tokenizer(llm):
+  with pytest.raises(PromptError, match="no tokenizer"): llm.generate("hello")
+
+
+@pytest.mark.parametrize("kwargs, param", [
+  ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -3}, "max_tokens"), ({"top_p": 0.0}, "top_p"),
+  ({"top_p": 1.5}, "top_p"), ({"temperature": -1}, "temperature"), ({"top_k": -2}, "top_k"), ({"min_p": 2}, "min_p"),
+  ({"n": 0}, "n"), ({"repetition_penalty": 0}, "repetition_penalty"), ({"presence_penalty": 3}, "presence_penalty"),
+  ({"stop": [""]}, "stop"), ({"logprobs": 21}, "logprobs"), ({"seed": "x"}, "seed"),
+])
+def test_sampling_params_out_of_range(kwargs, param):
+  with pytest.raises(SamplingParamsError, match=param) as info: SamplingParams(**kwargs)
+  assert info.value.param == param
