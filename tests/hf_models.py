@@ -42,7 +42,7 @@ def hf_greedy(model, ids: list[int], new_tokens: int) -> tuple[list[int], np.nda
 
 def assert_same_greedy(ours: list[int], ref: list[int], ref_logits: np.ndarray, tie: float = 1e-4) -> None:
   """Token-for-token equal, except that a divergence is accepted where the reference's top two logits nearly tie."""
-  for i, (a, b) in enumerate(zip(ours, ref)):
+  for i, (a, b) in enumerate(zip(ours, ref, strict=False)):
     if a != b:
       top2 = np.sort(ref_logits[i])[-2:]
       assert top2[1] - top2[0] < tie, f"greedy tokens differ at {i}: {a} != {b} (top-2 gap {top2[1] - top2[0]:.3g})"

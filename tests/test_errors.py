@@ -39,12 +39,12 @@ def test_missing_folder(tmp_path):
 
 
 def test_folder_without_config(tmp_path):
-  with pytest.raises(ConfigError, match="no config.json"): LLM(str(tmp_path))
+  with pytest.raises(ConfigError, match=r"no config\.json"): LLM(str(tmp_path))
 
 
 def test_unknown_architecture(model_dir, tmp_path):
   folder = copy_with(model_dir, tmp_path, architectures=["MambaForCausalLM"])
-  with pytest.raises(ConfigError, match="unsupported architecture.*MambaForCausalLM"): LLM(str(folder))
+  with pytest.raises(ConfigError, match=r"unsupported architecture.*MambaForCausalLM"): LLM(str(folder))
 
 
 def test_truncated_safetensors(model_dir, tmp_path):
@@ -56,12 +56,12 @@ def test_truncated_safetensors(model_dir, tmp_path):
 
 def test_missing_tensor_is_named(model_dir, tmp_path):
   folder = copy_with(model_dir, tmp_path, num_hidden_layers=3)
-  with pytest.raises(ConfigError, match="model.layers.2.input_layernorm.weight"): LLM(str(folder))
+  with pytest.raises(ConfigError, match=r"model\.layers\.2\.input_layernorm\.weight"): LLM(str(folder))
 
 
 def test_checkpoint_with_unused_tensors(model_dir, tmp_path):
   folder = copy_with(model_dir, tmp_path, num_hidden_layers=1)
-  with pytest.raises(ConfigError, match="does not use: model.layers.1"): LLM(str(folder))
+  with pytest.raises(ConfigError, match=r"does not use: model\.layers\.1"): LLM(str(folder))
 
 
 def test_no_weights(model_dir, tmp_path):

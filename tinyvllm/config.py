@@ -112,13 +112,38 @@ class EngineConfig:
   load_format: str = "auto"
   tokenizer: str | None = None
   seed: int = 0
-  max_num_seqs: int = 64
+  # the KV cache
+  kv_cache: str = "paged"                       # paged | contiguous (the baseline)
+  block_size: int = 16
+  kv_cache_memory: float | None = None          # GiB for the KV cache
+  gpu_memory_utilization: float = 0.9           # fraction of device memory for weights + cache, where it can be read
+  num_gpu_blocks: int | None = None             # exact number of blocks (overrides the two above)
+  enable_prefix_caching: bool = True
+  # the scheduler
+  scheduler: str = "continuous"                 # continuous | static (the baseline)
+  max_num_seqs: int = 256
+  max_num_batched_tokens: int | None = None     # default: max(2048, max_num_seqs)
+  enable_chunked_prefill: bool = True
+  long_prefill_token_threshold: int = 0
   extra: dict[str, Any] = field(default_factory=dict)
 
   def __post_init__(self) -> None:
-    if self.dtype not in DTYPES: raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-    if self.load_format not in ("auto", "safetensors", "dummy"):
-      raise ConfigError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
-    if self.max_model_len is not None and self.max_model_len < 1:
-      raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
-    if self.max_num_seqs < 1: raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+    checks = [
+      (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"),
+      (self.load_format in ("auto", "safetensors", "dummy"), f"load_format must be auto, safetensors or dummy, got {self.load_format!r}"),
+      (self.max_model_len is None or self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}"),
+      (self.kv_cache in ("paged", "contiguous"), f"kv_cache must be paged or contiguous, got {self.kv_cache!r}"),
+      (self.scheduler in ("continuous", "static"), f"scheduler must be continuous or static, got {self.scheduler!r}"),
+      (self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, f"block_size must be a power of two, got {self.block_size}"),
+      (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
+      (self.kv_cache_memory is None or self.kv_cache_memory > 0, f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}"),
+      (0 < self.gpu_memory_utilization <= 1, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
+      (self.num_gpu_blocks is None or self.num_gpu_blocks >= 1, f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}"),
+      (self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0"),
+    ]
+    for ok, message in checks:
+      if not ok: raise ConfigError(message)
+    if self.max_num_batched_tokens is None: self.max_num_batched_tokens = max(2048, self.max_num_seqs)
+    if self.max_num_batched_tokens < self.max_num_seqs:
+      raise ConfigError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}) "
+                        "so that every running sequence can decode in each step")

@@ -20,6 +20,7 @@ class DecodeResult:
   new_tokens: int
   prefill_s: float
   decode_s: float
+  token_ids: list[list[int]]
 
   @property
   def decode_tok_s(self) -> float: return self.batch_size * (self.new_tokens - 1) / self.decode_s
@@ -37,37 +38,54 @@ def random_prompts(engine: LLMEngine, batch: int, length: int, seed: int = 0) ->
 
 def with_kv_cache(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> DecodeResult:
   params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-  for i, prompt in enumerate(prompts): engine.add_request(f"bench-{i}", prompt, params)
+  ids = [f"bench-{i}" for i in range(len(prompts))]
+  for rid, prompt in zip(ids, prompts, strict=True): engine.add_request(rid, prompt, params)
+  finals = {}
   t0 = time.perf_counter()
-  engine.step()
+  for out in engine.step(): finals[out.request_id] = out
   t1 = time.perf_counter()
-  while engine.has_unfinished_requests(): engine.step()
-  return DecodeResult("kv cache", len(prompts), len(prompts[0]), new_tokens, t1 - t0, time.perf_counter() - t1)
+  while engine.has_unfinished_requests():
+    for out in engine.step(): finals[out.request_id] = out
+  t2 = time.perf_counter()
+  tokens = [finals[rid].outputs[0].token_ids for rid in ids]
+  return DecodeResult("kv cache", len(prompts), len(prompts[0]), new_tokens, t1 - t0, t2 - t1, tokens)
 
 
 def without_kv_cache(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> DecodeResult:
   """Every step recomputes the whole sequence from scratch: what decoding costs with no cache."""
   params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
   seqs = [Sequence(f"nocache-{i}", p, params, seed=0, status=SequenceStatus.RUNNING) for i, p in enumerate(prompts)]
-  allocator = engine.scheduler.allocator
-  for seq in seqs: allocator.allocate(seq)
-  times = []
+  allocator, times = engine.allocator, []
   try:
     for _ in range(new_tokens):
       t = time.perf_counter()
-      for seq in seqs: seq.num_computed_tokens = 0
+      for seq in seqs:  # forget everything: the whole sequence is computed again
+        if seq.block_table: allocator.free(seq)
+        seq.num_computed_tokens = 0
+        allocator.allocate(seq)
+        allocator.append_slots(seq, seq.num_tokens)
       result = engine.runner.execute(SchedulerOutput([ScheduledSequence(s, s.num_tokens) for s in seqs]))
-      for row, token in zip(result.seq_rows, result.token_ids): seqs[row].output_token_ids.append(token)
+      for seq, token in zip(result.seqs, result.token_ids, strict=True): seq.output_token_ids.append(token)
       times.append(time.perf_counter() - t)
   finally:
-    for seq in seqs: allocator.free(seq)
-  return DecodeResult("no kv cache", len(prompts), len(prompts[0]), new_tokens, times[0], sum(times[1:]))
+    for seq in seqs:
+      if seq.block_table: allocator.free(seq)
+  return DecodeResult("no kv cache", len(prompts), len(prompts[0]), new_tokens, times[0], sum(times[1:]),
+                      [s.output_token_ids for s in seqs])
 
 
 def run_decode_bench(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, no_kv_cache: bool,
                      warmup: bool = True) -> list[DecodeResult]:
+  """Each mode runs twice and reports the second run, so that JIT captures of every shape are warm. Prefix caching is
+  off meanwhile: a hit on the warm-up's blocks would skip the prefill (and, without the KV cache, the recomputation)."""
   prompts = random_prompts(engine, batch, prompt_len)
-  if warmup: with_kv_cache(engine, prompts, min(new_tokens, 4))
-  results = [with_kv_cache(engine, prompts, new_tokens)]
-  if no_kv_cache: results.append(without_kv_cache(engine, prompts, new_tokens))
-  return results
+  modes = [with_kv_cache] + ([without_kv_cache] if no_kv_cache else [])
+  allocator = engine.allocator
+  caching = getattr(allocator, "enable_prefix_caching", False)
+  allocator.enable_prefix_caching = False
+  try:
+    if warmup:
+      for mode in modes: mode(engine, prompts, new_tokens)
+    return [mode(engine, prompts, new_tokens) for mode in modes]
+  finally:
+    allocator.enable_prefix_caching = caching

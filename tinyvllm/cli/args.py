@@ -17,11 +17,28 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
   g.add_argument("--max-model-len", type=int, help="context length limit (default: the model's)")
   g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"), help="dummy: random weights")
   g.add_argument("--seed", type=int, help="random seed: makes sampling reproducible (default: a fresh one each run)")
-  g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
+  c = p.add_argument_group("KV cache and scheduler")
+  c.add_argument("--kv-cache", default="paged", choices=("paged", "contiguous"), help="contiguous: the pre-allocated baseline")
+  c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+  c.add_argument("--kv-cache-memory", type=float, help="GiB for the KV cache")
+  c.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory to use (CUDA)")
+  c.add_argument("--num-gpu-blocks", type=int, help="exact number of KV blocks (overrides the memory flags)")
+  c.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", help="turn prefix caching off")
+  c.add_argument("--scheduler", default="continuous", choices=("continuous", "static"), help="static: the batch baseline")
+  c.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+  c.add_argument("--max-num-batched-tokens", type=int, help="most tokens in one step (default max(2048, max-num-seqs))")
+  c.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                 help="run each prompt in one step")
+  c.add_argument("--long-prefill-token-threshold", type=int, default=0, help="most prompt tokens of one sequence per step")
+
+
+ENGINE_FLAGS = ("tokenizer", "dtype", "device", "max_model_len", "load_format", "kv_cache", "block_size", "kv_cache_memory",
+                "gpu_memory_utilization", "num_gpu_blocks", "enable_prefix_caching", "scheduler", "max_num_seqs",
+                "max_num_batched_tokens", "enable_chunked_prefill", "long_prefill_token_threshold")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-  kwargs = {k: getattr(args, k) for k in ("tokenizer", "dtype", "device", "max_model_len", "load_format", "max_num_seqs")}
+  kwargs = {k: getattr(args, k) for k in ENGINE_FLAGS}
   return {**kwargs, "seed": args.seed if args.seed is not None else random.SystemRandom().getrandbits(32)}
 
 

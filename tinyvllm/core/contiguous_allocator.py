@@ -2,6 +2,8 @@
 
 It is the baseline the paged BlockManager is compared with: simple, but each sequence reserves its whole context up
 front, so far fewer sequences fit in the same memory. To the model runner a row is one block of max_model_len tokens.
+Forked samples cannot share rows: a request with n samples reserves n rows when it starts, and a fork copies the
+parent's row.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ class ContiguousAllocator:
   def __init__(self, num_rows: int, row_len: int):
     self.num_blocks, self.block_size = num_rows, row_len
     self.free_rows = list(range(num_rows - 1, -1, -1))
+    self.reserved: dict[int, list[int]] = {}   # parent seq id -> rows kept for its forks
 
   @property
   def num_free_blocks(self) -> int: return len(self.free_rows)
@@ -19,19 +22,33 @@ class ContiguousAllocator:
   @property
   def num_used_blocks(self) -> int: return self.num_blocks - len(self.free_rows)
 
-  def can_allocate(self, seq: Sequence) -> bool: return bool(self.free_rows)
+  def blocks_for(self, num_tokens: int) -> int: return 1
 
-  def allocate(self, seq: Sequence) -> None:
+  def can_allocate(self, seq: Sequence, num_new_tokens: int, num_seqs: int = 1) -> bool:
+    return len(self.free_rows) >= num_seqs
+
+  def allocate(self, seq: Sequence, num_seqs: int = 1) -> int:
+    """Give seq a row (and rows for its forks); returns the tokens already computed (none: no prefix reuse here)."""
     assert not seq.block_table, f"sequence {seq.seq_id} already holds a row"
     seq.block_table = [self.free_rows.pop()]
+    if num_seqs > 1: self.reserved[seq.seq_id] = [self.free_rows.pop() for _ in range(num_seqs - 1)]
+    return 0
 
-  def can_append(self, seq: Sequence, num_tokens: int = 1) -> bool:
-    return seq.num_computed_tokens + num_tokens <= self.block_size
+  def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
+    return seq.num_computed_tokens + num_new_tokens <= self.block_size
 
-  def append_slots(self, seq: Sequence, num_tokens: int = 1) -> None:
-    """Make room for the next num_tokens K/V entries; a row already holds the whole context."""
-    assert self.can_append(seq, num_tokens), f"sequence {seq.seq_id} outgrew its row of {self.block_size} tokens"
+  def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> list[tuple[int, int]]:
+    """A row already holds the whole context: nothing to allocate, nothing to copy."""
+    assert self.can_append(seq, num_new_tokens), f"sequence {seq.seq_id} outgrew its row of {self.block_size} tokens"
+    return []
+
+  def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
+    child.block_table = [self.reserved[parent.seq_id].pop()]
+    return [(parent.block_table[0], child.block_table[0])]
+
+  def register_computed(self, seq: Sequence) -> None:
+    """No prefix cache in the contiguous baseline."""
 
   def free(self, seq: Sequence) -> None:
-    self.free_rows.extend(reversed(seq.block_table))
+    self.free_rows.extend(reversed(seq.block_table + self.reserved.pop(seq.seq_id, [])))
     seq.block_table = []

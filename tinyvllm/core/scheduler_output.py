@@ -10,6 +10,7 @@ from tinyvllm.core.sequence import Sequence
 class ScheduledSequence:
   seq: Sequence
   num_new_tokens: int          # tokens computed this step, starting at seq.num_computed_tokens
+  forks: list[Sequence] = field(default_factory=list)  # samples to fork off this sequence, sampled from its logits
 
   @property
   def samples(self) -> bool:
@@ -21,6 +22,7 @@ class ScheduledSequence:
 class SchedulerOutput:
   scheduled: list[ScheduledSequence] = field(default_factory=list)
   preempted: list[Sequence] = field(default_factory=list)
+  block_copies: list[tuple[int, int]] = field(default_factory=list)   # (source, destination) blocks, before the step
 
   @property
   def num_tokens(self) -> int: return sum(s.num_new_tokens for s in self.scheduled)

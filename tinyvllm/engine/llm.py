@@ -25,11 +25,11 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
 
 class LLM:
   def __init__(self, model: str, *, tokenizer: str | None = None, dtype: str = "auto", device: str | None = None,
-               max_model_len: int | None = None, load_format: str = "auto", seed: int = 0, max_num_seqs: int = 64,
-               **kwargs):
+               max_model_len: int | None = None, load_format: str = "auto", seed: int = 0, **engine_args):
+    """engine_args: the other EngineConfig fields (kv_cache, block_size, kv_cache_memory, num_gpu_blocks,
+    enable_prefix_caching, scheduler, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, ...)."""
     self.engine = LLMEngine(EngineConfig(model=model, tokenizer=tokenizer, dtype=dtype, device=device,
-                                         max_model_len=max_model_len, load_format=load_format, seed=seed,
-                                         max_num_seqs=max_num_seqs, extra=kwargs))
+                                         max_model_len=max_model_len, load_format=load_format, seed=seed, **engine_args))
 
   def get_tokenizer(self) -> Tokenizer | None: return self.engine.tokenizer
 
@@ -37,11 +37,11 @@ class LLM:
     """Validate every prompt first so that a bad one leaves nothing queued, then add them all."""
     plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
     if len(plist) != len(prompts): raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
-    for i, (prompt, p) in enumerate(zip(prompts, plist)):
+    for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
       try: self.engine.check_request(self.engine.tokenize_prompt(prompt)[1], p)
       except PromptError as e: raise PromptError(f"prompt {i}: {e}") from None
     ids = [f"offline-{next(_ids)}" for _ in prompts]
-    for rid, prompt, p in zip(ids, prompts, plist): self.engine.add_request(rid, prompt, p)
+    for rid, prompt, p in zip(ids, prompts, plist, strict=True): self.engine.add_request(rid, prompt, p)
     return ids
 
   def generate(self, prompts: PromptType | Sequence[PromptType],

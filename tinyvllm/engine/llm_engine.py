@@ -3,17 +3,17 @@ from __future__ import annotations
 
 import random
 import sys
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from tinyvllm.config import ConfigError, EngineConfig, ModelConfig
+from tinyvllm.core.block_manager import BlockManager
 from tinyvllm.core.contiguous_allocator import ContiguousAllocator
+from tinyvllm.core.scheduler import Scheduler, SchedulerConfig, StaticScheduler
 from tinyvllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from tinyvllm.core.sequence import Request, Sequence, SequenceStatus
-from tinyvllm.core.static_scheduler import StaticScheduler
 from tinyvllm.device import select_device
 from tinyvllm.engine.output_processor import OutputProcessor
 from tinyvllm.model.hub import resolve_model
@@ -22,6 +22,7 @@ from tinyvllm.model.presets import PRESETS
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import Tokenizer, load_tokenizer
+from tinyvllm.worker.cache_sizing import num_kv_blocks
 from tinyvllm.worker.kv_cache import KVCache
 from tinyvllm.worker.model_runner import ModelRunner
 
@@ -30,21 +31,21 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 class PromptError(ValueError):
-  """A prompt cannot be served as given (empty, too long for the context, not tokenizable)."""
+  """A request cannot be served as given (empty, too long for the context or the cache, not tokenizable)."""
 
 
 @dataclass
-class LoadedModel:
+class LocatedModel:
   config: ModelConfig
   folder: Path | None
 
 
-def locate_model(cfg: EngineConfig) -> LoadedModel:
+def locate_model(cfg: EngineConfig) -> LocatedModel:
   """A dummy preset name needs no folder; anything else is a local folder or a hub id."""
   if cfg.load_format == "dummy" and cfg.model in PRESETS:
-    return LoadedModel(ModelConfig.from_dict(PRESETS[cfg.model], f"preset {cfg.model}"), None)
+    return LocatedModel(ModelConfig.from_dict(PRESETS[cfg.model], f"preset {cfg.model}"), None)
   folder = resolve_model(cfg.model)
-  return LoadedModel(ModelConfig.from_folder(folder), folder)
+  return LocatedModel(ModelConfig.from_folder(folder), folder)
 
 
 def log(message: str) -> None: print(f"[tinyvllm] {message}", file=sys.stderr, flush=True)
@@ -61,10 +62,15 @@ class LLMEngine:
     self.dtype = resolve_dtype(config.dtype, mc, self.device)
     log(f"backend {self.device}, dtype {self.dtype.name}, model {mc.architecture} from {located.folder or config.model}")
     self.model = load_model(mc, located.folder, config.load_format, self.dtype, self.device, self.max_model_len, config.seed)
-    allocator = ContiguousAllocator(config.max_num_seqs, self.max_model_len)
-    self.kv_cache = KVCache(mc, allocator.num_blocks, allocator.block_size, self.dtype, self.device)
-    log(f"contiguous KV cache: {config.max_num_seqs} rows x {self.max_model_len} tokens ({self.kv_cache.nbytes / 2**20:.1f} MiB)")
-    self.scheduler = StaticScheduler(allocator, config.max_num_seqs)
+    self.allocator = self._allocator()
+    self.kv_cache = KVCache(mc, self.allocator.num_blocks, self.allocator.block_size, self.dtype, self.device)
+    sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens or 0, config.enable_chunked_prefill,
+                                   config.long_prefill_token_threshold)
+    if not config.enable_chunked_prefill and sched_config.max_num_batched_tokens < self.max_model_len:
+      raise ConfigError(f"without chunked prefill, max_num_batched_tokens ({sched_config.max_num_batched_tokens}) must be "
+                        f">= max_model_len ({self.max_model_len})")
+    self.scheduler = (Scheduler if config.scheduler == "continuous" else StaticScheduler)(self.allocator, sched_config)
+    log(f"{config.scheduler} scheduler, max {config.max_num_seqs} sequences, {sched_config.max_num_batched_tokens} tokens a step")
     self.runner = ModelRunner(self.model, self.kv_cache)
     eos = frozenset(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
     self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
@@ -87,6 +93,18 @@ class LLMEngine:
       return None
     return load_tokenizer(folder)
 
+  def _allocator(self) -> BlockManager | ContiguousAllocator:
+    cfg, per_token = self.config, KVCache.bytes_per_token(self.model_config, self.dtype)
+    if cfg.kv_cache == "contiguous":
+      rows = min(cfg.max_num_seqs, num_kv_blocks(cfg, self.device, per_token * self.max_model_len, self.max_model_len,
+                                                 self.max_model_len))
+      log(f"contiguous KV cache: {rows} rows x {self.max_model_len} tokens ({rows * self.max_model_len * per_token / 2**20:.1f} MiB)")
+      return ContiguousAllocator(rows, self.max_model_len)
+    blocks = num_kv_blocks(cfg, self.device, per_token * cfg.block_size, cfg.block_size, self.max_model_len)
+    log(f"paged KV cache: {blocks} blocks of {cfg.block_size} tokens ({blocks * cfg.block_size * per_token / 2**20:.1f} MiB), "
+        f"prefix caching {'on' if cfg.enable_prefix_caching else 'off'}")
+    return BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)
+
   # ---- requests ----
   def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
     if isinstance(prompt, dict):
@@ -108,75 +126,81 @@ class LLMEngine:
     n = len(prompt_ids)
     if n >= self.max_model_len:
       raise PromptError(f"prompt has {n} tokens, the model's context is {self.max_model_len}: no room to generate")
-    if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-      raise PromptError(f"prompt has {n} tokens and max_tokens is {params.max_tokens}: {n + params.max_tokens} exceeds "
+    max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+    if n + max_tokens > self.max_model_len:
+      raise PromptError(f"prompt has {n} tokens and max_tokens is {max_tokens}: {n + max_tokens} exceeds "
                         f"the model's context of {self.max_model_len} tokens")
+    need = self._blocks_needed(n, max_tokens, params.n)
+    if need > self.allocator.num_blocks:
+      raise PromptError(f"request needs {need} KV cache blocks ({n} prompt + {max_tokens} new tokens, n={params.n}) "
+                        f"but the whole cache holds {self.allocator.num_blocks}")
     if params.stop_strings and self.tokenizer is None: raise PromptError("stop strings need a tokenizer")
+
+  def _blocks_needed(self, prompt_len: int, max_tokens: int, n: int) -> int:
+    if isinstance(self.allocator, ContiguousAllocator): return n
+    blocks = self.allocator.blocks_for
+    return blocks(prompt_len) + n * (blocks(prompt_len + max_tokens) - blocks(prompt_len) + 1)
 
   def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> Request:
     params = params or SamplingParams()
     if request_id in self.requests: raise ValueError(f"request id {request_id!r} is already in use")
     text, prompt_ids = self.tokenize_prompt(prompt)
     self.check_request(prompt_ids, params)
+    if params.max_tokens is None: params.max_tokens = self.max_model_len - len(prompt_ids)
     base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
     seqs = [Sequence(request_id, prompt_ids, params, seed=hash((base_seed, i)) if i else base_seed, index=i)
             for i in range(params.n)]
     request = Request(request_id, text, prompt_ids, params, seqs)
     self.requests[request_id] = request
-    for seq in seqs:
-      self.output_processor.register(seq)
-      self.scheduler.add(seq)
+    for seq in seqs: self.output_processor.register(seq)
+    self.scheduler.add(seqs)
     return request
 
   def abort_request(self, request_id: str) -> None:
+    """Stop a request wherever it is and free everything it holds."""
     request = self.requests.pop(request_id, None)
     if request is None: return
     for seq in request.seqs:
       if not seq.is_finished: seq.status = SequenceStatus.FINISHED_ABORTED
-      self._release(seq)
+      self.scheduler.finish(seq)
+      self.output_processor.release(seq)
 
   def has_unfinished_requests(self) -> bool: return bool(self.requests)
 
-  def _release(self, seq: Sequence) -> None:
-    self.scheduler.finish(seq)
-    self.output_processor.release(seq)
-
   def compute_logits(self, prompt_ids: list[int]) -> np.ndarray:
-    """The model's next-token logits after prompt_ids ([vocab], float32), using a free cache row for the pass."""
+    """The model's next-token logits after prompt_ids ([vocab], float32); runs on free cache space, outside the queue."""
     seq = Sequence("score", list(prompt_ids), SamplingParams(max_tokens=1), seed=0)
     self.check_request(seq.prompt_token_ids, seq.params)
-    allocator = self.scheduler.allocator
-    if not allocator.can_allocate(seq): raise RuntimeError("no free KV cache space to score a prompt")
-    allocator.allocate(seq)
+    if not self.allocator.can_allocate(seq, seq.num_tokens): raise RuntimeError("no free KV cache space to score a prompt")
+    seq.num_computed_tokens = self.allocator.allocate(seq)
     try:
-      allocator.append_slots(seq, seq.num_tokens)
-      return self.runner.logits(SchedulerOutput([ScheduledSequence(seq, seq.num_tokens)]))[0]
+      self.allocator.append_slots(seq, seq.num_uncomputed_tokens)
+      return self.runner.logits(SchedulerOutput([ScheduledSequence(seq, seq.num_uncomputed_tokens)]))[0]
     finally:
-      allocator.free(seq)
+      self.allocator.free(seq)
 
   # ---- the loop ----
   def step(self) -> list[RequestOutput]:
+    """Schedule, run the model once, and return the outputs of the requests that progressed."""
     sched = self.scheduler.schedule()
     if not sched: return []
     result = self.runner.execute(sched)
-    for item in sched.scheduled: item.seq.num_computed_tokens += item.num_new_tokens
+    for item in sched.scheduled:
+      item.seq.num_computed_tokens += item.num_new_tokens
+      self.allocator.register_computed(item.seq)
+    for item in sched.scheduled:
+      if item.forks: self.scheduler.fork(item.seq)
     touched: dict[str, Request] = {}
-    for row, token in zip(result.seq_rows, result.token_ids):
-      seq = sched.scheduled[row].seq
+    for seq, token in zip(result.seqs, result.token_ids, strict=True):
       self.output_processor.append_token(seq, token)
       touched[seq.request_id] = self.requests[seq.request_id]
     outputs = [self.output_processor.request_output(r) for r in touched.values()]
-    for request in touched.values():
-      for seq in request.seqs:
-        if seq.is_finished: self.scheduler.finish(seq)
-      if request.is_finished:
-        for seq in request.seqs: self.output_processor.release(seq)
-        del self.requests[request.request_id]
+    for request in touched.values(): self._retire_finished(request)
     return outputs
 
-  def run_to_completion(self, request_ids: Seq[str]) -> dict[str, RequestOutput]:
-    finals: dict[str, RequestOutput] = {}
-    while self.has_unfinished_requests():
-      for out in self.step():
-        if out.finished: finals[out.request_id] = out
-    return {rid: finals[rid] for rid in request_ids if rid in finals}
+  def _retire_finished(self, request: Request) -> None:
+    for seq in request.seqs:
+      if seq.is_finished: self.scheduler.finish(seq)
+    if request.is_finished:
+      for seq in request.seqs: self.output_processor.release(seq)
+      del self.requests[request.request_id]

@@ -60,7 +60,7 @@ class OutputProcessor:
     params, state = seq.params, self.states[seq.seq_id]
     seq.output_token_ids.append(token)
     stopped_by_token = self._token_stop(seq, token)
-    if seq.status is SequenceStatus.RUNNING and (params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens
+    if seq.status is SequenceStatus.RUNNING and ((params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens)
                                                  or seq.num_tokens >= self.max_model_len):
       seq.status = SequenceStatus.FINISHED_LENGTH
     if state.detokenizer is None or (stopped_by_token and not params.include_stop_str_in_output): return
@@ -70,6 +70,8 @@ class OutputProcessor:
       idx, stop = hit
       state.text = state.text[:idx + (len(stop) if params.include_stop_str_in_output else 0)]
       seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+    elif seq.is_finished:
+      state.text += state.detokenizer.flush()  # bytes of a character the last token left incomplete
 
   def _token_stop(self, seq: Sequence, token: int) -> bool:
     params = seq.params

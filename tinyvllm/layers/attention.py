@@ -45,7 +45,7 @@ def gather_context(cache: Tensor, meta: AttentionMetadata, kv_heads: int, head_d
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> Tensor:
   """q: [N, heads, head_dim] (already rotated); the caches already hold this step's K/V. Returns [N, heads * head_dim]."""
-  n, heads, head_dim = q.shape
+  _, heads, head_dim = q.shape
   kv_heads = k_cache.shape[1] // head_dim
   group = heads // kv_heads
   s, tq = meta.query_index.shape

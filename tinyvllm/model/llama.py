@@ -68,7 +68,7 @@ class TransformerLM:
     h = self.embed_tokens[inputs.token_ids]
     cos, sin = self.rope_cos[inputs.positions], self.rope_sin[inputs.positions]
     new_caches = []
-    for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+    for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
       attn, k_cache, v_cache = self._attention(layer, rms_norm(h, layer.input_norm, self.config.rms_norm_eps),
                                                cos, sin, k_cache, v_cache, inputs.attention)
       h = h + attn

@@ -32,7 +32,8 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
     head = f.read(8)
     if len(head) < 8: raise ConfigError(f"{path}: not a safetensors file (only {size} bytes)")
     (header_len,) = struct.unpack("<Q", head)
-    if header_len > size - 8: raise ConfigError(f"{path}: truncated or corrupt safetensors file (header of {header_len} bytes in a {size}-byte file)")
+    if header_len > size - 8:
+      raise ConfigError(f"{path}: truncated or corrupt safetensors file (header of {header_len} bytes in a {size}-byte file)")
     try: header = json.loads(f.read(header_len))
     except (json.JSONDecodeError, UnicodeDecodeError) as e: raise ConfigError(f"{path}: corrupt safetensors header ({e})") from e
   base, entries = 8 + header_len, {}

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tinyvllm.core.scheduler_output import ScheduledSequence
+from tinyvllm.core.sequence import Sequence
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -28,7 +29,7 @@ class HostBatch:
   output_index: np.ndarray   # [N] int32
   logits_index: np.ndarray   # [R] int32: flat token of each sampling row
   context_len: int           # L
-  sample_rows: list[int]     # which scheduled entries sample, in logits row order
+  sample_seqs: list[Sequence]  # the sequence each sampling row is for (forks share their parent's logits row)
 
 
 def slots_for(block_table: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -48,7 +49,7 @@ def prepare_batch(scheduled: list[ScheduledSequence], block_size: int) -> HostBa
   slot_mapping, output_index = np.full(n, -1, np.int32), np.zeros(n, np.int32)
   block_tables = np.zeros((s_pad, max_blocks), np.int32)
   query_index, query_pos = np.zeros((s_pad, tq), np.int32), np.zeros((s_pad, tq), np.int32)
-  logits_index, sample_rows, start = [], [], 0
+  logits_index, sample_seqs, start = [], [], 0
   for row, item in enumerate(scheduled):
     seq, count = item.seq, item.num_new_tokens
     pos = np.arange(seq.num_computed_tokens, seq.num_computed_tokens + count, dtype=np.int32)
@@ -60,10 +61,11 @@ def prepare_batch(scheduled: list[ScheduledSequence], block_size: int) -> HostBa
     block_tables[row, :len(table)] = table
     query_index[row, :count], query_pos[row, :count] = np.arange(start, start + count), pos
     if item.samples:
-      logits_index.append(start + count - 1)
-      sample_rows.append(row)
+      for target in (seq, *item.forks):
+        logits_index.append(start + count - 1)
+        sample_seqs.append(target)
     start += count
   logits = np.zeros(bucket(len(logits_index)), np.int32)
   logits[:len(logits_index)] = logits_index
   return HostBatch(token_ids, positions, slot_mapping, block_tables, query_index, query_pos, output_index, logits,
-                   context_len, sample_rows)
+                   context_len, sample_seqs)

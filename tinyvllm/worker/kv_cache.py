@@ -5,10 +5,12 @@ per sequence, so both cache kinds share the write kernel and the attention code.
 """
 from __future__ import annotations
 
+import numpy as np
 from tinygrad import Tensor
 from tinygrad.dtype import DType
 
 from tinyvllm.config import ModelConfig
+from tinyvllm.layers.scatter import scatter_rows
 
 
 class KVCache:
@@ -24,3 +26,12 @@ class KVCache:
 
   @property
   def nbytes(self) -> int: return sum(t.nbytes() for pair in self.layers for t in pair)
+
+  def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+    """Copy whole blocks (source -> destination) in every layer: copy-on-write and forks of contiguous rows."""
+    offsets = np.arange(self.block_size, dtype=np.int32)
+    src = Tensor(np.concatenate([s * self.block_size + offsets for s, _ in copies]).astype(np.int32))
+    dst = Tensor(np.concatenate([d * self.block_size + offsets for _, d in copies]).astype(np.int32))
+    written = []
+    for k, v in self.layers: written += [scatter_rows(k, dst, k[src].contiguous()), scatter_rows(v, dst, v[src].contiguous())]
+    Tensor.realize(*written)

@@ -14,6 +14,7 @@ import numpy as np
 from tinygrad import Tensor, TinyJit, dtypes
 
 from tinyvllm.core.scheduler_output import SchedulerOutput
+from tinyvllm.core.sequence import Sequence
 from tinyvllm.layers.attention import AttentionMetadata
 from tinyvllm.layers.sampler import NUM_PARAMS, SamplerVariant, SamplingBatch, sample
 from tinyvllm.model.llama import StepInputs, TransformerLM
@@ -54,7 +55,7 @@ def pack(host: HostBatch, sampling: SamplingBatch) -> np.ndarray:
 
 @dataclass
 class StepResult:
-  seq_rows: list[int]        # index into SchedulerOutput.scheduled of each sampled sequence
+  seqs: list[Sequence]       # each sampled sequence (a fork appears here before it joins the running set)
   token_ids: list[int]
 
 
@@ -65,14 +66,15 @@ class ModelRunner:
     self._captures: dict[StepLayout, TinyJit] = {}
 
   def execute(self, sched: SchedulerOutput) -> StepResult:
+    if sched.block_copies: self.kv_cache.copy_blocks(sched.block_copies)
     host = prepare_batch(sched.scheduled, self.kv_cache.block_size)
-    sampling = self._sampling_batch(sched, host)
+    sampling = self._sampling_batch(host)
     layout = StepLayout(len(host.token_ids), host.block_tables.shape[0], host.query_index.shape[1],
                         host.block_tables.shape[1], len(host.logits_index), host.context_len,
                         0 if sampling.penalty_index is None else sampling.penalty_index.shape[1], sampling.variant)
     packed = Tensor(pack(host, sampling), device=self.model.device).realize()
     tokens = self._step_fn(layout)(packed)
-    return StepResult(host.sample_rows, tokens.numpy()[:len(host.sample_rows)].tolist())
+    return StepResult(host.sample_seqs, tokens.numpy()[:len(host.sample_seqs)].tolist())
 
   def logits(self, sched: SchedulerOutput) -> np.ndarray:
     """Float32 logits of each sampling row, without sampling (eager; for scoring and checks, not the hot path)."""
@@ -82,7 +84,7 @@ class ModelRunner:
     inputs = StepInputs(Tensor(host.token_ids), Tensor(host.positions), meta, Tensor(host.logits_index))
     logits, caches = self.model(inputs, self.kv_cache.layers)
     Tensor.realize(logits, *[t for pair in caches for t in pair])
-    return logits.numpy()[:len(host.sample_rows)]
+    return logits.numpy()[:len(host.sample_seqs)]
 
   def _step_fn(self, layout: StepLayout):
     if not USE_JIT: return lambda packed: self._forward(layout, packed)
@@ -109,8 +111,8 @@ class ModelRunner:
     Tensor.realize(tokens, *[t for pair in caches for t in pair])
     return tokens
 
-  def _sampling_batch(self, sched: SchedulerOutput, host: HostBatch) -> SamplingBatch:
-    seqs = [sched.scheduled[r].seq for r in host.sample_rows]
+  def _sampling_batch(self, host: HostBatch) -> SamplingBatch:
+    seqs = host.sample_seqs
     histories = [(s.prompt_token_ids, s.output_token_ids) for s in seqs] if any(s.params.uses_penalties for s in seqs) else None
     return SamplingBatch.build([s.params for s in seqs], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs],
                                histories, len(host.logits_index), self.vocab_size)
