@@ -113,3 +113,7 @@ def test_text_prompt_without_tokenizer(llm):
 def test_sampling_params_out_of_range(kwargs, param):
   with pytest.raises(SamplingParamsError, match=param) as info: SamplingParams(**kwargs)
   assert info.value.param == param
+
+
+def test_unavailable_device(model_dir):
+  with pytest.raises(ConfigError, match="device 'CUDA' is not available"): LLM(str(model_dir), device="CUDA")

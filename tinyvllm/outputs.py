@@ -5,6 +5,17 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+  """One token's log probability under the model's raw distribution (vLLM's Logprob)."""
+  logprob: float
+  rank: int                       # 1 = the most probable token
+  decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]   # per generated token: its own entry plus the top-k alternatives
+
+
+@dataclass
 class CompletionOutput:
   index: int
   text: str
@@ -12,7 +23,7 @@ class CompletionOutput:
   finish_reason: str | None = None         # "stop" | "length" | None while running
   stop_reason: int | str | None = None     # the stop string or stop token id that ended it (None for EOS)
   cumulative_logprob: float | None = None
-  logprobs: list[dict[int, float]] | None = None
+  logprobs: SampleLogprobs | None = None
   delta_text: str = ""                     # text that became final in the step that produced this output
   delta_token_ids: list[int] = field(default_factory=list)
 

@@ -109,12 +109,14 @@ class BlockManager:
     if block.ref_count == 0: self.free_queue[block.block_id] = block  # most recently used end
 
   def can_allocate(self, seq: Sequence, num_new_tokens: int, num_seqs: int = 1) -> bool:
-    """Whether a waiting sequence can start: room for its cached prefix plus num_new_tokens more.
+    """Whether a waiting sequence can start: room for its cached prefix plus num_new_tokens more (the chunk, which
+    cannot run past the sequence's end: a chunk sized before the cache was consulted must not count the cached
+    prefix twice).
 
     Forks (num_seqs > 1) share its blocks, so they need nothing now."""
     hits = self.cached_prefix(seq)
     reusable_free = sum(1 for b in hits if b.ref_count == 0)
-    needed = self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
+    needed = self.blocks_for(min(len(hits) * self.block_size + num_new_tokens, seq.num_tokens)) - len(hits)
     return needed + reusable_free <= self.num_free_blocks
 
   def allocate(self, seq: Sequence, num_seqs: int = 1) -> int:

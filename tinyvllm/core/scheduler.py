@@ -89,7 +89,7 @@ class Scheduler(SchedulerBase):
 
   def _chunk(self, seq: Sequence, budget: int) -> int:
     num_new = min(seq.num_uncomputed_tokens, budget)
-    if seq.in_prefill and self.config.long_prefill_token_threshold:
+    if seq.in_prefill and self.config.long_prefill_token_threshold and self.config.enable_chunked_prefill:
       num_new = min(num_new, self.config.long_prefill_token_threshold)
     return num_new
 
@@ -111,6 +111,9 @@ class Scheduler(SchedulerBase):
   def _admit_waiting(self, budget: int, items: list[ScheduledSequence]) -> None:
     while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
       seq = self.waiting[0]
+      # its pending forks will run too, and so will those of running sequences (a lone wide request still runs)
+      seats = len(self.running) + sum(len(self.pending_forks.get(s.seq_id, [])) for s in self.running)
+      if seats and seats + 1 + len(self.pending_forks.get(seq.seq_id, [])) > self.config.max_num_seqs: return
       num_new = self._chunk(seq, budget)
       if num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill: return
       if not self._can_admit(seq, num_new): return

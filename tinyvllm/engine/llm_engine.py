@@ -19,12 +19,12 @@ from tinyvllm.engine.output_processor import OutputProcessor
 from tinyvllm.model.hub import resolve_model
 from tinyvllm.model.loader import load_model, resolve_dtype
 from tinyvllm.model.presets import PRESETS
-from tinyvllm.outputs import RequestOutput
+from tinyvllm.outputs import Logprob, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import Tokenizer, load_tokenizer
 from tinyvllm.worker.cache_sizing import num_kv_blocks
 from tinyvllm.worker.kv_cache import KVCache
-from tinyvllm.worker.model_runner import ModelRunner
+from tinyvllm.worker.model_runner import ModelRunner, StepResult
 
 PromptType = str | list[int] | dict
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -191,12 +191,23 @@ class LLMEngine:
     for item in sched.scheduled:
       if item.forks: self.scheduler.fork(item.seq)
     touched: dict[str, Request] = {}
-    for seq, token in zip(result.seqs, result.token_ids, strict=True):
-      self.output_processor.append_token(seq, token)
+    for row, (seq, token) in enumerate(zip(result.seqs, result.token_ids, strict=True)):
+      self.output_processor.append_token(seq, token, self._logprobs(result, row, seq))
       touched[seq.request_id] = self.requests[seq.request_id]
     outputs = [self.output_processor.request_output(r) for r in touched.values()]
     for request in touched.values(): self._retire_finished(request)
     return outputs
+
+  def _logprobs(self, result: StepResult, row: int, seq: Sequence) -> dict[int, Logprob] | None:
+    if result.logprobs is None or seq.params.logprobs is None: return None
+    lp, k = result.logprobs, seq.params.logprobs
+    entries = {int(t): Logprob(float(v), r + 1) for r, (t, v) in enumerate(zip(lp.top_ids[row][:k], lp.top_logprobs[row][:k],
+                                                                               strict=True))}
+    token = result.token_ids[row]
+    entries.setdefault(token, Logprob(float(lp.logprob[row]), int(lp.rank[row])))
+    if self.tokenizer is not None:
+      for token_id, entry in entries.items(): entry.decoded_token = self.tokenizer.token_bytes(token_id).decode(errors="replace")
+    return entries
 
   def _retire_finished(self, request: Request) -> None:
     for seq in request.seqs:

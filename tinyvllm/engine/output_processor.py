@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tinyvllm.core.sequence import Request, Sequence, SequenceStatus
-from tinyvllm.outputs import CompletionOutput, RequestOutput
+from tinyvllm.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
 from tinyvllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -20,6 +20,8 @@ class TextState:
   text: str = ""
   emitted_chars: int = 0
   emitted_tokens: int = 0
+  logprobs: SampleLogprobs | None = None
+  cumulative_logprob: float = 0.0
 
 
 def find_stop(text: str, new_from: int, stops: list[str]) -> tuple[int, str] | None:
@@ -55,10 +57,13 @@ class OutputProcessor:
 
   def release(self, seq: Sequence) -> None: self.states.pop(seq.seq_id, None)
 
-  def append_token(self, seq: Sequence, token: int) -> None:
-    """Add one sampled token and decide whether the sequence is finished (sets seq.status)."""
+  def append_token(self, seq: Sequence, token: int, logprobs: dict[int, Logprob] | None = None) -> None:
+    """Add one sampled token (with its logprobs, if asked for) and decide whether the sequence is finished."""
     params, state = seq.params, self.states[seq.seq_id]
     seq.output_token_ids.append(token)
+    if logprobs is not None:
+      state.logprobs = (state.logprobs or []) + [logprobs]
+      state.cumulative_logprob += logprobs[token].logprob
     stopped_by_token = self._token_stop(seq, token)
     if seq.status is SequenceStatus.RUNNING and ((params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens)
                                                  or seq.num_tokens >= self.max_model_len):
@@ -91,8 +96,10 @@ class OutputProcessor:
     delta_text, state.emitted_chars = state.text[state.emitted_chars:final_chars], final_chars
     delta_tokens, state.emitted_tokens = seq.output_token_ids[state.emitted_tokens:], len(seq.output_token_ids)
     text = state.text if seq.is_finished else state.text[:final_chars]
-    return CompletionOutput(seq.index, text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason,
-                            delta_text=delta_text, delta_token_ids=delta_tokens)
+    logprobs = None if seq.params.logprobs is None else list(state.logprobs or [])
+    cumulative = None if seq.params.logprobs is None else state.cumulative_logprob
+    return CompletionOutput(seq.index, text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason, cumulative,
+                            logprobs, delta_text=delta_text, delta_token_ids=delta_tokens)
 
   def request_output(self, request: Request) -> RequestOutput:
     outputs = [self.completion(seq) for seq in request.seqs]

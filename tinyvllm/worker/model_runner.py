@@ -16,7 +16,7 @@ from tinygrad import Tensor, TinyJit, dtypes
 from tinyvllm.core.scheduler_output import SchedulerOutput
 from tinyvllm.core.sequence import Sequence
 from tinyvllm.layers.attention import AttentionMetadata
-from tinyvllm.layers.sampler import NUM_PARAMS, SamplerVariant, SamplingBatch, sample
+from tinyvllm.layers.sampler import NUM_PARAMS, SamplerVariant, SamplingBatch, compute_logprobs, sample
 from tinyvllm.model.llama import StepInputs, TransformerLM
 from tinyvllm.worker.input_batch import HostBatch, prepare_batch
 from tinyvllm.worker.kv_cache import KVCache
@@ -35,6 +35,7 @@ class StepLayout:
   context_len: int     # L
   penalty_len: int     # 0 when no row uses penalties
   variant: SamplerVariant
+  logprobs: int        # top-k logprobs to return per row; -1: none at all
 
   def split(self) -> list[tuple[str, int]]:
     """(name, int32 count) of each packed field, in order."""
@@ -54,9 +55,27 @@ def pack(host: HostBatch, sampling: SamplingBatch) -> np.ndarray:
 
 
 @dataclass
+class TokenLogprobs:
+  """Per sampled row: the sampled token's logprob and rank, and the top-k alternatives (from the raw logits)."""
+  logprob: np.ndarray        # [R] float32
+  rank: np.ndarray           # [R] int32
+  top_ids: np.ndarray        # [R, k] int32
+  top_logprobs: np.ndarray   # [R, k] float32
+
+
+@dataclass
 class StepResult:
   seqs: list[Sequence]       # each sampled sequence (a fork appears here before it joins the running set)
   token_ids: list[int]
+  logprobs: TokenLogprobs | None = None
+
+
+LOGPROB_BUCKETS = (0, 1, 2, 5, 10, 20)
+
+
+def logprobs_bucket(seqs: list[Sequence]) -> int:
+  wanted = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+  return -1 if not wanted else next(b for b in LOGPROB_BUCKETS if b >= max(wanted))
 
 
 class ModelRunner:
@@ -71,10 +90,14 @@ class ModelRunner:
     sampling = self._sampling_batch(host)
     layout = StepLayout(len(host.token_ids), host.block_tables.shape[0], host.query_index.shape[1],
                         host.block_tables.shape[1], len(host.logits_index), host.context_len,
-                        0 if sampling.penalty_index is None else sampling.penalty_index.shape[1], sampling.variant)
+                        0 if sampling.penalty_index is None else sampling.penalty_index.shape[1], sampling.variant,
+                        logprobs_bucket(host.sample_seqs))
     packed = Tensor(pack(host, sampling), device=self.model.device).realize()
-    tokens = self._step_fn(layout)(packed)
-    return StepResult(host.sample_seqs, tokens.numpy()[:len(host.sample_seqs)].tolist())
+    out = self._step_fn(layout)(packed)
+    rows = len(host.sample_seqs)
+    if layout.logprobs < 0: return StepResult(host.sample_seqs, out.numpy()[:rows].tolist())
+    tokens, chosen, rank, top_ids, top_lps = (t.numpy()[:rows] for t in out)
+    return StepResult(host.sample_seqs, tokens.tolist(), TokenLogprobs(chosen, rank, top_ids, top_lps))
 
   def logits(self, sched: SchedulerOutput) -> np.ndarray:
     """Float32 logits of each sampling row, without sampling (eager; for scoring and checks, not the hot path)."""
@@ -108,8 +131,13 @@ class ModelRunner:
                    f["penalty_value"].bitcast(dtypes.float32).reshape(r, layout.penalty_len, 2))
     tokens = sample(logits, f["params"].bitcast(dtypes.float32).reshape(r, NUM_PARAMS),
                     f["rng"].bitcast(dtypes.uint32).reshape(r, 2), layout.variant, penalties)
-    Tensor.realize(tokens, *[t for pair in caches for t in pair])
-    return tokens
+    outputs: tuple[Tensor, ...] = (tokens,)
+    if layout.logprobs >= 0:
+      chosen, top_ids, top_lps = compute_logprobs(logits, tokens, layout.logprobs)
+      rank = (logits.float().log_softmax(1) > chosen[:, None]).sum(1).cast(dtypes.int32) + 1
+      outputs = (tokens, chosen, rank, top_ids, top_lps)
+    Tensor.realize(*outputs, *[t for pair in caches for t in pair])
+    return outputs[0] if len(outputs) == 1 else outputs
 
   def _sampling_batch(self, host: HostBatch) -> SamplingBatch:
     seqs = host.sample_seqs

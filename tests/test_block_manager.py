@@ -1,0 +1,453 @@
+"""BlockManager and ContiguousAllocator bookkeeping: plain Python, no tensors, no model."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Iterable
+
+import pytest
+
+from tinyvllm.core import block_manager as bm_module
+from tinyvllm.core.block_manager import BlockCopy, BlockManager
+from tinyvllm.core.contiguous_allocator import ContiguousAllocator
+from tinyvllm.core.sequence import Sequence
+from tinyvllm.sampling_params import SamplingParams
+
+
+# ---- helpers (also used by test_scheduler.py) ----
+def make_seq(prompt: list[int], max_tokens: int = 8, n: int = 1, rid: str = "r", index: int = 0) -> Sequence:
+  return Sequence(rid, list(prompt), SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True), seed=0, index=index)
+
+
+def check_invariants(bm: BlockManager, seqs: Iterable[Sequence]) -> None:
+  """No block is handed out twice while referenced, and the prefix cache only maps blocks holding what it claims."""
+  seqs = list(seqs)
+  refs = Counter(b for s in seqs for b in s.block_table)
+  for s in seqs:
+    assert len(set(s.block_table)) == len(s.block_table), f"seq {s.seq_id} holds a block twice: {s.block_table}"
+    if s.block_table: assert len(s.block_table) >= bm.blocks_for(s.num_computed_tokens)  # (a freed one holds none)
+  for b in bm.blocks:
+    assert b.ref_count == refs.get(b.block_id, 0), f"block {b.block_id}: ref {b.ref_count}, tables {refs.get(b.block_id, 0)}"
+  assert set(bm.free_queue) == {b.block_id for b in bm.blocks if b.ref_count == 0}
+  assert all(bm.free_queue[k] is bm.blocks[k] for k in bm.free_queue)
+  assert bm.num_used_blocks == len(refs) and bm.num_free_blocks == bm.num_blocks - len(refs)
+  for h, b in bm.cached.items():
+    assert b.block_hash == h and len(b.token_ids) == bm.block_size
+    assert bm_module.chain_hash(b.parent_hash, b.token_ids) == h
+  for b in bm.blocks:
+    if b.block_hash is not None: assert bm.cached.get(b.block_hash) is b
+  assert bm.num_cached_free_blocks == sum(1 for b in bm.cached.values() if b.ref_count == 0)
+  for s in seqs:  # a cached block in a table holds exactly that sequence's tokens at that position
+    for i, block_id in enumerate(s.block_table):
+      block = bm.blocks[block_id]
+      if block.block_hash is None: continue
+      assert (i + 1) * bm.block_size <= s.num_computed_tokens
+      assert block.token_ids == tuple(s.token_ids[i * bm.block_size:(i + 1) * bm.block_size])
+
+
+def compute(bm: BlockManager, s: Sequence, n: int) -> list[BlockCopy]:
+  """What one engine step does to a scheduled sequence: room for n tokens, then they are computed."""
+  copies = bm.append_slots(s, n)
+  s.num_computed_tokens += n
+  bm.register_computed(s)
+  return copies
+
+
+def prefill(bm: BlockManager, s: Sequence) -> int:
+  cached = bm.allocate(s)
+  s.num_computed_tokens = cached
+  compute(bm, s, s.num_uncomputed_tokens)
+  return cached
+
+
+def decode(bm: BlockManager, s: Sequence, token: int) -> list[BlockCopy]:
+  s.output_token_ids.append(token)
+  return compute(bm, s, 1)
+
+
+def refs(bm: BlockManager, ids: Iterable[int]) -> list[int]: return [bm.blocks[i].ref_count for i in ids]
+
+
+# ---- allocation, counters, free ----
+def test_blocks_grow_on_demand_and_free_returns_all():
+  bm = BlockManager(10, 4)
+  s = make_seq(range(5))
+  assert bm.allocate(s) == 0 and s.block_table == []
+  compute(bm, s, 5)
+  assert s.block_table == [0, 1]
+  for k in range(10):
+    decode(bm, s, 100 + k)
+    assert len(s.block_table) == -(-s.num_computed_tokens // 4)
+    assert s.block_table == list(range(len(s.block_table)))
+    assert bm.num_used_blocks == len(s.block_table) and bm.num_free_blocks == 10 - len(s.block_table)
+    check_invariants(bm, [s])
+  assert s.num_computed_tokens == 15 and s.block_table == [0, 1, 2, 3]
+  assert bm.num_cached_blocks == 3 and bm.num_cached_free_blocks == 0  # three full blocks, all in use
+  bm.free(s)
+  assert s.block_table == [] and s.num_registered_blocks == 0
+  assert bm.num_free_blocks == 10 and bm.num_used_blocks == 0 and refs(bm, range(10)) == [0] * 10
+  assert bm.num_cached_blocks == 3 and bm.num_cached_free_blocks == 3
+  assert list(bm.free_queue) == [4, 5, 6, 7, 8, 9, 3, 2, 1, 0]  # freed tail first, at the most recently used end
+  check_invariants(bm, [s])
+
+
+def test_blocks_for():
+  bm = BlockManager(4, 4)
+  assert [bm.blocks_for(n) for n in range(10)] == [0, 1, 1, 1, 1, 2, 2, 2, 2, 3]
+
+
+def test_can_allocate_exact_boundary():
+  bm = BlockManager(3, 4)
+  assert bm.can_allocate(make_seq(range(12)), 12)
+  assert not bm.can_allocate(make_seq(range(13)), 13)
+  assert bm.can_allocate(make_seq(range(13)), 12)  # a first chunk of 12 tokens fits
+  holder = make_seq([90])
+  prefill(bm, holder)
+  assert bm.num_free_blocks == 2
+  assert bm.can_allocate(make_seq(range(8)), 8)
+  assert not bm.can_allocate(make_seq(range(9)), 9)
+
+
+def test_can_append_exact_boundary():
+  bm = BlockManager(2, 4)
+  s = make_seq(range(4))
+  prefill(bm, s)
+  assert s.block_table == [0] and bm.num_free_blocks == 1
+  assert bm.can_append(s, 4) and not bm.can_append(s, 5)
+  other = make_seq([7, 7, 7])
+  prefill(bm, other)
+  assert other.block_table == [1] and bm.num_free_blocks == 0
+  assert not bm.can_append(s, 1)  # s's block is full: its next token needs a new block
+  assert bm.can_append(other, 1) and not bm.can_append(other, 2)  # one slot left in other's block
+  assert bm.append_slots(other, 1) == [] and other.block_table == [1]
+  with pytest.raises(AssertionError):
+    bm.append_slots(s, 1)
+
+
+# ---- forks and copy-on-write ----
+def test_fork_shares_blocks():
+  bm = BlockManager(8, 4)
+  parent, child = make_seq(range(6)), make_seq(range(6), index=1)
+  prefill(bm, parent)
+  assert parent.block_table == [0, 1] and parent.num_registered_blocks == 1
+  assert bm.fork(parent, child) == []
+  assert child.block_table == [0, 1] and child.block_table is not parent.block_table
+  assert child.num_registered_blocks == 1
+  assert refs(bm, [0, 1]) == [2, 2] and bm.num_used_blocks == 2
+  child.num_computed_tokens = parent.num_computed_tokens
+  check_invariants(bm, [parent, child])
+  bm.free(parent)
+  assert refs(bm, [0, 1]) == [1, 1] and bm.num_used_blocks == 2
+  bm.free(child)
+  assert bm.num_used_blocks == 0
+  check_invariants(bm, [parent, child])
+
+
+def forked(bm: BlockManager, prompt: list[int], n: int) -> list[Sequence]:
+  seqs = [make_seq(prompt, index=i) for i in range(n)]
+  prefill(bm, seqs[0])
+  for child in seqs[1:]:
+    bm.fork(seqs[0], child)
+    child.num_computed_tokens = seqs[0].num_computed_tokens
+  return seqs
+
+
+def test_copy_on_write_of_shared_partly_filled_block():
+  bm = BlockManager(8, 4)
+  parent, child1, child2 = forked(bm, list(range(6)), 3)
+  assert refs(bm, [0, 1]) == [3, 3]
+  assert bm.can_append(parent, 1) and bm._new_blocks_needed(parent, 1) == 1
+  assert decode(bm, parent, 50) == [(1, 2)]
+  assert parent.block_table == [0, 2] and refs(bm, [0, 1, 2]) == [3, 2, 1]
+  assert decode(bm, child1, 51) == [(1, 3)]
+  assert child1.block_table == [0, 3] and refs(bm, [0, 1, 3]) == [3, 1, 1]
+  assert decode(bm, child2, 52) == []  # the last sharer writes in place
+  assert child2.block_table == [0, 1] and refs(bm, [0, 1]) == [3, 1]
+  assert decode(bm, parent, 53) == [] and parent.block_table == [0, 2]  # no longer shared
+  check_invariants(bm, [parent, child1, child2])
+
+
+def test_no_copy_when_shared_last_block_is_full():
+  bm = BlockManager(8, 4)
+  parent, child = forked(bm, list(range(8)), 2)
+  assert decode(bm, parent, 50) == []
+  assert parent.block_table == [0, 1, 2] and refs(bm, [0, 1, 2]) == [2, 2, 1]
+  assert decode(bm, child, 51) == []
+  assert child.block_table == [0, 1, 3] and refs(bm, [0, 1, 3]) == [2, 2, 1]
+  check_invariants(bm, [parent, child])
+
+
+def test_can_append_counts_the_copy():
+  bm = BlockManager(2, 4)
+  parent, child = forked(bm, list(range(6)), 2)
+  assert bm.num_free_blocks == 0
+  parent.output_token_ids.append(50)
+  assert not bm.can_append(parent, 1)  # the write needs a private copy of block 1, and nothing is free
+  bm.free(child)
+  assert bm.can_append(parent, 1) and bm.append_slots(parent, 1) == []
+
+
+def test_copy_and_growth_in_one_append():
+  bm = BlockManager(8, 4)
+  parent, _child = forked(bm, list(range(6)), 2)
+  parent.output_token_ids += [50, 51, 52, 53]
+  assert bm._new_blocks_needed(parent, 4) == 2
+  assert bm.append_slots(parent, 4) == [(1, 2)]
+  assert parent.block_table == [0, 2, 3] and refs(bm, [0, 1, 2, 3]) == [2, 1, 1, 1]
+
+
+# ---- prefix caching ----
+def test_prefix_cache_reuses_full_blocks():
+  bm = BlockManager(10, 4)
+  a, b = make_seq(range(10)), make_seq(range(10))
+  assert prefill(bm, a) == 0
+  assert a.block_table == [0, 1, 2] and bm.num_cached_blocks == 2
+  assert bm.prefix_queries == 10 and bm.prefix_hits == 0
+  assert bm.can_allocate(b, 10)
+  assert bm.allocate(b) == 8
+  assert b.block_table == [0, 1] and b.num_registered_blocks == 2 and refs(bm, [0, 1, 2]) == [2, 2, 1]
+  assert bm.prefix_queries == 20 and bm.prefix_hits == 8 and bm.prefix_hit_rate == pytest.approx(0.4)
+  b.num_computed_tokens = 8
+  compute(bm, b, 2)
+  assert b.block_table == [0, 1, 3]
+  check_invariants(bm, [a, b])
+
+
+def test_prefix_cache_never_covers_the_last_prompt_token():
+  bm = BlockManager(10, 4)
+  a, b = make_seq(range(8)), make_seq(range(8))
+  prefill(bm, a)
+  assert a.block_table == [0, 1] and bm.num_cached_blocks == 2
+  assert bm.allocate(b) == 4  # block 1 is cached too, but the last token must be computed to sample
+  assert b.block_table == [0]
+  b.num_computed_tokens = 4
+  compute(bm, b, 4)
+  assert b.block_table == [0, 2]
+  assert bm.blocks[2].block_hash is None and bm.num_cached_blocks == 2  # a duplicate is not entered twice
+  check_invariants(bm, [a, b])
+
+
+def test_partial_prefix_match_stops_at_first_differing_block():
+  bm = BlockManager(16, 4)
+  a = make_seq(range(13))
+  prefill(bm, a)
+  assert bm.num_cached_blocks == 3
+  b = make_seq([*range(4), 99, 98, 97, 96, *range(8, 13)])  # block 1 differs, block 2 equal in tokens
+  assert [blk.block_id for blk in bm.cached_prefix(b)] == [0]
+  assert bm.allocate(b) == 4 and b.block_table == [0]
+  c = make_seq([*range(10), 77])
+  assert bm.allocate(c) == 8 and c.block_table == [0, 1]
+  assert refs(bm, [0, 1, 2]) == [3, 2, 1]
+
+
+def test_cached_blocks_survive_free_and_are_reused():
+  bm = BlockManager(6, 4)
+  a = make_seq(range(9))
+  prefill(bm, a)
+  bm.free(a)
+  assert list(bm.free_queue) == [3, 4, 5, 2, 1, 0] and bm.num_cached_free_blocks == 2
+  b = make_seq(range(9))
+  assert bm.can_allocate(b, 9)
+  assert bm.allocate(b) == 8 and b.block_table == [0, 1]
+  assert refs(bm, [0, 1]) == [1, 1] and bm.num_cached_free_blocks == 0 and bm.num_free_blocks == 4
+  b.num_computed_tokens = 8
+  compute(bm, b, 1)
+  assert b.block_table == [0, 1, 3]  # the fresh block comes from the LRU end
+  check_invariants(bm, [a, b])
+
+
+def test_eviction_is_lru_tail_first():
+  bm = BlockManager(4, 4)
+  prompt = list(range(13))
+  a = make_seq(prompt)
+  prefill(bm, a)
+  assert a.block_table == [0, 1, 2, 3] and bm.num_cached_blocks == 3
+  bm.free(a)
+  assert list(bm.free_queue) == [3, 2, 1, 0]  # tail first: the partial block, then the prompt's last full block
+  x, y = make_seq([50, 51]), make_seq([60, 61])
+  prefill(bm, x)
+  assert x.block_table == [3] and bm.num_cached_blocks == 3  # the uncached block went first
+  prefill(bm, y)
+  assert y.block_table == [2] and bm.num_cached_blocks == 2  # then the tail of the cached prompt
+  b = make_seq(prompt)
+  assert [blk.block_id for blk in bm.cached_prefix(b)] == [0, 1]  # the cache was too small: the head survived
+  assert not bm.can_allocate(b, 13)  # 2 hits + 2 new blocks, 2 blocks free
+  bm.free(x)
+  assert not bm.can_allocate(b, 13)
+  bm.free(y)
+  assert bm.can_allocate(b, 13)
+  assert bm.allocate(b) == 8 and b.block_table == [0, 1]
+  assert bm.prefix_hits == 8 and bm.prefix_queries == 2 * 13 + 2 + 2
+  b.num_computed_tokens = 8
+  check_invariants(bm, [a, b, x, y])
+
+
+def test_recently_reused_prefix_outlives_older_blocks():
+  bm = BlockManager(4, 4)
+  a, b = make_seq([*range(4), 9]), make_seq([*range(10, 14), 9])
+  prefill(bm, a)
+  prefill(bm, b)
+  bm.free(a)
+  bm.free(b)
+  assert list(bm.free_queue) == [1, 0, 3, 2]
+  again = make_seq([*range(4), 5])  # touches a's block 0: it becomes most recently used when freed
+  assert prefill(bm, again) == 4
+  bm.free(again)
+  assert list(bm.free_queue) == [3, 2, 1, 0]
+  for filler in ([70], [71], [72]):
+    prefill(bm, make_seq(filler))
+  assert bm.num_cached_blocks == 1 and bm.blocks[0].block_hash is not None  # b's block 2 went, a's block 0 stayed
+
+
+def test_forged_hash_collision_is_rejected(monkeypatch: pytest.MonkeyPatch):
+  monkeypatch.setattr(bm_module, "chain_hash", lambda previous, tokens: 7)  # every block collides
+  bm = BlockManager(8, 4)
+  a = make_seq([1, 2, 3, 4, 5])
+  prefill(bm, a)
+  assert list(bm.cached) == [7] and bm.cached[7].block_id == 0
+  b = make_seq([9, 9, 9, 9, 5])
+  assert bm.cached_prefix(b) == [] and bm.allocate(b) == 0
+  compute(bm, b, 5)
+  assert b.block_table == [2, 3] and bm.blocks[2].block_hash is None and bm.cached[7].block_id == 0
+  c = make_seq([1, 2, 3, 4, 6])
+  assert bm.allocate(c) == 4 and c.block_table == [0]  # the genuine match still hits
+  c.num_computed_tokens = 4
+  check_invariants(bm, [a, b, c])
+
+
+def test_forged_parent_is_rejected():
+  bm = BlockManager(8, 4)
+  a = make_seq(range(9))
+  prefill(bm, a)
+  assert [blk.block_id for blk in bm.cached_prefix(make_seq(range(9)))] == [0, 1]
+  bm.blocks[1].parent_hash = 12345  # same hash and tokens, other predecessor
+  assert [blk.block_id for blk in bm.cached_prefix(make_seq(range(9)))] == [0]
+  bm.blocks[1].parent_hash, bm.blocks[1].token_ids = bm.blocks[0].block_hash, (4, 5, 6, 99)
+  assert [blk.block_id for blk in bm.cached_prefix(make_seq(range(9)))] == [0]
+
+
+def test_prefix_caching_disabled():
+  bm = BlockManager(8, 4, enable_prefix_caching=False)
+  a, b = make_seq(range(9)), make_seq(range(9))
+  prefill(bm, a)
+  assert bm.num_cached_blocks == 0 and a.num_registered_blocks == 0
+  bm.free(a)
+  assert bm.allocate(b) == 0 and b.block_table == []
+  assert bm.prefix_hits == 0 and bm.prefix_hit_rate == 0.0 and bm.num_cached_free_blocks == 0
+
+
+def test_reset_prefix_cache():
+  bm = BlockManager(8, 4)
+  a = make_seq(range(9))
+  prefill(bm, a)
+  bm.free(a)
+  bm.reset_prefix_cache()
+  assert bm.num_cached_blocks == 0 and all(b.block_hash is None for b in bm.blocks)
+  assert bm.allocate(make_seq(range(9))) == 0
+
+
+def test_can_allocate_counts_cached_prefix_once():
+  """A 33-token prompt needs 3 blocks, 2 of them cached: with the whole cache (4 blocks) free it must fit."""
+  bm = BlockManager(4, 16)
+  first = make_seq(range(33))
+  prefill(bm, first)
+  bm.free(first)
+  again = make_seq(range(33))
+  assert bm.num_free_blocks == 4 and bm.num_cached_free_blocks == 2
+  assert bm.can_allocate(again, 33)  # the chunk the scheduler asks for before the cache is consulted
+  assert bm.can_allocate(again, 16) and bm.can_allocate(again, 1)
+  assert bm.allocate(again) == 32 and again.block_table == [0, 1]
+  again.num_computed_tokens = 32
+  compute(bm, again, 1)
+  assert again.block_table == [0, 1, 3]
+  check_invariants(bm, [first, again])
+
+
+def test_can_allocate_with_cached_prefix_exact_boundary():
+  bm = BlockManager(3, 4)
+  first = make_seq(range(12))
+  prefill(bm, first)
+  bm.free(first)
+  assert bm.num_cached_free_blocks == 3
+  longer = make_seq([*range(12), 1, 2, 3, 4, 5])  # 3 hits + 2 new blocks > 3
+  assert len(bm.cached_prefix(longer)) == 3
+  assert not bm.can_allocate(longer, 17) and not bm.can_allocate(longer, 1)  # even 1 token past the hits needs a 4th
+  same = make_seq(range(12))  # 2 hits (the last token is computed) + 1 new block
+  assert bm.can_allocate(same, 12) and bm.allocate(same) == 8
+  same.num_computed_tokens = 8
+  compute(bm, same, 4)
+  assert same.block_table == [0, 1, 2] and bm.num_free_blocks == 0
+  check_invariants(bm, [first, same])
+
+
+def test_random_operations_keep_invariants():
+  rng = random.Random(0)
+  bm = BlockManager(24, 4)
+  bases = [[rng.randrange(50) for _ in range(12)] for _ in range(3)]
+  live: list[Sequence] = []
+  everyone: list[Sequence] = []
+  for _ in range(600):
+    op = rng.random()
+    if op < 0.3:
+      base = rng.choice(bases)
+      s = make_seq(base[:rng.randint(1, 12)] + [rng.randrange(50) for _ in range(rng.randint(0, 5))])
+      if bm.can_allocate(s, s.num_tokens):
+        prefill(bm, s)
+        live.append(s)
+        everyone.append(s)
+    elif op < 0.65 and live:
+      s = rng.choice(live)
+      s.output_token_ids.append(rng.randrange(50))
+      if bm.can_append(s, 1): compute(bm, s, 1)
+      else: s.output_token_ids.pop()
+    elif op < 0.8 and live:
+      parent = rng.choice(live)
+      child = make_seq(parent.prompt_token_ids, index=1)
+      child.output_token_ids = list(parent.output_token_ids)
+      bm.fork(parent, child)
+      child.num_computed_tokens = parent.num_computed_tokens
+      live.append(child)
+      everyone.append(child)
+    elif live:
+      s = live.pop(rng.randrange(len(live)))
+      bm.free(s)
+    check_invariants(bm, everyone)
+  for s in live: bm.free(s)
+  check_invariants(bm, everyone)
+  assert bm.num_free_blocks == 24 and bm.prefix_hits > 0
+
+
+# ---- the contiguous baseline ----
+def test_contiguous_allocator_rows():
+  ca = ContiguousAllocator(4, 32)
+  assert ca.blocks_for(1000) == 1 and ca.num_free_blocks == 4
+  a, b = make_seq(range(5)), make_seq(range(6))
+  assert ca.can_allocate(a, 5) and ca.allocate(a) == 0 and a.block_table == [0]
+  assert ca.allocate(b) == 0 and b.block_table == [1] and ca.num_used_blocks == 2
+  a.num_computed_tokens = 30
+  assert ca.can_append(a, 2) and not ca.can_append(a, 3)
+  assert ca.append_slots(a, 2) == []
+  with pytest.raises(AssertionError):
+    ca.allocate(a)
+  ca.free(a)
+  assert a.block_table == [] and ca.num_free_blocks == 3
+  assert ca.allocate(make_seq([1])) == 0 and ca.free_rows == [3, 2]
+
+
+def test_contiguous_allocator_forks_copy_reserved_rows():
+  ca = ContiguousAllocator(5, 16)
+  parent = make_seq(range(5), n=3)
+  c1, c2 = make_seq(range(5), index=1), make_seq(range(5), index=2)
+  assert ca.can_allocate(parent, 5, 3) and not ca.can_allocate(parent, 5, 6)
+  ca.allocate(parent, 3)
+  assert parent.block_table == [0] and ca.reserved[parent.seq_id] == [1, 2] and ca.num_free_blocks == 2
+  assert not ca.can_allocate(make_seq([1], n=3), 1, 3)
+  assert ca.fork(parent, c1) == [(0, 2)] and c1.block_table == [2]
+  assert ca.reserved[parent.seq_id] == [1]
+  ca.free(parent)  # the parent's row and its unused reserved row
+  assert parent.seq_id not in ca.reserved and sorted(ca.free_rows) == [0, 1, 3, 4]
+  with pytest.raises(KeyError):
+    ca.fork(parent, c2)
+  ca.free(c1)
+  assert ca.num_free_blocks == 5 and ca.num_used_blocks == 0
+  ca.register_computed(c1)  # no prefix cache: a no-op
