@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import sqlite3
 import sys
+import threading
 
+import tinygrad.helpers
 from tinygrad import Device
 from tinygrad.helpers import DEV
 
@@ -34,3 +37,23 @@ def select_device(requested: str | None) -> str:
   if not _opens(device): raise ConfigError(f"device {device!r} is not available on this machine")
   DEV.value = device
   return Device.DEFAULT
+
+
+def _per_thread_cache_connection():
+  """tinygrad keeps one process-wide sqlite connection to its compile/BEAM cache, which sqlite refuses to use from a
+  second thread; the async engine steps on its own thread, so every thread gets its own connection instead."""
+  local = threading.local()
+  original = tinygrad.helpers.db_connection
+
+  def connection() -> sqlite3.Connection:
+    if getattr(local, "conn", None) is None:
+      tinygrad.helpers._db_connection = None
+      local.conn = original()
+      tinygrad.helpers._db_connection = None
+    return local.conn
+  return connection
+
+
+if not getattr(tinygrad.helpers.db_connection, "per_thread", False):
+  tinygrad.helpers.db_connection = _per_thread_cache_connection()
+  tinygrad.helpers.db_connection.per_thread = True  # type: ignore[attr-defined]

@@ -24,6 +24,8 @@ class AttentionMetadata:
   query_index: Tensor    # [S, Tq] int32: flat token index of each padded query (padding: any valid index)
   query_pos: Tensor      # [S, Tq] int32: position of each padded query in its sequence
   output_index: Tensor   # [N] int32: where each flat token's output sits in the [S * Tq] padded layout
+  context_lens: Tensor   # [S] int32: keys visible to each sequence's last new token (0 for padding sequences)
+  query_start: Tensor    # [S + 1] int32: flat offset of each sequence's first new token
   block_size: int
   context_len: int       # L: keys gathered per sequence, a multiple of block_size
 

@@ -7,6 +7,7 @@ the sampled ids.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ from tinygrad import Tensor, TinyJit, dtypes
 from tinyvllm.core.scheduler_output import SchedulerOutput
 from tinyvllm.core.sequence import Sequence
 from tinyvllm.layers.attention import AttentionMetadata
-from tinyvllm.layers.sampler import NUM_PARAMS, SamplerVariant, SamplingBatch, compute_logprobs, sample
+from tinyvllm.layers.sampler import SamplerVariant, SamplingBatch, compute_logprobs, sample
 from tinyvllm.model.llama import StepInputs, TransformerLM
 from tinyvllm.worker.input_batch import HostBatch, prepare_batch
 from tinyvllm.worker.kv_cache import KVCache
@@ -27,31 +28,29 @@ USE_JIT = os.environ.get("TINYVLLM_JIT", "1") != "0"
 @dataclass(frozen=True)
 class StepLayout:
   """The static shape of one step; each distinct layout gets its own JIT capture."""
-  tokens: int          # N
-  seqs: int            # S
-  query_len: int       # Tq
-  max_blocks: int
-  rows: int            # R sampled rows
+  shapes: tuple[tuple[str, tuple[int, ...]], ...]   # every packed int32 field, in order
   context_len: int     # L
-  penalty_len: int     # 0 when no row uses penalties
   variant: SamplerVariant
   logprobs: int        # top-k logprobs to return per row; -1: none at all
 
-  def split(self) -> list[tuple[str, int]]:
-    """(name, int32 count) of each packed field, in order."""
-    n, s, r = self.tokens, self.seqs, self.rows
-    return [("token_ids", n), ("positions", n), ("slot_mapping", n), ("output_index", n), ("logits_index", r),
-            ("block_tables", s * self.max_blocks), ("query_index", s * self.query_len), ("query_pos", s * self.query_len),
-            ("params", r * NUM_PARAMS), ("rng", r * 2), ("penalty_index", r * self.penalty_len),
-            ("penalty_value", r * self.penalty_len * 2)]
+  @property
+  def rows(self) -> int: return dict(self.shapes)["logits_index"][0]
+
+  def unpack(self, packed: Tensor) -> dict[str, Tensor]:
+    fields, offset = {}, 0
+    for name, shape in self.shapes:
+      count = math.prod(shape)
+      fields[name], offset = packed[offset:offset + count].reshape(shape), offset + count
+    return fields
 
 
-def pack(host: HostBatch, sampling: SamplingBatch) -> np.ndarray:
-  parts = [host.token_ids, host.positions, host.slot_mapping, host.output_index, host.logits_index, host.block_tables,
-           host.query_index, host.query_pos, sampling.params.view(np.int32), sampling.rng.view(np.int32)]
+def packed_fields(host: HostBatch, sampling: SamplingBatch) -> dict[str, np.ndarray]:
+  """Every int32 array of the step (float sampling settings travel bit-cast), in packing order."""
+  fields = dict(host.arrays)
+  fields["params"], fields["rng"] = sampling.params.view(np.int32), sampling.rng.view(np.int32)
   if sampling.penalty_index is not None and sampling.penalty_value is not None:
-    parts += [sampling.penalty_index, sampling.penalty_value.view(np.int32)]
-  return np.concatenate([np.ascontiguousarray(p).reshape(-1) for p in parts])
+    fields["penalty_index"], fields["penalty_value"] = sampling.penalty_index, sampling.penalty_value.view(np.int32)
+  return fields
 
 
 @dataclass
@@ -88,11 +87,10 @@ class ModelRunner:
     if sched.block_copies: self.kv_cache.copy_blocks(sched.block_copies)
     host = prepare_batch(sched.scheduled, self.kv_cache.block_size)
     sampling = self._sampling_batch(host)
-    layout = StepLayout(len(host.token_ids), host.block_tables.shape[0], host.query_index.shape[1],
-                        host.block_tables.shape[1], len(host.logits_index), host.context_len,
-                        0 if sampling.penalty_index is None else sampling.penalty_index.shape[1], sampling.variant,
+    fields = packed_fields(host, sampling)
+    layout = StepLayout(tuple((name, a.shape) for name, a in fields.items()), host.context_len, sampling.variant,
                         logprobs_bucket(host.sample_seqs))
-    packed = Tensor(pack(host, sampling), device=self.model.device).realize()
+    packed = Tensor(np.concatenate([a.reshape(-1) for a in fields.values()]), device=self.model.device).realize()
     out = self._step_fn(layout)(packed)
     rows = len(host.sample_seqs)
     if layout.logprobs < 0: return StepResult(host.sample_seqs, out.numpy()[:rows].tolist())
@@ -102,10 +100,8 @@ class ModelRunner:
   def logits(self, sched: SchedulerOutput) -> np.ndarray:
     """Float32 logits of each sampling row, without sampling (eager; for scoring and checks, not the hot path)."""
     host = prepare_batch(sched.scheduled, self.kv_cache.block_size)
-    meta = AttentionMetadata(*(Tensor(a) for a in (host.slot_mapping, host.block_tables, host.query_index, host.query_pos,
-                                                   host.output_index)), self.kv_cache.block_size, host.context_len)
-    inputs = StepInputs(Tensor(host.token_ids), Tensor(host.positions), meta, Tensor(host.logits_index))
-    logits, caches = self.model(inputs, self.kv_cache.layers)
+    logits, caches = self.model(self._step_inputs({k: Tensor(a) for k, a in host.arrays.items()}, host.context_len),
+                                self.kv_cache.layers)
     Tensor.realize(logits, *[t for pair in caches for t in pair])
     return logits.numpy()[:len(host.sample_seqs)]
 
@@ -114,23 +110,17 @@ class ModelRunner:
     if layout not in self._captures: self._captures[layout] = TinyJit(lambda packed: self._forward(layout, packed))
     return self._captures[layout]
 
-  def _forward(self, layout: StepLayout, packed: Tensor) -> Tensor:
-    f, offset = {}, 0
-    for name, count in layout.split():
-      f[name], offset = packed[offset:offset + count], offset + count
-    s = layout.seqs
-    meta = AttentionMetadata(f["slot_mapping"], f["block_tables"].reshape(s, layout.max_blocks),
-                             f["query_index"].reshape(s, layout.query_len), f["query_pos"].reshape(s, layout.query_len),
-                             f["output_index"], self.kv_cache.block_size, layout.context_len)
-    inputs = StepInputs(f["token_ids"], f["positions"], meta, f["logits_index"])
-    logits, caches = self.model(inputs, self.kv_cache.layers)
-    r = layout.rows
+  def _step_inputs(self, f: dict[str, Tensor], context_len: int) -> StepInputs:
+    meta = AttentionMetadata(f["slot_mapping"], f["block_tables"], f["query_index"], f["query_pos"], f["output_index"],
+                             f["context_lens"], f["query_start"], self.kv_cache.block_size, context_len)
+    return StepInputs(f["token_ids"], f["positions"], meta, f["logits_index"])
+
+  def _forward(self, layout: StepLayout, packed: Tensor) -> Tensor | tuple[Tensor, ...]:
+    f = layout.unpack(packed)
+    logits, caches = self.model(self._step_inputs(f, layout.context_len), self.kv_cache.layers)
     penalties = None
-    if layout.penalty_len:
-      penalties = (f["penalty_index"].reshape(r, layout.penalty_len),
-                   f["penalty_value"].bitcast(dtypes.float32).reshape(r, layout.penalty_len, 2))
-    tokens = sample(logits, f["params"].bitcast(dtypes.float32).reshape(r, NUM_PARAMS),
-                    f["rng"].bitcast(dtypes.uint32).reshape(r, 2), layout.variant, penalties)
+    if "penalty_index" in f: penalties = (f["penalty_index"], f["penalty_value"].bitcast(dtypes.float32))
+    tokens = sample(logits, f["params"].bitcast(dtypes.float32), f["rng"].bitcast(dtypes.uint32), layout.variant, penalties)
     outputs: tuple[Tensor, ...] = (tokens,)
     if layout.logprobs >= 0:
       chosen, top_ids, top_lps = compute_logprobs(logits, tokens, layout.logprobs)
