@@ -8,7 +8,8 @@ import sys
 import threading
 
 import tinygrad.helpers
-from tinygrad import Device
+from tinygrad import Device, Tensor
+from tinygrad.dtype import DType
 from tinygrad.helpers import DEV
 
 from tinyvllm.config import ConfigError
@@ -37,6 +38,13 @@ def select_device(requested: str | None) -> str:
   if not _opens(device): raise ConfigError(f"device {device!r} is not available on this machine")
   DEV.value = device
   return Device.DEFAULT
+
+
+def check_dtype(device: str, dtype: DType) -> None:
+  """Fail early and clearly when the backend cannot compute in dtype (e.g. bfloat16 with an old clang on the CPU)."""
+  try: (Tensor.ones(4, dtype=dtype, device=device).contiguous() + 1).realize()
+  except Exception as e:
+    raise ConfigError(f"the {device} backend cannot compute in {dtype.name} here ({type(e).__name__}); try --dtype float32") from None
 
 
 def _per_thread_cache_connection():

@@ -14,7 +14,7 @@ from tinyvllm.core.contiguous_allocator import ContiguousAllocator
 from tinyvllm.core.scheduler import Scheduler, SchedulerConfig, StaticScheduler
 from tinyvllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from tinyvllm.core.sequence import Request, Sequence, SequenceStatus
-from tinyvllm.device import select_device
+from tinyvllm.device import check_dtype, select_device
 from tinyvllm.engine.output_processor import OutputProcessor
 from tinyvllm.model.hub import resolve_model
 from tinyvllm.model.loader import load_model, resolve_dtype
@@ -60,6 +60,7 @@ class LLMEngine:
     self.max_model_len = self._max_model_len(config, mc)
     self.tokenizer = self._tokenizer(config, located.folder)
     self.dtype = resolve_dtype(config.dtype, mc, self.device)
+    check_dtype(self.device, self.dtype)
     log(f"backend {self.device}, dtype {self.dtype.name}, model {mc.architecture} from {located.folder or config.model}")
     self.model = load_model(mc, located.folder, config.load_format, self.dtype, self.device, self.max_model_len, config.seed)
     self.allocator = self._allocator()

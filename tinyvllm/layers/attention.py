@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tinygrad import Tensor, dtypes
 
-from tinyvllm.layers.scatter import scatter_rows
+from tinyvllm.layers.scatter import gather_rows, scatter_rows
 
 
 @dataclass
@@ -37,12 +37,19 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
   return scatter_rows(k_cache, slot_mapping, k_rows), scatter_rows(v_cache, slot_mapping, v_rows)
 
 
-def gather_context(cache: Tensor, meta: AttentionMetadata, kv_heads: int, head_dim: int) -> Tensor:
+def context_slots(meta: AttentionMetadata) -> Tensor:
+  """[S, L] int32: the cache slot of each sequence's first L tokens (block table entry * block_size + offset)."""
+  s, max_blocks = meta.block_tables.shape
+  bs = meta.block_size
+  blocks = meta.block_tables.unsqueeze(-1).expand(s, max_blocks, bs).reshape(s, max_blocks * bs)[:, :meta.context_len]
+  offsets = Tensor.arange(bs, dtype=dtypes.int32).reshape(1, 1, bs).expand(1, max_blocks, bs).reshape(1, -1)
+  return blocks * bs + offsets[:, :meta.context_len]
+
+
+def gather_context(cache: Tensor, slots: Tensor, kv_heads: int, head_dim: int) -> Tensor:
   """[S, kv_heads, L, head_dim]: each sequence's first L cached tokens, read through its block table."""
-  positions = Tensor.arange(meta.context_len, dtype=dtypes.int32)
-  blocks = meta.block_tables[:, positions // meta.block_size]             # [S, L]
-  slots = blocks * meta.block_size + positions % meta.block_size
-  return cache[slots].reshape(slots.shape[0], meta.context_len, kv_heads, head_dim).permute(0, 2, 1, 3)
+  s, length = slots.shape
+  return gather_rows(cache, slots).reshape(s, length, kv_heads, head_dim).permute(0, 2, 1, 3)
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> Tensor:
@@ -51,12 +58,13 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
   kv_heads = k_cache.shape[1] // head_dim
   group = heads // kv_heads
   s, tq = meta.query_index.shape
-  qp = q[meta.query_index].reshape(s, tq, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)   # [S, KVH, G, Tq, D]
-  qp = qp.reshape(s, kv_heads, group * tq, head_dim)
-  keys, values = gather_context(k_cache, meta, kv_heads, head_dim), gather_context(v_cache, meta, kv_heads, head_dim)
+  qp = gather_rows(q.reshape(q.shape[0], heads * head_dim), meta.query_index)
+  qp = qp.reshape(s, tq, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4).reshape(s, kv_heads, group * tq, head_dim)
+  slots = context_slots(meta)
+  keys, values = gather_context(k_cache, slots, kv_heads, head_dim), gather_context(v_cache, slots, kv_heads, head_dim)
   scores = qp.matmul(keys.transpose(-1, -2), dtype=dtypes.float32) * (1.0 / math.sqrt(head_dim))  # [S, KVH, G*Tq, L]
   visible = Tensor.arange(meta.context_len, dtype=dtypes.int32).reshape(1, 1, -1) <= meta.query_pos.unsqueeze(-1)
   visible = visible.unsqueeze(1).expand(s, group, tq, meta.context_len).reshape(s, 1, group * tq, meta.context_len)
   probs = scores.masked_fill(visible.logical_not(), float("-inf")).softmax(-1).cast(values.dtype)
   out = (probs @ values).reshape(s, kv_heads, group, tq, head_dim).permute(0, 3, 1, 2, 4)      # [S, Tq, KVH, G, D]
-  return out.reshape(s * tq, heads * head_dim)[meta.output_index]
+  return gather_rows(out.reshape(s * tq, heads * head_dim), meta.output_index)

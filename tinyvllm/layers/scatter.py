@@ -1,9 +1,10 @@
-"""Row scatter as a tinygrad UOp-DSL kernel: dst[index[n]] := src[n] for every n with index[n] >= 0.
+"""Indexed row movement as tinygrad UOp-DSL kernels: scatter dst[index[n]] := src[n], gather out[m] := src[index[m]].
 
-tinygrad 0.14's `setitem` with an index tensor, `Tensor.scatter` and one-hot tricks compare every destination row
-with every index (O(R * N * D)); this kernel touches only the N written rows (O(N * D)). It is the KV-cache write
-(slot mapping) and builds the sampler's dense penalty tensors. Generic over dtype and row shape; renders on every
-backend.
+tinygrad 0.14's `setitem` with an index tensor, `Tensor.scatter`, one-hot tricks and even plain `table[index_tensor]`
+compare every table row with every index (O(R * N * D): an embedding lookup would read the whole table, a KV-cache
+read the whole cache); these kernels touch only the rows named (O(N * D)). Scatter is the KV-cache write (slot
+mapping) and builds the sampler's dense penalty tensors; gather is the embedding lookup, the RoPE table lookup and
+the portable attention's reads through block tables. Generic over dtype and row shape; they render on every backend.
 """
 from __future__ import annotations
 
@@ -64,3 +65,26 @@ def scatter_rows(dst: Tensor, index: Tensor, src: Tensor) -> Tensor:
 def scatter_rows_(dst: Tensor, index: Tensor, src: Tensor) -> Tensor:
   """In-place `scatter_rows`: afterwards `dst` itself is the written tensor (like `Tensor.assign`), e.g. a KV cache."""
   return dst.replace(scatter_rows(dst, index, src))
+
+
+def _gather_kernel(out: UOp, src: UOp, index: UOp) -> UOp:
+  rows, n_out = src.shape[0], index.shape[0]
+  d = math.prod(src.shape[1:])
+  m, j = UOp.range(n_out, 0), UOp.range(d, 1)
+  row = _flat(index).index(m)
+  if rows * d >= INT32_LIMIT: row = row.cast(dtypes.int64)
+  ok = (row >= 0) & (row < rows)  # an out-of-range index reads zeros, never outside the buffer
+  store = _flat(out).index(m * d + j).store(_flat(src).index((row * d + j).valid(ok)))
+  name = f"gather_rows_{rows}_{n_out}_{d}_{src.dtype.name}"
+  return store.end(m, j).sink(arg=KernelInfo(name=name, opts_to_apply=()))
+
+
+def gather_rows(src: Tensor, index: Tensor) -> Tensor:
+  """out[m] = src[index[m]] for src [R, ...] and int32 index of any shape: the result has shape index.shape + src.shape[1:].
+
+  Rows outside [0, R) read as zeros."""
+  if index.dtype != dtypes.int32: raise ValueError(f"index must be int32, got {index.dtype}")
+  flat = index.reshape(-1)
+  out = Tensor.empty(flat.shape[0], *src.shape[1:], dtype=src.dtype, device=src.device)
+  out = Tensor.custom_kernel(out, src, flat, fxn=_gather_kernel)[0]
+  return out.reshape(*index.shape, *src.shape[1:])

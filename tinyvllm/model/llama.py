@@ -15,6 +15,7 @@ from tinyvllm.config import ModelConfig
 from tinyvllm.layers.attention import AttentionMetadata, paged_attention, write_kv
 from tinyvllm.layers.norm import rms_norm
 from tinyvllm.layers.rotary import apply_rope
+from tinyvllm.layers.scatter import gather_rows
 
 # An attention implementation: (q [N,H,D], k_cache, v_cache, metadata) -> [N, H*D]. The portable one is the default.
 AttentionFn = Callable[[Tensor, Tensor, Tensor, AttentionMetadata], Tensor]
@@ -65,8 +66,8 @@ class TransformerLM:
 
   def __call__(self, inputs: StepInputs, kv_caches: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
     """Returns float32 logits [S, vocab] and the KV caches after this step's writes."""
-    h = self.embed_tokens[inputs.token_ids]
-    cos, sin = self.rope_cos[inputs.positions], self.rope_sin[inputs.positions]
+    h = gather_rows(self.embed_tokens, inputs.token_ids)
+    cos, sin = gather_rows(self.rope_cos, inputs.positions), gather_rows(self.rope_sin, inputs.positions)
     new_caches = []
     for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
       attn, k_cache, v_cache = self._attention(layer, rms_norm(h, layer.input_norm, self.config.rms_norm_eps),
@@ -74,7 +75,7 @@ class TransformerLM:
       h = h + attn
       h = h + self._mlp(layer, rms_norm(h, layer.post_attention_norm, self.config.rms_norm_eps))
       new_caches.append((k_cache, v_cache))
-    last = rms_norm(h[inputs.logits_index], self.norm, self.config.rms_norm_eps)
+    last = rms_norm(gather_rows(h, inputs.logits_index), self.norm, self.config.rms_norm_eps)
     return last.matmul(self.lm_head.T, dtype=dtypes.float32).cast(dtypes.float32), new_caches
 
   def _attention(self, layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,

@@ -1,0 +1,90 @@
+"""Where a decode step's time goes on the GPU: decode tok/s, kernel count, and the slowest kernels of one step.
+
+Usage (on the GPU machine): DEV=CUDA python bench/gpu_profile.py --model qwen3-0.6b --batch 1 [--stories PATH]
+Writes $OUT/profile_<tag>.json when OUT is set.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+LINE = re.compile(r"\*\*\*\s+\S+\s+\d+\s+(\S+).*?tm\s+([\d.]+)(us|ms)")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def profile_one_step(engine, batch: int) -> dict:
+  """One eager decode step with tinygrad's DEBUG=2 per-kernel timing (kernels run one by one, no graph)."""
+  from tinygrad.helpers import Context
+
+  import tinyvllm.worker.model_runner as mr
+  from tinyvllm import SamplingParams
+  params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+  for i in range(batch): engine.add_request(f"p{i}", [1] * 100, params)
+  engine.step()
+  engine.step()
+  mr.USE_JIT = False
+  engine.step()  # compile the eager kernels outside the measurement
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf), Context(DEBUG=2): engine.step()
+  mr.USE_JIT = True
+  while engine.has_unfinished_requests(): engine.step()
+  times: dict[str, float] = defaultdict(float)
+  counts: dict[str, int] = defaultdict(int)
+  for m in LINE.finditer(ANSI.sub("", buf.getvalue())):
+    t = float(m.group(2)) * (1e-3 if m.group(3) == "us" else 1.0)
+    times[m.group(1)] += t
+    counts[m.group(1)] += 1
+  top = sorted(times.items(), key=lambda kv: -kv[1])[:25]
+  return {"kernels": sum(counts.values()), "total_ms": sum(times.values()),
+          "top": [{"name": k, "ms": round(v, 4), "count": counts[k]} for k, v in top]}
+
+
+def main() -> None:
+  p = argparse.ArgumentParser()
+  p.add_argument("--model", default="qwen3-0.6b")
+  p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--max-model-len", type=int, default=4096)
+  p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--tag", default="default")
+  p.add_argument("--stories", help="stories260K-hf folder: check the greedy reference on this device first")
+  args = p.parse_args()
+  from tinyvllm import LLM, SamplingParams
+  from tinyvllm.bench.decode import run_decode_bench
+  result: dict = {"tag": args.tag, "jitbeam": os.environ.get("JITBEAM", "0")}
+  if args.stories:
+    ref = json.loads((Path(args.stories) / "reference_greedy.json").read_text())
+    llm = LLM(args.stories, num_gpu_blocks=256)
+    out = llm.generate([ref["prompt_ids"]], SamplingParams(temperature=0, max_tokens=256), use_tqdm=False)[0].outputs[0]
+    result["stories_greedy_ok"] = out.token_ids == ref["greedy_ids"]
+    print("stories greedy matches reference:", result["stories_greedy_ok"], flush=True)
+    del llm
+  t0 = time.perf_counter()
+  llm = LLM(args.model, load_format="dummy", dtype=args.dtype, num_gpu_blocks=2048, max_model_len=args.max_model_len,
+            max_num_seqs=256)
+  result["load_s"] = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  runs = run_decode_bench(llm.engine, args.batch, 128, 256, no_kv_cache=False)
+  result["bench_s"] = time.perf_counter() - t0
+  result["decode_tok_s"] = runs[0].decode_tok_s
+  result["prefill_ms"] = runs[0].prefill_s * 1e3
+  print(runs[0].line(), flush=True)
+  result["profile"] = profile_one_step(llm.engine, args.batch)
+  prof = result["profile"]
+  print(f"eager step: {prof['kernels']} kernels, {prof['total_ms']:.3f} ms of kernel time", flush=True)
+  for row in prof["top"]: print(f"  {row['ms']:8.4f} ms  x{row['count']:<4} {row['name']}", flush=True)
+  if out_dir := os.environ.get("OUT"):
+    Path(out_dir, f"profile_{args.tag}.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+  main()
