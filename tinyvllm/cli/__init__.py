@@ -4,24 +4,30 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tinyvllm.cli import bench, chat, generate
+from tinyvllm.cli import bench, chat, generate, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="tinyvllm", description="A small, fast LLM inference engine on tinygrad.")
   sub = parser.add_subparsers(dest="command", required=True)
-  for module in (generate, chat, bench): module.add_parser(sub)
+  for module in (generate, chat, serve, bench): module.add_parser(sub)
   return parser
 
 
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
+  try:
+    return args.run(args)
+  except Exception as e:
+    if not isinstance(e, _user_errors()): raise
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+  # imported only when needed: `bench serve` is a pure HTTP client and must not pull in the engine (tinygrad)
   from tinyvllm.config import ConfigError
   from tinyvllm.engine.llm_engine import PromptError
   from tinyvllm.sampling_params import SamplingParamsError
   from tinyvllm.tokenizer import TokenizerError
-  try:
-    return args.run(args)
-  except (ConfigError, PromptError, SamplingParamsError, TokenizerError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  return ConfigError, PromptError, SamplingParamsError, TokenizerError

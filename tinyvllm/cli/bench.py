@@ -1,7 +1,11 @@
-"""`bench`: speed measurements (decode; more kinds arrive with the engine's later parts)."""
+"""`bench`: speed measurements: decode (in-process) and serve (an HTTP client against a running server)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import os
+import sys
 
 from tinyvllm.cli.args import add_engine_args, engine_kwargs
 
@@ -16,6 +20,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
   d.add_argument("--max-tokens", type=int, default=256, help="new tokens per sequence")
   d.add_argument("--no-kv-cache", action="store_true", help="also measure decoding that recomputes everything each step")
   d.set_defaults(run=run_decode)
+  add_serve_parser(kinds)
+
+
+def add_serve_parser(kinds: argparse._SubParsersAction) -> None:
+  s = kinds.add_parser("serve", help="serving benchmark: stream /v1/completions from a running server (a pure HTTP client)")
+  s.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+  s.add_argument("--model", help="model name to send (default: the server's)")
+  s.add_argument("--num-prompts", type=int, default=100)
+  s.add_argument("--input-len", type=int, default=512, help="prompt tokens per request (random token ids)")
+  s.add_argument("--output-len", type=int, default=128, help="tokens each request generates (ignore_eos)")
+  s.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson arrivals (inf: all at once)")
+  s.add_argument("--max-concurrency", type=int, help="most requests in flight at once (default: no cap)")
+  s.add_argument("--seed", type=int, default=0)
+  s.add_argument("--goodput", nargs="+", metavar="METRIC:MS", help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
+  s.add_argument("--vocab-size", type=int, help="draw prompt ids below this (default: the server's vocab_size)")
+  s.add_argument("--api-key", default=os.environ.get("TINYVLLM_API_KEY"), help="default: $TINYVLLM_API_KEY")
+  s.add_argument("--result-file", help="write the results as JSON here")
+  s.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+  s.set_defaults(run=run_serve)
 
 
 def run_decode(args: argparse.Namespace) -> int:
@@ -26,3 +49,29 @@ def run_decode(args: argparse.Namespace) -> int:
   for r in results: print(r.line())
   if len(results) == 2: print(f"the KV cache makes decoding {results[0].decode_tok_s / results[1].decode_tok_s:.1f}x faster")
   return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+  from tinyvllm.bench.serve import ServeBenchConfig, parse_goodput, report, run_benchmark
+  for name in ("num_prompts", "input_len", "output_len"):
+    if getattr(args, name) < 1: return _usage_error(f"--{name.replace('_', '-')} must be >= 1")
+  if not args.request_rate > 0: return _usage_error("--request-rate must be > 0 (inf: all at once)")
+  if args.max_concurrency is not None and args.max_concurrency < 1: return _usage_error("--max-concurrency must be >= 1")
+  try: goodput = parse_goodput(args.goodput)
+  except ValueError as e: return _usage_error(str(e))
+  cfg = ServeBenchConfig(url=args.url.rstrip("/"), num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+                         request_rate=args.request_rate, max_concurrency=args.max_concurrency, model=args.model, seed=args.seed,
+                         goodput=goodput, vocab_size=args.vocab_size, api_key=args.api_key, progress=not args.disable_tqdm)
+  try:
+    result = asyncio.run(run_benchmark(cfg))
+  except Exception as e:  # the server is unreachable or refused the test request
+    return _usage_error(f"benchmark failed: {type(e).__name__}: {e}", code=1)
+  print(report(result))
+  if args.result_file:
+    with open(args.result_file, "w") as f: json.dump(result, f, indent=2)
+  return 0 if result["failed"] == 0 else 1
+
+
+def _usage_error(message: str, code: int = 2) -> int:
+  print(f"error: {message}", file=sys.stderr)
+  return code

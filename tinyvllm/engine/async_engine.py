@@ -51,6 +51,11 @@ class AsyncLLMEngine:
   @property
   def tokenizer(self): return self.engine.tokenizer
 
+  @property
+  def is_dead(self) -> bool:
+    """The loop has stopped (crashed or shut down): no request can be served any more."""
+    return self._dead is not None
+
   def validate(self, prompt: PromptType, params: SamplingParams) -> list[int]:
     """Tokenize and check a request without queueing it (raises PromptError); returns the prompt's token ids."""
     ids = self.engine.tokenize_prompt(prompt)[1]

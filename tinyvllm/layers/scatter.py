@@ -33,7 +33,7 @@ def _scatter_kernel(dst: UOp, index: UOp, src: UOp) -> UOp:
   ok = (row >= 0) & (row < rows)  # out-of-range rows are skipped too: a bad slot must not write outside the buffer
   store = _flat(dst).index((row * d + j).valid(ok)).store(_flat(src).index(n * d + j))
   name = f"scatter_rows_{rows}_{n_src}_{d}_{dst.dtype.name}"
-  return store.end(n, j).sink(arg=KernelInfo(name=name, opts_to_apply=()))
+  return store.end(n, j).sink(arg=KernelInfo(name=name))
 
 
 def _check(dst: Tensor, index: Tensor, src: Tensor) -> None:
@@ -76,7 +76,7 @@ def _gather_kernel(out: UOp, src: UOp, index: UOp) -> UOp:
   ok = (row >= 0) & (row < rows)  # an out-of-range index reads zeros, never outside the buffer
   store = _flat(out).index(m * d + j).store(_flat(src).index((row * d + j).valid(ok)))
   name = f"gather_rows_{rows}_{n_out}_{d}_{src.dtype.name}"
-  return store.end(m, j).sink(arg=KernelInfo(name=name, opts_to_apply=()))
+  return store.end(m, j).sink(arg=KernelInfo(name=name))
 
 
 def gather_rows(src: Tensor, index: Tensor) -> Tensor:

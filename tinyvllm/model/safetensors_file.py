@@ -84,5 +84,5 @@ class Checkpoint:
   def array(self, name: str) -> np.ndarray:
     """The tensor as stored (bfloat16 as raw uint16), without copying."""
     e = self.entries[name]
-    if e.path not in self._maps: self._maps[e.path] = np.memmap(e.path, dtype=np.uint8, mode="r")
+    if e.path not in self._maps: self._maps[e.path] = np.memmap(e.path, dtype=np.uint8, mode="c")
     return self._maps[e.path][e.start:e.end].view(NUMPY_DTYPES[e.dtype]).reshape(e.shape)

@@ -1,0 +1,186 @@
+"""What both generation endpoints share: the server's state, request checks, sampling parameters, running several
+engine requests as one HTTP request, and watching for the client going away."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from tinyvllm.engine.async_engine import AsyncLLMEngine
+from tinyvllm.engine.llm_engine import PromptError
+from tinyvllm.entrypoints.errors import APIError, bad_request
+from tinyvllm.entrypoints.metrics import ServerMetrics
+from tinyvllm.entrypoints.protocol import SamplingRequest
+from tinyvllm.outputs import RequestOutput
+from tinyvllm.sampling_params import SamplingParams, SamplingParamsError
+from tinyvllm.tokenizer import Tokenizer
+
+T = TypeVar("T")
+LOGPROB_FLOOR = -9999.0   # JSON has no -inf
+
+
+@dataclass
+class ServerState:
+  served_model_name: str
+  model_path: str
+  api_key: str | None = None
+  engine: AsyncLLMEngine | None = None
+  load_error: str | None = None
+  created: int = field(default_factory=lambda: int(time.time()))
+  draining: bool = False       # shutting down: in-flight requests may finish, new ones are refused
+  metrics: ServerMetrics = field(init=False)
+  in_flight: set[asyncio.Queue] = field(default_factory=set)   # one queue per running HTTP request
+
+  def __post_init__(self) -> None:
+    self.metrics = ServerMetrics(lambda: self.engine.engine if self.engine is not None else None)
+
+  def require_ready(self) -> AsyncLLMEngine:
+    """The engine, for a new request (503 while loading or shutting down)."""
+    if self.draining: raise APIError(503, "the server is shutting down", code="service_unavailable")
+    return self.require_engine()
+
+  def abort_in_flight(self) -> None:
+    """End every in-flight request now (its stream gets an error event; a whole response, a 503)."""
+    for queue in self.in_flight: queue.put_nowait((-1, APIError(503, "the server shut down before the request finished",
+                                                                 code="service_unavailable")))
+
+  def require_engine(self) -> AsyncLLMEngine:
+    if self.engine is None:
+      message = f"the model failed to load: {self.load_error}" if self.load_error else "the model is still loading"
+      raise APIError(503, message, code="service_unavailable")
+    return self.engine
+
+  @property
+  def max_model_len(self) -> int: return self.require_engine().engine.max_model_len
+
+  def tokenizer(self, purpose: str) -> Tokenizer:
+    tokenizer = self.require_engine().tokenizer
+    if tokenizer is None: raise bad_request(f"this model has no tokenizer: {purpose} needs one")
+    return tokenizer
+
+  def check_model(self, model: str | None) -> None:
+    if model is not None and model != self.served_model_name:
+      raise APIError(404, f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
+                     param="model", code="model_not_found")
+
+
+@dataclass
+class Prompt:
+  text: str | None
+  token_ids: list[int]
+
+  def engine_prompt(self) -> dict[str, Any]: return {"prompt": self.text, "prompt_token_ids": self.token_ids}
+
+
+def tokenize(state: ServerState, prompt: str | list[int], param: str) -> Prompt:
+  try: text, ids = state.require_engine().engine.tokenize_prompt(prompt)
+  except PromptError as e: raise bad_request(str(e), param) from None
+  if not ids: raise bad_request("the prompt is empty (no tokens)", param)
+  return Prompt(text, ids)
+
+
+def check_context(state: ServerState, prompt: Prompt, max_tokens: int | None, param: str) -> int:
+  """The request's max_tokens (the rest of the context when None), or OpenAI's context_length_exceeded."""
+  limit, n = state.max_model_len, len(prompt.token_ids)
+  wanted = max_tokens if max_tokens is not None else max(limit - n, 1)
+  if n >= limit or n + wanted > limit:
+    raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested {n + wanted} tokens "
+                      f"({n} in the {param}, {wanted} in the completion). Please reduce the length of the {param} or "
+                      "the completion.", param, code="context_length_exceeded")
+  return wanted
+
+
+_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+
+
+def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None, rename: dict[str, str] | None = None) -> SamplingParams:
+  """The engine's SamplingParams; a bad value is a 400 naming the request's field (`rename`: engine name -> request name)."""
+  if req.logit_bias: raise bad_request("logit_bias is not supported", "logit_bias")
+  given = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
+  try:
+    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **given)
+  except SamplingParamsError as e:
+    raise bad_request(str(e), (rename or {}).get(e.param, e.param)) from None
+
+
+def check_engine_limits(state: ServerState, prompt: Prompt, params: SamplingParams, param: str) -> None:
+  """What the engine itself refuses (a request bigger than the whole KV cache, stop strings without a tokenizer, ...)."""
+  try: state.require_engine().validate(prompt.engine_prompt(), params)
+  except PromptError as e: raise bad_request(str(e), param) from None
+
+
+async def generate_many(state: ServerState, prompts: list[Prompt], params: list[SamplingParams],
+                        request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+  """One engine request per prompt, their outputs interleaved as (prompt index, output) until every one finishes.
+  Closing this generator (the client went away) cancels the rest, which aborts them in the engine."""
+  engine, queue = state.require_engine(), asyncio.Queue()
+
+  async def pump(i: int) -> None:
+    tracker = state.metrics.tracker()
+    try:
+      async for out in engine.generate(prompts[i].engine_prompt(), params[i], f"{request_id}-{i}"):
+        tracker.observe(out)
+        queue.put_nowait((i, out))
+    except Exception as e:
+      queue.put_nowait((i, e))
+    finally:
+      tracker.close()
+
+  tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
+  state.in_flight.add(queue)
+  try:
+    remaining = len(prompts)
+    while remaining:
+      i, item = await queue.get()
+      if isinstance(item, BaseException): raise item
+      remaining -= item.finished
+      yield i, item
+  finally:
+    state.in_flight.discard(queue)
+    for t in tasks: t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def final_outputs(state: ServerState, prompts: list[Prompt], params: list[SamplingParams],
+                        request_id: str) -> list[RequestOutput]:
+  finals: list[RequestOutput | None] = [None] * len(prompts)
+  async for i, out in generate_many(state, prompts, params, request_id):
+    if out.finished: finals[i] = out
+  return [f for f in finals if f is not None]
+
+
+async def _disconnected(request: Request) -> None:
+  # the body has been read, so the next message the server sends us is http.disconnect
+  while (await request.receive())["type"] != "http.disconnect": pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+  """`work`'s result, or None (with `work` cancelled, its engine requests aborted) if the client goes away first."""
+  task, watch = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(request))
+  try:
+    done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+  finally:
+    for t in (task, watch):
+      if not t.done(): t.cancel()
+    await asyncio.gather(task, watch, return_exceptions=True)
+  return task.result() if task in done else None
+
+
+def sse(data: dict[str, Any] | str) -> str:
+  return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def stream_error(e: Exception) -> str:
+  """An error after the stream started (the status line is already sent): one error event."""
+  err = e if isinstance(e, APIError) else APIError(500, f"{type(e).__name__}: {e}", code="internal_error")
+  return sse(err.body())
+
+
+def finite(logprob: float) -> float: return logprob if math.isfinite(logprob) else LOGPROB_FLOOR

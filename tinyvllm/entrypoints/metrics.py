@@ -1,0 +1,99 @@
+"""Prometheus metrics in the server's own registry: engine state read at scrape time, request timings as they happen."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from tinyvllm.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+
+
+class EngineCollector:
+  """Gauges read from the engine when /metrics is scraped (nothing while the model loads)."""
+
+  def __init__(self, get_engine: Callable[[], Any]):
+    self.get_engine = get_engine
+
+  def describe(self) -> list[Metric]: return []
+
+  def collect(self) -> Iterator[Metric]:
+    engine = self.get_engine()
+    if engine is None: return
+    sched, alloc = engine.scheduler, engine.allocator
+    # copies taken in one C call each: the engine thread may be changing these while we read
+    running = {s.request_id for s in list(sched.running)}
+    waiting = {s.request_id for s in list(sched.waiting)} - running
+    yield _gauge("num_requests_running", "Requests with sequences in the running batch", len(running))
+    yield _gauge("num_requests_waiting", "Requests waiting to be scheduled", len(waiting))
+    yield _gauge("kv_cache_blocks_total", "KV cache blocks in the cache", alloc.num_blocks)
+    yield _gauge("kv_cache_blocks_used", "KV cache blocks held by sequences", alloc.num_used_blocks)
+    yield _gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)", alloc.num_used_blocks / max(alloc.num_blocks, 1))
+    yield _gauge("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up",
+                 getattr(alloc, "prefix_hit_rate", 0.0))
+    yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", getattr(alloc, "prefix_queries", 0))
+    yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache", getattr(alloc, "prefix_hits", 0))
+    yield _counter("num_preemptions", "Sequences preempted (their blocks taken back, recomputed later)", sched.num_preemptions)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily: return GaugeMetricFamily(f"tinyvllm:{name}", doc, value=value)
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+  return CounterMetricFamily(f"tinyvllm:{name}", doc, value=value)
+
+
+class ServerMetrics:
+  def __init__(self, get_engine: Callable[[], Any]):
+    self.registry = r = CollectorRegistry()
+    self.prompt_tokens = Counter("tinyvllm:prompt_tokens", "Prompt tokens prefilled", registry=r)
+    self.generation_tokens = Counter("tinyvllm:generation_tokens", "Tokens generated", registry=r)
+    self.request_success = Counter("tinyvllm:request_success", "Engine requests finished, by finish reason", ["finished_reason"],
+                                   registry=r)
+    self.request_aborted = Counter("tinyvllm:request_aborted", "Engine requests aborted (client gone, shutdown)", registry=r)
+    self.ttft = Histogram("tinyvllm:time_to_first_token_seconds", "Time to the first generated token", buckets=_LATENCY_BUCKETS,
+                          registry=r)
+    self.tpot = Histogram("tinyvllm:time_per_output_token_seconds", "Time between successive outputs of a request",
+                          buckets=_TOKEN_BUCKETS, registry=r)
+    self.e2e = Histogram("tinyvllm:e2e_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS, registry=r)
+    r.register(EngineCollector(get_engine))
+
+  def render(self) -> bytes: return generate_latest(self.registry)
+
+  def tracker(self) -> RequestTracker: return RequestTracker(self)
+
+
+class RequestTracker:
+  """Times one engine request from its arrival: first token, each later output, the end."""
+
+  def __init__(self, metrics: ServerMetrics):
+    self.metrics, self.arrival = metrics, time.monotonic()
+    self.first: float | None = None
+    self.last = self.arrival
+    self.done = False
+
+  def observe(self, out: RequestOutput) -> None:
+    m, now = self.metrics, time.monotonic()
+    new_tokens = sum(len(o.delta_token_ids) for o in out.outputs)
+    if new_tokens:
+      if self.first is None:
+        self.first = now
+        m.ttft.observe(now - self.arrival)
+        m.prompt_tokens.inc(len(out.prompt_token_ids))
+      else:
+        m.tpot.observe(now - self.last)
+      self.last = now
+      m.generation_tokens.inc(new_tokens)
+    if out.finished:
+      self.done = True
+      m.e2e.observe(now - self.arrival)
+      m.request_success.labels(out.outputs[0].finish_reason or "unknown").inc()
+
+  def close(self) -> None:
+    """Called when the request's stream ends, finished or not."""
+    if not self.done: self.metrics.request_aborted.inc()
+    self.done = True

@@ -1,0 +1,187 @@
+"""The OpenAI API's request and response shapes (with vLLM's extensions), as pydantic models.
+
+Requests are parsed strictly (a string is not a number, 1 is not true) and ignore fields they do not know, as OpenAI's
+server does.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 128          # OpenAI's own limit on n
+MAX_COMPLETION_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 20
+
+
+class StrictModel(BaseModel):
+  model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(StrictModel):
+  include_usage: bool | None = False
+
+
+class SamplingRequest(StrictModel):
+  """The fields both generation endpoints take; None means the engine's default."""
+  model: str | None = None
+  n: int | None = Field(1, ge=1, le=MAX_N)
+  temperature: float | None = None
+  top_p: float | None = None
+  top_k: int | None = None
+  min_p: float | None = None
+  seed: int | None = None
+  presence_penalty: float | None = None
+  frequency_penalty: float | None = None
+  repetition_penalty: float | None = None
+  stop: str | list[str] | None = None
+  stop_token_ids: list[int] | None = None
+  ignore_eos: bool | None = False
+  include_stop_str_in_output: bool | None = False
+  skip_special_tokens: bool | None = True
+  logit_bias: dict[str, float] | None = None
+  user: str | None = None
+  stream: bool | None = False
+  stream_options: StreamOptions | None = None
+
+  @property
+  def include_usage(self) -> bool: return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingRequest):
+  prompt: str | list[str] | list[int] | list[list[int]]
+  max_tokens: int | None = 16
+  logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+  echo: bool | None = False
+  suffix: str | None = None
+  best_of: int | None = None
+
+
+class TextPart(StrictModel):
+  type: Literal["text"]
+  text: str
+
+
+class ChatMessage(BaseModel):
+  # extra fields (name, reasoning_content, tool_calls, ...) reach the chat template as they are
+  model_config = ConfigDict(strict=True, extra="allow")
+  role: Literal["system", "developer", "user", "assistant", "tool"]
+  content: str | list[TextPart] | None = None
+
+  def template_dict(self) -> dict[str, Any]:
+    out = self.model_dump(exclude_none=True)
+    if isinstance(self.content, list): out["content"] = "\n".join(p.text for p in self.content)
+    return out
+
+
+class ChatCompletionRequest(SamplingRequest):
+  messages: list[ChatMessage] = Field(min_length=1)
+  max_tokens: int | None = None
+  max_completion_tokens: int | None = None
+  logprobs: bool | None = False
+  top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+  add_generation_prompt: bool | None = True
+  chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(StrictModel):
+  model: str | None = None
+  prompt: str | None = None
+  messages: list[ChatMessage] | None = Field(None, min_length=1)
+  add_special_tokens: bool | None = None   # default: True for a prompt, False for messages (the template has them)
+  add_generation_prompt: bool | None = True
+  chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(StrictModel):
+  model: str | None = None
+  tokens: list[int]
+
+
+# ---- responses ----
+class Usage(BaseModel):
+  prompt_tokens: int
+  completion_tokens: int
+  total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+  tokens: list[str] = Field(default_factory=list)
+  token_logprobs: list[float | None] = Field(default_factory=list)
+  top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+  text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+  index: int
+  text: str
+  logprobs: CompletionLogprobs | None = None
+  finish_reason: str | None = None
+  stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+  id: str
+  object: Literal["text_completion"] = "text_completion"
+  created: int
+  model: str
+  choices: list[CompletionChoice]
+  usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+  token: str
+  logprob: float
+  bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+  top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+  content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+  role: Literal["assistant"] = "assistant"
+  content: str
+
+
+class ChatChoice(BaseModel):
+  index: int
+  message: AssistantMessage
+  logprobs: ChatLogprobs | None = None
+  finish_reason: str | None = None
+  stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+  id: str
+  object: Literal["chat.completion"] = "chat.completion"
+  created: int
+  model: str
+  choices: list[ChatChoice]
+  usage: Usage
+
+
+class ChatChunkChoice(BaseModel):
+  index: int
+  delta: dict[str, str]          # {"role": "assistant", "content": ""} first, then {"content": ...}, {} at the end
+  logprobs: ChatLogprobs | None = None
+  finish_reason: str | None = None
+  stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+  id: str
+  object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+  created: int
+  model: str
+  choices: list[ChatChunkChoice]
+  usage: Usage | None = None
+
+
+def chunk_json(chunk: BaseModel, include_usage: bool) -> dict[str, Any]:
+  """A streamed chunk: with include_usage every chunk carries `usage` (null until the last); without it, none does."""
+  return chunk.model_dump(exclude=None if include_usage else {"usage"})

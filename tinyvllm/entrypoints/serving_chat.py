@@ -1,0 +1,148 @@
+"""POST /v1/chat/completions: the messages through the model's chat template, then one engine request with n samples."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tinyvllm.entrypoints.common import (
+  Prompt,
+  ServerState,
+  check_context,
+  check_engine_limits,
+  final_outputs,
+  finite,
+  generate_many,
+  sampling_params,
+  sse,
+  stream_error,
+  unless_disconnected,
+)
+from tinyvllm.entrypoints.errors import bad_request
+from tinyvllm.entrypoints.protocol import (
+  AssistantMessage,
+  ChatChoice,
+  ChatChunkChoice,
+  ChatCompletionChunk,
+  ChatCompletionRequest,
+  ChatCompletionResponse,
+  ChatLogprobs,
+  ChatMessage,
+  ChatTokenLogprob,
+  TopLogprob,
+  Usage,
+  chunk_json,
+)
+from tinyvllm.outputs import CompletionOutput, Logprob
+from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.tokenizer import Tokenizer, TokenizerError
+
+_RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "tokenize"})
+
+
+def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
+                template_kwargs: dict | None) -> str:
+  """The conversation as the model's chat template writes it (chat_template_kwargs, e.g. enable_thinking, reach it)."""
+  tokenizer = state.tokenizer("chat")
+  if not tokenizer.has_chat_template: raise bad_request("this model has no chat template: use /v1/completions", "messages")
+  kwargs = template_kwargs or {}
+  if bad := sorted(_RESERVED_TEMPLATE_ARGS & kwargs.keys()):
+    raise bad_request(f"chat_template_kwargs cannot set {', '.join(bad)}", "chat_template_kwargs")
+  try:
+    text = tokenizer.apply_chat_template([m.template_dict() for m in messages], add_generation_prompt=add_generation_prompt, **kwargs)
+  except TokenizerError as e:
+    raise bad_request(str(e), "messages") from None
+  assert isinstance(text, str)
+  return text
+
+
+def _prepare(state: ServerState, req: ChatCompletionRequest) -> tuple[Prompt, int | None]:
+  if req.top_logprobs is not None and not req.logprobs: raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+  text = render_chat(state, req.messages, req.add_generation_prompt is not False, req.chat_template_kwargs)
+  prompt = Prompt(text, state.tokenizer("chat").encode(text, add_special_tokens=False))
+  if not prompt.token_ids: raise bad_request("the chat template rendered no tokens", "messages")
+  return prompt, (req.top_logprobs or 0) if req.logprobs else None
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request) -> Response:
+  state.require_ready()
+  state.check_model(req.model)
+  max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+  param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+  if max_tokens is not None and max_tokens < 1: raise bad_request(f"{param} must be >= 1, got {max_tokens}", param)
+  prompt, logprobs = _prepare(state, req)
+  params = sampling_params(req, check_context(state, prompt, max_tokens, "messages"), logprobs,
+                           rename={"logprobs": "top_logprobs", "max_tokens": param})
+  check_engine_limits(state, prompt, params, "messages")
+  request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+  if req.stream:
+    return StreamingResponse(_stream(state, req, prompt, params, request_id, created), media_type="text/event-stream")
+  finals = await unless_disconnected(request, final_outputs(state, [prompt], [params], request_id))
+  if finals is None: return Response(status_code=499)
+  tokenizer, out = state.require_engine().tokenizer, finals[0]
+  choices = [ChatChoice(index=o.index, message=AssistantMessage(content=o.text), finish_reason=o.finish_reason,
+                        stop_reason=o.stop_reason, logprobs=_logprobs(tokenizer, o.token_ids, o.logprobs, logprobs))
+             for o in out.outputs]
+  body = ChatCompletionResponse(id=request_id, created=created, model=state.served_model_name, choices=choices,
+                                usage=_usage(prompt, sum(len(o.token_ids) for o in out.outputs)))
+  return JSONResponse(body.model_dump())
+
+
+def _usage(prompt: Prompt, completion_tokens: int) -> Usage:
+  n = len(prompt.token_ids)
+  return Usage(prompt_tokens=n, completion_tokens=completion_tokens, total_tokens=n + completion_tokens)
+
+
+def _top(tokenizer: Tokenizer | None, token_id: int, entry: Logprob) -> TopLogprob:
+  raw = tokenizer.token_bytes(token_id) if tokenizer is not None else b""
+  text = entry.decoded_token if entry.decoded_token is not None else raw.decode(errors="replace")
+  return TopLogprob(token=text, logprob=finite(entry.logprob), bytes=list(raw))
+
+
+def _logprobs(tokenizer: Tokenizer | None, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None,
+              top_k: int | None) -> ChatLogprobs | None:
+  """logprobs.content: each token with its top_k alternatives (by rank)."""
+  if top_k is None: return None
+  content = []
+  for token_id, entries in zip(token_ids, logprobs or [], strict=False):
+    top = [_top(tokenizer, t, lp) for t, lp in sorted(entries.items(), key=lambda kv: kv[1].rank) if lp.rank <= top_k][:top_k]
+    content.append(ChatTokenLogprob(**_top(tokenizer, token_id, entries[token_id]).model_dump(), top_logprobs=top))
+  return ChatLogprobs(content=content)
+
+
+def _delta_logprobs(tokenizer: Tokenizer | None, o: CompletionOutput, top_k: int | None) -> ChatLogprobs | None:
+  if top_k is None or not o.delta_token_ids: return None
+  return _logprobs(tokenizer, o.delta_token_ids, (o.logprobs or [])[-len(o.delta_token_ids):], top_k)
+
+
+async def _stream(state: ServerState, req: ChatCompletionRequest, prompt: Prompt, params: SamplingParams, request_id: str,
+                  created: int) -> AsyncIterator[str]:
+  """Role chunk per choice, content chunks, a closing chunk with finish_reason per choice, [usage chunk], [DONE]."""
+  tokenizer, model, usage_on = state.require_engine().tokenizer, state.served_model_name, req.include_usage
+  top_k = params.logprobs
+
+  def chunk(choice: ChatChunkChoice) -> str:
+    return sse(chunk_json(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]), usage_on))
+
+  for i in range(params.n): yield chunk(ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""}))
+  finished: set[int] = set()
+  completion_tokens = 0
+  try:
+    async for _, out in generate_many(state, [prompt], [params], request_id):
+      for o in out.outputs:
+        if o.index in finished: continue
+        lps = _delta_logprobs(tokenizer, o, top_k)
+        if o.delta_text or lps is not None: yield chunk(ChatChunkChoice(index=o.index, delta={"content": o.delta_text}, logprobs=lps))
+        if o.finished:
+          finished.add(o.index)
+          completion_tokens += len(o.token_ids)
+          yield chunk(ChatChunkChoice(index=o.index, delta={}, finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+    if usage_on:
+      last = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[], usage=_usage(prompt, completion_tokens))
+      yield sse(last.model_dump())
+  except Exception as e:
+    yield stream_error(e)
+  yield sse("[DONE]")
