@@ -23,6 +23,9 @@ from tinyvllm.worker.input_batch import HostBatch, prepare_batch
 from tinyvllm.worker.kv_cache import KVCache
 
 USE_JIT = os.environ.get("TINYVLLM_JIT", "1") != "0"
+# Steps with prompt chunks run eagerly unless this is set: their shapes vary widely (a capture each would cost more to
+# build than it saves) and they are bound by large kernels, not by per-kernel launch cost.
+JIT_PREFILL = os.environ.get("TINYVLLM_JIT_PREFILL", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,9 @@ class StepLayout:
 
   @property
   def rows(self) -> int: return dict(self.shapes)["logits_index"][0]
+
+  @property
+  def query_len(self) -> int: return dict(self.shapes)["query_index"][1]
 
   def unpack(self, packed: Tensor) -> dict[str, Tensor]:
     fields, offset = {}, 0
@@ -106,7 +112,7 @@ class ModelRunner:
     return logits.numpy()[:len(host.sample_seqs)]
 
   def _step_fn(self, layout: StepLayout):
-    if not USE_JIT: return lambda packed: self._forward(layout, packed)
+    if not USE_JIT or (layout.query_len > 1 and not JIT_PREFILL): return lambda packed: self._forward(layout, packed)
     if layout not in self._captures: self._captures[layout] = TinyJit(lambda packed: self._forward(layout, packed))
     return self._captures[layout]
 

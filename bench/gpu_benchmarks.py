@@ -1,0 +1,166 @@
+"""The GPU benchmark suite of docs/benchmarks.md, in one process: each part in its own engine, results appended to
+$OUT/bench_<part>.json as soon as it finishes (a timeout keeps what was done).
+
+Usage (on the GPU machine, from the repo root): DEV=CUDA python bench/gpu_benchmarks.py decode throughput prefill context peers
+Parts: decode, throughput, prefill, context, peers, serve (see docs/benchmarks.md for what each measures).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# overridable for a smoke test on the CPU (a small config folder, float32)
+MODEL = os.environ.get("BENCH_MODEL", "qwen3-0.6b")
+DTYPE = os.environ.get("BENCH_DTYPE", "bfloat16")
+COMMON = dict(load_format="dummy", dtype=DTYPE, enable_prefix_caching=False)
+SMALL = os.environ.get("BENCH_SMALL") == "1"   # a CPU smoke test: small caches and sweeps
+
+
+def kv_gib(gib: float) -> float: return 0.05 if SMALL else gib
+
+
+def save(part: str, result: dict) -> None:
+  print(json.dumps(result)[:2000], flush=True)
+  if out := os.environ.get("OUT"): Path(out, f"bench_{part}.json").write_text(json.dumps(result, indent=1))
+
+
+def engine(**kwargs):
+  from tinyvllm import LLM
+  t0 = time.perf_counter()
+  llm = LLM(MODEL, **{**COMMON, **kwargs})
+  return llm, time.perf_counter() - t0
+
+
+def weight_bytes(llm) -> int:
+  """Bytes of weights one decode step reads (a tied embedding table counts once: the lm_head reads it whole)."""
+  seen, total = set(), 0
+  for t in llm.engine.model.parameters():
+    if id(t) not in seen and t is not llm.engine.model.rope_cos and t is not llm.engine.model.rope_sin:
+      seen.add(id(t))
+      total += t.nbytes()
+  return total
+
+
+def part_decode() -> dict:
+  from tinyvllm.bench.decode import run_decode_bench
+  llm, load_s = engine(kv_cache_memory=kv_gib(8), max_model_len=4096, max_num_seqs=64)
+  wbytes, kv_per_token = weight_bytes(llm), llm.engine.kv_cache.bytes_per_token(llm.engine.model_config, llm.engine.dtype)
+  rows = []
+  for prompt_len in (128, 2048):
+    t0 = time.perf_counter()
+    r = run_decode_bench(llm.engine, 1, prompt_len, 256, no_kv_cache=False)[0]
+    avg_context = prompt_len + 128
+    step_s = r.decode_s / (r.new_tokens - 1)
+    rows.append({"prompt_len": prompt_len, "new_tokens": 256, "decode_tok_s": r.decode_tok_s, "step_ms": step_s * 1e3,
+                 "prefill_ms": r.prefill_s * 1e3, "gb_s": (wbytes + avg_context * kv_per_token) / step_s / 1e9,
+                 "bench_wall_s": time.perf_counter() - t0})
+    print(r.line(), f"{rows[-1]['gb_s']:.0f} GB/s", flush=True)
+  return {"load_s": load_s, "weight_bytes": wbytes, "kv_bytes_per_token": kv_per_token,
+          "attention_backend": llm.engine.attention_backend.describe(), "rows": rows}
+
+
+def part_throughput() -> dict:
+  from tinyvllm.bench.throughput import run_throughput
+  llm, load_s = engine(kv_cache_memory=kv_gib(40), max_model_len=4096, max_num_seqs=256)
+  r = run_throughput(llm)
+  print(r.line(), flush=True)
+  return {"load_s": load_s, "requests": r.requests, "output_tokens": r.output_tokens, "prompt_tokens": r.prompt_tokens,
+          "seconds": r.seconds, "output_tok_s": r.output_tok_s, "preemptions": llm.engine.scheduler.num_preemptions}
+
+
+def part_prefill() -> dict:
+  from tinyvllm.bench.prefill import run_prefill_sweep
+  out = {}
+  for backend in ("auto", "portable"):
+    llm, _ = engine(kv_cache_memory=kv_gib(4), max_model_len=8192 + 16, max_num_batched_tokens=8192, max_num_seqs=8,
+                    attention_backend=backend)
+    lengths = [64, 256] if SMALL else [256, 512, 1024, 2048, 4096, 8192]
+    try: results = run_prefill_sweep(llm, lengths)
+    except Exception as e:  # the naive path may run out of memory at the longest prompts: keep what ran
+      print(f"prefill sweep ({backend}) stopped: {e!r}", flush=True)
+      results = []
+    out[backend] = [{"prompt_len": r.prompt_len, "ms": r.seconds * 1e3, "peak_extra_mib": r.peak_extra_bytes / 2**20}
+                    for r in results]
+    del llm
+    gc.collect()
+  return out
+
+
+def part_context() -> dict:
+  from tinyvllm.bench.context import run_context_sweep
+  llm, _ = engine(kv_cache_memory=kv_gib(36), max_model_len=8192 + 64, max_num_seqs=64)
+  contexts = [64, 256] if SMALL else [128, 256, 512, 1024, 2048, 4096, 8192]
+  return {f"batch{b}": [{"context": r.context, "tok_s": r.tok_s, "step_ms": r.step_ms}
+                        for r in run_context_sweep(llm, b, contexts)] for b in ((1, 4) if SMALL else (1, 32))}
+
+
+def part_peers() -> dict:
+  from tinyvllm.bench import peers
+  out: dict = {}
+  for name, fn in (("hf_batch1", lambda: peers.hf_generate(MODEL, 1)), ("hf_batch64", lambda: peers.hf_generate(MODEL, 64)),
+                   ("hf_batch256", lambda: peers.hf_generate(MODEL, 256)), ("tinygrad_llm", lambda: peers.tinygrad_llm(MODEL))):
+    try:
+      r = fn()
+      out[name] = {"batch": r.batch, "tok_s": r.tok_s, "seconds": r.seconds}
+      print(r.line(), flush=True)
+    except Exception as e:
+      out[name] = {"error": repr(e)}
+      print(f"{name} failed: {e!r}", flush=True)
+    gc.collect()
+    if "torch" in sys.modules and sys.modules["torch"].cuda.is_available(): sys.modules["torch"].cuda.empty_cache()
+  return out
+
+
+def part_serve() -> dict:
+  """Workload 3: 500 prompts of 512 random tokens, 128 output tokens, all sent at once, streamed over HTTP."""
+  port = 8765
+  server = subprocess.Popen([sys.executable, "main.py", "serve", "--model", MODEL, "--load-format", "dummy", "--dtype", DTYPE,
+                             "--port", str(port), "--kv-cache-memory", "40", "--max-num-seqs", "256", "--max-model-len", "4096"],
+                            cwd=REPO)
+  try:
+    result_file = Path(os.environ.get("OUT", "/tmp"), "bench_serve_raw.json")
+    cmd = [sys.executable, "main.py", "bench", "serve", "--url", f"http://127.0.0.1:{port}", "--num-prompts", "500",
+           "--input-len", "512", "--output-len", "128", "--request-rate", "inf", "--result-file", str(result_file),
+           "--disable-tqdm"]
+    for _ in range(300):
+      if subprocess.run(["curl", "-sf", f"http://127.0.0.1:{port}/health"], capture_output=True).returncode == 0: break
+      time.sleep(1)
+    subprocess.run(cmd, cwd=REPO, check=True)
+    return json.loads(result_file.read_text())
+  finally:
+    server.terminate()
+    server.wait(timeout=60)
+
+
+PARTS = {"decode": part_decode, "throughput": part_throughput, "prefill": part_prefill, "context": part_context,
+         "peers": part_peers, "serve": part_serve}
+
+
+def main() -> None:
+  p = argparse.ArgumentParser()
+  p.add_argument("parts", nargs="+", choices=list(PARTS))
+  args = p.parse_args()
+  for part in args.parts:
+    print(f"=== {part} ===", flush=True)
+    t0 = time.perf_counter()
+    try: result = PARTS[part]()
+    except Exception:
+      traceback.print_exc()
+      result = {"error": traceback.format_exc()[-2000:]}
+    result["wall_s"] = time.perf_counter() - t0
+    save(part, result)
+    gc.collect()
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,46 @@
+"""Prefill latency and peak memory vs prompt length: one prompt computed in one step, by the attention backend in use
+(the fused tiled kernel, or the portable path that materialises every query's scores against every key)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from tinyvllm.bench.memory import track_peak_memory
+from tinyvllm.engine.llm import LLM
+from tinyvllm.sampling_params import SamplingParams
+
+
+@dataclass
+class PrefillResult:
+  prompt_len: int
+  seconds: float
+  peak_extra_bytes: int     # device memory above the weights and KV cache at the peak of the step
+
+  def line(self) -> str:
+    return (f"prefill {self.prompt_len:>6} tokens: {self.seconds * 1e3:9.1f} ms ({self.prompt_len / self.seconds:8.0f} tok/s), "
+            f"peak extra memory {self.peak_extra_bytes / 2**20:9.1f} MiB")
+
+
+def prefill_once(llm: LLM, length: int, seed: int) -> tuple[float, int]:
+  prompt = np.random.default_rng(seed).integers(0, min(10000, llm.engine.model_config.vocab_size), length).tolist()
+  engine = llm.engine
+  engine.add_request(f"prefill-{seed}", prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+  with track_peak_memory() as peak:
+    start = time.perf_counter()
+    while engine.has_unfinished_requests(): engine.step()
+    seconds = time.perf_counter() - start
+  return seconds, peak.extra_bytes
+
+
+def run_prefill_sweep(llm: LLM, lengths: list[int]) -> list[PrefillResult]:
+  """Each length twice (the first compiles its kernels); the second is reported. Needs max_num_batched_tokens >= max(lengths)
+  and prefix caching off, so that each prompt is one step."""
+  results = []
+  for i, length in enumerate(lengths):
+    prefill_once(llm, length, seed=2 * i)
+    seconds, extra = prefill_once(llm, length, seed=2 * i + 1)
+    results.append(PrefillResult(length, seconds, extra))
+    print(results[-1].line(), flush=True)
+  return results
