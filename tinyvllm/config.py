@@ -8,6 +8,7 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+ATTENTION_BACKENDS = ("auto", "portable", "cuda", "metal")
 
 
 class ConfigError(ValueError):
@@ -125,6 +126,8 @@ class EngineConfig:
   max_num_batched_tokens: int | None = None     # default: max(2048, max_num_seqs)
   enable_chunked_prefill: bool = True
   long_prefill_token_threshold: int = 0
+  # attention: hand-written kernels (cuda / metal) or tinygrad ops (portable); auto picks by device
+  attention_backend: str = "auto"
   extra: dict[str, Any] = field(default_factory=dict)
 
   def __post_init__(self) -> None:
@@ -140,6 +143,8 @@ class EngineConfig:
       (0 < self.gpu_memory_utilization <= 1, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
       (self.num_gpu_blocks is None or self.num_gpu_blocks >= 1, f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}"),
       (self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0"),
+      (self.attention_backend in ATTENTION_BACKENDS,
+       f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"),
     ]
     for ok, message in checks:
       if not ok: raise ConfigError(message)

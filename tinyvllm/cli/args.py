@@ -5,7 +5,7 @@ import argparse
 import random
 from typing import Any
 
-from tinyvllm.config import DTYPES
+from tinyvllm.config import ATTENTION_BACKENDS, DTYPES
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -17,6 +17,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
   g.add_argument("--max-model-len", type=int, help="context length limit (default: the model's)")
   g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"), help="dummy: random weights")
   g.add_argument("--seed", type=int, help="random seed: makes sampling reproducible (default: a fresh one each run)")
+  g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                 help="attention kernels: auto (cuda on CUDA, metal on METAL, else portable), portable (tinygrad ops), cuda, metal")
   c = p.add_argument_group("KV cache and scheduler")
   c.add_argument("--kv-cache", default="paged", choices=("paged", "contiguous"), help="contiguous: the pre-allocated baseline")
   c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -34,7 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 ENGINE_FLAGS = ("tokenizer", "dtype", "device", "max_model_len", "load_format", "kv_cache", "block_size", "kv_cache_memory",
                 "gpu_memory_utilization", "num_gpu_blocks", "enable_prefix_caching", "scheduler", "max_num_seqs",
-                "max_num_batched_tokens", "enable_chunked_prefill", "long_prefill_token_threshold")
+                "max_num_batched_tokens", "enable_chunked_prefill", "long_prefill_token_threshold", "attention_backend")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

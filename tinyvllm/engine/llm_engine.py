@@ -16,6 +16,7 @@ from tinyvllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from tinyvllm.core.sequence import Request, Sequence, SequenceStatus
 from tinyvllm.device import check_dtype, select_device
 from tinyvllm.engine.output_processor import OutputProcessor
+from tinyvllm.kernels import select_attention_backend
 from tinyvllm.model.hub import resolve_model
 from tinyvllm.model.loader import load_model, resolve_dtype
 from tinyvllm.model.presets import PRESETS
@@ -62,7 +63,10 @@ class LLMEngine:
     self.dtype = resolve_dtype(config.dtype, mc, self.device)
     check_dtype(self.device, self.dtype)
     log(f"backend {self.device}, dtype {self.dtype.name}, model {mc.architecture} from {located.folder or config.model}")
+    self.attention_backend = select_attention_backend(config.attention_backend, self.device)   # before loading: fail fast
+    log(f"attention backend {self.attention_backend.describe()}")
     self.model = load_model(mc, located.folder, config.load_format, self.dtype, self.device, self.max_model_len, config.seed)
+    self.model.attention_fn, self.model.write_kv_fn = self.attention_backend.attention, self.attention_backend.write_kv
     self.allocator = self._allocator()
     self.kv_cache = KVCache(mc, self.allocator.num_blocks, self.allocator.block_size, self.dtype, self.device)
     sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens or 0, config.enable_chunked_prefill,

@@ -19,6 +19,8 @@ from tinyvllm.layers.scatter import gather_rows
 
 # An attention implementation: (q [N,H,D], k_cache, v_cache, metadata) -> [N, H*D]. The portable one is the default.
 AttentionFn = Callable[[Tensor, Tensor, Tensor, AttentionMetadata], Tensor]
+# A KV write: (k_cache, v_cache, k [N,KVH,D], v, slot_mapping [N]) -> the caches after the write.
+WriteKVFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
 @dataclass
@@ -52,6 +54,7 @@ class TransformerLM:
     self.config, self.embed_tokens, self.layers, self.norm, self.lm_head = config, embed_tokens, layers, norm, lm_head
     self.rope_cos, self.rope_sin = rope_cos, rope_sin
     self.attention_fn: AttentionFn = paged_attention
+    self.write_kv_fn: WriteKVFn = write_kv
 
   @property
   def dtype(self): return self.embed_tokens.dtype
@@ -89,7 +92,7 @@ class TransformerLM:
     if layer.q_norm is not None and layer.k_norm is not None:
       q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    k_cache, v_cache = self.write_kv_fn(k_cache, v_cache, k, v, meta.slot_mapping)
     out = self.attention_fn(q, k_cache, v_cache, meta)
     return out.linear(layer.o_proj.T, layer.o_bias), k_cache, v_cache
 

@@ -1,0 +1,27 @@
+// A small C++ stand-in for the CUDA builtins the kernels use, over the fiber emulator (emu_runtime.h): threadIdx,
+// blockIdx, __syncthreads, __shfl_xor_sync, uint4/make_uint4, __uint_as_float/__float_as_uint, exp2f, the
+// declaration specifiers. The CUDA prelude is compiled with TV_EMULATOR defined: it then skips its typedefs and its
+// two inline-PTX half conversions (cvt.f32.f16 / cvt.rn.f16.f32), which use tv_emu_half_to_float/tv_emu_float_to_half.
+#pragma once
+#include "emu_runtime.h"
+
+typedef unsigned int uint;
+typedef unsigned short ushort;
+struct alignas(16) uint4 { uint x, y, z, w; };
+inline uint4 make_uint4(uint a, uint b, uint c, uint d) { return uint4{a, b, c, d}; }
+inline float __uint_as_float(uint u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline uint __float_as_uint(float f) { uint u; std::memcpy(&u, &f, 4); return u; }
+template <class T> inline T __shfl_xor_sync(unsigned, T v, int mask) { return emu::simd_xor(v, (unsigned)mask); }
+inline void __syncthreads() { emu::group_barrier(); }
+inline float tv_emu_half_to_float(ushort h) { return emu::half_bits_to_float(h); }
+inline ushort tv_emu_float_to_half(float f) { return emu::float_to_half_bits(f); }
+
+#define TV_EMULATOR 1
+#define TV_LINKAGE
+#define threadIdx (::emu::thread_pos())
+#define blockIdx (::emu::group_pos())
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(n)
+#define __shared__ static

@@ -1,0 +1,214 @@
+// CPU emulation of GPU threadgroups, for checking the kernels without a GPU (tests/test_kernels_emulated.py).
+//
+// Every GPU thread of a threadgroup is a fiber (ucontext, its own stack) on one OS thread; threadgroups run one after
+// the other. A barrier suspends the fiber until every thread of the group (threadgroup barrier) or of its 32-lane
+// SIMD group (shuffles and SIMD reductions) has arrived, so barrier semantics are real: a thread never runs ahead of
+// a barrier the others have not reached. Fibers are resumed in a configurable order (forward, reverse, or a fresh
+// random permutation at every round), so a missing barrier shows up as a result that changes with the order.
+// Deadlocks (a barrier some threads never reach, e.g. after a non-uniform early exit) are detected and reported.
+//
+// Threadgroup (shared) memory: the shims define the address-space keyword as `static`, so a kernel's shared arrays are
+// one instance shared by the fibers; that is exact because only one threadgroup runs at a time.
+#pragma once
+#if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
+#define _XOPEN_SOURCE 700   // macOS declares the (deprecated) ucontext functions only with it
+#endif
+#include <ucontext.h>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <cmath>
+#include <functional>
+#include <random>
+#include <vector>
+#include <algorithm>
+
+namespace emu {
+
+struct Dim3 { unsigned x, y, z; };
+
+enum State { READY, WAIT_GROUP, WAIT_SIMD, DONE };
+
+struct Fiber {
+  ucontext_t ctx;
+  std::vector<char> stack;
+  int tid = 0;
+  State state = READY;
+  unsigned wait_gen = 0;
+  unsigned simd_parity = 0;
+};
+
+struct Group;
+inline Group*& current_group() { static Group* g = nullptr; return g; }
+inline Fiber*& current_fiber() { static Fiber* f = nullptr; return f; }
+
+struct Group {
+  int nt = 0;
+  Dim3 block{0, 0, 0}, grid{0, 0, 0};
+  std::vector<Fiber> fibers;
+  ucontext_t sched;
+  int arrived = 0;
+  unsigned gen = 0;
+  int simd_arrived[32] = {0};
+  unsigned simd_gen[32] = {0};
+  uint64_t slots[2][1024];            // SIMD exchange, double-buffered by each fiber's parity
+  const std::function<void()>* body = nullptr;
+  const char* error = nullptr;
+
+  int simd_size(int sg) const { return std::min(32, nt - sg * 32); }
+};
+
+inline void fiber_entry() {
+  Group* g = current_group();
+  (*g->body)();
+  current_fiber()->state = DONE;
+  swapcontext(&current_fiber()->ctx, &g->sched);
+}
+
+inline void yield() { swapcontext(&current_fiber()->ctx, &current_group()->sched); }
+
+inline void group_barrier() {
+  Group* g = current_group();
+  Fiber* f = current_fiber();
+  f->state = WAIT_GROUP;
+  f->wait_gen = g->gen;
+  if (++g->arrived == g->nt) { g->arrived = 0; g->gen++; }
+  yield();
+}
+
+inline void simd_barrier() {
+  Group* g = current_group();
+  Fiber* f = current_fiber();
+  const int sg = f->tid / 32;
+  f->state = WAIT_SIMD;
+  f->wait_gen = g->simd_gen[sg];
+  if (++g->simd_arrived[sg] == g->simd_size(sg)) { g->simd_arrived[sg] = 0; g->simd_gen[sg]++; }
+  yield();
+}
+
+template <class T> inline uint64_t to_bits(T v) { uint64_t b = 0; std::memcpy(&b, &v, sizeof(T)); return b; }
+template <class T> inline T from_bits(uint64_t b) { T v; std::memcpy(&v, &b, sizeof(T)); return v; }
+
+// value of lane (lane ^ mask) of this SIMD group (mask < 32; a partner outside a partial group returns v)
+template <class T> inline T simd_xor(T v, unsigned mask) {
+  Group* g = current_group();
+  Fiber* f = current_fiber();
+  const unsigned p = f->simd_parity;
+  f->simd_parity ^= 1u;
+  g->slots[p][f->tid] = to_bits(v);
+  simd_barrier();
+  const int sg = f->tid / 32, lane = f->tid % 32, partner = lane ^ (int)mask;
+  if (partner >= g->simd_size(sg)) return v;
+  return from_bits<T>(g->slots[p][sg * 32 + partner]);
+}
+
+// reduction over the lanes of this SIMD group, in lane order (every lane gets the same value)
+template <class T, class Op> inline T simd_reduce(T v, Op op) {
+  Group* g = current_group();
+  Fiber* f = current_fiber();
+  const unsigned p = f->simd_parity;
+  f->simd_parity ^= 1u;
+  g->slots[p][f->tid] = to_bits(v);
+  simd_barrier();
+  const int sg = f->tid / 32;
+  T acc = from_bits<T>(g->slots[p][sg * 32]);
+  for (int l = 1; l < g->simd_size(sg); l++) acc = op(acc, from_bits<T>(g->slots[p][sg * 32 + l]));
+  return acc;
+}
+
+inline Dim3& thread_pos() { static thread_local Dim3 d; return d; }
+inline Dim3& group_pos() { static thread_local Dim3 d; return d; }
+
+// order: 0 forward, 1 reverse, 2 random permutation every round (seeded)
+inline int launch(Dim3 grid, int nt, int order, unsigned seed, const std::function<void()>& body, size_t stack_bytes = 256 * 1024) {
+  if (nt < 1 || nt > 1024) { std::fprintf(stderr, "emu: bad block size %d\n", nt); return 2; }
+  Group g;
+  g.nt = nt;
+  g.grid = grid;
+  g.fibers.resize(nt);
+  for (auto& f : g.fibers) f.stack.resize(stack_bytes);
+  g.body = &body;
+  current_group() = &g;
+  std::mt19937 rng(seed);
+  std::vector<int> perm(nt);
+  ucontext_t tmpl;
+  getcontext(&tmpl);
+  for (unsigned bz = 0; bz < grid.z; bz++) for (unsigned by = 0; by < grid.y; by++) for (unsigned bx = 0; bx < grid.x; bx++) {
+    g.block = {bx, by, bz};
+    g.arrived = 0;
+    for (int i = 0; i < 32; i++) g.simd_arrived[i] = 0;
+    for (int t = 0; t < nt; t++) {
+      Fiber& f = g.fibers[t];
+      f.tid = t;
+      f.state = READY;
+      f.simd_parity = 0;
+      f.ctx = tmpl;
+      f.ctx.uc_stack.ss_sp = f.stack.data();
+      f.ctx.uc_stack.ss_size = f.stack.size();
+      f.ctx.uc_link = nullptr;
+      makecontext(&f.ctx, fiber_entry, 0);
+    }
+    int done = 0;
+    while (done < nt) {
+      for (int t = 0; t < nt; t++) perm[t] = order == 1 ? nt - 1 - t : t;
+      if (order == 2) std::shuffle(perm.begin(), perm.end(), rng);
+      bool progress = false;
+      for (int k = 0; k < nt; k++) {
+        Fiber& f = g.fibers[perm[k]];
+        bool runnable = f.state == READY || (f.state == WAIT_GROUP && g.gen != f.wait_gen) ||
+                        (f.state == WAIT_SIMD && g.simd_gen[f.tid / 32] != f.wait_gen);
+        if (!runnable) continue;
+        f.state = READY;
+        current_fiber() = &f;
+        group_pos() = g.block;
+        thread_pos() = {(unsigned)f.tid, 0, 0};
+        swapcontext(&g.sched, &f.ctx);
+        progress = true;
+        if (f.state == DONE) done++;
+      }
+      if (!progress) {
+        int waiting_group = 0, waiting_simd = 0;
+        for (auto& f : g.fibers) { waiting_group += f.state == WAIT_GROUP; waiting_simd += f.state == WAIT_SIMD; }
+        std::fprintf(stderr, "emu: deadlock in block (%u,%u,%u): %d threads exited, %d wait at a threadgroup barrier, "
+                     "%d at a SIMD operation (barrier or shuffle not reached by every thread)\n",
+                     bx, by, bz, done, waiting_group, waiting_simd);
+        current_group() = nullptr;
+        return 1;
+      }
+    }
+  }
+  current_group() = nullptr;
+  return 0;
+}
+
+// IEEE half <-> float, round to nearest even (what the GPUs' conversion instructions do)
+inline float half_bits_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) bits = sign;
+    else { float f = std::ldexp((float)man, -24); std::memcpy(&bits, &f, 4); bits |= sign; }
+  } else if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
+  else bits = sign | ((exp + 112) << 23) | (man << 13);
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_half_bits(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return sign | 0x7e00u;                      // NaN
+  if (ax >= 0x477ff000u) return sign | 0x7c00u;                     // overflow (>= 65520 after rounding) -> inf
+  if (ax < 0x38800000u) {                                           // subnormal half (or zero)
+    float a;
+    std::memcpy(&a, &ax, 4);
+    return sign | (uint16_t)std::nearbyint(a * 16777216.0f);       // units of 2^-24, ties to even
+  }
+  uint32_t r = ax + 0xfffu + ((ax >> 13) & 1u);                     // round mantissa to 10 bits, ties to even
+  return sign | (uint16_t)(((r >> 13) - (112u << 10)) & 0xffffu);
+}
+
+}  // namespace emu

@@ -1,0 +1,54 @@
+// CUDA dialect prelude: maps the TV_* macros used by the dialect-neutral kernels (common.inc, paged_*.inc, kv_write.inc)
+// onto CUDA C++. Compiled with NVRTC at run time (no #include: NVRTC finds no headers on some machines), or with
+// `nvcc -arch=sm_90 -cubin -Xptxas -v` for the register report. The CPU emulator compiles it too, with
+// kernels/emu/cuda_shim.h standing in for the CUDA builtins (TV_EMULATOR is then defined).
+#ifndef TV_LINKAGE
+#define TV_LINKAGE extern "C"
+#endif
+#ifndef TV_EMULATOR
+typedef unsigned int uint;
+typedef unsigned short ushort;
+#endif
+#define TV_KERNEL(name) TV_LINKAGE __global__ void __launch_bounds__(TV_NT) name(
+#define TV_KERNEL_END )
+#define TV_ARG(T, name, i) T* __restrict__ name
+#define TV_ARG_RO(T, name, i) const T* __restrict__ name
+#define TV_FN __device__ __forceinline__
+#define TV_TPTR(T) T*
+#define TV_GPTR(T) T*
+#define TV_SHARED __shared__
+#define TV_TID ((int)threadIdx.x)
+#define TV_BID_X ((int)blockIdx.x)
+#define TV_BID_Y ((int)blockIdx.y)
+#define TV_BID_Z ((int)blockIdx.z)
+#define TV_BARRIER() __syncthreads()
+#define TV_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
+#define TV_UNROLL _Pragma("unroll")
+#define TV_I64 long long
+#define TV_U32X4 uint4
+#define TV_ZERO16 make_uint4(0u, 0u, 0u, 0u)
+#define TV_LD16(p) (*reinterpret_cast<const uint4*>(p))
+#define TV_ST16(p, v) (*reinterpret_cast<uint4*>(p) = (v))
+#define TV_AS_FLOAT(u) __uint_as_float(u)
+#define TV_AS_UINT(f) __float_as_uint(f)
+#define TV_EXP2(x) exp2f(x)
+#ifdef TV_EMULATOR
+#define TV_H2F(h) tv_emu_half_to_float(h)
+#define TV_F2H(f) tv_emu_float_to_half(f)
+#else
+__device__ __forceinline__ float tv_cuda_h2f(ushort h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
+__device__ __forceinline__ ushort tv_cuda_f2h(float f) { ushort h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+#define TV_H2F(h) tv_cuda_h2f(h)
+#define TV_F2H(f) tv_cuda_f2h(f)
+#endif
+// warp (SIMD-group) reductions over all 32 lanes; every lane gets the result
+__device__ __forceinline__ float tv_warp_sum(float v) {
+  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+__device__ __forceinline__ float tv_warp_max(float v) {
+  for (int m = 16; m > 0; m >>= 1) { float o = __shfl_xor_sync(0xffffffffu, v, m); v = o > v ? o : v; }
+  return v;
+}
+#define TV_WARP_SUM(v) tv_warp_sum(v)
+#define TV_WARP_MAX(v) tv_warp_max(v)

@@ -1,0 +1,158 @@
+"""Attention-backend selection, the fused backend's visible fallback, launch plans, and (where nvcc is installed) the
+CUDA sources through the real CUDA compiler. CPU only: nothing here loads NVRTC or Metal."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tinyvllm.cli.args import add_engine_args, engine_kwargs
+from tinyvllm.config import ConfigError, EngineConfig
+from tinyvllm.kernels import native_dialect, select_attention_backend
+from tinyvllm.kernels.cases import make_case, metadata_tensors, portable_attention
+from tinyvllm.kernels.fused import FusedBackend
+from tinyvllm.kernels.plan import (
+  SHARED_LIMITS,
+  AttentionShape,
+  decode_plan,
+  prefill_plan,
+  unsupported_reason,
+  write_plan,
+  write_unsupported_reason,
+)
+from tinyvllm.kernels.portable import PortableBackend
+from tinyvllm.kernels.sources import kernel_source
+from tinyvllm.layers.attention import paged_attention, write_kv
+
+
+def test_native_dialect():
+  assert native_dialect("CUDA") == "cuda" and native_dialect("CUDA:PTX") == "cuda" and native_dialect("cuda:1") == "cuda"
+  assert native_dialect("METAL") == "metal"
+  assert native_dialect("CPU") is None and native_dialect("CPU:LLVM") is None and native_dialect("AMD") is None
+
+
+def test_cpu_selects_portable():
+  for requested in ("auto", "portable"):
+    backend = select_attention_backend(requested, "CPU")
+    assert isinstance(backend, PortableBackend) and backend.name == "portable"
+    assert backend.attention is paged_attention and backend.write_kv is write_kv
+  assert "no hand-written kernels for CPU" in select_attention_backend("auto", "CPU").describe()
+  assert "requested" in select_attention_backend("portable", "CPU").describe()
+
+
+@pytest.mark.parametrize("requested", ["cuda", "metal"])
+def test_requesting_kernels_on_cpu_is_a_clear_error(requested):
+  with pytest.raises(ConfigError, match=f"--attention-backend {requested} needs a {requested.upper()} device.*CPU"):
+    select_attention_backend(requested, "CPU")
+
+
+def test_cuda_on_metal_is_an_error():
+  with pytest.raises(ConfigError, match="needs a CUDA device"):
+    select_attention_backend("cuda", "METAL", probe=False)
+
+
+def test_config_and_cli():
+  assert EngineConfig(model="m").attention_backend == "auto"
+  with pytest.raises(ConfigError, match="attention_backend must be one of"):
+    EngineConfig(model="m", attention_backend="triton")
+  import argparse
+  p = argparse.ArgumentParser()
+  add_engine_args(p)
+  assert engine_kwargs(p.parse_args(["--model", "m", "--attention-backend", "portable"]))["attention_backend"] == "portable"
+  assert engine_kwargs(p.parse_args(["--model", "m"]))["attention_backend"] == "auto"
+  with pytest.raises(SystemExit):
+    p.parse_args(["--model", "m", "--attention-backend", "triton"])
+
+
+def test_cpu_never_imports_gpu_compilers():
+  code = ("import sys; from tinyvllm.kernels import select_attention_backend; select_attention_backend('auto', 'CPU'); "
+          "bad = [m for m in sys.modules if m.endswith(('compiler_cuda', 'ops_metal', 'ops_cuda', 'tinyvllm.kernels.fused'))]; "
+          "assert not bad, bad")
+  subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_engine_on_cpu_uses_portable_and_refuses_cuda(stories_dir):
+  from tinyvllm import LLM
+  with pytest.raises(ConfigError, match="needs a CUDA device"):
+    LLM(str(stories_dir), attention_backend="cuda", num_gpu_blocks=16)
+  llm = LLM(str(stories_dir), num_gpu_blocks=16, max_num_seqs=2)
+  assert llm.engine.attention_backend.name == "portable"
+  assert llm.engine.model.attention_fn is paged_attention and llm.engine.model.write_kv_fn is write_kv
+
+
+def test_fused_backend_falls_back_visibly_for_unsupported_shapes():
+  """head_dim 12 (3 float32 vectors a row: not a power of two) is not taken: the portable path runs, and says so once."""
+  messages = []
+  backend = FusedBackend("cuda", "CPU", log=messages.append)
+  case = make_case(np.random.default_rng(0), [(20, 1), (5, 1)], heads=4, kv_heads=2, head_dim=12)
+  from tinygrad import Tensor
+  meta = metadata_tensors(case)
+  q, kc, vc = (Tensor(np.ascontiguousarray(x)) for x in (case.q, case.k_cache, case.v_cache))
+  out = backend.attention(q, kc, vc, meta).numpy()
+  np.testing.assert_allclose(out, portable_attention(case), atol=1e-6)
+  backend.attention(q, kc, vc, meta)
+  assert len(messages) == 1 and "head_dim 12" in messages[0] and "portable" in messages[0]
+  assert backend.calls["portable-attention"] == 2
+
+
+def test_unsupported_reasons():
+  shape = lambda **kw: AttentionShape(**{"dtype": "bfloat16", "head_dim": 128, "num_heads": 16, "num_kv_heads": 8,
+                                         "block_size": 16, "num_seqs": 8, "num_tokens": 8, "query_len": 1,
+                                         "context_len": 1024, "num_slots": 4096, **kw})
+  assert unsupported_reason(shape()) is None
+  assert unsupported_reason(shape(head_dim=8, dtype="float32", num_heads=8, num_kv_heads=4)) is None   # stories260K
+  assert unsupported_reason(shape(head_dim=96)) is not None            # 12 vectors a row
+  assert unsupported_reason(shape(head_dim=4)) is not None             # under one 16-byte vector of bf16
+  assert unsupported_reason(shape(dtype="int8")) is not None
+  assert unsupported_reason(shape(num_heads=12)) is not None           # not a multiple of the KV heads
+  assert write_unsupported_reason("bfloat16", 1024) is None and write_unsupported_reason("bfloat16", 12) is not None
+
+
+@pytest.mark.parametrize("dialect", ["cuda", "metal"])
+def test_plans(dialect):
+  for dtype in ("float32", "float16", "bfloat16"):
+    for head_dim in (8, 16, 32, 64, 128, 256):
+      for group in (1, 2, 4, 7, 8, 16):
+        for seqs, tq, ctx in ((1, 1, 16), (8, 1, 1024), (256, 1, 4096), (4, 64, 2048)):
+          s = AttentionShape(dtype, head_dim, 2 * group, 2, 16, seqs, seqs * tq, tq, ctx, 1 << 16)
+          if unsupported_reason(s, dialect) is not None: continue
+          d = decode_plan(s)
+          assert d.tile % 32 == 0 and d.chunk % d.tile == 0 and d.splits * d.chunk >= ctx > (d.splits - 1) * d.chunk
+          assert d.lpk * d.nvl == d.vpr and d.kpp * d.lpk == 128 and d.shared_bytes <= SHARED_LIMITS[dialect]
+          assert seqs * 2 * (d.splits - 1) < 512   # split only while the blocks are too few
+          p = prefill_plan(s, dialect)
+          assert p.shared_bytes <= SHARED_LIMITS[dialect] and p.tokens >= 1 and p.tokens * p.q_tiles >= tq
+  w = write_plan("bfloat16", 1024, 64, 4096)
+  assert w.launches[0].grid == (64, 1, 1) and w.threads == 128
+
+
+SPECIMENS = {   # name -> (algorithm, plan): what the models of interest compile
+  "decode_qwen3_b1": ("decode", decode_plan(AttentionShape("bfloat16", 128, 16, 8, 16, 1, 1, 1, 1024, 1 << 16))),
+  "decode_qwen3_b256": ("decode", decode_plan(AttentionShape("bfloat16", 128, 16, 8, 16, 256, 256, 1, 1024, 1 << 16))),
+  "decode_llama1b_f16": ("decode", decode_plan(AttentionShape("float16", 64, 32, 8, 16, 32, 32, 1, 2048, 1 << 16))),
+  "decode_stories_f32": ("decode", decode_plan(AttentionShape("float32", 8, 8, 4, 16, 8, 8, 1, 512, 4096))),
+  "prefill_qwen3": ("prefill", prefill_plan(AttentionShape("bfloat16", 128, 16, 8, 16, 4, 1024, 512, 2048, 1 << 16))),
+  "prefill_stories_f32": ("prefill", prefill_plan(AttentionShape("float32", 8, 8, 4, 16, 4, 64, 32, 512, 4096))),
+  "kv_write_bf16": ("kv_write", write_plan("bfloat16", 1024, 256, 1 << 16)),
+}
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed (the CUDA compile check needs it)")
+def test_cuda_sources_compile_with_nvcc(tmp_path):
+  """The CUDA dialect through the real CUDA compiler (sm_90): no errors, no register spills, shared memory in budget."""
+  procs = {}
+  for name, (algo, plan) in SPECIMENS.items():
+    path = tmp_path / f"{name}.cu"
+    path.write_text(kernel_source("cuda", algo, plan.defines))
+    procs[name] = subprocess.Popen(["nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / f"{name}.cubin"), "-Xptxas", "-v",
+                                    str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  for name, proc in procs.items():
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, f"{name}:\n{out}"
+    assert "error" not in out.lower(), out
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", out)]
+    assert spills and max(spills) <= 32, f"{name} spills: {out}"

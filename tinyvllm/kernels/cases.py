@@ -1,0 +1,151 @@
+"""Random paged-attention inputs for checking the kernels: a batch laid out exactly as worker/input_batch.py does it.
+
+Each sequence is (context length, new tokens): a decode has 1 new token, a prefill of a fresh prompt has
+new == context, a chunk of a longer prompt or a prompt after a cached prefix has 1 < new < context. Physical blocks
+are drawn from a shuffled pool (holes, out of order), and `share` makes sequences start with the same physical blocks
+as sequence 0 (a shared prefix, as prefix caching and forks do). Values are random (never zeros) and exactly
+representable in the kernel dtype, so the float32 reference sees the kernel's inputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tinyvllm.kernels.plan import AttentionShape
+
+
+def bucket(n: int, minimum: int = 1) -> int: return 1 << (max(n, minimum) - 1).bit_length()
+
+
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+  """float32 values rounded to `dtype` (round to nearest even), as float32."""
+  x = np.asarray(x, np.float32)
+  if dtype == "float32": return x.copy()
+  if dtype == "float16": return x.astype(np.float16).astype(np.float32)
+  if dtype == "bfloat16": return bf16_bits_to_f32(f32_to_bf16_bits(x))
+  raise ValueError(dtype)
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+  u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+  r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+  return np.where(np.isnan(x), np.uint16(0x7FC0), r)
+
+
+def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray: return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def to_bits(x: np.ndarray, dtype: str) -> np.ndarray:
+  """The storage the kernels read: float32 as is, 16-bit types as raw uint16 bits."""
+  if dtype == "float32": return np.ascontiguousarray(x, np.float32)
+  if dtype == "float16": return np.ascontiguousarray(x.astype(np.float16)).view(np.uint16)
+  return f32_to_bf16_bits(x)
+
+
+def from_bits(b: np.ndarray, dtype: str) -> np.ndarray:
+  if dtype == "float32": return b.astype(np.float32)
+  if dtype == "float16": return b.view(np.float16).astype(np.float32)
+  return bf16_bits_to_f32(b)
+
+
+@dataclass
+class PagedCase:
+  shape: AttentionShape
+  seqs: list[tuple[int, int]]   # (context length, new tokens) of each real sequence
+  q: np.ndarray                 # [N, H, D] float32 (representable in shape.dtype)
+  k_cache: np.ndarray           # [slots, KVH * D]
+  v_cache: np.ndarray
+  arrays: dict[str, np.ndarray]  # int32 metadata, named as in input_batch
+
+  @property
+  def total_tokens(self) -> int: return int(self.arrays["query_start"][-1])
+
+
+def make_case(rng: np.random.Generator, seqs: list[tuple[int, int]], *, heads: int, kv_heads: int, head_dim: int,
+              block_size: int = 16, dtype: str = "float32", share: int = 0, pad_seqs: int = 0, extra_blocks: int = 7,
+              scale: float = 1.0) -> PagedCase:
+  """`share`: sequences 1..share start with sequence 0's physical blocks (as many as both fill completely).
+  `pad_seqs`: extra padding sequences beyond the power-of-two bucket's own padding."""
+  assert all(1 <= new <= ctx for ctx, new in seqs), seqs
+  s_real = len(seqs)
+  s_pad = bucket(s_real + pad_seqs)
+  n_real = sum(new for _, new in seqs)
+  n = bucket(n_real)
+  tq = bucket(max(new for _, new in seqs))
+  L = bucket(max(ctx for ctx, _ in seqs), 16)
+  L = -(-L // block_size) * block_size
+  max_blocks = L // block_size
+  need = [-(-ctx // block_size) for ctx, _ in seqs]
+  pool = rng.permutation(sum(need) + extra_blocks).astype(np.int32)   # holes: extra_blocks never used
+  tables, used = [], 0
+  for i, k in enumerate(need):
+    table = list(pool[used:used + k])
+    used += k
+    if 1 <= i <= share:
+      full = min(seqs[0][0] - seqs[0][1], seqs[i][0] - seqs[i][1]) // block_size   # cached, complete blocks only
+      table[:full] = tables[0][:full]
+    tables.append(table)
+  num_slots = (sum(need) + extra_blocks) * block_size
+  a = {"slot_mapping": np.full(n, -1, np.int32), "output_index": np.zeros(n, np.int32),
+       "block_tables": np.zeros((s_pad, max_blocks), np.int32), "query_index": np.zeros((s_pad, tq), np.int32),
+       "query_pos": np.zeros((s_pad, tq), np.int32), "context_lens": np.zeros(s_pad, np.int32),
+       "query_start": np.zeros(s_pad + 1, np.int32), "positions": np.zeros(n, np.int32)}
+  start = 0
+  for row, ((ctx, new), table) in enumerate(zip(seqs, tables, strict=True)):
+    pos = np.arange(ctx - new, ctx, dtype=np.int32)
+    a["positions"][start:start + new] = pos
+    t = np.asarray(table, np.int64)
+    a["slot_mapping"][start:start + new] = (t[pos // block_size] * block_size + pos % block_size).astype(np.int32)
+    a["output_index"][start:start + new] = row * tq + np.arange(new)
+    a["block_tables"][row, :len(table)] = table
+    a["query_index"][row, :new], a["query_pos"][row, :new] = np.arange(start, start + new), pos
+    a["context_lens"][row] = ctx
+    start += new
+    a["query_start"][row + 1:] = start
+  shape = AttentionShape(dtype, head_dim, heads, kv_heads, block_size, s_pad, n, tq, L, num_slots)
+  q = round_to(rng.standard_normal((n, heads, head_dim)) * scale, dtype)
+  kc = round_to(rng.standard_normal((num_slots, kv_heads * head_dim)) * scale, dtype)
+  vc = round_to(rng.standard_normal((num_slots, kv_heads * head_dim)), dtype)
+  return PagedCase(shape, list(seqs), q, kc, vc, a)
+
+
+def reference_attention(case: PagedCase) -> np.ndarray:
+  """float64 numpy reference: [total real tokens, H * D] (independent of tinygrad; the tests also use the portable path)."""
+  sh, a = case.shape, case.arrays
+  g, d = sh.group, sh.head_dim
+  out = np.zeros((case.total_tokens, sh.num_heads * d))
+  for s, (ctx, new) in enumerate(case.seqs):
+    table = a["block_tables"][s]
+    slots = table[np.arange(ctx) // sh.block_size] * sh.block_size + np.arange(ctx) % sh.block_size
+    keys = case.k_cache[slots].reshape(ctx, sh.num_kv_heads, d).astype(np.float64)
+    vals = case.v_cache[slots].reshape(ctx, sh.num_kv_heads, d).astype(np.float64)
+    q0 = int(a["query_start"][s])
+    for i in range(new):
+      p = ctx - new + i
+      for h in range(sh.num_heads):
+        sc = keys[:p + 1, h // g] @ case.q[q0 + i, h].astype(np.float64) / np.sqrt(d)
+        w = np.exp(sc - sc.max())
+        out[q0 + i, h * d:(h + 1) * d] = (w / w.sum()) @ vals[:p + 1, h // g]
+  return out
+
+
+def metadata_tensors(case: PagedCase, device: str | None = None):
+  """The case's metadata as an AttentionMetadata of int32 tensors (for the portable path and the tinygrad backends)."""
+  from tinygrad import Tensor
+
+  from tinyvllm.layers.attention import AttentionMetadata
+  a, sh = case.arrays, case.shape
+  t = {k: Tensor(np.ascontiguousarray(v), device=device).realize() for k, v in a.items()}
+  return AttentionMetadata(t["slot_mapping"], t["block_tables"], t["query_index"], t["query_pos"], t["output_index"],
+                           t["context_lens"], t["query_start"], sh.block_size, sh.context_len)
+
+
+def portable_attention(case: PagedCase, device: str | None = None) -> np.ndarray:
+  """The portable tinygrad path (layers/attention.paged_attention) on the case, in float32: [N, H * D]."""
+  from tinygrad import Tensor
+
+  from tinyvllm.layers.attention import paged_attention
+  meta = metadata_tensors(case, device)
+  q, kc, vc = (Tensor(np.ascontiguousarray(x), device=device) for x in (case.q, case.k_cache, case.v_cache))
+  return paged_attention(q, kc, vc, meta).numpy()

@@ -1,0 +1,116 @@
+"""The hand-written-kernel backend (CUDA or Metal dialect): fused paged attention and the KV write.
+
+Per call it derives the static shape (S, N, Tq, L, heads) from the tensors, picks the decode kernel (Tq == 1, with a
+split-K reduce when S * KV heads is too small to fill the GPU) or the prefill/mixed kernel (Tq > 1), and runs it
+through `Tensor.custom_kernel`. Shapes the kernels do not take (unsupported dtype, head_dim, ...) go to the portable
+path, and the first time each reason occurs it is printed to stderr, so a fallback is never silent.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from collections import Counter
+
+from tinygrad import Tensor, dtypes
+
+from tinyvllm.kernels.plan import AttentionShape, decode_plan, prefill_plan, unsupported_reason, write_plan, write_unsupported_reason
+from tinyvllm.kernels.sources import kernel_source
+from tinyvllm.kernels.tinygrad_program import has_buffer_identity, run_kernel
+from tinyvllm.layers.attention import AttentionMetadata, paged_attention, write_kv
+
+DTYPE_NAMES = {dtypes.float32: "float32", dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}
+
+
+def _log(message: str) -> None: print(f"[tinyvllm] {message}", file=sys.stderr, flush=True)
+
+
+@functools.cache
+def _decode(dialect: str, shape: AttentionShape, splits: int | None = None, kv_together: bool = False):
+  plan = decode_plan(shape, splits, kv_together)
+  return plan, kernel_source(dialect, "decode", plan.defines)
+
+
+@functools.cache
+def _prefill(dialect: str, shape: AttentionShape):
+  plan = prefill_plan(shape, dialect)
+  return plan, kernel_source(dialect, "prefill", plan.defines)
+
+
+@functools.cache
+def _write(dialect: str, dtype: str, row: int, num_tokens: int, num_slots: int):
+  plan = write_plan(dtype, row, num_tokens, num_slots)
+  return plan, kernel_source(dialect, "kv_write", plan.defines)
+
+
+class FusedBackend:
+  def __init__(self, dialect: str, device: str, log=_log, decode_splits: int | None = None, kv_together: bool = False):
+    """decode_splits / kv_together: override the decode plan (for timing experiments; the defaults are the tuned ones)."""
+    self.name, self.device, self._log = dialect, device, log
+    self.decode_splits, self.kv_together = decode_splits, kv_together
+    self.calls: Counter[str] = Counter()     # which path each traced call took (decode, prefill, write, portable-*)
+    self._reported: set[str] = set()
+
+  def describe(self) -> str: return f"{self.name} (hand-written fused paged-attention kernels, kernels/*.inc)"
+
+  def _fallback(self, what: str, reason: str) -> None:
+    self.calls[f"portable-{what}"] += 1
+    if (what, reason) not in self._reported:
+      self._reported.add((what, reason))
+      self._log(f"{self.name} kernels do not take this {what} shape ({reason}): using the portable path for it")
+
+  def attention_shape(self, q: Tensor, k_cache: Tensor, meta: AttentionMetadata) -> tuple[AttentionShape | None, str | None]:
+    n, heads, head_dim = q.shape
+    dtype = DTYPE_NAMES.get(k_cache.dtype)
+    if dtype is None: return None, f"cache dtype {k_cache.dtype.name}"
+    if k_cache.shape[1] % head_dim: return None, "cache row is not a whole number of heads"
+    if any(t.dtype != dtypes.int32 for t in (meta.block_tables, meta.context_lens, meta.query_start)):
+      return None, "metadata not int32"
+    s, tq = meta.query_index.shape
+    max_blocks = meta.block_tables.shape[1]
+    shape = AttentionShape(dtype, head_dim, heads, k_cache.shape[1] // head_dim, meta.block_size, s, n, tq,
+                           max_blocks * meta.block_size, k_cache.shape[0])
+    return shape, unsupported_reason(shape, self.name)
+
+  def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> Tensor:
+    shape, reason = self.attention_shape(q, k_cache, meta)
+    if reason is None and v_cache.dtype != k_cache.dtype: reason = "K and V caches differ in dtype"
+    if shape is None or reason is not None:
+      self._fallback("attention", reason or "unsupported")
+      return paged_attention(q, k_cache, v_cache, meta)
+    n = shape.num_tokens
+    qf = q.reshape(n, shape.num_heads * shape.head_dim).cast(k_cache.dtype).contiguous()
+    ints = [meta.block_tables, meta.context_lens, meta.query_start]
+    out = Tensor.empty(n, shape.num_heads * shape.head_dim, dtype=k_cache.dtype, device=q.device)
+    if shape.query_len == 1:
+      plan, source = _decode(self.name, shape, self.decode_splits, self.kv_together)
+      self.calls["decode" if plan.splits == 1 else "decode-split"] += 1
+      if plan.splits == 1:
+        out = run_kernel(plan.launches[0], source, [out, qf, k_cache, v_cache, *ints])[0]
+      else:
+        part_o = Tensor.empty(plan.launches[0].params[0].numel, dtype=dtypes.float32, device=q.device)
+        part_ml = Tensor.empty(plan.launches[0].params[1].numel, dtype=dtypes.float32, device=q.device)
+        part_o, part_ml = run_kernel(plan.launches[0], source, [part_o, part_ml, qf, k_cache, v_cache, *ints])[:2]
+        out = run_kernel(plan.launches[1], source, [out, part_o, part_ml, meta.context_lens, meta.query_start])[0]
+    else:
+      plan, source = _prefill(self.name, shape)
+      self.calls["prefill"] += 1
+      out = run_kernel(plan.launches[0], source, [out, qf, k_cache, v_cache, *ints])[0]
+    return out if out.dtype == q.dtype else out.cast(q.dtype)
+
+  def write_kv(self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> tuple[Tensor, Tensor]:
+    n = k.shape[0]
+    dtype = DTYPE_NAMES.get(k_cache.dtype)
+    row = k_cache.shape[1]
+    reason = (f"cache dtype {k_cache.dtype.name}" if dtype is None else write_unsupported_reason(dtype, row)) \
+      or ("K and V caches differ" if v_cache.dtype != k_cache.dtype or v_cache.shape != k_cache.shape else None) \
+      or ("slot mapping not int32" if slot_mapping.dtype != dtypes.int32 else None)
+    if reason is not None or dtype is None:
+      self._fallback("kv-write", reason or "unsupported")
+      return write_kv(k_cache, v_cache, k, v, slot_mapping)
+    self.calls["write"] += 1
+    plan, source = _write(self.name, dtype, row, n, k_cache.shape[0])
+    kr, vr = k.reshape(n, row).cast(k_cache.dtype).contiguous(), v.reshape(n, row).cast(k_cache.dtype).contiguous()
+    if not has_buffer_identity(k_cache): k_cache = k_cache.clone()
+    if not has_buffer_identity(v_cache): v_cache = v_cache.clone()
+    kc, vc = run_kernel(plan.launches[0], source, [k_cache, v_cache, kr, vr, slot_mapping])[:2]
+    return kc, vc

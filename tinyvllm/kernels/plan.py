@@ -1,0 +1,244 @@
+"""Launch plans for the hand-written kernels: every compile-time constant, grid and buffer of one specialisation.
+
+Pure Python (no tinygrad), so the tinygrad adapter, the CPU emulator tests and the GPU check all derive the same
+numbers from the same static shapes. A plan's `defines` are prepended to the kernel source as #defines; its
+`launches` say which kernel runs on which grid with which buffers, in order.
+
+Static inputs only: S (padded sequences), N (padded flat tokens), Tq (padded longest query run), L (context bucket,
+a multiple of the block size) and the model's head shapes. Per-step values (context lengths, block tables, query
+offsets, slots) come from the int32 metadata tensors at run time, so a plan never changes within a JIT capture.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+DTYPE_CODES = {"float": 0, "float32": 0, "half": 1, "float16": 1, "bfloat16": 2}
+ELEM_BYTES = {0: 4, 1: 2, 2: 2}
+THREADS = 128                 # threads per block of the attention kernels (4 SIMD groups of 32)
+SHARED_LIMITS = {"cuda": 48 * 1024, "metal": 32 * 1024}   # static __shared__ / threadgroup memory per block
+TARGET_BLOCKS = 512           # decode: split the context until S * KVH * splits reaches this (~4 blocks per H100 SM)
+ROW_GROUPS, COL_GROUPS = 16, 8   # prefill thread layout: THREADS = ROW_GROUPS * COL_GROUPS
+PREFILL_TILES = ((64, 32), (32, 32), (32, 16), (16, 16), (16, 8))   # (rows M, keys BK) tried in order
+
+
+def cdiv(a: int, b: int) -> int: return -(-a // b)
+
+
+def dtype_code(name: str) -> int:
+  if name not in DTYPE_CODES: raise ValueError(f"unsupported dtype {name!r} (float32, float16 and bfloat16 are)")
+  return DTYPE_CODES[name]
+
+
+@dataclass(frozen=True)
+class Param:
+  name: str
+  kind: str        # "elem" (the cache/activation dtype), "float" (float32 scratch) or "int" (int32 metadata)
+  written: bool
+  numel: int
+
+
+@dataclass(frozen=True)
+class Launch:
+  kernel: str                      # function name in the source
+  grid: tuple[int, int, int]       # blocks (CUDA grid / Metal threadgroups per grid)
+  threads: int                     # threads per block (1-D)
+  params: tuple[Param, ...]        # in the kernel's argument order
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+  """The static shape one fused attention call is specialised for."""
+  dtype: str
+  head_dim: int
+  num_heads: int
+  num_kv_heads: int
+  block_size: int
+  num_seqs: int        # S (padded)
+  num_tokens: int      # N (padded flat tokens)
+  query_len: int       # Tq (padded longest query run; 1 = pure decode)
+  context_len: int     # L (multiple of block_size)
+  num_slots: int       # rows of the cache tensors
+
+  @property
+  def group(self) -> int: return self.num_heads // self.num_kv_heads
+
+  @property
+  def max_blocks(self) -> int: return self.context_len // self.block_size
+
+
+def _common(shape: AttentionShape) -> dict[str, int | str]:
+  return {"TV_DTYPE": dtype_code(shape.dtype), "TV_NT": THREADS, "TV_D": shape.head_dim, "TV_G": shape.group,
+          "TV_KVH": shape.num_kv_heads, "TV_H": shape.num_heads, "TV_BS": shape.block_size, "TV_S": shape.num_seqs,
+          "TV_N": shape.num_tokens, "TV_MAXB": shape.max_blocks,
+          "TV_SCALE_LOG2": f"{(1.0 / math.sqrt(shape.head_dim)) * math.log2(math.e)!r}f"}
+
+
+def unsupported_reason(shape: AttentionShape, dialect: str = "cuda") -> str | None:
+  """Why the fused kernels cannot take this shape (None: they can). The adapter then uses the portable path."""
+  if shape.dtype not in DTYPE_CODES: return f"dtype {shape.dtype} (float32, float16 and bfloat16 are supported)"
+  if shape.num_kv_heads < 1 or shape.num_heads % shape.num_kv_heads: return "heads not a multiple of kv heads"
+  if shape.group > 32: return f"GQA group {shape.group} > 32"
+  vec = 16 // ELEM_BYTES[dtype_code(shape.dtype)]
+  if shape.head_dim % vec: return f"head_dim {shape.head_dim} is not a multiple of {vec} (16-byte vectors)"
+  vpr = shape.head_dim // vec
+  if vpr & (vpr - 1) or vpr > THREADS: return f"head_dim {shape.head_dim}: {vpr} vectors per row is not a power of two <= {THREADS}"
+  if shape.context_len % shape.block_size: return "context bucket not a multiple of the block size"
+  if prefill_tile(shape, dialect) is None: return f"no prefill tile fits {SHARED_LIMITS[dialect]} bytes of shared memory"
+  return None
+
+
+# ---------------------------------------------------------------- decode (Tq == 1)
+
+@dataclass(frozen=True)
+class DecodePlan:
+  shape: AttentionShape
+  vec: int        # elements per 16-byte vector
+  vpr: int        # vectors per head row
+  lpk: int        # lanes per key in the score phase
+  nvl: int        # vectors per lane
+  kpp: int        # keys per pass of the block
+  unroll: int     # passes per tile (keys loaded per thread before use)
+  tile: int       # keys per online-softmax tile
+  njg: int        # key groups in the V phase
+  kpt: int        # keys per thread in the V phase
+  splits: int     # split-K blocks per (sequence, KV head)
+  chunk: int      # keys per split
+  defines: dict[str, int | str] = field(compare=False)
+  launches: tuple[Launch, ...] = field(compare=False)
+
+  @property
+  def shared_bytes(self) -> int:
+    g, d = self.shape.group, self.shape.head_dim
+    return 4 * (2 * g * self.tile + 3 * g + self.njg * d)
+
+
+def decode_splits(shape: AttentionShape, tile: int, target_blocks: int = TARGET_BLOCKS) -> tuple[int, int]:
+  """(splits, keys per split): enough blocks in flight when S * KVH is small, each split a whole number of tiles."""
+  max_splits = cdiv(shape.context_len, tile)
+  want = cdiv(target_blocks, shape.num_seqs * shape.num_kv_heads)
+  return split_chunks(shape.context_len, max(1, min(max_splits, want)), tile)
+
+
+def split_chunks(context_len: int, splits: int, tile: int) -> tuple[int, int]:
+  """(splits, chunk) for about `splits` pieces of `context_len` keys, each piece a whole number of tiles."""
+  chunk = cdiv(cdiv(context_len, splits), tile) * tile
+  return cdiv(context_len, chunk), chunk
+
+
+def decode_plan(shape: AttentionShape, splits: int | None = None, kv_together: bool = False) -> DecodePlan:
+  """`splits`: force the split count (None: decode_splits). `kv_together`: issue a tile's V loads with its K loads
+  rather than after the softmax (one latency per tile, but more registers: measured slower on an H200, so off)."""
+  code = dtype_code(shape.dtype)
+  vec = 16 // ELEM_BYTES[code]
+  vpr = shape.head_dim // vec
+  lpk = min(vpr, 32)
+  nvl = vpr // lpk
+  kpp = THREADS // lpk
+  unroll = max(max(1, 32 // kpp), min(8 if shape.group <= 4 else 4, 64 // kpp))   # tiles of 32 to 128 keys
+  tile = kpp * unroll
+  njg = THREADS // vpr
+  kpt = -(-tile // njg)
+  splits, chunk = decode_splits(shape, tile) if splits is None else split_chunks(shape.context_len, splits, tile)
+  d = {**_common(shape), "TV_LPK": lpk, "TV_NVL": nvl, "TV_KPP": kpp, "TV_U": unroll, "TV_TILE": tile, "TV_VPR": vpr,
+       "TV_NJG": njg, "TV_KPT": kpt, "TV_NSPLIT": splits, "TV_CHUNK": chunk, "TV_KV_TOGETHER": int(kv_together)}
+  s, h, n, hd = shape.num_seqs, shape.num_heads, shape.num_tokens, shape.head_dim
+  ins = (Param("q", "elem", False, n * h * hd), Param("k_cache", "elem", False, shape.num_slots * shape.num_kv_heads * hd),
+         Param("v_cache", "elem", False, shape.num_slots * shape.num_kv_heads * hd),
+         Param("block_tables", "int", False, s * shape.max_blocks), Param("context_lens", "int", False, s),
+         Param("query_start", "int", False, s + 1))
+  out = Param("out", "elem", True, n * h * hd)
+  if splits == 1:
+    launches: tuple[Launch, ...] = (Launch("tv_paged_decode", (1, shape.num_kv_heads, s), THREADS, (out, *ins)),)
+  else:
+    part_o, part_ml = Param("part_o", "float", True, s * h * splits * hd), Param("part_ml", "float", True, s * h * splits * 2)
+    launches = (Launch("tv_paged_decode_split", (splits, shape.num_kv_heads, s), THREADS, (part_o, part_ml, *ins)),
+                Launch("tv_paged_decode_reduce", (h, s, 1), THREADS,
+                       (out, Param("part_o", "float", False, part_o.numel), Param("part_ml", "float", False, part_ml.numel),
+                        ins[4], ins[5])))
+  return DecodePlan(shape, vec, vpr, lpk, nvl, kpp, unroll, tile, njg, kpt, splits, chunk, d, launches)
+
+
+# ---------------------------------------------------------------- prefill / mixed (Tq > 1)
+
+@dataclass(frozen=True)
+class PrefillPlan:
+  shape: AttentionShape
+  rows: int       # query rows per block (tokens * group, padded)
+  keys: int       # keys per tile
+  tokens: int     # query tokens per block
+  q_tiles: int    # blocks along the query run
+  epw: int        # elements per 32-bit word
+  words: int      # words per head row
+  rpt: int        # rows per thread
+  cpt: int        # keys per thread (scores)
+  wpt: int        # output words per thread
+  defines: dict[str, int | str] = field(compare=False)
+  launches: tuple[Launch, ...] = field(compare=False)
+
+  @property
+  def shared_bytes(self) -> int: return prefill_shared_bytes(self.rows, self.keys, self.words)
+
+
+def prefill_shared_bytes(rows: int, keys: int, words: int) -> int:
+  return 4 * (rows * (words + 1) + keys * (words + 1) + keys * words + rows * (keys + 1))
+
+
+def prefill_tile(shape: AttentionShape, dialect: str = "cuda") -> tuple[int, int] | None:
+  """The largest (rows, keys) tile whose shared memory fits and that holds at least one token's G heads."""
+  epw = 1 if dtype_code(shape.dtype) == 0 else 2
+  words = shape.head_dim // epw
+  for rows, keys in PREFILL_TILES:
+    if rows >= shape.group and prefill_shared_bytes(rows, keys, words) <= SHARED_LIMITS[dialect] - 512: return rows, keys
+  return None
+
+
+def prefill_plan(shape: AttentionShape, dialect: str = "cuda") -> PrefillPlan:
+  tile = prefill_tile(shape, dialect)
+  assert tile is not None, unsupported_reason(shape, dialect)
+  rows, keys = tile
+  epw = 1 if dtype_code(shape.dtype) == 0 else 2
+  words = shape.head_dim // epw
+  tokens = rows // shape.group
+  q_tiles = -(-shape.query_len // tokens)
+  rpt, cpt, wpt = rows // ROW_GROUPS, keys // COL_GROUPS, -(-words // COL_GROUPS)
+  d = {**_common(shape), "TV_M": rows, "TV_BK": keys, "TV_BQ": tokens, "TV_NQT": q_tiles, "TV_RG": ROW_GROUPS,
+       "TV_CG": COL_GROUPS, "TV_RPT": rpt, "TV_CPT": cpt, "TV_WPT": wpt, "TV_DW": words, "TV_QSTR": words + 1}
+  s, h, n, hd = shape.num_seqs, shape.num_heads, shape.num_tokens, shape.head_dim
+  params = (Param("out", "elem", True, n * h * hd), Param("q", "elem", False, n * h * hd),
+            Param("k_cache", "elem", False, shape.num_slots * shape.num_kv_heads * hd),
+            Param("v_cache", "elem", False, shape.num_slots * shape.num_kv_heads * hd),
+            Param("block_tables", "int", False, s * shape.max_blocks), Param("context_lens", "int", False, s),
+            Param("query_start", "int", False, s + 1))
+  launch = Launch("tv_paged_prefill", (q_tiles, shape.num_kv_heads, s), THREADS, params)
+  return PrefillPlan(shape, rows, keys, tokens, q_tiles, epw, words, rpt, cpt, wpt, d, (launch,))
+
+
+# ---------------------------------------------------------------- KV write
+
+@dataclass(frozen=True)
+class WritePlan:
+  dtype: str
+  row: int             # elements per cache row (kv_heads * head_dim)
+  num_tokens: int
+  num_slots: int
+  threads: int
+  defines: dict[str, int | str] = field(compare=False)
+  launches: tuple[Launch, ...] = field(compare=False)
+
+
+def write_unsupported_reason(dtype: str, row: int) -> str | None:
+  if dtype not in DTYPE_CODES: return f"dtype {dtype}"
+  vec = 16 // ELEM_BYTES[dtype_code(dtype)]
+  return None if row % vec == 0 else f"row of {row} elements is not a whole number of 16-byte vectors"
+
+
+def write_plan(dtype: str, row: int, num_tokens: int, num_slots: int) -> WritePlan:
+  code = dtype_code(dtype)
+  vectors = row // (16 // ELEM_BYTES[code])
+  threads = min(THREADS, max(32, -(-vectors // 32) * 32))
+  d: dict[str, int | str] = {"TV_DTYPE": code, "TV_NT": threads, "TV_ROW": row, "TV_N": num_tokens, "TV_NSLOTS": num_slots}
+  params = (Param("k_cache", "elem", True, num_slots * row), Param("v_cache", "elem", True, num_slots * row),
+            Param("k", "elem", False, num_tokens * row), Param("v", "elem", False, num_tokens * row),
+            Param("slot_mapping", "int", False, num_tokens))
+  return WritePlan(dtype, row, num_tokens, num_slots, threads, d, (Launch("tv_kv_write", (num_tokens, 1, 1), threads, params),))

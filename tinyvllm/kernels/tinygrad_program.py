@@ -1,0 +1,89 @@
+"""The one place that touches tinygrad internals for the hand-written kernels (tinygrad==0.14.0 is pinned).
+
+What is internal and may change between tinygrad releases: `ProgramInfo`, the layout of an `Ops.PROGRAM` node
+(SINK, LINEAR, SOURCE, BINARY), `KernelInfo`, the compiler classes (NVRTCCompiler, MetalCompiler) and
+`Device[...].renderer.target`. Everything else in tinyvllm/kernels uses only `Tensor` and the plans.
+
+A kernel runs through the public `Tensor.custom_kernel`: its function returns a finished PROGRAM with a BINARY we
+compiled ourselves (NVRTC to a cubin on CUDA, MetalCompiler on METAL), explicit `outs`/`ins` (without them CUDA graphs
+add no dependency edge after the kernel and the JIT replays read stale data) and a fixed grid (no Variables: symbolic
+launch dims break CUDA graphs). Compilers are imported only when a kernel is built for their device, so the CPU never
+loads NVRTC or Metal.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+
+from tinygrad import Device, Tensor
+from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
+
+from tinyvllm.kernels.plan import Launch
+
+_lock = threading.Lock()
+
+
+class KernelBuildError(RuntimeError):
+  """A kernel source did not compile (the message carries the compiler's log)."""
+
+
+def device_dialect(device: str) -> str | None:
+  """The kernel dialect a tinygrad device runs: cuda on CUDA (any renderer: CUDA, CUDA:PTX, ...), metal on METAL."""
+  base = device.split(":")[0].upper()
+  return {"CUDA": "cuda", "METAL": "metal"}.get(base)
+
+
+@functools.cache
+def _compiler(device: str):
+  dev = Device[device]
+  dialect = device_dialect(dev.device)
+  if dialect == "cuda":
+    from tinygrad.runtime.support.compiler_cuda import NVRTCCompiler
+    # a cubin for this GPU's exact architecture (PTX from a newer NVRTC than the driver knows would not load)
+    return NVRTCCompiler(dev.arch, ptx=False, cache_key="tinyvllm_cuda")
+  if dialect == "metal":
+    from tinygrad.runtime.ops_metal import MetalCompiler
+    return MetalCompiler()
+  raise KernelBuildError(f"no hand-written kernels for device {device}")
+
+
+@functools.cache
+def compile_source(device: str, source: str) -> bytes:
+  """Compile once per (device, source); tinygrad's disk cache keeps the binary across runs too."""
+  with _lock:
+    try: return _compiler(device).compile_cached(source)
+    except Exception as e: raise KernelBuildError(f"compiling a kernel for {device} failed: {e}") from e
+
+
+def device_arch(device: str) -> str: return str(getattr(Device[device], "arch", ""))
+
+
+def _program_fxn(launch: Launch, source: str, binary: bytes, device: str):
+  outs = tuple(i for i, p in enumerate(launch.params) if p.written)
+  ins = tuple(i for i, p in enumerate(launch.params) if not p.written)
+  target = Device[device].renderer.target
+
+  def fxn(*params: UOp) -> UOp:
+    sink = UOp.sink(*params, arg=KernelInfo(name=launch.kernel))
+    info = ProgramInfo(name=launch.kernel, global_size=launch.grid, local_size=(launch.threads, 1, 1),
+                       globals=tuple(range(len(params))), outs=outs, ins=ins, target=target)
+    return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.LINEAR, src=tuple(sink.toposort())), UOp(Ops.SOURCE, arg=source),
+                                 UOp(Ops.BINARY, arg=binary)), arg=info)
+  return fxn
+
+
+def run_kernel(launch: Launch, source: str, tensors: list[Tensor]) -> list[Tensor]:
+  """Launch `launch.kernel` of `source` on `tensors` (in the kernel's argument order; written ones must be buffers).
+  Returns every tensor after the kernel (read the written ones through these)."""
+  if len(tensors) != len(launch.params):
+    raise ValueError(f"{launch.kernel} takes {len(launch.params)} tensors, got {len(tensors)}")
+  for p, t in zip(launch.params, tensors, strict=True):
+    if t.numel() != p.numel: raise ValueError(f"{launch.kernel}: {p.name} has {t.numel()} elements, the plan says {p.numel}")
+  device = str(tensors[0].device)
+  binary = compile_source(device, source)
+  return Tensor.custom_kernel(*tensors, fxn=_program_fxn(launch, source, binary, device))
+
+
+def has_buffer_identity(t: Tensor) -> bool:
+  """Whether a kernel may write into `t` in place (a realized buffer, possibly after earlier writes)."""
+  return t.uop.has_buffer_identity(after_ok=True)
