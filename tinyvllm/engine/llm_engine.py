@@ -66,7 +66,8 @@ class LLMEngine:
     self.attention_backend = select_attention_backend(config.attention_backend, self.device)   # before loading: fail fast
     log(f"attention backend {self.attention_backend.describe()}")
     self.model = load_model(mc, located.folder, config.load_format, self.dtype, self.device, self.max_model_len, config.seed)
-    self.model.attention_fn, self.model.write_kv_fn = self.attention_backend.attention, self.attention_backend.write_kv
+    backend = self.attention_backend
+    self.model.attention_fn, self.model.write_kv_fn, self.model.linear_fn = backend.attention, backend.write_kv, backend.linear
     self.allocator = self._allocator()
     self.kv_cache = KVCache(mc, self.allocator.num_blocks, self.allocator.block_size, self.dtype, self.device)
     sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens or 0, config.enable_chunked_prefill,

@@ -19,6 +19,10 @@ class AttentionBackend(Protocol):
     """Write the new tokens' K/V ([N, kv_heads, head_dim]) to their slots (-1: skip); returns the caches after it."""
     ...
 
+  def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None, **fused) -> Tensor:
+    """[residual +] op(x) @ w.T [+ bias] with op an RMSNorm, the SwiGLU product or nothing (see layers/linear.py)."""
+    ...
+
   def describe(self) -> str:
     """One line for the start-up log."""
     ...

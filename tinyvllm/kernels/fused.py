@@ -13,10 +13,12 @@ from collections import Counter
 
 from tinygrad import Tensor, dtypes
 
+from tinyvllm.kernels.linear import fused_linear
 from tinyvllm.kernels.plan import AttentionShape, decode_plan, prefill_plan, unsupported_reason, write_plan, write_unsupported_reason
 from tinyvllm.kernels.sources import kernel_source
 from tinyvllm.kernels.tinygrad_program import has_buffer_identity, run_kernel
 from tinyvllm.layers.attention import AttentionMetadata, paged_attention, write_kv
+from tinyvllm.layers.linear import portable_linear
 
 DTYPE_NAMES = {dtypes.float32: "float32", dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}
 
@@ -50,7 +52,14 @@ class FusedBackend:
     self.calls: Counter[str] = Counter()     # which path each traced call took (decode, prefill, write, portable-*)
     self._reported: set[str] = set()
 
-  def describe(self) -> str: return f"{self.name} (hand-written fused paged-attention kernels, kernels/*.inc)"
+  def describe(self) -> str:
+    return f"{self.name} (hand-written kernels: fused paged attention, KV write, decode-batch matmuls; kernels/*.inc)"
+
+  def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None, **fused) -> Tensor:
+    """Decode-sized products (and the norm, SwiGLU or residual fused with them) in one kernel; others in tinygrad ops."""
+    y = fused_linear(self.name, x, w, bias, **fused)
+    self.calls["linear" if y is not None else "portable-linear"] += 1
+    return y if y is not None else portable_linear(x, w, bias, **fused)
 
   def _fallback(self, what: str, reason: str) -> None:
     self.calls[f"portable-{what}"] += 1

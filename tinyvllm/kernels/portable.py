@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from tinyvllm.layers.attention import paged_attention, write_kv
+from tinyvllm.layers.linear import portable_linear
 
 
 class PortableBackend:
@@ -11,5 +12,6 @@ class PortableBackend:
     self.reason = reason
     self.attention = paged_attention
     self.write_kv = write_kv
+    self.linear = portable_linear
 
   def describe(self) -> str: return "portable (tinygrad ops)" + (f": {self.reason}" if self.reason else "")

@@ -9,10 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tinygrad import Tensor, dtypes
+from tinygrad import Tensor
 
 from tinyvllm.config import ModelConfig
 from tinyvllm.layers.attention import AttentionMetadata, paged_attention, write_kv
+from tinyvllm.layers.linear import LinearFn, portable_linear
 from tinyvllm.layers.norm import rms_norm
 from tinyvllm.layers.rotary import apply_rope
 from tinyvllm.layers.scatter import gather_rows
@@ -55,6 +56,7 @@ class TransformerLM:
     self.rope_cos, self.rope_sin = rope_cos, rope_sin
     self.attention_fn: AttentionFn = paged_attention
     self.write_kv_fn: WriteKVFn = write_kv
+    self.linear_fn: LinearFn = portable_linear
 
   @property
   def dtype(self): return self.embed_tokens.dtype
@@ -69,23 +71,24 @@ class TransformerLM:
 
   def __call__(self, inputs: StepInputs, kv_caches: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
     """Returns float32 logits [S, vocab] and the KV caches after this step's writes."""
+    eps = self.config.rms_norm_eps
     h = gather_rows(self.embed_tokens, inputs.token_ids)
     cos, sin = gather_rows(self.rope_cos, inputs.positions), gather_rows(self.rope_sin, inputs.positions)
     new_caches = []
     for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-      attn, k_cache, v_cache = self._attention(layer, rms_norm(h, layer.input_norm, self.config.rms_norm_eps),
-                                               cos, sin, k_cache, v_cache, inputs.attention)
-      h = h + attn
-      h = h + self._mlp(layer, rms_norm(h, layer.post_attention_norm, self.config.rms_norm_eps))
+      qkv = self.linear_fn(h, layer.qkv_proj, layer.qkv_bias, norm=layer.input_norm, eps=eps)
+      attn, k_cache, v_cache = self._attention(layer, qkv, cos, sin, k_cache, v_cache, inputs.attention)
+      h = self.linear_fn(attn, layer.o_proj, layer.o_bias, residual=h)
+      gate_up = self.linear_fn(h, layer.gate_up_proj, layer.gate_up_bias, norm=layer.post_attention_norm, eps=eps)
+      h = self.linear_fn(gate_up, layer.down_proj, layer.down_bias, silu_mul=True, residual=h)
       new_caches.append((k_cache, v_cache))
-    last = rms_norm(gather_rows(h, inputs.logits_index), self.norm, self.config.rms_norm_eps)
-    return last.matmul(self.lm_head.T, dtype=dtypes.float32).cast(dtypes.float32), new_caches
+    last = gather_rows(h, inputs.logits_index)
+    return self.linear_fn(last, self.lm_head, norm=self.norm, eps=eps, out_float32=True), new_caches
 
-  def _attention(self, layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+  def _attention(self, layer: DecoderLayer, qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
                  meta: AttentionMetadata) -> tuple[Tensor, Tensor, Tensor]:
-    cfg = self.config
-    qkv = x.linear(layer.qkv_proj.T, layer.qkv_bias)
-    n = x.shape[0]
+    """Split q/k/v, QK-norm and rotate, write K/V to the cache, attend; returns [N, heads * head_dim] and the caches."""
+    cfg, n = self.config, qkv.shape[0]
     q = qkv[:, :cfg.q_size].reshape(n, cfg.num_heads, cfg.head_dim)
     k = qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].reshape(n, cfg.num_kv_heads, cfg.head_dim)
     v = qkv[:, cfg.q_size + cfg.kv_size:].reshape(n, cfg.num_kv_heads, cfg.head_dim)
@@ -93,10 +96,4 @@ class TransformerLM:
       q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_cache, v_cache = self.write_kv_fn(k_cache, v_cache, k, v, meta.slot_mapping)
-    out = self.attention_fn(q, k_cache, v_cache, meta)
-    return out.linear(layer.o_proj.T, layer.o_bias), k_cache, v_cache
-
-  def _mlp(self, layer: DecoderLayer, x: Tensor) -> Tensor:
-    gate_up = x.linear(layer.gate_up_proj.T, layer.gate_up_bias)
-    inter = self.config.intermediate_size
-    return (gate_up[:, :inter].silu() * gate_up[:, inter:]).linear(layer.down_proj.T, layer.down_bias)
+    return self.attention_fn(q, k_cache, v_cache, meta), k_cache, v_cache
