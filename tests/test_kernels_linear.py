@@ -23,6 +23,7 @@ CASES = {
   "f32_norm_residual_logits": ("float32", 8, 128, 9, False, True, False, True, True),
   "f16_bias_residual": ("float16", 2, 64, 16, True, False, False, True, False),
   "bf16_norm_logits": ("bfloat16", 4, 264, 40, False, True, False, False, True),
+  "bf16_16rows_norm": ("bfloat16", 16, 128, 23, True, True, False, False, False),
 }
 
 
@@ -68,6 +69,6 @@ def test_linear_matches_portable(emu, name):
 def test_shapes_the_kernel_refuses():
   base = LinearShape("bfloat16", 4, 64, 8, False, None, False, False, False)
   assert unsupported_reason(base) is None
-  assert "rows" in unsupported_reason(LinearShape("bfloat16", 9, 64, 8, False, None, False, False, False))
+  assert "rows" in unsupported_reason(LinearShape("bfloat16", 17, 64, 8, False, None, False, False, False))
   assert "multiple of 8" in unsupported_reason(LinearShape("bfloat16", 4, 60, 8, False, None, False, False, False))
   assert "together" in unsupported_reason(LinearShape("bfloat16", 4, 64, 8, False, 1e-6, True, False, False))
