@@ -53,7 +53,6 @@ def _inputs(name: str) -> dict[str, np.ndarray]:
 def test_linear_matches_portable(emu, name):
   shape, a = _shape(name), _inputs(name)
   assert unsupported_reason(shape) is None
-  plan = linear_plan(shape)
   out = np.full(shape.rows * shape.out_features, np.nan, np.float32) if shape.out_float32 else \
     poisoned(shape.rows * shape.out_features, shape.dtype)
   args = [out] + [to_bits(a[key], shape.dtype).reshape(-1) for key in ("x", "w", "bias", "norm", "residual") if key in a]

@@ -19,6 +19,13 @@ class AttentionBackend(Protocol):
     """Write the new tokens' K/V ([N, kv_heads, head_dim]) to their slots (-1: skip); returns the caches after it."""
     ...
 
+  def qkv_rope_write(self, qkv: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, cos: Tensor, sin: Tensor, k_cache: Tensor,
+                     v_cache: Tensor, slot_mapping: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """qkv [N, (heads + 2 * kv_heads) * head_dim] -> q [N, heads, head_dim], per-head RMS-normed (q_norm/k_norm [head_dim],
+    or None: no norm) and rotated (cos/sin [N, head_dim / 2] float32, per token); K (normed, rotated) and V written to
+    the caches at slot_mapping (-1: skip). Returns q and the caches after the write."""
+    ...
+
   def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None, **fused) -> Tensor:
     """[residual +] op(x) @ w.T [+ bias] with op an RMSNorm, the SwiGLU product or nothing (see layers/linear.py)."""
     ...

@@ -15,6 +15,8 @@ from tinygrad import Tensor, dtypes
 
 from tinyvllm.kernels.linear import fused_linear
 from tinyvllm.kernels.plan import AttentionShape, decode_plan, prefill_plan, unsupported_reason, write_plan, write_unsupported_reason
+from tinyvllm.kernels.portable import qkv_rope_write
+from tinyvllm.kernels.qkv_rope import qkv_rope_shape, run_qkv_rope_write
 from tinyvllm.kernels.sources import kernel_source
 from tinyvllm.kernels.tinygrad_program import has_buffer_identity, run_kernel
 from tinyvllm.layers.attention import AttentionMetadata, paged_attention, write_kv
@@ -53,7 +55,7 @@ class FusedBackend:
     self._reported: set[str] = set()
 
   def describe(self) -> str:
-    return f"{self.name} (hand-written kernels: fused paged attention, KV write, decode-batch matmuls; kernels/*.inc)"
+    return f"{self.name} (hand-written kernels: fused paged attention, KV write, qkv norm/RoPE/write, decode-batch matmuls; kernels/*.inc)"
 
   def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None, **fused) -> Tensor:
     """Decode-sized products (and the norm, SwiGLU or residual fused with them) in one kernel; others in tinygrad ops."""
@@ -87,7 +89,9 @@ class FusedBackend:
       self._fallback("attention", reason or "unsupported")
       return paged_attention(q, k_cache, v_cache, meta)
     n = shape.num_tokens
-    qf = q.reshape(n, shape.num_heads * shape.head_dim).cast(k_cache.dtype).contiguous()
+    # q straight from a kernel (the fused qkv step) goes in as it is: a reshape + contiguous of it would cost a copy kernel
+    qf = q if q.dtype == k_cache.dtype and has_buffer_identity(q) else \
+      q.reshape(n, shape.num_heads * shape.head_dim).cast(k_cache.dtype).contiguous()
     ints = [meta.block_tables, meta.context_lens, meta.query_start]
     out = Tensor.empty(n, shape.num_heads * shape.head_dim, dtype=k_cache.dtype, device=q.device)
     if shape.query_len == 1:
@@ -123,3 +127,13 @@ class FusedBackend:
     if not has_buffer_identity(v_cache): v_cache = v_cache.clone()
     kc, vc = run_kernel(plan.launches[0], source, [k_cache, v_cache, kr, vr, slot_mapping])[:2]
     return kc, vc
+
+  def qkv_rope_write(self, qkv: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, cos: Tensor, sin: Tensor, k_cache: Tensor,
+                     v_cache: Tensor, slot_mapping: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Split, QK-norm, RoPE and the KV write in one kernel (kernels/qkv_rope.inc); else tinygrad ops + write_kv."""
+    shape, reason = qkv_rope_shape(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, eps)
+    if shape is None or reason is not None:
+      self._fallback("qkv-rope", reason or "unsupported")
+      return qkv_rope_write(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, eps, write=self.write_kv)
+    self.calls["qkv-rope"] += 1
+    return run_qkv_rope_write(self.name, shape, qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping)

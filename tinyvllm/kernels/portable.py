@@ -1,8 +1,35 @@
 """The portable backend: tinygrad tensor ops on every device (tinyvllm/layers/attention.py), the reference."""
 from __future__ import annotations
 
+from tinygrad import Tensor
+
 from tinyvllm.layers.attention import paged_attention, write_kv
 from tinyvllm.layers.linear import portable_linear
+from tinyvllm.layers.norm import rms_norm
+from tinyvllm.layers.rotary import apply_rope
+
+
+def split_qkv_rope(qkv: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, cos: Tensor, sin: Tensor, num_kv_heads: int,
+                   eps: float) -> tuple[Tensor, Tensor, Tensor]:
+  """qkv [N, (H + 2 * KVH) * D] -> q [N, H, D], k, v [N, KVH, D]: q and k per-head RMS-normed (when both weights are
+  given: Qwen3's QK-norm) and rotated (HF's rotate-half RoPE; cos/sin [N, D / 2] float32, gathered per position)."""
+  n, head_dim = qkv.shape[0], 2 * cos.shape[1]
+  kv_size = num_kv_heads * head_dim
+  q_size = qkv.shape[1] - 2 * kv_size
+  q = qkv[:, :q_size].reshape(n, q_size // head_dim, head_dim)
+  k = qkv[:, q_size:q_size + kv_size].reshape(n, num_kv_heads, head_dim)
+  v = qkv[:, q_size + kv_size:].reshape(n, num_kv_heads, head_dim)
+  if q_norm is not None and k_norm is not None: q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+  return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def qkv_rope_write(qkv: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, cos: Tensor, sin: Tensor, k_cache: Tensor,
+                   v_cache: Tensor, slot_mapping: Tensor, eps: float, write=write_kv) -> tuple[Tensor, Tensor, Tensor]:
+  """split_qkv_rope, then K/V to the caches [slots, KVH * D] at slot_mapping (-1: skip) with `write` (a KV write of
+  the write_kv signature). Returns q [N, H, D] and the caches after the write."""
+  q, k, v = split_qkv_rope(qkv, q_norm, k_norm, cos, sin, k_cache.shape[1] // (2 * cos.shape[1]), eps)
+  k_cache, v_cache = write(k_cache, v_cache, k, v, slot_mapping)
+  return q, k_cache, v_cache
 
 
 class PortableBackend:
@@ -13,5 +40,6 @@ class PortableBackend:
     self.attention = paged_attention
     self.write_kv = write_kv
     self.linear = portable_linear
+    self.qkv_rope_write = qkv_rope_write
 
   def describe(self) -> str: return "portable (tinygrad ops)" + (f": {self.reason}" if self.reason else "")

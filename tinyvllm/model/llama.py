@@ -12,16 +12,19 @@ from dataclasses import dataclass
 from tinygrad import Tensor
 
 from tinyvllm.config import ModelConfig
+from tinyvllm.kernels.portable import qkv_rope_write
 from tinyvllm.layers.attention import AttentionMetadata, paged_attention, write_kv
 from tinyvllm.layers.linear import LinearFn, portable_linear
-from tinyvllm.layers.norm import rms_norm
-from tinyvllm.layers.rotary import apply_rope
 from tinyvllm.layers.scatter import gather_rows
 
 # An attention implementation: (q [N,H,D], k_cache, v_cache, metadata) -> [N, H*D]. The portable one is the default.
 AttentionFn = Callable[[Tensor, Tensor, Tensor, AttentionMetadata], Tensor]
 # A KV write: (k_cache, v_cache, k [N,KVH,D], v, slot_mapping [N]) -> the caches after the write.
 WriteKVFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+# Split + QK-norm + RoPE + KV write: (qkv [N, (H + 2*KVH) * D], q_norm [D] | None, k_norm | None, cos [N, D/2],
+# sin, k_cache, v_cache, slot_mapping [N], eps) -> (q [N, H, D], k_cache, v_cache) (see kernels/backend.py).
+QkvRopeWriteFn = Callable[[Tensor, Tensor | None, Tensor | None, Tensor, Tensor, Tensor, Tensor, Tensor, float],
+                          tuple[Tensor, Tensor, Tensor]]
 
 
 @dataclass
@@ -57,6 +60,8 @@ class TransformerLM:
     self.attention_fn: AttentionFn = paged_attention
     self.write_kv_fn: WriteKVFn = write_kv
     self.linear_fn: LinearFn = portable_linear
+    # default: the portable ops, writing K/V with whatever write_kv_fn is set (a backend replaces the whole step)
+    self.qkv_rope_write_fn: QkvRopeWriteFn = self._qkv_rope_write_ops
 
   @property
   def dtype(self): return self.embed_tokens.dtype
@@ -88,12 +93,10 @@ class TransformerLM:
   def _attention(self, layer: DecoderLayer, qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
                  meta: AttentionMetadata) -> tuple[Tensor, Tensor, Tensor]:
     """Split q/k/v, QK-norm and rotate, write K/V to the cache, attend; returns [N, heads * head_dim] and the caches."""
-    cfg, n = self.config, qkv.shape[0]
-    q = qkv[:, :cfg.q_size].reshape(n, cfg.num_heads, cfg.head_dim)
-    k = qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].reshape(n, cfg.num_kv_heads, cfg.head_dim)
-    v = qkv[:, cfg.q_size + cfg.kv_size:].reshape(n, cfg.num_kv_heads, cfg.head_dim)
-    if layer.q_norm is not None and layer.k_norm is not None:
-      q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_cache, v_cache = self.write_kv_fn(k_cache, v_cache, k, v, meta.slot_mapping)
+    q, k_cache, v_cache = self.qkv_rope_write_fn(qkv, layer.q_norm, layer.k_norm, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                                                 self.config.rms_norm_eps)
     return self.attention_fn(q, k_cache, v_cache, meta), k_cache, v_cache
+
+  def _qkv_rope_write_ops(self, qkv: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, cos: Tensor, sin: Tensor,
+                          k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    return qkv_rope_write(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, eps, write=self.write_kv_fn)
