@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import traceback
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,7 +134,10 @@ def part_serve() -> dict:
            "--input-len", "512", "--output-len", "128", "--request-rate", "inf", "--result-file", str(result_file),
            "--disable-tqdm"]
     for _ in range(300):
-      if subprocess.run(["curl", "-sf", f"http://127.0.0.1:{port}/health"], capture_output=True).returncode == 0: break
+      try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+          if r.status == 200: break
+      except OSError: pass
       time.sleep(1)
     subprocess.run(cmd, cwd=REPO, check=True)
     return json.loads(result_file.read_text())
