@@ -73,9 +73,10 @@ def part_decode() -> dict:
 def part_throughput() -> dict:
   from tinyvllm.bench.throughput import run_throughput
   llm, load_s = engine(kv_cache_memory=kv_gib(40), max_model_len=4096, max_num_seqs=256)
-  r = run_throughput(llm)
+  r = run_throughput(llm, warmup_requests=int(os.environ.get("BENCH_WARMUP_REQUESTS", "256")))
   print(r.line(), flush=True)
-  return {"load_s": load_s, "requests": r.requests, "output_tokens": r.output_tokens, "prompt_tokens": r.prompt_tokens,
+  return {"load_s": load_s, "warmup_requests": int(os.environ.get("BENCH_WARMUP_REQUESTS", "256")),
+          "requests": r.requests, "output_tokens": r.output_tokens, "prompt_tokens": r.prompt_tokens,
           "seconds": r.seconds, "output_tok_s": r.output_tok_s, "preemptions": llm.engine.scheduler.num_preemptions}
 
 

@@ -34,11 +34,14 @@ def workload(num_requests: int, min_len: int, max_len: int, vocab: int, seed: in
   return prompts, params
 
 
-def run_throughput(llm: LLM, num_requests: int = 256, min_len: int = 100, max_len: int = 1024, warmup: bool = True
+def run_throughput(llm: LLM, num_requests: int = 256, min_len: int = 100, max_len: int = 1024, warmup_requests: int = 256
                    ) -> ThroughputResult:
+  """The warm-up runs the first `warmup_requests` requests of a workload with another seed (no prefix-cache hits)."""
   vocab = min(10000, llm.engine.model_config.vocab_size)
+  if warmup_requests:
+    prompts, params = workload(num_requests, min_len, max_len, vocab, seed=1)
+    llm.generate(prompts[:warmup_requests], params[:warmup_requests], use_tqdm=False)
   prompts, params = workload(num_requests, min_len, max_len, vocab)
-  if warmup: llm.generate(prompts, params, use_tqdm=False)
   start = time.perf_counter()
   outputs = llm.generate(prompts, params, use_tqdm=False)
   seconds = time.perf_counter() - start
