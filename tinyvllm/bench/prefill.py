@@ -35,12 +35,13 @@ def prefill_once(llm: LLM, length: int, seed: int) -> tuple[float, int]:
 
 
 def run_prefill_sweep(llm: LLM, lengths: list[int]) -> list[PrefillResult]:
-  """Each length twice (the first compiles its kernels); the second is reported. Needs max_num_batched_tokens >= max(lengths)
-  and prefix caching off, so that each prompt is one step."""
+  """Each length three times (the first compiles its kernels, the second captures the step when prefill steps are
+  JIT-captured); the third is reported. Needs max_num_batched_tokens >= max(lengths) and prefix caching off, so that
+  each prompt is one step."""
   results = []
   for i, length in enumerate(lengths):
-    prefill_once(llm, length, seed=2 * i)
-    seconds, extra = prefill_once(llm, length, seed=2 * i + 1)
+    for warmup in range(2): prefill_once(llm, length, seed=3 * i + warmup)
+    seconds, extra = prefill_once(llm, length, seed=3 * i + 2)
     results.append(PrefillResult(length, seconds, extra))
     print(results[-1].line(), flush=True)
   return results
