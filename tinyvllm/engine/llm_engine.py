@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +55,7 @@ def log(message: str) -> None: print(f"[tinyvllm] {message}", file=sys.stderr, f
 
 class LLMEngine:
   def __init__(self, config: EngineConfig):
+    start = time.perf_counter()
     self.config = config
     self.device = select_device(config.device)
     located = locate_model(config)
@@ -83,6 +85,7 @@ class LLMEngine:
     self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
     self.requests: dict[str, Request] = {}
     self._seed_rng = random.Random(config.seed)
+    log(f"engine ready in {time.perf_counter() - start:.1f} s (each new batch shape is compiled and captured when first met)")
 
   @staticmethod
   def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
