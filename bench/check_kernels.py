@@ -343,7 +343,7 @@ def step_engine(model: str | None, device: str, backend_name: str) -> None:
 def bench_batch(dialect: str, device: str, batch: int, iters: int, variants: dict | None = None) -> dict:
   """Per-layer decode attention time, fused vs portable, for the Qwen3-0.6B shape. Each JIT call runs `layers`
   attention layers with their own caches (so the KV reads come from HBM, not L2) to keep the GPU busier than Python."""
-  from tinygrad import Device, Tensor, TinyJit, dtypes
+  from tinygrad import Tensor, dtypes
 
   from tinyvllm.kernels.fused import FusedBackend
   from tinyvllm.layers.attention import AttentionMetadata, paged_attention
@@ -369,6 +369,19 @@ def bench_batch(dialect: str, device: str, batch: int, iters: int, variants: dic
   fns = {"fused": backend.attention, "portable": paged_attention} if variants is None else \
     {name: FusedBackend(dialect, device, **kw).attention for name, kw in variants.items()}
   res: dict = {"batch": batch, "layers": layers, "kv_bytes_per_layer": int(2 * ctx.sum() * kvh * d * 2)}
+  outs = time_layers(fns, per_layer, device, iters, layers, res)
+  if variants is not None: return res
+  res["speedup"] = res["portable_us_per_layer"] / res["fused_us_per_layer"]
+  res["fused_GBps"] = res["kv_bytes_per_layer"] / res["fused_us_per_layer"] / 1e3
+  res["err_fused_vs_portable"] = rel_err(outs["fused"], outs["portable"].astype(np.float64))
+  res["decode_plan_splits"] = backend.calls.most_common()
+  return res
+
+
+def time_layers(fns: dict, per_layer: list, device: str, iters: int, layers: int, res: dict) -> dict:
+  """Time each attention function over all layers under TinyJit (3 warm-up replays); us per layer go into res as
+  `<name>_us_per_layer`; returns each function's output."""
+  from tinygrad import Device, Tensor, TinyJit
   outs = {}
   for name, fn in fns.items():
     jit = TinyJit(lambda fn=fn: Tensor.stack(*[fn(*x) for x in per_layer]).realize())
@@ -379,17 +392,11 @@ def bench_batch(dialect: str, device: str, batch: int, iters: int, variants: dic
     Device[device].synchronize()
     res[f"{name}_us_per_layer"] = (time.perf_counter() - t) / iters / layers * 1e6
     outs[name] = jit().float().numpy()
-  if variants is not None: return res
-  res["speedup"] = res["portable_us_per_layer"] / res["fused_us_per_layer"]
-  res["fused_GBps"] = res["kv_bytes_per_layer"] / res["fused_us_per_layer"] / 1e3
-  res["err_fused_vs_portable"] = rel_err(outs["fused"], outs["portable"].astype(np.float64))
-  res["decode_plan_splits"] = backend.calls.most_common()
-  return res
+  return outs
 
 
 def bench_prefill(dialect: str, device: str, name: str, seqs: list[tuple[int, int]], iters: int, layers: int = 4) -> dict:
   """Prefill / chunked-prefill attention, fused vs portable, Qwen3-0.6B shape (random data, own caches per layer)."""
-  from tinygrad import Device, Tensor, TinyJit
 
   from tinyvllm.kernels.cases import make_case, metadata_tensors
   from tinyvllm.kernels.fused import FusedBackend
@@ -402,16 +409,7 @@ def bench_prefill(dialect: str, device: str, name: str, seqs: list[tuple[int, in
   fns = {"fused": FusedBackend(dialect, device).attention, "portable": paged_attention}
   new = sum(n for _, n in seqs)
   res: dict = {"name": name, "seqs": seqs, "new_tokens": new, "layers": layers}
-  outs = {}
-  for key, fn in fns.items():
-    jit = TinyJit(lambda fn=fn: Tensor.stack(*[fn(*x) for x in per_layer]).realize())
-    for _ in range(3): jit()
-    Device[device].synchronize()
-    t = time.perf_counter()
-    for _ in range(iters): jit()
-    Device[device].synchronize()
-    res[f"{key}_us_per_layer"] = (time.perf_counter() - t) / iters / layers * 1e6
-    outs[key] = jit().float().numpy()[:, :new]
+  outs = {key: out[:, :new] for key, out in time_layers(fns, per_layer, device, iters, layers, res).items()}
   flops = sum(4 * n * (c - n + (n + 1) / 2) * 16 * 128 for c, n in seqs)   # QK^T and PV over the visible keys
   res["fused_TFLOPs"] = flops / res["fused_us_per_layer"] / 1e6
   res["speedup"] = res["portable_us_per_layer"] / res["fused_us_per_layer"]
