@@ -62,7 +62,8 @@ class OutputProcessor:
     params, state = seq.params, self.states[seq.seq_id]
     seq.output_token_ids.append(token)
     if logprobs is not None:
-      state.logprobs = (state.logprobs or []) + [logprobs]
+      if state.logprobs is None: state.logprobs = []
+      state.logprobs.append(logprobs)
       state.cumulative_logprob += logprobs[token].logprob
     stopped_by_token = self._token_stop(seq, token)
     if seq.status is SequenceStatus.RUNNING and ((params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens)
