@@ -58,7 +58,7 @@ def test_chat_cli_session(qwen_dir, llm):
                    use_tqdm=False)[0].outputs[0].text
   second = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=6),
                     use_tqdm=False)[0].outputs[0].text
-  assert run.stdout.count("\n") >= 2
+  assert run.stdout.count("\n") >= 2 and first.strip() and second.strip() and first != second
   assert first in run.stdout and second in run.stdout
 
 

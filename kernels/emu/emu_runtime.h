@@ -89,14 +89,22 @@ inline void simd_barrier() {
 template <class T> inline uint64_t to_bits(T v) { uint64_t b = 0; std::memcpy(&b, &v, sizeof(T)); return b; }
 template <class T> inline T from_bits(uint64_t b) { T v; std::memcpy(&v, &b, sizeof(T)); return v; }
 
+// this lane's value into the group's exchange slots (alternating banks, so back-to-back exchanges never overwrite a
+// value a slower lane has yet to read); returns the bank once every lane of the SIMD group has written
+template <class T> inline unsigned simd_publish(T v) {
+  Fiber* f = current_fiber();
+  const unsigned p = f->simd_parity;
+  f->simd_parity ^= 1u;
+  current_group()->slots[p][f->tid] = to_bits(v);
+  simd_barrier();
+  return p;
+}
+
 // value of lane (lane ^ mask) of this SIMD group (mask < 32; a partner outside a partial group returns v)
 template <class T> inline T simd_xor(T v, unsigned mask) {
   Group* g = current_group();
   Fiber* f = current_fiber();
-  const unsigned p = f->simd_parity;
-  f->simd_parity ^= 1u;
-  g->slots[p][f->tid] = to_bits(v);
-  simd_barrier();
+  const unsigned p = simd_publish(v);
   const int sg = f->tid / 32, lane = f->tid % 32, partner = lane ^ (int)mask;
   if (partner >= g->simd_size(sg)) return v;
   return from_bits<T>(g->slots[p][sg * 32 + partner]);
@@ -106,10 +114,7 @@ template <class T> inline T simd_xor(T v, unsigned mask) {
 template <class T, class Op> inline T simd_reduce(T v, Op op) {
   Group* g = current_group();
   Fiber* f = current_fiber();
-  const unsigned p = f->simd_parity;
-  f->simd_parity ^= 1u;
-  g->slots[p][f->tid] = to_bits(v);
-  simd_barrier();
+  const unsigned p = simd_publish(v);
   const int sg = f->tid / 32;
   T acc = from_bits<T>(g->slots[p][sg * 32]);
   for (int l = 1; l < g->simd_size(sg); l++) acc = op(acc, from_bits<T>(g->slots[p][sg * 32 + l]));
