@@ -49,6 +49,57 @@ def profile_one_step(engine, batch: int) -> dict:
           "top": [{"name": k, "ms": round(v, 4), "count": counts[k]} for k, v in top]}
 
 
+def step_breakdown(engine, batch: int, steps: int = 50) -> dict:
+  """Where a decode step's wall time goes: the whole engine.step, the runner's execute (batch prep + upload + graph
+  launch + reading the tokens), and the captured graph alone replayed back to back (GPU time + launch), in ms."""
+  from tinygrad import Device
+
+  from tinyvllm import SamplingParams
+  runner = engine.runner
+  seen: dict = {}
+  orig_step_fn, orig_execute = runner._step_fn, runner.execute
+  execute_s: list[float] = []
+
+  def step_fn(layout):
+    fn = orig_step_fn(layout)
+    def record(packed):
+      seen[layout] = (fn, packed)
+      return fn(packed)
+    return record
+
+  def execute(sched):
+    t = time.perf_counter()
+    out = orig_execute(sched)
+    execute_s.append(time.perf_counter() - t)
+    return out
+
+  runner._step_fn, runner.execute = step_fn, execute
+  params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+  for i in range(batch): engine.add_request(f"b{i}", [1 + i] * 100, params)
+  step_s = []
+  try:
+    while engine.has_unfinished_requests():
+      t = time.perf_counter()
+      engine.step()
+      step_s.append(time.perf_counter() - t)
+  finally:
+    runner._step_fn, runner.execute = orig_step_fn, orig_execute
+  layout = next(lay for lay in reversed(list(seen)) if lay.query_len == 1)
+  fn, packed = seen[layout]
+  dev = Device[engine.model.device]
+  for _ in range(3): fn(packed)
+  dev.synchronize()
+  t = time.perf_counter()
+  for _ in range(steps): fn(packed)
+  launch_s = (time.perf_counter() - t) / steps
+  dev.synchronize()
+  replay_s = (time.perf_counter() - t) / steps
+  tail = len(step_s) // 2   # the second half: decode steps only, captures warm
+  ms = lambda xs: round(1e3 * sorted(xs)[len(xs) // 2], 3)
+  return {"engine_step_ms": ms(step_s[-tail:]), "runner_execute_ms": ms(execute_s[-tail:]),
+          "graph_replay_ms": round(replay_s * 1e3, 3), "graph_launch_host_ms": round(launch_s * 1e3, 3)}
+
+
 def main() -> None:
   p = argparse.ArgumentParser()
   p.add_argument("--model", default="qwen3-0.6b")
@@ -78,6 +129,8 @@ def main() -> None:
   result["decode_tok_s"] = runs[0].decode_tok_s
   result["prefill_ms"] = runs[0].prefill_s * 1e3
   print(runs[0].line(), flush=True)
+  result["breakdown"] = step_breakdown(llm.engine, args.batch)
+  print("step breakdown (median ms):", result["breakdown"], flush=True)
   result["profile"] = profile_one_step(llm.engine, args.batch)
   prof = result["profile"]
   print(f"eager step: {prof['kernels']} kernels, {prof['total_ms']:.3f} ms of kernel time", flush=True)

@@ -31,7 +31,14 @@ typedef unsigned short ushort;
 #define TV_ST16(p, v) (*reinterpret_cast<uint4*>(p) = (v))
 #define TV_AS_FLOAT(u) __uint_as_float(u)
 #define TV_AS_UINT(f) __float_as_uint(f)
+#ifdef TV_EMULATOR
 #define TV_EXP2(x) exp2f(x)
+#else
+// the hardware's approximate 2^x (ex2.approx, ~2 ulp; what exp2f becomes with --use_fast_math): the softmax and SiLU
+// inputs are bfloat16/float16-rounded values, far coarser than its error
+__device__ __forceinline__ float tv_cuda_exp2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+#define TV_EXP2(x) tv_cuda_exp2(x)
+#endif
 #ifdef TV_EMULATOR
 #define TV_H2F(h) tv_emu_half_to_float(h)
 #define TV_F2H(f) tv_emu_float_to_half(f)

@@ -16,6 +16,10 @@ inline void __syncthreads() { emu::group_barrier(); }
 inline float tv_emu_half_to_float(ushort h) { return emu::half_bits_to_float(h); }
 inline ushort tv_emu_float_to_half(float f) { return emu::float_to_half_bits(f); }
 
+// the tensor-core kernel's PTX (mma.sync, cp.async): the mma over the SIMD group's fragments, cp.async as a plain copy
+inline void tv_emu_mma_16816(float* c, const uint* a, const uint* b, bool bf16) { emu::mma_m16n8k16(c, a, b, bf16); }
+inline void tv_emu_cp_async16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
+
 #define TV_EMULATOR 1
 #define TV_LINKAGE
 #define threadIdx (::emu::thread_pos())
@@ -25,3 +29,4 @@ inline ushort tv_emu_float_to_half(float f) { return emu::float_to_half_bits(f);
 #define __forceinline__ inline
 #define __launch_bounds__(n)
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))

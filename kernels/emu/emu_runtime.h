@@ -52,6 +52,7 @@ struct Group {
   int simd_arrived[32] = {0};
   unsigned simd_gen[32] = {0};
   uint64_t slots[2][1024];            // SIMD exchange, double-buffered by each fiber's parity
+  uint32_t frags[2][1024][6];         // the same for the mma operand fragments
   const std::function<void()>* body = nullptr;
   const char* error = nullptr;
 
@@ -98,6 +99,35 @@ template <class T> inline unsigned simd_publish(T v) {
   current_group()->slots[p][f->tid] = to_bits(v);
   simd_barrier();
   return p;
+}
+
+inline float half_bits_to_float(uint16_t h);
+
+// mma.sync.m16n8k16.row.col with float32 accumulators, PTX's fragment layout (g = lane / 4, t = lane % 4):
+// a[0..3] = A[g][2t..2t+1], A[g+8][2t..], A[g][2t+8..], A[g+8][2t+8..]; b[0..1] = B[2t..2t+1][g], B[2t+8..][g];
+// c[0..3] = C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1]. Elements are bfloat16 or float16 bits, two per word.
+inline void mma_m16n8k16(float* c, const uint32_t* a, const uint32_t* b, bool bf16) {
+  Group* g = current_group();
+  Fiber* f = current_fiber();
+  const unsigned p = f->simd_parity;
+  f->simd_parity ^= 1u;
+  for (int i = 0; i < 4; i++) g->frags[p][f->tid][i] = a[i];
+  for (int i = 0; i < 2; i++) g->frags[p][f->tid][4 + i] = b[i];
+  simd_barrier();
+  const int base = (f->tid / 32) * 32, lane = f->tid % 32, row = lane / 4, col = (lane % 4) * 2;
+  auto elem = [&](int holder, int reg, int k) {
+    const uint32_t w = g->frags[p][base + holder][reg], bits = (k % 2) ? (w >> 16) : (w & 0xffffu);
+    if (bf16) { const uint32_t x = bits << 16; float v; std::memcpy(&v, &x, 4); return v; }
+    return half_bits_to_float((uint16_t)bits);
+  };
+  auto a_at = [&](int r, int k) { return elem((r % 8) * 4 + (k % 8) / 2, (r >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0), k); };
+  auto b_at = [&](int k, int n) { return elem(n * 4 + (k % 8) / 2, 4 + (k >= 8 ? 1 : 0), k); };
+  for (int i = 0; i < 4; i++) {
+    const int r = row + (i >= 2 ? 8 : 0), n = col + i % 2;
+    float s = c[i];
+    for (int k = 0; k < 16; k++) s += a_at(r, k) * b_at(k, n);
+    c[i] = s;
+  }
 }
 
 // value of lane (lane ^ mask) of this SIMD group (mask < 32; a partner outside a partial group returns v)

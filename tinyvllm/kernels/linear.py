@@ -4,7 +4,7 @@ fused in: y = [residual +] (norm(x) | silu(x1) * x2 | x) @ w.T [+ bias].
 tinygrad's generated kernels for a few-row product over a large bf16 weight run far from memory bandwidth without a
 beam search, and a decode step is little else; this kernel streams each weight row once with 16-byte loads, and folds
 the RMSNorm before it, the SwiGLU product and the residual add into its loads and stores. It takes up to MAX_ROWS rows
-(the batch's tokens); larger products (prefill, big batches) stay with tinygrad's matmul.
+(the batch's tokens); on CUDA larger products (prefill, big batches) go to the tensor-core kernel (kernels/gemm.py).
 """
 from __future__ import annotations
 
@@ -13,11 +13,14 @@ from dataclasses import dataclass, field
 
 from tinygrad import Tensor, dtypes
 
+from tinyvllm.kernels.gemm import GemmTiles, gemm_source
+from tinyvllm.kernels.gemm import unsupported_reason as gemm_unsupported_reason
 from tinyvllm.kernels.plan import DTYPE_CODES, ELEM_BYTES, Launch, Param, dtype_code
 from tinyvllm.kernels.sources import kernel_source
 from tinyvllm.kernels.tinygrad_program import run_kernel
 
 MAX_ROWS = 16
+SKINNY_ROWS = 4    # above this the tensor-core kernel is faster on an H100 (bench/gemm_bench.py)
 THREADS = 128
 DTYPE_NAMES = {dtypes.float32: "float32", dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}
 
@@ -51,16 +54,17 @@ def unsupported_reason(shape: LinearShape) -> str | None:
   return None
 
 
-def linear_plan(shape: LinearShape) -> LinearPlan:
+def linear_plan(shape: LinearShape, rpw: int | None = None, threads: int = THREADS) -> LinearPlan:
+  """rpw (weight rows per warp) and threads override the tuned choice (timing experiments)."""
   # weight rows per warp: each 16-byte w load is matched by rows/rpw x loads (from cache), so more rows want a larger
   # rpw; 4 keeps 16 rows at ~170 registers without spills (nvcc -Xptxas -v, sm_90)
-  rpw = 2 if shape.rows <= 2 else 4
-  blocks = -(-shape.out_features // (rpw * (THREADS // 32)))
+  rpw = rpw or (2 if shape.rows <= 2 else 4)
+  blocks = -(-shape.out_features // (rpw * (threads // 32)))
   m, k, o = shape.rows, shape.in_features, shape.out_features
   params = [Param("y", "float" if shape.out_float32 else "elem", True, m * o),
             Param("x", "elem", False, m * k * (2 if shape.silu_mul else 1)), Param("w", "elem", False, o * k)]
   defines: dict[str, int | str] = {"TV_DTYPE": dtype_code(shape.dtype), "TV_M": m, "TV_K": k, "TV_NOUT": o, "TV_RPW": rpw,
-                                   "TV_NT": THREADS}
+                                   "TV_NT": threads}
   for flag, name, numel in (("TV_BIAS", "bias", o), ("TV_PRO_NORM", "g", k), ("TV_RESIDUAL", "residual", m * o)):
     wanted = {"TV_BIAS": shape.bias, "TV_PRO_NORM": shape.norm_eps is not None, "TV_RESIDUAL": shape.residual}[flag]
     if wanted:
@@ -69,26 +73,50 @@ def linear_plan(shape: LinearShape) -> LinearPlan:
   if shape.norm_eps is not None: defines["TV_EPS"] = f"{shape.norm_eps!r}f"
   if shape.silu_mul: defines["TV_PRO_SILU"] = 1
   if shape.out_float32: defines["TV_OUT_F32"] = 1
-  return LinearPlan(shape, defines, Launch("tv_linear", (blocks, 1, 1), THREADS, tuple(params)))
+  return LinearPlan(shape, defines, Launch("tv_linear", (blocks, 1, 1), threads, tuple(params)))
 
 
 @functools.cache
-def _compiled(dialect: str, shape: LinearShape) -> tuple[LinearPlan, str]:
-  plan = linear_plan(shape)
+def _compiled(dialect: str, shape: LinearShape, rpw: int | None = None, threads: int = THREADS) -> tuple[LinearPlan, str]:
+  plan = linear_plan(shape, rpw, threads)
   return plan, kernel_source(dialect, "linear", plan.defines)
+
+
+def pick_kernel(dialect: str, shape: LinearShape) -> str | None:
+  """"skinny" (kernels/linear.inc) up to SKINNY_ROWS rows, "gemm" (tensor cores, CUDA) above, the skinny one up to
+  MAX_ROWS where the gemm cannot run (Metal, float32); None: neither takes the shape."""
+  skinny = unsupported_reason(shape) is None
+  if skinny and shape.rows <= SKINNY_ROWS: return "skinny"
+  if dialect == "cuda" and gemm_unsupported_reason(shape.dtype, shape.rows, shape.in_features, shape.out_features) is None:
+    return "gemm"
+  return "skinny" if skinny else None
 
 
 def fused_linear(dialect: str, x: Tensor, w: Tensor, bias: Tensor | None = None, norm: Tensor | None = None,
                  eps: float = 1e-6, silu_mul: bool = False, residual: Tensor | None = None,
-                 out_float32: bool = False) -> Tensor | None:
-  """The kernel's result, or None when the shape is not one it takes (the caller then uses tinygrad ops)."""
+                 out_float32: bool = False, kernel: str | None = None, tiles: GemmTiles | None = None,
+                 rpw: int | None = None) -> Tensor | None:
+  """The kernels' result, or None when no kernel takes the shape (the caller then uses tinygrad ops). kernel ("skinny"
+  or "gemm"), tiles and rpw override the automatic choices (timing experiments)."""
   dtype = DTYPE_NAMES.get(w.dtype)
   if dtype is None or x.ndim != 2: return None
   k = x.shape[1] // 2 if silu_mul else x.shape[1]
   shape = LinearShape(dtype, x.shape[0], k, w.shape[0], bias is not None, eps if norm is not None else None, silu_mul,
                       residual is not None, out_float32)
-  if w.shape[1] != k or unsupported_reason(shape) is not None: return None
-  plan, source = _compiled(dialect, shape)
+  if w.shape[1] != k or (kernel := kernel or pick_kernel(dialect, shape)) is None: return None
   y = Tensor.empty(shape.rows, shape.out_features, dtype=dtypes.float32 if out_float32 else w.dtype, device=x.device)
-  extras = [t.cast(w.dtype).contiguous() for t in (bias, norm, residual) if t is not None]
-  return run_kernel(plan.launch, source, [y, x.cast(w.dtype).contiguous(), w, *extras])[0]
+  x, extras = x.cast(w.dtype).contiguous(), {n: t.cast(w.dtype).contiguous() for n, t in
+                                             (("bias", bias), ("norm", norm), ("residual", residual)) if t is not None}
+  if kernel == "gemm": return _run_gemm(shape, tiles, y, x, w, extras)
+  plan, source = _compiled(dialect, shape, rpw)
+  return run_kernel(plan.launch, source, [y, x, w, *extras.values()])[0]
+
+
+def _run_gemm(shape: LinearShape, tiles: GemmTiles | None, y: Tensor, x: Tensor, w: Tensor, extras: dict[str, Tensor]) -> Tensor:
+  launches, source = gemm_source(shape, tiles)
+  inputs = [x, w] + ([extras["norm"]] if "norm" in extras else [])
+  epilogue = [extras[n] for n in ("bias", "residual") if n in extras]
+  if len(launches) == 1: return run_kernel(launches[0], source, [y, *inputs, *epilogue])[0]
+  part = Tensor.empty(launches[0].params[0].numel, dtype=dtypes.float32, device=x.device)
+  part = run_kernel(launches[0], source, [part, *inputs])[0]
+  return run_kernel(launches[1], source, [y, part, *epilogue])[0]

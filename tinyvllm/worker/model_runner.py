@@ -1,7 +1,7 @@
 """ModelRunner: a scheduled batch in, one sampled token per finishing sequence out.
 
 Each step's metadata (tokens, positions, slot mapping, block tables, query layout, sampling settings) is packed on the
-host into one int32 array and copied to the device once. The forward pass plus sampling runs under a TinyJit capture
+host into one int32 array and copied to the device once (worker/host_io.py). The forward pass plus sampling runs under a TinyJit capture
 per layout (the bucketed shapes of the step), so a replay costs one copy in, the captured kernels and one copy out of
 the sampled ids.
 """
@@ -19,6 +19,7 @@ from tinyvllm.core.sequence import Sequence
 from tinyvllm.layers.attention import AttentionMetadata
 from tinyvllm.layers.sampler import SamplerVariant, SamplingBatch, compute_logprobs, sample
 from tinyvllm.model.llama import StepInputs, TransformerLM
+from tinyvllm.worker.host_io import StepIO
 from tinyvllm.worker.input_batch import HostBatch, prepare_batch
 from tinyvllm.worker.kv_cache import KVCache
 
@@ -88,6 +89,7 @@ class ModelRunner:
     self.model, self.kv_cache = model, kv_cache
     self.vocab_size = model.config.vocab_size
     self._captures: dict[StepLayout, TinyJit] = {}
+    self._io = StepIO(model.device)
 
   def execute(self, sched: SchedulerOutput) -> StepResult:
     if sched.block_copies: self.kv_cache.copy_blocks(sched.block_copies)
@@ -96,11 +98,11 @@ class ModelRunner:
     fields = packed_fields(host, sampling)
     layout = StepLayout(tuple((name, a.shape) for name, a in fields.items()), host.context_len, sampling.variant,
                         logprobs_bucket(host.sample_seqs))
-    packed = Tensor(np.concatenate([a.reshape(-1) for a in fields.values()]), device=self.model.device).realize()
+    packed = self._io.upload(np.concatenate([a.reshape(-1) for a in fields.values()]))
     out = self._step_fn(layout)(packed)
     rows = len(host.sample_seqs)
-    if layout.logprobs < 0: return StepResult(host.sample_seqs, out.numpy()[:rows].tolist())
-    tokens, chosen, rank, top_ids, top_lps = (t.numpy()[:rows] for t in out)
+    if layout.logprobs < 0: return StepResult(host.sample_seqs, self._io.download(out)[:rows].tolist())
+    tokens, chosen, rank, top_ids, top_lps = (self._io.download(t)[:rows] for t in out)
     return StepResult(host.sample_seqs, tokens.tolist(), TokenLogprobs(chosen, rank, top_ids, top_lps))
 
   def logits(self, sched: SchedulerOutput) -> np.ndarray:

@@ -1,0 +1,175 @@
+"""The model's matrix products on the GPU, one kernel at a time: correctness of the tensor-core GEMM and the skinny
+decode kernel against tinygrad's own ops on the device, then time per call, achieved GB/s and TFLOP/s of every variant
+(planner's choice, other tiles, other splits, cuBLAS through torch as the ceiling) for Qwen3-0.6B's projections.
+
+Usage (GPU machine): DEV=CUDA python bench/gemm_bench.py [--quick]; writes $OUT/gemm_bench.json when OUT is set.
+Timing: each variant is captured with TinyJit as R calls on R different weight copies (so weights come from HBM, not
+L2, as in a decode step), replayed; time per call = wall time / (replays * R).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# (name, out_features, in_features, prologue/epilogue) of Qwen3-0.6B's projections
+PROJECTIONS = (("qkv", 4096, 1024, {"norm": True}), ("o", 1024, 2048, {"residual": True}),
+               ("gate_up", 6144, 1024, {"norm": True}), ("down", 1024, 3072, {"silu_mul": True, "residual": True}),
+               ("lm_head", 151936, 1024, {"norm": True, "out_float32": True}))
+RESULTS: dict = {"correctness": [], "timing": [], "errors": []}
+
+
+def log(msg: str) -> None: print(msg, flush=True)
+
+
+def inputs(m: int, o: int, k: int, opts: dict, device: str, copies: int = 1, seed: int = 0):
+  from tinygrad import Tensor, dtypes
+  rng = np.random.default_rng(seed)
+  bf = dtypes.bfloat16
+  x = Tensor(rng.standard_normal((m, 2 * k if opts.get("silu_mul") else k)).astype(np.float32), device=device).cast(bf)
+  ws = [(Tensor.randn(o, k, device=device, dtype=bf) * 0.05).realize() for _ in range(copies)]
+  extra = {}
+  if opts.get("norm"): extra["norm"] = Tensor((1 + 0.2 * rng.standard_normal(k)).astype(np.float32), device=device).cast(bf)
+  if opts.get("residual"): extra["residual"] = Tensor(rng.standard_normal((m, o)).astype(np.float32), device=device).cast(bf)
+  if opts.get("bias"): extra["bias"] = Tensor(rng.standard_normal(o).astype(np.float32), device=device).cast(bf)
+  return x.realize(), ws, {n: t.realize() for n, t in extra.items()}
+
+
+def call(x, w, extra: dict, opts: dict, variant: dict, residual=None):
+  from tinyvllm.kernels.linear import fused_linear
+  from tinyvllm.layers.linear import portable_linear
+  residual = extra.get("residual") if residual is None else residual
+  kw = {"norm": extra.get("norm"), "residual": residual, "silu_mul": bool(opts.get("silu_mul")),
+        "out_float32": bool(opts.get("out_float32")), "eps": 1e-6}
+  if variant["kind"] == "portable": return portable_linear(x, w, extra.get("bias"), **kw)
+  y = fused_linear("cuda", x, w, extra.get("bias"), kernel=variant["kind"], tiles=variant.get("tiles"),
+                   rpw=variant.get("rpw"), **kw)
+  if y is None: raise RuntimeError(f"kernel {variant} refused the shape")
+  return y
+
+
+def check(device: str) -> None:
+  from tinyvllm.kernels.gemm import GemmTiles
+  cases = [(1, 4096, 1024, {"norm": True}), (17, 1024, 2048, {"residual": True, "bias": True}),
+           (33, 1000, 3072, {"silu_mul": True, "residual": True}), (100, 6144, 1024, {"norm": True}),
+           (256, 4096, 1024, {}), (1000, 1024, 3072, {"silu_mul": True, "residual": True}),
+           (77, 151936, 1024, {"norm": True, "out_float32": True})]
+  for m, o, k, opts in cases:
+    x, ws, extra = inputs(m, o, k, opts, device, seed=m)
+    ref = call(x, ws[0], extra, opts, {"kind": "portable"}).float().numpy()
+    variants = [{"kind": "gemm"}, {"kind": "gemm", "tiles": GemmTiles(128, 128, 2, 4, 1)},
+                {"kind": "gemm", "tiles": GemmTiles(16, 64, 1, 4, 2)}] + ([{"kind": "skinny"}] if m <= 16 else [])
+    for v in variants:
+      got = call(x, ws[0], extra, opts, v).float().numpy()
+      err = float(np.abs(got - ref).max() / np.abs(ref).max())
+      ok = bool(np.isfinite(got).all() and err < 2e-2)
+      RESULTS["correctness"].append({"m": m, "o": o, "k": k, "opts": opts, "variant": str(v), "rel_err": err, "ok": ok})
+      log(f"check m={m} o={o} k={k} {opts} {v}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
+
+
+def chained_calls(x, ws, extra, opts, variant) -> list:
+  """One call per weight copy, each taking the previous output as its residual, so that the captured graph runs them
+  one after the other as a model does (independent calls would overlap and flatter small grids); the logits product
+  (float32 out) is not chained: it has thousands of blocks anyway."""
+  outs, prev = [], None
+  for w in ws:
+    outs.append(y := call(x, w, extra, opts, variant, residual=prev))
+    if not opts.get("out_float32"): prev = y
+  return outs
+
+
+def time_variant(x, ws, extra, opts, variant, device: str, replays: int) -> float:
+  from tinygrad import Device, TinyJit
+  jit = TinyJit(lambda: chained_calls(x, ws, extra, opts, variant))
+  for _ in range(3): jit()
+  Device[device].synchronize()
+  t = time.perf_counter()
+  for _ in range(replays): jit()
+  Device[device].synchronize()
+  return (time.perf_counter() - t) / (replays * len(ws))
+
+
+def time_torch(m: int, o: int, k: int, copies: int, replays: int) -> float | None:
+  try:
+    import torch
+  except ImportError: return None
+  x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+  ws = [torch.randn(o, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+  for w in ws: x @ w.T
+  torch.cuda.synchronize()
+  t = time.perf_counter()
+  for _ in range(replays):
+    for w in ws: x @ w.T
+  torch.cuda.synchronize()
+  return (time.perf_counter() - t) / (replays * copies)
+
+
+TILE_CANDIDATES = ((16, 64, 1, 4), (32, 64, 2, 2), (64, 64, 2, 2), (64, 128, 2, 2), (128, 128, 2, 4))
+
+
+def variants_for(m: int, o: int, k: int) -> list[dict]:
+  from tinyvllm.kernels.gemm import GemmTiles
+  out = [{"kind": "gemm"}]
+  for bm, bn, wm, wn in TILE_CANDIDATES:
+    if bm >= 2 * max(m, 16) or (m > 256 and bm < 64): continue
+    for splits in (1, 2, 4) if m <= 64 else (1,):
+      if k % (32 * splits) == 0: out.append({"kind": "gemm", "tiles": GemmTiles(bm, bn, wm, wn, splits)})
+  if m <= 16: out += [{"kind": "skinny"}, {"kind": "skinny", "rpw": 1}, {"kind": "skinny", "rpw": 4 if m <= 2 else 2}]
+  return out
+
+
+def bench(device: str, rows: list[int], replays: int) -> None:
+  for name, o, k, opts in PROJECTIONS:
+    wbytes = o * k * 2
+    copies = max(2, min(16, math.ceil(256e6 / wbytes)))
+    for m in rows:
+      if name == "lm_head" and m > 256: continue
+      x, ws, extra = inputs(m, o, k, opts, device, copies)
+      entries = []
+      for v in variants_for(m, o, k):
+        try: s = time_variant(x, ws, extra, opts, v, device, replays)
+        except Exception as e:
+          RESULTS["errors"].append({"proj": name, "m": m, "variant": str(v), "error": repr(e)[:300]})
+          continue
+        entries.append((str(v), s))
+      ts = time_torch(m, o, k, copies, replays)
+      if ts is not None: entries.append(("torch cuBLAS (plain x @ w.T)", ts))
+      for label, s in entries:
+        rec = {"proj": name, "m": m, "o": o, "k": k, "variant": label, "us": round(s * 1e6, 2),
+               "GBps": round((wbytes + m * k * 2 + m * o * 2) / s / 1e9, 1), "TFLOPs": round(2 * m * o * k / s / 1e12, 1)}
+        RESULTS["timing"].append(rec)
+        log(f"{name:8s} m={m:5d} {label:60s} {rec['us']:9.2f} us {rec['GBps']:7.1f} GB/s {rec['TFLOPs']:6.1f} TFLOP/s")
+      del x, ws, extra
+
+
+def main() -> None:
+  p = argparse.ArgumentParser()
+  p.add_argument("--quick", action="store_true")
+  p.add_argument("--rows", default="1,4,16,32,64,128,256,1024,4096")
+  args = p.parse_args()
+  from tinygrad import Device
+  device = Device.DEFAULT
+  t0 = time.perf_counter()
+  try:
+    check(device)
+    rows = [1, 32, 256] if args.quick else [int(r) for r in args.rows.split(",")]
+    bench(device, rows, replays=5 if args.quick else 20)
+  finally:
+    RESULTS["seconds"] = round(time.perf_counter() - t0, 1)
+    if os.environ.get("OUT"): (Path(os.environ["OUT"]) / "gemm_bench.json").write_text(json.dumps(RESULTS, indent=1))
+  bad = [c for c in RESULTS["correctness"] if not c["ok"]]
+  log(f"{len(RESULTS['correctness']) - len(bad)}/{len(RESULTS['correctness'])} checks ok, {len(RESULTS['errors'])} "
+      f"timing errors, {RESULTS['seconds']} s")
+  sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,108 @@
+"""The tensor-core matrix-product kernel (kernels/gemm_tc.inc, CUDA only) run on the CPU through the C++ emulation,
+whose mma.sync follows PTX's documented m16n8k16 fragment layout, and compared with the portable form
+(tinyvllm/layers/linear.py, tinygrad ops) on the same rounded inputs: every tile shape the planner picks, row counts
+and output counts that are not multiples of the tile, split-K with its reduce kernel, the RMSNorm / SwiGLU prologues,
+bias, residual, float32 logits, bfloat16 and float16; every output written (outputs start as NaN)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tinygrad import Tensor
+
+from tinyvllm.kernels.cases import from_bits, round_to, to_bits
+from tinyvllm.kernels.emulator import EmulatedKernels, Spec, find_compiler, poisoned
+from tinyvllm.kernels.gemm import GemmTiles, choose_tiles, gemm_plan, unsupported_reason
+from tinyvllm.kernels.linear import LinearShape, pick_kernel
+from tinyvllm.layers.linear import portable_linear
+
+TOLERANCE = {"float16": 3e-3, "bfloat16": 2e-2}
+EPS = 1e-5
+# name -> (dtype, rows, K, NOUT, bias, norm, silu_mul, residual, out_float32, tiles or None for the planner's)
+CASES = {
+  "bf16_m1_plain": ("bfloat16", 1, 64, 40, False, False, False, False, False, None),
+  "bf16_m17_norm_split": ("bfloat16", 17, 256, 72, False, True, False, False, False, None),
+  "f16_m33_silu_residual": ("float16", 33, 128, 64, False, False, True, True, False, GemmTiles(32, 64, 2, 2, 1)),
+  "bf16_m70_bias_residual_split2": ("bfloat16", 70, 256, 136, True, False, False, True, False, GemmTiles(64, 128, 2, 2, 2)),
+  "bf16_m130_norm_logits": ("bfloat16", 130, 96, 136, False, True, False, False, True, GemmTiles(128, 128, 2, 4, 1)),
+  "f16_m9_bias_logits_split4": ("float16", 9, 512, 24, True, False, False, False, True, GemmTiles(16, 64, 1, 4, 4)),
+}
+
+
+def _shape(name: str) -> LinearShape:
+  dtype, m, k, o, bias, norm, silu, res, f32, _ = CASES[name]
+  return LinearShape(dtype, m, k, o, bias, EPS if norm else None, silu, res, f32)
+
+
+@pytest.fixture(scope="module")
+def emu() -> EmulatedKernels:
+  find_compiler()
+  specs = []
+  for name in CASES:
+    defines, launches = gemm_plan(_shape(name), CASES[name][-1])
+    specs.append(Spec(name, "gemm_tc", defines, launches))
+  return EmulatedKernels("cuda", specs)
+
+
+def _inputs(name: str) -> dict[str, np.ndarray]:
+  dtype, m, k, o, bias, norm, silu, res, *_ = CASES[name]
+  rng = np.random.default_rng(len(name))
+  a = {"x": rng.standard_normal((m, 2 * k if silu else k)), "w": rng.standard_normal((o, k)) * 0.1}
+  if bias: a["bias"] = rng.standard_normal(o)
+  if norm: a["norm"] = 1 + 0.3 * rng.standard_normal(k)
+  if res: a["residual"] = rng.standard_normal((m, o))
+  return {key: round_to(v.astype(np.float32), dtype) for key, v in a.items()}
+
+
+def _run(emu: EmulatedKernels, name: str, a: dict[str, np.ndarray], order: str = "forward") -> np.ndarray:
+  shape = _shape(name)
+  launches = emu.specs[name].launches
+  bits = {key: to_bits(v, shape.dtype).reshape(-1) for key, v in a.items()}
+  out = np.full(shape.rows * shape.out_features, np.nan, np.float32) if shape.out_float32 else \
+    poisoned(shape.rows * shape.out_features, shape.dtype)
+  epilogue = [bits[key] for key in ("bias", "residual") if key in bits]
+  inputs = [bits["x"], bits["w"]] + ([bits["norm"]] if "norm" in bits else [])
+  if len(launches) == 1:
+    emu.launch(name, 0, [out, *inputs, *epilogue], order)
+  else:
+    part = np.full(launches[0].params[0].numel, np.nan, np.float32)
+    emu.launch(name, 0, [part, *inputs], order)
+    emu.launch(name, 1, [out, part, *epilogue], order)
+  return (out if shape.out_float32 else from_bits(out, shape.dtype)).reshape(shape.rows, shape.out_features)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gemm_matches_portable(emu, name):
+  shape, a = _shape(name), _inputs(name)
+  assert unsupported_reason(shape.dtype, shape.rows, shape.in_features, shape.out_features) is None
+  got = _run(emu, name, a, order="random" if name.endswith("split") else "forward")
+  t = {key: Tensor(v) for key, v in a.items()}
+  ref = portable_linear(t["x"], t["w"], t.get("bias"), norm=t.get("norm"), eps=EPS, silu_mul=shape.silu_mul,
+                        residual=t.get("residual"), out_float32=shape.out_float32).numpy()
+  assert not np.isnan(got).any(), "an output element was never written"
+  assert np.abs(got - ref).max() / np.abs(ref).max() < TOLERANCE[shape.dtype]
+
+
+def test_planner_fills_the_gpu_and_splits_only_whole_slices():
+  assert choose_tiles(1, 1024, 4096) == GemmTiles(16, 64, 1, 4, 4)     # 64 column blocks -> split K four ways
+  assert choose_tiles(256, 1024, 151936) == GemmTiles(64, 128, 2, 2, 1)  # plenty of blocks with the largest tile
+  assert choose_tiles(256, 1024, 4096) == GemmTiles(64, 64, 2, 2, 1)     # the largest tile that still makes 256 blocks
+  assert choose_tiles(32, 3072, 1024) == GemmTiles(32, 64, 2, 2, 8)
+  for rows, k, o in ((1, 96, 8), (300, 1024, 1024), (48, 4864, 896)):
+    t = choose_tiles(rows, k, o)
+    assert k % (32 * t.splits) == 0 and (t.splits == 1 or k // (32 * t.splits) >= 4)
+
+
+def test_shapes_the_kernel_refuses():
+  assert "float16 and bfloat16" in unsupported_reason("float32", 4, 64, 8)
+  assert "multiple of 32" in unsupported_reason("bfloat16", 4, 72, 8)
+
+
+def test_kernel_choice_by_rows_dialect_and_dtype():
+  def shape(dtype: str, rows: int) -> LinearShape: return LinearShape(dtype, rows, 1024, 4096, False, None, False, False, False)
+  assert pick_kernel("cuda", shape("bfloat16", 4)) == "skinny"
+  assert pick_kernel("cuda", shape("bfloat16", 5)) == "gemm"
+  assert pick_kernel("cuda", shape("bfloat16", 3000)) == "gemm"
+  assert pick_kernel("metal", shape("bfloat16", 5)) == "skinny"      # no tensor-core kernel in the Metal dialect
+  assert pick_kernel("cuda", shape("float32", 16)) == "skinny"       # nor for float32
+  assert pick_kernel("cuda", shape("float32", 17)) is None
+  assert pick_kernel("metal", shape("float16", 17)) is None
