@@ -121,3 +121,13 @@ def test_async_streams_and_abort(llm, reference):
     await engine.shutdown()
   asyncio.run(main())
   assert_all_free(llm)
+
+
+def test_prefill_steps_are_captured_on_gpus_and_eager_on_the_cpu(monkeypatch):
+  import tinyvllm.worker.model_runner as mr
+  monkeypatch.setattr(mr, "JIT_PREFILL_ENV", None)
+  assert mr.jit_prefill("CUDA") and mr.jit_prefill("METAL") and not mr.jit_prefill("CPU") and not mr.jit_prefill("CPU:X86")
+  monkeypatch.setattr(mr, "JIT_PREFILL_ENV", "1")
+  assert mr.jit_prefill("CPU")
+  monkeypatch.setattr(mr, "JIT_PREFILL_ENV", "0")
+  assert not mr.jit_prefill("CUDA")

@@ -24,9 +24,14 @@ from tinyvllm.worker.input_batch import HostBatch, prepare_batch
 from tinyvllm.worker.kv_cache import KVCache
 
 USE_JIT = os.environ.get("TINYVLLM_JIT", "1") != "0"
-# Steps with prompt chunks run eagerly unless this is set: their shapes vary widely (a capture each would cost more to
-# build than it saves) and they are bound by large kernels, not by per-kernel launch cost.
-JIT_PREFILL = os.environ.get("TINYVLLM_JIT_PREFILL", "0") == "1"
+# Steps with prompt chunks: captured on GPUs, where building a step's kernels eagerly costs ~1 s every time and a
+# capture is paid once per layout; eager on the CPU, where a capture of each of the many prefill layouts (clang
+# compiles) costs more than it saves. TINYVLLM_JIT_PREFILL=1 / 0 forces either.
+JIT_PREFILL_ENV = os.environ.get("TINYVLLM_JIT_PREFILL")
+
+
+def jit_prefill(device: str) -> bool:
+  return JIT_PREFILL_ENV == "1" if JIT_PREFILL_ENV in ("0", "1") else device.split(":")[0].upper() != "CPU"
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,7 @@ class ModelRunner:
     self.vocab_size = model.config.vocab_size
     self._captures: dict[StepLayout, TinyJit] = {}
     self._io = StepIO(model.device)
+    self._jit_prefill = jit_prefill(model.device)
 
   def execute(self, sched: SchedulerOutput) -> StepResult:
     if sched.block_copies: self.kv_cache.copy_blocks(sched.block_copies)
@@ -114,8 +120,14 @@ class ModelRunner:
     return logits.numpy()[:len(host.sample_seqs)]
 
   def _step_fn(self, layout: StepLayout):
-    if not USE_JIT or (layout.query_len > 1 and not JIT_PREFILL): return lambda packed: self._forward(layout, packed)
-    if layout not in self._captures: self._captures[layout] = TinyJit(lambda packed: self._forward(layout, packed))
+    if not USE_JIT or (layout.query_len > 1 and not self._jit_prefill): return lambda packed: self._forward(layout, packed)
+    if layout not in self._captures:
+      jit = TinyJit(lambda packed: self._forward(layout, packed))
+      # capture on the first call: TinyJit's default plain first run would schedule and build the whole step a second
+      # time for every new layout (~1 s each on the GPU), and the step has nothing to initialise (weights and caches
+      # are realized at load, per-step data comes in through `packed`)
+      jit.cnt = 1
+      self._captures[layout] = jit
     return self._captures[layout]
 
   def _step_inputs(self, f: dict[str, Tensor], context_len: int) -> StepInputs:
