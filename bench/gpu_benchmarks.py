@@ -73,11 +73,14 @@ def part_decode() -> dict:
 def part_throughput() -> dict:
   from tinyvllm.bench.throughput import run_throughput
   llm, load_s = engine(kv_cache_memory=kv_gib(40), max_model_len=4096, max_num_seqs=256)
+  runner = llm.engine.runner
   r = run_throughput(llm, warmup_requests=int(os.environ.get("BENCH_WARMUP_REQUESTS", "256")))
-  print(r.line(), flush=True)
+  print(r.line(), f"(whole run incl. warm-up: {runner.num_captures} step layouts captured in {runner.capture_seconds:.1f} s)",
+        flush=True)
   return {"load_s": load_s, "warmup_requests": int(os.environ.get("BENCH_WARMUP_REQUESTS", "256")),
           "requests": r.requests, "output_tokens": r.output_tokens, "prompt_tokens": r.prompt_tokens,
-          "seconds": r.seconds, "output_tok_s": r.output_tok_s, "preemptions": llm.engine.scheduler.num_preemptions}
+          "seconds": r.seconds, "output_tok_s": r.output_tok_s, "preemptions": llm.engine.scheduler.num_preemptions,
+          "captures": runner.num_captures, "capture_s": runner.capture_seconds}
 
 
 def part_prefill() -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -94,6 +95,7 @@ class ModelRunner:
     self.model, self.kv_cache = model, kv_cache
     self.vocab_size = model.config.vocab_size
     self._captures: dict[StepLayout, TinyJit] = {}
+    self.capture_seconds = 0.0    # spent in steps that captured a new layout (building + running them)
     self._io = StepIO(model.device)
     self._jit_prefill = jit_prefill(model.device)
 
@@ -121,14 +123,23 @@ class ModelRunner:
 
   def _step_fn(self, layout: StepLayout):
     if not USE_JIT or (layout.query_len > 1 and not self._jit_prefill): return lambda packed: self._forward(layout, packed)
-    if layout not in self._captures:
-      jit = TinyJit(lambda packed: self._forward(layout, packed))
-      # capture on the first call: TinyJit's default plain first run would schedule and build the whole step a second
-      # time for every new layout (~1 s each on the GPU), and the step has nothing to initialise (weights and caches
-      # are realized at load, per-step data comes in through `packed`)
-      jit.cnt = 1
-      self._captures[layout] = jit
-    return self._captures[layout]
+    jit = self._captures.get(layout)
+    if jit is not None: return jit
+    jit = self._captures[layout] = TinyJit(lambda packed: self._forward(layout, packed))
+    # capture on the first call: TinyJit's default plain first run would schedule and build the whole step a second
+    # time for every new layout (~1 s each on the GPU), and the step has nothing to initialise (weights and caches
+    # are realized at load, per-step data comes in through `packed`)
+    jit.cnt = 1
+    return lambda packed: self._timed_capture(jit, packed)
+
+  def _timed_capture(self, jit: TinyJit, packed: Tensor):
+    t = time.perf_counter()
+    out = jit(packed)
+    self.capture_seconds += time.perf_counter() - t
+    return out
+
+  @property
+  def num_captures(self) -> int: return len(self._captures)
 
   def _step_inputs(self, f: dict[str, Tensor], context_len: int) -> StepInputs:
     meta = AttentionMetadata(f["slot_mapping"], f["block_tables"], f["query_index"], f["query_pos"], f["output_index"],
