@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tinygrad import Tensor
 
-from tinyvllm.kernels.cases import from_bits, round_to, to_bits
+from tinyvllm.kernels.cases import from_bits, linear_inputs, portable_linear_reference, to_bits
 from tinyvllm.kernels.emulator import EmulatedKernels, Spec, find_compiler, poisoned
 from tinyvllm.kernels.gemm import GemmTiles, choose_tiles, gemm_plan, unsupported_reason
 from tinyvllm.kernels.linear import LinearShape, pick_kernel
-from tinyvllm.layers.linear import portable_linear
 
 TOLERANCE = {"float16": 3e-3, "bfloat16": 2e-2}
 EPS = 1e-5
@@ -43,14 +41,7 @@ def emu() -> EmulatedKernels:
   return EmulatedKernels("cuda", specs)
 
 
-def _inputs(name: str) -> dict[str, np.ndarray]:
-  dtype, m, k, o, bias, norm, silu, res, *_ = CASES[name]
-  rng = np.random.default_rng(len(name))
-  a = {"x": rng.standard_normal((m, 2 * k if silu else k)), "w": rng.standard_normal((o, k)) * 0.1}
-  if bias: a["bias"] = rng.standard_normal(o)
-  if norm: a["norm"] = 1 + 0.3 * rng.standard_normal(k)
-  if res: a["residual"] = rng.standard_normal((m, o))
-  return {key: round_to(v.astype(np.float32), dtype) for key, v in a.items()}
+def _inputs(name: str) -> dict[str, np.ndarray]: return linear_inputs(np.random.default_rng(len(name)), _shape(name))
 
 
 def _run(emu: EmulatedKernels, name: str, a: dict[str, np.ndarray], order: str = "forward") -> np.ndarray:
@@ -74,10 +65,8 @@ def _run(emu: EmulatedKernels, name: str, a: dict[str, np.ndarray], order: str =
 def test_gemm_matches_portable(emu, name):
   shape, a = _shape(name), _inputs(name)
   assert unsupported_reason(shape.dtype, shape.rows, shape.in_features, shape.out_features) is None
-  got = _run(emu, name, a, order="random" if name.endswith("split") else "forward")
-  t = {key: Tensor(v) for key, v in a.items()}
-  ref = portable_linear(t["x"], t["w"], t.get("bias"), norm=t.get("norm"), eps=EPS, silu_mul=shape.silu_mul,
-                        residual=t.get("residual"), out_float32=shape.out_float32).numpy()
+  got = _run(emu, name, a, order="random")
+  ref = portable_linear_reference(a, shape)
   assert not np.isnan(got).any(), "an output element was never written"
   assert np.abs(got - ref).max() / np.abs(ref).max() < TOLERANCE[shape.dtype]
 

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tinygrad import Tensor
 
-from tinyvllm.kernels.cases import from_bits, round_to, to_bits
+from tinyvllm.kernels.cases import from_bits, linear_inputs, portable_linear_reference, to_bits
 from tinyvllm.kernels.emulator import EmulatedKernels, Spec, find_compiler, poisoned
 from tinyvllm.kernels.linear import LinearShape, linear_plan, unsupported_reason
-from tinyvllm.layers.linear import portable_linear
 
 TOLERANCE = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}
 EPS = 1e-5
@@ -39,14 +37,7 @@ def emu(request) -> EmulatedKernels:
   return EmulatedKernels(request.param, specs)
 
 
-def _inputs(name: str) -> dict[str, np.ndarray]:
-  dtype, m, k, o, bias, norm, silu, res, _ = CASES[name]
-  rng = np.random.default_rng(len(name))
-  a = {"x": rng.standard_normal((m, 2 * k if silu else k)), "w": rng.standard_normal((o, k)) * 0.1}
-  if bias: a["bias"] = rng.standard_normal(o)
-  if norm: a["norm"] = 1 + 0.3 * rng.standard_normal(k)
-  if res: a["residual"] = rng.standard_normal((m, o))
-  return {key: round_to(v.astype(np.float32), dtype) for key, v in a.items()}
+def _inputs(name: str) -> dict[str, np.ndarray]: return linear_inputs(np.random.default_rng(len(name)), _shape(name))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -58,9 +49,7 @@ def test_linear_matches_portable(emu, name):
   args = [out] + [to_bits(a[key], shape.dtype).reshape(-1) for key in ("x", "w", "bias", "norm", "residual") if key in a]
   emu.launch(name, 0, args)
   got = (out if shape.out_float32 else from_bits(out, shape.dtype)).reshape(shape.rows, shape.out_features)
-  t = {key: Tensor(v) for key, v in a.items()}
-  ref = portable_linear(t["x"], t["w"], t.get("bias"), norm=t.get("norm"), eps=EPS, silu_mul=shape.silu_mul,
-                        residual=t.get("residual"), out_float32=shape.out_float32).numpy()
+  ref = portable_linear_reference(a, shape)
   assert not np.isnan(got).any(), "an output element was never written"
   assert np.abs(got - ref).max() / np.abs(ref).max() < TOLERANCE[shape.dtype]
 

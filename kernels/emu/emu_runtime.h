@@ -90,13 +90,19 @@ inline void simd_barrier() {
 template <class T> inline uint64_t to_bits(T v) { uint64_t b = 0; std::memcpy(&b, &v, sizeof(T)); return b; }
 template <class T> inline T from_bits(uint64_t b) { T v; std::memcpy(&v, &b, sizeof(T)); return v; }
 
-// this lane's value into the group's exchange slots (alternating banks, so back-to-back exchanges never overwrite a
-// value a slower lane has yet to read); returns the bank once every lane of the SIMD group has written
-template <class T> inline unsigned simd_publish(T v) {
+// the exchange bank (slots / frags) this lane's next SIMD exchange writes; banks alternate per lane, so back-to-back
+// exchanges never overwrite a value a slower lane has yet to read
+inline unsigned take_exchange_bank() {
   Fiber* f = current_fiber();
   const unsigned p = f->simd_parity;
   f->simd_parity ^= 1u;
-  current_group()->slots[p][f->tid] = to_bits(v);
+  return p;
+}
+
+// this lane's value into the group's exchange slots; returns the bank once every lane of the SIMD group has written
+template <class T> inline unsigned simd_publish(T v) {
+  const unsigned p = take_exchange_bank();
+  current_group()->slots[p][current_fiber()->tid] = to_bits(v);
   simd_barrier();
   return p;
 }
@@ -109,8 +115,7 @@ inline float half_bits_to_float(uint16_t h);
 inline void mma_m16n8k16(float* c, const uint32_t* a, const uint32_t* b, bool bf16) {
   Group* g = current_group();
   Fiber* f = current_fiber();
-  const unsigned p = f->simd_parity;
-  f->simd_parity ^= 1u;
+  const unsigned p = take_exchange_bank();
   for (int i = 0; i < 4; i++) g->frags[p][f->tid][i] = a[i];
   for (int i = 0; i < 2; i++) g->frags[p][f->tid][4 + i] = b[i];
   simd_barrier();

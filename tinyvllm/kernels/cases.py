@@ -149,3 +149,24 @@ def portable_attention(case: PagedCase, device: str | None = None) -> np.ndarray
   meta = metadata_tensors(case, device)
   q, kc, vc = (Tensor(np.ascontiguousarray(x), device=device) for x in (case.q, case.k_cache, case.v_cache))
   return paged_attention(q, kc, vc, meta).numpy()
+
+
+def linear_inputs(rng: np.random.Generator, shape) -> dict[str, np.ndarray]:
+  """Random operands of a fused product (a kernels.linear.LinearShape), rounded to its dtype: x (2K columns with
+  silu_mul), w, and bias / norm / residual where the shape has them."""
+  m, k, o = shape.rows, shape.in_features, shape.out_features
+  a = {"x": rng.standard_normal((m, 2 * k if shape.silu_mul else k)), "w": rng.standard_normal((o, k)) * 0.1}
+  if shape.bias: a["bias"] = rng.standard_normal(o)
+  if shape.norm_eps is not None: a["norm"] = 1 + 0.3 * rng.standard_normal(k)
+  if shape.residual: a["residual"] = rng.standard_normal((m, o))
+  return {key: round_to(v.astype(np.float32), shape.dtype) for key, v in a.items()}
+
+
+def portable_linear_reference(a: dict[str, np.ndarray], shape) -> np.ndarray:
+  """The portable form (layers/linear.py, tinygrad ops in HF's order) on the same operands, float32 on the CPU."""
+  from tinygrad import Tensor
+
+  from tinyvllm.layers.linear import portable_linear
+  t = {key: Tensor(v) for key, v in a.items()}
+  return portable_linear(t["x"], t["w"], t.get("bias"), norm=t.get("norm"), eps=shape.norm_eps or 1e-6,
+                         silu_mul=shape.silu_mul, residual=t.get("residual"), out_float32=shape.out_float32).numpy()
