@@ -47,6 +47,13 @@ class Sequence:
   @property
   def token_ids(self) -> list[int]: return self.prompt_token_ids + self.output_token_ids
 
+  def token_slice(self, start: int, end: int) -> list[int]:
+    """token_ids[start:end] without copying the whole sequence."""
+    prompt, n = self.prompt_token_ids, len(self.prompt_token_ids)
+    if end <= n: return prompt[start:end]
+    if start >= n: return self.output_token_ids[start - n:end - n]
+    return prompt[start:] + self.output_token_ids[:end - n]
+
   @property
   def is_finished(self) -> bool: return self.status.finished
 

@@ -7,6 +7,7 @@ the query run Tq and the context length L are each rounded up to a power of two.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -30,11 +31,6 @@ class HostBatch:
     except KeyError: raise AttributeError(name) from None
 
 
-def slots_for(block_table: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:
-  table = np.asarray(block_table, dtype=np.int64)
-  return (table[positions // block_size] * block_size + positions % block_size).astype(np.int32)
-
-
 def _empty(n: int, s: int, tq: int, max_blocks: int) -> dict[str, np.ndarray]:
   z = lambda *shape: np.zeros(shape, np.int32)
   return {
@@ -48,32 +44,41 @@ def _empty(n: int, s: int, tq: int, max_blocks: int) -> dict[str, np.ndarray]:
   }
 
 
-def prepare_batch(scheduled: list[ScheduledSequence], block_size: int) -> HostBatch:
-  n_real = sum(s.num_new_tokens for s in scheduled)
-  n, s_pad = bucket(n_real), bucket(len(scheduled))
-  tq = bucket(max(s.num_new_tokens for s in scheduled))
-  longest = max(s.seq.num_computed_tokens + s.num_new_tokens for s in scheduled)
-  context_len = bucket(longest, 16)
+def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, min_context: int = 16) -> HostBatch:
+  """`min_context`: the smallest context bucket L (the fused kernels take a coarse one, so that few layouts exist).
+
+  Vectorised over the flat tokens: at 256 sequences, per-sequence numpy calls cost more than the GPU's whole step."""
+  rows = len(scheduled)
+  counts = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, rows)
+  computed = np.fromiter((item.seq.num_computed_tokens for item in scheduled), np.int64, rows)
+  n_real, ends = int(counts.sum()), computed + counts
+  tq, context_len = bucket(int(counts.max())), bucket(int(ends.max()), min_context)
   max_blocks = -(-context_len // block_size)
-  a = _empty(n, s_pad, tq, max_blocks)
-  logits_index, sample_seqs, start = [], [], 0
-  for row, item in enumerate(scheduled):
-    seq, count = item.seq, item.num_new_tokens
-    pos = np.arange(seq.num_computed_tokens, seq.num_computed_tokens + count, dtype=np.int32)
-    flat = slice(start, start + count)
-    a["token_ids"][flat] = seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + count]
-    a["positions"][flat], a["slot_mapping"][flat] = pos, slots_for(seq.block_table, pos, block_size)
-    a["output_index"][flat] = row * tq + np.arange(count)
-    table = seq.block_table[:max_blocks]
-    a["block_tables"][row, :len(table)] = table
-    a["query_index"][row, :count], a["query_pos"][row, :count] = np.arange(start, start + count), pos
-    a["context_lens"][row] = seq.num_computed_tokens + count
+  a = _empty(bucket(n_real), bucket(rows), tq, max_blocks)
+  starts = np.zeros(rows + 1, np.int64)
+  np.cumsum(counts, out=starts[1:])
+  row_of = np.repeat(np.arange(rows), counts)     # the sequence of each flat token
+  offset = np.arange(n_real) - starts[row_of]     # its index in the sequence's run
+  pos = computed[row_of] + offset
+  tables = [item.seq.block_table[:max_blocks] for item in scheduled]
+  held = np.fromiter((len(t) for t in tables), np.int64, rows)
+  a["block_tables"][:rows][np.arange(max_blocks) < held[:, None]] = np.fromiter(chain.from_iterable(tables), np.int32,
+                                                                                int(held.sum()))
+  a["token_ids"][:n_real] = np.fromiter(chain.from_iterable(item.seq.token_slice(int(c), int(c) + item.num_new_tokens)
+                                                            for item, c in zip(scheduled, computed, strict=True)),
+                                        np.int32, n_real)
+  a["positions"][:n_real] = pos
+  a["slot_mapping"][:n_real] = a["block_tables"][row_of, pos // block_size] * block_size + pos % block_size
+  a["output_index"][:n_real] = row_of * tq + offset
+  a["query_index"][row_of, offset], a["query_pos"][row_of, offset] = np.arange(n_real), pos
+  a["context_lens"][:rows] = ends
+  a["query_start"][1:rows + 1], a["query_start"][rows + 1:] = starts[1:], n_real
+  logits_index, sample_seqs = [], []
+  for item, end in zip(scheduled, starts[1:].tolist(), strict=True):
     if item.samples:
-      for target in (seq, *item.forks):
-        logits_index.append(start + count - 1)
+      for target in (item.seq, *item.forks):
+        logits_index.append(end - 1)
         sample_seqs.append(target)
-    start += count
-    a["query_start"][row + 1:] = start
   a["logits_index"] = np.zeros(bucket(len(logits_index)), np.int32)
   a["logits_index"][:len(logits_index)] = logits_index
   return HostBatch(a, context_len, sample_seqs)
