@@ -60,10 +60,10 @@ class BlockManager:
   # ---- prefix cache ----
   def _block_hashes(self, seq: Sequence, num_tokens: int) -> list[int]:
     """Chained hashes of seq's full blocks within its first num_tokens tokens (memoised on the sequence)."""
-    hashes, tokens = seq.block_hashes, seq.token_ids
+    hashes = seq.block_hashes
     while len(hashes) < num_tokens // self.block_size:
       start = len(hashes) * self.block_size
-      hashes.append(chain_hash(hashes[-1] if hashes else None, tokens[start:start + self.block_size]))
+      hashes.append(chain_hash(hashes[-1] if hashes else None, seq.token_slice(start, start + self.block_size)))
     return hashes[:num_tokens // self.block_size]
 
   def cached_prefix(self, seq: Sequence) -> list[Block]:
@@ -86,7 +86,7 @@ class BlockManager:
       block = self.blocks[seq.block_table[i]]
       if block.block_hash is None and hashes[i] not in self.cached:
         block.block_hash, block.parent_hash = hashes[i], hashes[i - 1] if i else None
-        block.token_ids = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+        block.token_ids = tuple(seq.token_slice(i * self.block_size, (i + 1) * self.block_size))
         self.cached[hashes[i]] = block
     seq.num_registered_blocks = len(hashes)
 

@@ -99,14 +99,20 @@ class Scheduler(SchedulerBase):
     while index < len(self.running) and budget > 0:
       seq = self.running[index]
       num_new = self._chunk(seq, budget)
-      while not self.allocator.can_append(seq, num_new) and seq in self.running:
-        preempted.append(self._preempt(self.running[-1]))
-      if seq not in self.running: break
+      if not self._make_room(seq, num_new, preempted): break
       items.append(self._schedule_item(seq, num_new))
       budget -= num_new
       index += 1
     if not preempted: self._admit_waiting(budget, items)
     return self._output(items, preempted)
+
+  def _make_room(self, seq: Sequence, num_new: int, preempted: list[Sequence]) -> bool:
+    """Preempt the newest running sequences until seq can take num_new more tokens; False if seq itself went."""
+    while not self.allocator.can_append(seq, num_new):
+      victim = self.running[-1]
+      preempted.append(self._preempt(victim))
+      if victim is seq: return False
+    return True
 
   def _admit_waiting(self, budget: int, items: list[ScheduledSequence]) -> None:
     while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
