@@ -106,3 +106,24 @@ def test_penalties_change_greedy_output(llm, greedy):
   counts = {t: out.token_ids.count(t) for t in set(out.token_ids)}
   base = {t: greedy["greedy_ids"][:60].count(t) for t in set(greedy["greedy_ids"][:60])}
   assert max(counts.values()) < max(base.values())
+
+
+def test_final_only_requests_report_once_and_match_cumulative(llm):
+  from tinyvllm.sampling_params import RequestOutputKind
+  engine = llm.engine
+  engine.add_request("cum", "Once upon a time", SamplingParams(temperature=0, max_tokens=12))
+  engine.add_request("final", "Once upon a time", SamplingParams(temperature=0, max_tokens=12,
+                                                                 output_kind=RequestOutputKind.FINAL_ONLY))
+  seen: dict[str, list] = {"cum": [], "final": []}
+  while engine.has_unfinished_requests():
+    for out in engine.step(): seen[out.request_id].append(out)
+  assert len(seen["final"]) == 1 and seen["final"][0].finished
+  assert len(seen["cum"]) == 12 and seen["cum"][-1].finished
+  assert seen["final"][0].outputs[0].token_ids == seen["cum"][-1].outputs[0].token_ids
+  assert seen["final"][0].outputs[0].text == seen["cum"][-1].outputs[0].text
+
+
+def test_generate_leaves_the_callers_params_alone(llm):
+  params = SamplingParams(temperature=0, max_tokens=None)
+  llm.generate(["Zoo"], params, use_tqdm=False)
+  assert params.max_tokens is None and params.output_kind.name == "CUMULATIVE"

@@ -1,8 +1,17 @@
 """SamplingParams: how one request is sampled and when it stops (vLLM's names and defaults)."""
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+  """Which steps produce a RequestOutput (vLLM's names): every step with the whole output so far (CUMULATIVE, with
+  the step's delta beside it), or only the finished request (FINAL_ONLY: what LLM.generate needs, and no per-step
+  copies of long outputs)."""
+  CUMULATIVE = 0
+  FINAL_ONLY = 2
 
 
 class SamplingParamsError(ValueError):
@@ -46,6 +55,7 @@ class SamplingParams:
   skip_special_tokens: bool = True
   logprobs: int | None = None
   prompt_logprobs: int | None = None
+  output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
   stop_strings: list[str] = field(init=False, repr=False)
 
   def __post_init__(self) -> None:

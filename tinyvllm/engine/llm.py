@@ -1,6 +1,7 @@
 """LLM: the offline API (vLLM's names): generate, a streaming form, and chat."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterator, Sequence
@@ -10,7 +11,7 @@ from tqdm import tqdm
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.llm_engine import LLMEngine, PromptError, PromptType
 from tinyvllm.outputs import RequestOutput
-from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 from tinyvllm.tokenizer import Tokenizer
 
 _ids = itertools.count()
@@ -33,10 +34,12 @@ class LLM:
 
   def get_tokenizer(self) -> Tokenizer | None: return self.engine.tokenizer
 
-  def _add_all(self, prompts: list[PromptType], params: SamplingParams | Sequence[SamplingParams] | None) -> list[str]:
+  def _add_all(self, prompts: list[PromptType], params: SamplingParams | Sequence[SamplingParams] | None,
+               output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> list[str]:
     """Validate every prompt first so that a bad one leaves nothing queued, then add them all."""
     plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
     if len(plist) != len(prompts): raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
+    plist = [dataclasses.replace(p, output_kind=output_kind) for p in plist]   # the caller's objects stay as they were
     for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
       try: self.engine.check_request(self.engine.tokenize_prompt(prompt)[1], p)
       except PromptError as e: raise PromptError(f"prompt {i}: {e}") from None
@@ -47,17 +50,16 @@ class LLM:
   def generate(self, prompts: PromptType | Sequence[PromptType],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                use_tqdm: bool = True) -> list[RequestOutput]:
-    ids = self._add_all(_as_prompt_list(prompts), sampling_params)
+    ids = self._add_all(_as_prompt_list(prompts), sampling_params, RequestOutputKind.FINAL_ONLY)
     finals: dict[str, RequestOutput] = {}
     start, generated = time.perf_counter(), 0
     with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
       try:
         while self.engine.has_unfinished_requests():
-          for out in self.engine.step():
-            generated += sum(len(o.delta_token_ids) for o in out.outputs)
-            if out.finished:
-              finals[out.request_id] = out
-              bar.update(1)
+          for out in self.engine.step():   # finished requests only (FINAL_ONLY)
+            generated += sum(len(o.token_ids) for o in out.outputs)
+            finals[out.request_id] = out
+            bar.update(1)
           bar.set_postfix_str(f"{generated / max(time.perf_counter() - start, 1e-9):.1f} tok/s")
       except BaseException:
         for rid in ids: self.engine.abort_request(rid)
