@@ -128,6 +128,9 @@ class EngineConfig:
   long_prefill_token_threshold: int = 0
   # attention: hand-written kernels (cuda / metal) or tinygrad ops (portable); auto picks by device
   attention_backend: str = "auto"
+  # decode batch sizes captured at start-up (bucketed to powers of two); None: every bucket up to max_num_seqs on a GPU,
+  # none on the CPU; []: none (each layout is then captured when first met)
+  cuda_graph_sizes: list[int] | None = None
   extra: dict[str, Any] = field(default_factory=dict)
 
   def __post_init__(self) -> None:
@@ -143,6 +146,8 @@ class EngineConfig:
       (0 < self.gpu_memory_utilization <= 1, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
       (self.num_gpu_blocks is None or self.num_gpu_blocks >= 1, f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}"),
       (self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0"),
+      (self.cuda_graph_sizes is None or all(b >= 1 for b in self.cuda_graph_sizes),
+       f"cuda_graph_sizes must be batch sizes >= 1, got {self.cuda_graph_sizes}"),
       (self.attention_backend in ATTENTION_BACKENDS,
        f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"),
     ]

@@ -30,10 +30,13 @@ def detect_device() -> str:
   return "CPU"
 
 
+def is_cpu(device: str) -> bool: return device.split(":")[0].upper() == "CPU"
+
+
 def select_device(requested: str | None) -> str:
   """The tinygrad device to run on (--device, else $DEV, else detection), made the default for every tensor."""
   device = requested or os.environ.get("DEV") or detect_device()
-  if device.split(":")[0].upper() == "CPU" and not shutil.which(os.environ.get("CC", "clang")):
+  if is_cpu(device) and not shutil.which(os.environ.get("CC", "clang")):
     raise ConfigError("the CPU backend needs a `clang` binary on PATH (e.g. `apt-get install clang`); none was found")
   if not _opens(device): raise ConfigError(f"device {device!r} is not available on this machine")
   DEV.value = device

@@ -19,6 +19,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
   g.add_argument("--seed", type=int, help="random seed: makes sampling reproducible (default: a fresh one each run)")
   g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                  help="attention kernels: auto (cuda on CUDA, metal on METAL, else portable), portable (tinygrad ops), cuda, metal")
+  g.add_argument("--cuda-graph-sizes", type=int, nargs="*",
+                 help="decode batch sizes to capture at start-up (default: powers of two up to --max-num-seqs on a GPU, "
+                      "none on the CPU; the flag alone: none)")
   c = p.add_argument_group("KV cache and scheduler")
   c.add_argument("--kv-cache", default="paged", choices=("paged", "contiguous"), help="contiguous: the pre-allocated baseline")
   c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -36,7 +39,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 ENGINE_FLAGS = ("tokenizer", "dtype", "device", "max_model_len", "load_format", "kv_cache", "block_size", "kv_cache_memory",
                 "gpu_memory_utilization", "num_gpu_blocks", "enable_prefix_caching", "scheduler", "max_num_seqs",
-                "max_num_batched_tokens", "enable_chunked_prefill", "long_prefill_token_threshold", "attention_backend")
+                "max_num_batched_tokens", "enable_chunked_prefill", "long_prefill_token_threshold", "attention_backend",
+                "cuda_graph_sizes")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -15,18 +15,19 @@ from tinyvllm.core.contiguous_allocator import ContiguousAllocator
 from tinyvllm.core.scheduler import Scheduler, SchedulerConfig, StaticScheduler
 from tinyvllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from tinyvllm.core.sequence import Request, Sequence, SequenceStatus
-from tinyvllm.device import check_dtype, select_device
+from tinyvllm.device import check_dtype, is_cpu, select_device
 from tinyvllm.engine.output_processor import OutputProcessor
 from tinyvllm.kernels import select_attention_backend
 from tinyvllm.model.hub import resolve_model
 from tinyvllm.model.loader import load_model, resolve_dtype
 from tinyvllm.model.presets import PRESETS
 from tinyvllm.outputs import Logprob, RequestOutput
-from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 from tinyvllm.tokenizer import Tokenizer, load_tokenizer
 from tinyvllm.worker.cache_sizing import num_kv_blocks
+from tinyvllm.worker.input_batch import bucket
 from tinyvllm.worker.kv_cache import KVCache
-from tinyvllm.worker.model_runner import ModelRunner, StepResult
+from tinyvllm.worker.model_runner import ModelRunner, StepResult, freeze_long_lived_objects
 
 PromptType = str | list[int] | dict
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -80,12 +81,22 @@ class LLMEngine:
                         f">= max_model_len ({self.max_model_len})")
     self.scheduler = (Scheduler if config.scheduler == "continuous" else StaticScheduler)(self.allocator, sched_config)
     log(f"{config.scheduler} scheduler, max {config.max_num_seqs} sequences, {sched_config.max_num_batched_tokens} tokens a step")
-    self.runner = ModelRunner(self.model, self.kv_cache)
+    self.runner = ModelRunner(self.model, self.kv_cache, min(backend.min_context_bucket, bucket(self.max_model_len, 16)))
     eos = frozenset(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
     self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
     self.requests: dict[str, Request] = {}
     self._seed_rng = random.Random(config.seed)
-    log(f"engine ready in {time.perf_counter() - start:.1f} s (each new batch shape is compiled and captured when first met)")
+    self._warm_up(config)
+    freeze_long_lived_objects()
+    log(f"engine ready in {time.perf_counter() - start:.1f} s")
+
+  def _warm_up(self, config: EngineConfig) -> None:
+    sizes = config.cuda_graph_sizes
+    if sizes is None: sizes = [] if is_cpu(self.device) else [1 << i for i in range(bucket(config.max_num_seqs).bit_length())]
+    t = time.perf_counter()
+    if captured := self.runner.warm_up(sizes):
+      log(f"captured {captured} decode batch sizes in {time.perf_counter() - t:.1f} s "
+          "(other step shapes are captured when first met)")
 
   @staticmethod
   def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
@@ -204,7 +215,8 @@ class LLMEngine:
     for row, (seq, token) in enumerate(zip(result.seqs, result.token_ids, strict=True)):
       self.output_processor.append_token(seq, token, self._logprobs(result, row, seq))
       touched[seq.request_id] = self.requests[seq.request_id]
-    outputs = [self.output_processor.request_output(r) for r in touched.values()]
+    outputs = [self.output_processor.request_output(r) for r in touched.values()
+               if r.params.output_kind is not RequestOutputKind.FINAL_ONLY or r.is_finished]
     for request in touched.values(): self._retire_finished(request)
     return outputs
 

@@ -47,6 +47,10 @@ def _write(dialect: str, dtype: str, row: int, num_tokens: int, num_slots: int):
 
 
 class FusedBackend:
+  # The smallest context bucket L: the kernels read each context's own length, so L only sizes the block tables and the
+  # decode split; a coarse one keeps the number of step layouts (captures) small for contexts up to 2,048.
+  min_context_bucket = 2048
+
   def __init__(self, dialect: str, device: str, log=_log, decode_splits: int | None = None, kv_together: bool = False):
     """decode_splits / kv_together: override the decode plan (for timing experiments; the defaults are the tuned ones)."""
     self.name, self.device, self._log = dialect, device, log

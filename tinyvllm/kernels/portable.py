@@ -34,6 +34,7 @@ def qkv_rope_write(qkv: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, co
 
 class PortableBackend:
   name = "portable"
+  min_context_bucket = 16   # it gathers L keys per sequence: the tightest power of two
 
   def __init__(self, reason: str = ""):
     self.reason = reason

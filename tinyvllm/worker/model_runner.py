@@ -7,21 +7,27 @@ the sampled ids.
 """
 from __future__ import annotations
 
+import functools
+import gc
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 from tinygrad import Tensor, TinyJit, dtypes
 
-from tinyvllm.core.scheduler_output import SchedulerOutput
+from tinyvllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from tinyvllm.core.sequence import Sequence
+from tinyvllm.device import is_cpu
+from tinyvllm.kernels.tinygrad_program import collecting_sources, compile_parallel, device_dialect
 from tinyvllm.layers.attention import AttentionMetadata
 from tinyvllm.layers.sampler import SamplerVariant, SamplingBatch, compute_logprobs, sample
 from tinyvllm.model.llama import StepInputs, TransformerLM
+from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.host_io import StepIO
-from tinyvllm.worker.input_batch import HostBatch, prepare_batch
+from tinyvllm.worker.input_batch import HostBatch, bucket, prepare_batch
 from tinyvllm.worker.kv_cache import KVCache
 
 USE_JIT = os.environ.get("TINYVLLM_JIT", "1") != "0"
@@ -32,7 +38,7 @@ JIT_PREFILL_ENV = os.environ.get("TINYVLLM_JIT_PREFILL")
 
 
 def jit_prefill(device: str) -> bool:
-  return JIT_PREFILL_ENV == "1" if JIT_PREFILL_ENV in ("0", "1") else device.split(":")[0].upper() != "CPU"
+  return JIT_PREFILL_ENV == "1" if JIT_PREFILL_ENV in ("0", "1") else not is_cpu(device)
 
 
 @dataclass(frozen=True)
@@ -90,53 +96,111 @@ def logprobs_bucket(seqs: list[Sequence]) -> int:
   return -1 if not wanted else next(b for b in LOGPROB_BUCKETS if b >= max(wanted))
 
 
+def freeze_long_lived_objects() -> None:
+  """Move everything alive now (weights, captured graphs and their tinygrad objects) out of the garbage collector's
+  reach: otherwise every full collection walks them all, which at 256 sequences tripled a step's host time."""
+  gc.collect()
+  gc.freeze()
+
+
+def covers(captured: SamplerVariant, wanted: SamplerVariant) -> bool:
+  """Whether a capture sampling with `captured` gives `wanted`'s exact tokens: the random sampler takes greedy rows by
+  the same argmax, and filters that are off keep every token; penalties change the step's inputs, so never."""
+  return (captured.penalties == wanted.penalties and captured.random >= wanted.random
+          and captured.filters >= wanted.filters)
+
+
 class ModelRunner:
-  def __init__(self, model: TransformerLM, kv_cache: KVCache):
-    self.model, self.kv_cache = model, kv_cache
+  def __init__(self, model: TransformerLM, kv_cache: KVCache, min_context: int = 16):
+    """`min_context`: the smallest context bucket (prepare_batch)."""
+    self.model, self.kv_cache, self.min_context = model, kv_cache, min_context
     self.vocab_size = model.config.vocab_size
     self._captures: dict[StepLayout, TinyJit] = {}
     self.capture_seconds = 0.0    # spent in steps that captured a new layout (building + running them)
     self._io = StepIO(model.device)
     self._jit_prefill = jit_prefill(model.device)
+    self._kernels = device_dialect(model.device) is not None   # hand-written kernels may be built: compile in parallel
 
   def execute(self, sched: SchedulerOutput) -> StepResult:
     if sched.block_copies: self.kv_cache.copy_blocks(sched.block_copies)
-    host = prepare_batch(sched.scheduled, self.kv_cache.block_size)
-    sampling = self._sampling_batch(host)
-    fields = packed_fields(host, sampling)
-    layout = StepLayout(tuple((name, a.shape) for name, a in fields.items()), host.context_len, sampling.variant,
-                        logprobs_bucket(host.sample_seqs))
-    packed = self._io.upload(np.concatenate([a.reshape(-1) for a in fields.values()]))
-    out = self._step_fn(layout)(packed)
+    host, layout, packed = self._prepare(sched)
+    out = self._step_fn(self._covering(layout))(packed)
     rows = len(host.sample_seqs)
     if layout.logprobs < 0: return StepResult(host.sample_seqs, self._io.download(out)[:rows].tolist())
     tokens, chosen, rank, top_ids, top_lps = (self._io.download(t)[:rows] for t in out)
     return StepResult(host.sample_seqs, tokens.tolist(), TokenLogprobs(chosen, rank, top_ids, top_lps))
 
+  def _prepare(self, sched: SchedulerOutput) -> tuple[HostBatch, StepLayout, Tensor]:
+    """The step's host batch, its layout, and its packed metadata uploaded to the device."""
+    host = prepare_batch(sched.scheduled, self.kv_cache.block_size, self.min_context)
+    sampling = self._sampling_batch(host)
+    fields = packed_fields(host, sampling)
+    layout = StepLayout(tuple((name, a.shape) for name, a in fields.items()), host.context_len, sampling.variant,
+                        logprobs_bucket(host.sample_seqs))
+    return host, layout, self._io.upload(np.concatenate([a.reshape(-1) for a in fields.values()]))
+
+  def warm_up(self, batch_sizes: list[int]) -> int:
+    """Capture the decode step of each batch size (bucketed) now rather than when first met, compiling all their
+    kernels in parallel first. Decode rows at contexts up to `min_context`, sampled by the random sampler (which
+    covers greedy rows). Their one token's K/V goes to the cache's block 0, so call this before any request runs.
+    Returns the number of new captures."""
+    if not USE_JIT: return 0
+    todo = []
+    for sched in (self._warm_up_batch(rows) for rows in sorted({bucket(b) for b in batch_sizes if b >= 1})):
+      _, layout, packed = self._prepare(sched)
+      if layout not in self._captures: todo.append((sched, layout, packed))
+    if self._kernels: self.precompile([(functools.partial(self._forward, layout), packed) for _, layout, packed in todo])
+    for sched, _, _ in todo:
+      _, layout, packed = self._prepare(sched)   # again: a same-sized upload buffer may hold another batch's data
+      self._step_fn(layout, precompiled=True)(packed)
+    return len(todo)
+
+  @staticmethod
+  def _warm_up_batch(rows: int) -> SchedulerOutput:
+    seqs = [Sequence("warm-up", [0], SamplingParams(temperature=1.0), seed=i) for i in range(rows)]
+    for seq in seqs: seq.block_table = [0]
+    return SchedulerOutput([ScheduledSequence(seq, 1) for seq in seqs])
+
   def logits(self, sched: SchedulerOutput) -> np.ndarray:
     """Float32 logits of each sampling row, without sampling (eager; for scoring and checks, not the hot path)."""
-    host = prepare_batch(sched.scheduled, self.kv_cache.block_size)
+    host = prepare_batch(sched.scheduled, self.kv_cache.block_size, self.min_context)
     logits, caches = self.model(self._step_inputs({k: Tensor(a) for k, a in host.arrays.items()}, host.context_len),
                                 self.kv_cache.layers)
     Tensor.realize(logits, *[t for pair in caches for t in pair])
     return logits.numpy()[:len(host.sample_seqs)]
 
-  def _step_fn(self, layout: StepLayout):
+  def _covering(self, layout: StepLayout) -> StepLayout:
+    """The layout itself, or a captured one with the same inputs whose sampler covers it (see `covers`)."""
+    if layout in self._captures: return layout
+    return next((c for c in self._captures if c.shapes == layout.shapes and c.context_len == layout.context_len
+                 and c.logprobs == layout.logprobs and covers(c.variant, layout.variant)), layout)
+
+  def _step_fn(self, layout: StepLayout, precompiled: bool = False):
     if not USE_JIT or (layout.query_len > 1 and not self._jit_prefill): return lambda packed: self._forward(layout, packed)
     jit = self._captures.get(layout)
     if jit is not None: return jit
-    jit = self._captures[layout] = TinyJit(lambda packed: self._forward(layout, packed))
+    jit = self._captures[layout] = TinyJit(functools.partial(self._forward, layout))
     # capture on the first call: TinyJit's default plain first run would schedule and build the whole step a second
     # time for every new layout (~1 s each on the GPU), and the step has nothing to initialise (weights and caches
     # are realized at load, per-step data comes in through `packed`)
     jit.cnt = 1
-    return lambda packed: self._timed_capture(jit, packed)
+    return lambda packed: self._timed_capture(jit, packed, precompile=self._kernels and not precompiled)
 
-  def _timed_capture(self, jit: TinyJit, packed: Tensor):
+  def _timed_capture(self, jit: TinyJit, packed: Tensor, precompile: bool):
     t = time.perf_counter()
+    if precompile: self.precompile([(jit.fxn, packed)])
     out = jit(packed)
+    freeze_long_lived_objects()
     self.capture_seconds += time.perf_counter() - t
     return out
+
+  @staticmethod
+  def precompile(builds: list[tuple[Callable[[Tensor], object], Tensor]]) -> int:
+    """Build each step's graph without realizing it, then compile every kernel source met, in parallel (the real build
+    that follows finds them compiled). Returns how many sources were compiled."""
+    with collecting_sources() as pending:
+      for build, packed in builds: build(packed, realize=False)
+    return compile_parallel(pending)
 
   @property
   def num_captures(self) -> int: return len(self._captures)
@@ -146,7 +210,7 @@ class ModelRunner:
                              f["context_lens"], f["query_start"], self.kv_cache.block_size, context_len)
     return StepInputs(f["token_ids"], f["positions"], meta, f["logits_index"])
 
-  def _forward(self, layout: StepLayout, packed: Tensor) -> Tensor | tuple[Tensor, ...]:
+  def _forward(self, layout: StepLayout, packed: Tensor, realize: bool = True) -> Tensor | tuple[Tensor, ...]:
     f = layout.unpack(packed)
     logits, caches = self.model(self._step_inputs(f, layout.context_len), self.kv_cache.layers)
     penalties = None
@@ -157,7 +221,7 @@ class ModelRunner:
       chosen, top_ids, top_lps = compute_logprobs(logits, tokens, layout.logprobs)
       rank = (logits.float().log_softmax(1) > chosen[:, None]).sum(1).cast(dtypes.int32) + 1
       outputs = (tokens, chosen, rank, top_ids, top_lps)
-    Tensor.realize(*outputs, *[t for pair in caches for t in pair])
+    if realize: Tensor.realize(*outputs, *[t for pair in caches for t in pair])
     return outputs[0] if len(outputs) == 1 else outputs
 
   def _sampling_batch(self, host: HostBatch) -> SamplingBatch:

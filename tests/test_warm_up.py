@@ -1,0 +1,46 @@
+"""Start-up captures (--cuda-graph-sizes): which layouts are captured, and that replaying them changes no token."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.config import ConfigError, EngineConfig
+from tinyvllm.layers.sampler import SamplerVariant
+from tinyvllm.worker.model_runner import covers
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def reference(stories_dir):
+  return json.loads((stories_dir / "reference_greedy.json").read_text())
+
+
+def test_warm_up_captures_each_bucket_once_and_greedy_reuses_them(stories_dir, reference):
+  llm = LLM(str(stories_dir), max_num_seqs=8, num_gpu_blocks=64, cuda_graph_sizes=[1, 3, 4])
+  runner = llm.engine.runner
+  assert runner.num_captures == 2                     # buckets 1 and 4
+  prompts = [reference["prompt_ids"]] * 3              # contexts stay inside the smallest context bucket
+  outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+  assert runner.num_captures == 2                     # greedy decode ran on the random-sampler captures
+  assert all(o.outputs[0].token_ids == reference["greedy_ids"][:8] for o in outs)
+  assert llm.engine.runner.warm_up([2, 4]) == 1       # only bucket 2 is new
+
+
+def test_no_warm_up_on_the_cpu_by_default(stories_dir):
+  llm = LLM(str(stories_dir), max_num_seqs=8, num_gpu_blocks=64)
+  assert llm.engine.runner.num_captures == 0
+
+
+def test_sampler_cover_rules():
+  greedy, rand, filt = SamplerVariant(False, False, False), SamplerVariant(True, False, False), SamplerVariant(True, True, False)
+  assert covers(rand, greedy) and covers(filt, rand) and covers(filt, greedy) and covers(greedy, greedy)
+  assert not covers(greedy, rand) and not covers(rand, filt)
+  assert not covers(SamplerVariant(True, True, True), rand) and not covers(rand, SamplerVariant(True, False, True))
+
+
+def test_bad_capture_sizes_are_refused():
+  with pytest.raises(ConfigError, match="cuda_graph_sizes must be batch sizes >= 1"):
+    EngineConfig(model="m", cuda_graph_sizes=[4, 0])
