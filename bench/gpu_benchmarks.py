@@ -66,7 +66,7 @@ def part_decode() -> dict:
                  "prefill_ms": r.prefill_s * 1e3, "gb_s": (wbytes + avg_context * kv_per_token) / step_s / 1e9,
                  "bench_wall_s": time.perf_counter() - t0})
     print(r.line(), f"{rows[-1]['gb_s']:.0f} GB/s", flush=True)
-  return {"load_s": load_s, "weight_bytes": wbytes, "kv_bytes_per_token": kv_per_token,
+  return {"load_s": load_s, "start_up_captures_s": llm.engine.warm_up_seconds, "weight_bytes": wbytes, "kv_bytes_per_token": kv_per_token,
           "attention_backend": llm.engine.attention_backend.describe(), "rows": rows}
 
 
@@ -77,7 +77,8 @@ def part_throughput() -> dict:
   r = run_throughput(llm, warmup_requests=int(os.environ.get("BENCH_WARMUP_REQUESTS", "256")))
   print(r.line(), f"(whole run incl. warm-up: {runner.num_captures} step layouts captured in {runner.capture_seconds:.1f} s)",
         flush=True)
-  return {"load_s": load_s, "warmup_requests": int(os.environ.get("BENCH_WARMUP_REQUESTS", "256")),
+  return {"load_s": load_s, "start_up_captures_s": llm.engine.warm_up_seconds,
+          "warmup_requests": int(os.environ.get("BENCH_WARMUP_REQUESTS", "256")),
           "requests": r.requests, "output_tokens": r.output_tokens, "prompt_tokens": r.prompt_tokens,
           "seconds": r.seconds, "output_tok_s": r.output_tok_s, "preemptions": llm.engine.scheduler.num_preemptions,
           "captures": runner.num_captures, "capture_s": runner.capture_seconds}

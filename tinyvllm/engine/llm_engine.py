@@ -94,9 +94,10 @@ class LLMEngine:
     sizes = config.cuda_graph_sizes
     if sizes is None: sizes = [] if is_cpu(self.device) else [1 << i for i in range(bucket(config.max_num_seqs).bit_length())]
     t = time.perf_counter()
-    if captured := self.runner.warm_up(sizes):
-      log(f"captured {captured} decode batch sizes in {time.perf_counter() - t:.1f} s "
-          "(other step shapes are captured when first met)")
+    captured = self.runner.warm_up(sizes)
+    self.warm_up_seconds = time.perf_counter() - t
+    if captured: log(f"captured {captured} decode batch sizes in {self.warm_up_seconds:.1f} s (other step shapes are captured "
+                     "when first met)")
 
   @staticmethod
   def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
