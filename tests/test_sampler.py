@@ -304,3 +304,12 @@ def test_compute_logprobs_distinct_ids_on_ties():
   _, ids, vals = compute_logprobs(Tensor(logits), Tensor(np.array([1], np.int32)), 4)
   assert ids.numpy().tolist() == [[1, 2, 0, 3]]
   assert vals.numpy()[0, 3] == float("-inf")
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 151936), (3, 1000), (2, 257), (4, 256), (5, 513)])
+def test_two_stage_argmax_is_numpys_first_maximum(rows, vocab):
+  from tinyvllm.layers.sampler import argmax_rows
+  x = np.random.default_rng(vocab).integers(-5, 5, (rows, vocab)).astype(np.float32)   # many ties
+  x[0, -1] = 99.0                                                                       # a maximum in the padded chunk
+  if rows > 1: x[1] = -np.inf
+  assert argmax_rows(Tensor(x)).numpy().tolist() == x.argmax(1).tolist()

@@ -122,6 +122,23 @@ def _penalty_arrays(params: list[SamplingParams], histories: list[tuple[Sequence
 def _col(params: Tensor, c: int) -> Tensor: return params[:, c:c + 1]  # [B, 1], broadcasts over the vocab
 
 
+ARGMAX_CHUNK = 256
+
+
+def argmax_rows(x: Tensor) -> Tensor:
+  """x.argmax(1) for [B, V] (the first index of each row's maximum) in two stages: per chunk of ARGMAX_CHUNK, then
+  over the chunks. tinygrad's one-stage argmax gives each row a handful of threads; at batch 1 on an H100 its two
+  reductions over the 152k vocabulary took 0.23 ms, a sixth of a decode step."""
+  b, v = x.shape
+  if v <= ARGMAX_CHUNK: return x.argmax(1)
+  groups = -(-v // ARGMAX_CHUNK)
+  chunks = x.pad(((0, 0), (0, groups * ARGMAX_CHUNK - v)), value=float("-inf")).reshape(b, groups, ARGMAX_CHUNK)
+  chunk_max, chunk_arg = chunks.max(2), chunks.argmax(2)
+  best = chunk_max.argmax(1)                                           # the first chunk holding the row's maximum
+  inside = (Tensor.arange(groups)[None, :] == best[:, None]).where(chunk_arg, 0).sum(1)
+  return best * ARGMAX_CHUNK + inside
+
+
 def apply_penalties(logits: Tensor, params: Tensor, penalty_index: Tensor, penalty_value: Tensor) -> Tensor:
   """vLLM's penalties: repetition over prompt+output tokens, frequency and presence over output tokens."""
   b, v = logits.shape
@@ -222,7 +239,7 @@ def sample(logits: Tensor, params: Tensor, rng: Tensor, variant: SamplerVariant,
     if penalties is None:
       raise ValueError("variant.penalties needs the penalty tensors")
     logits = apply_penalties(logits, params, *penalties).contiguous()  # else every consumer recomputes it
-  greedy = logits.argmax(1)
+  greedy = argmax_rows(logits)
   if not variant.random:
     return greedy.cast(dtypes.int32)
   temp = params[:, TEMPERATURE]
@@ -232,7 +249,7 @@ def sample(logits: Tensor, params: Tensor, rng: Tensor, variant: SamplerVariant,
     keep = filter_mask(scaled, params[:, TOP_K], params[:, TOP_P], params[:, MIN_P])
     scaled = keep.where(scaled, float("-inf"))
   gumbel = -(-uniform_noise(rng, logits.shape[1]).log()).log()
-  return is_greedy.where(greedy, (scaled + gumbel).argmax(1)).cast(dtypes.int32)
+  return is_greedy.where(greedy, argmax_rows(scaled + gumbel)).cast(dtypes.int32)
 
 
 def compute_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
