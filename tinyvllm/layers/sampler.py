@@ -133,7 +133,8 @@ def argmax_rows(x: Tensor) -> Tensor:
   if v <= ARGMAX_CHUNK: return x.argmax(1)
   groups = -(-v // ARGMAX_CHUNK)
   chunks = x.pad(((0, 0), (0, groups * ARGMAX_CHUNK - v)), value=float("-inf")).reshape(b, groups, ARGMAX_CHUNK)
-  chunk_max, chunk_arg = chunks.max(2), chunks.argmax(2)
+  # realized: else the last line's select would recompute every chunk's argmax for every chunk
+  chunk_max, chunk_arg = chunks.max(2).contiguous(), chunks.argmax(2).contiguous()
   best = chunk_max.argmax(1)                                           # the first chunk holding the row's maximum
   inside = (Tensor.arange(groups)[None, :] == best[:, None]).where(chunk_arg, 0).sum(1)
   return best * ARGMAX_CHUNK + inside
