@@ -100,6 +100,25 @@ def step_breakdown(engine, batch: int, steps: int = 50) -> dict:
           "graph_replay_ms": round(replay_s * 1e3, 3), "graph_launch_host_ms": round(launch_s * 1e3, 3)}
 
 
+def host_profile(engine, batch: int, steps: int = 30) -> list[str]:
+  """cProfile of steady decode steps (captures warm): the host functions that take the most time of their own."""
+  import cProfile
+  import pstats
+
+  from tinyvllm import SamplingParams
+  params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+  for i in range(batch): engine.add_request(f"h{i}", [2 + i] * 100, params)
+  for _ in range(4): engine.step()
+  prof = cProfile.Profile()
+  prof.enable()
+  for _ in range(steps): engine.step()
+  prof.disable()
+  while engine.has_unfinished_requests(): engine.step()
+  buf = io.StringIO()
+  pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
+  return [line for line in buf.getvalue().splitlines() if line.strip()][-19:]
+
+
 def main() -> None:
   p = argparse.ArgumentParser()
   p.add_argument("--model", default="qwen3-0.6b")
@@ -131,6 +150,8 @@ def main() -> None:
   print(runs[0].line(), flush=True)
   result["breakdown"] = step_breakdown(llm.engine, args.batch)
   print("step breakdown (median ms):", result["breakdown"], flush=True)
+  result["host_profile"] = host_profile(llm.engine, args.batch)
+  print("\n".join(result["host_profile"]), flush=True)
   result["profile"] = profile_one_step(llm.engine, args.batch)
   prof = result["profile"]
   print(f"eager step: {prof['kernels']} kernels, {prof['total_ms']:.3f} ms of kernel time", flush=True)

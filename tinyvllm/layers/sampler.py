@@ -62,9 +62,8 @@ class SamplingBatch:
     if not (len(seeds) == len(steps) == n <= padded_rows):
       raise ValueError("params/seeds/steps lengths or padded_rows")
     table = np.tile(np.array(NEUTRAL_PARAMS, np.float32), (padded_rows, 1))
-    for i, p in enumerate(params):
-      table[i] = (p.temperature, min(p.top_k, vocab_size), p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
-                  p.repetition_penalty)
+    if n: table[:n] = np.array([(p.temperature, min(p.top_k, vocab_size), p.top_p, p.min_p, p.presence_penalty,
+                                 p.frequency_penalty, p.repetition_penalty) for p in params], np.float32)
     rng = np.zeros((padded_rows, 2), np.uint32)
     rng[:n, 0] = [fold_seed(s) for s in seeds]
     rng[:n, 1] = [s & _U32 for s in steps]
