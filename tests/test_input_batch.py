@@ -34,10 +34,14 @@ def random_batch(rng: random.Random) -> list[ScheduledSequence]:
 @pytest.mark.parametrize("seed", range(40))
 def test_fields_match_their_per_sequence_meaning(seed: int) -> None:
   items = random_batch(random.Random(seed))
-  host = prepare_batch(items, BLOCK, min_context=16 if seed % 2 else 64)
+  min_rows = 16 if seed % 3 == 0 else 1
+  host = prepare_batch(items, BLOCK, min_context=16 if seed % 2 else 64, min_prefill_rows=min_rows)
   a = host.arrays
   tq = a["query_index"].shape[1]
   assert tq == bucket(max(i.num_new_tokens for i in items))
+  floor = min_rows if tq > 1 else 1   # only steps with prompt chunks are padded to the row floor
+  assert a["context_lens"].shape == (bucket(len(items), floor),)
+  assert a["logits_index"].shape == (bucket(sum(1 + len(i.forks) for i in items if i.samples), floor),)
   assert host.context_len == bucket(max(i.seq.num_computed_tokens + i.num_new_tokens for i in items), 16 if seed % 2 else 64)
   flat, rows_sampled = 0, []
   for row, item in enumerate(items):

@@ -50,6 +50,9 @@ class FusedBackend:
   # The smallest context bucket L: the kernels read each context's own length, so L only sizes the block tables and the
   # decode split; a coarse one keeps the number of step layouts (captures) small for contexts up to 2,048.
   min_context_bucket = 2048
+  # steps with prompt chunks are padded to max_num_seqs sequences: one capture per token bucket rather than one per
+  # (tokens, sequences) pair as admissions fill the batch (padding sequences exit at once)
+  pads_prefill_rows = True
 
   def __init__(self, dialect: str, device: str, log=_log, decode_splits: int | None = None, kv_together: bool = False):
     """decode_splits / kv_together: override the decode plan (for timing experiments; the defaults are the tuned ones)."""

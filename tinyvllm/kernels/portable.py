@@ -35,6 +35,7 @@ def qkv_rope_write(qkv: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, co
 class PortableBackend:
   name = "portable"
   min_context_bucket = 16   # it gathers L keys per sequence: the tightest power of two
+  pads_prefill_rows = False  # it computes every padded row
 
   def __init__(self, reason: str = ""):
     self.reason = reason

@@ -44,8 +44,11 @@ def _empty(n: int, s: int, tq: int, max_blocks: int) -> dict[str, np.ndarray]:
   }
 
 
-def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, min_context: int = 16) -> HostBatch:
-  """`min_context`: the smallest context bucket L (the fused kernels take a coarse one, so that few layouts exist).
+def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, min_context: int = 16,
+                  min_prefill_rows: int = 1) -> HostBatch:
+  """`min_context`: the smallest context bucket L; `min_prefill_rows`: the fewest padded sequences (and sampling rows)
+  of a step with prompt chunks. The fused kernels take coarse ones, so that few layouts (captures) exist: their padding
+  rows cost nothing, while the portable path computes every padded row.
 
   Vectorised over the flat tokens: at 256 sequences, per-sequence numpy calls cost more than the GPU's whole step."""
   rows = len(scheduled)
@@ -54,7 +57,8 @@ def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, min_conte
   n_real, ends = int(counts.sum()), computed + counts
   tq, context_len = bucket(int(counts.max())), bucket(int(ends.max()), min_context)
   max_blocks = -(-context_len // block_size)
-  a = _empty(bucket(n_real), bucket(rows), tq, max_blocks)
+  padded_rows = bucket(rows, min_prefill_rows if tq > 1 else 1)
+  a = _empty(bucket(n_real), padded_rows, tq, max_blocks)
   starts = np.zeros(rows + 1, np.int64)
   np.cumsum(counts, out=starts[1:])
   row_of = np.repeat(np.arange(rows), counts)     # the sequence of each flat token
@@ -79,6 +83,6 @@ def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, min_conte
       for target in (item.seq, *item.forks):
         logits_index.append(end - 1)
         sample_seqs.append(target)
-  a["logits_index"] = np.zeros(bucket(len(logits_index)), np.int32)
+  a["logits_index"] = np.zeros(bucket(len(logits_index), min_prefill_rows if tq > 1 else 1), np.int32)
   a["logits_index"][:len(logits_index)] = logits_index
   return HostBatch(a, context_len, sample_seqs)

@@ -111,9 +111,10 @@ def covers(captured: SamplerVariant, wanted: SamplerVariant) -> bool:
 
 
 class ModelRunner:
-  def __init__(self, model: TransformerLM, kv_cache: KVCache, min_context: int = 16):
-    """`min_context`: the smallest context bucket (prepare_batch)."""
-    self.model, self.kv_cache, self.min_context = model, kv_cache, min_context
+  def __init__(self, model: TransformerLM, kv_cache: KVCache, min_context: int = 16, min_prefill_rows: int = 1):
+    """`min_context`, `min_prefill_rows`: the coarsest buckets the attention backend allows (prepare_batch)."""
+    self.model, self.kv_cache = model, kv_cache
+    self.min_context, self.min_prefill_rows = min_context, min_prefill_rows
     self.vocab_size = model.config.vocab_size
     self._captures: dict[StepLayout, TinyJit] = {}
     self.capture_seconds = 0.0    # spent in steps that captured a new layout (building + running them)
@@ -132,7 +133,7 @@ class ModelRunner:
 
   def _prepare(self, sched: SchedulerOutput) -> tuple[HostBatch, StepLayout, Tensor]:
     """The step's host batch, its layout, and its packed metadata uploaded to the device."""
-    host = prepare_batch(sched.scheduled, self.kv_cache.block_size, self.min_context)
+    host = prepare_batch(sched.scheduled, self.kv_cache.block_size, self.min_context, self.min_prefill_rows)
     sampling = self._sampling_batch(host)
     fields = packed_fields(host, sampling)
     layout = StepLayout(tuple((name, a.shape) for name, a in fields.items()), host.context_len, sampling.variant,
@@ -163,7 +164,7 @@ class ModelRunner:
 
   def logits(self, sched: SchedulerOutput) -> np.ndarray:
     """Float32 logits of each sampling row, without sampling (eager; for scoring and checks, not the hot path)."""
-    host = prepare_batch(sched.scheduled, self.kv_cache.block_size, self.min_context)
+    host = prepare_batch(sched.scheduled, self.kv_cache.block_size, self.min_context, self.min_prefill_rows)
     logits, caches = self.model(self._step_inputs({k: Tensor(a) for k, a in host.arrays.items()}, host.context_len),
                                 self.kv_cache.layers)
     Tensor.realize(logits, *[t for pair in caches for t in pair])

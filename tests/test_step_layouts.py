@@ -1,4 +1,5 @@
-"""Start-up captures (--cuda-graph-sizes): which layouts are captured, and that replaying them changes no token."""
+"""Step layouts: start-up captures (--cuda-graph-sizes), captures shared by covering samplers, and the padded prompt-step
+rows of the fused backends; none of them may change a token."""
 from __future__ import annotations
 
 import json
@@ -44,3 +45,15 @@ def test_sampler_cover_rules():
 def test_bad_capture_sizes_are_refused():
   with pytest.raises(ConfigError, match="cuda_graph_sizes must be batch sizes >= 1"):
     EngineConfig(model="m", cuda_graph_sizes=[4, 0])
+
+
+def test_prompt_steps_padded_to_max_num_seqs_change_no_token(stories_dir, reference):
+  """The fused backends pad steps with prompt chunks to max_num_seqs rows; forced here on the portable path."""
+  prompts = [reference["prompt_ids"], [1, 2, 3, 4, 5, 6, 7], reference["zoo"]["prompt_ids"]]
+  params = SamplingParams(temperature=0, max_tokens=12)
+  plain = LLM(str(stories_dir), max_num_seqs=8, num_gpu_blocks=64, max_num_batched_tokens=8)   # chunked prefill
+  padded = LLM(str(stories_dir), max_num_seqs=8, num_gpu_blocks=64, max_num_batched_tokens=8)
+  padded.engine.runner.min_prefill_rows = 8
+  expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+  assert [o.outputs[0].token_ids for o in padded.generate(prompts, params, use_tqdm=False)] == expected
+  assert expected[0] == reference["greedy_ids"][:12]
