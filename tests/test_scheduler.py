@@ -1,136 +1,13 @@
-"""Schedulers driven by a fake engine loop: plain Python, no tensors, no model.
-
-`Sim` does what LLMEngine.step does around the model runner: schedule, run (here: copy blocks and write token ids into
-a fake KV store, then read every computed position back), advance num_computed_tokens, register computed blocks,
-fork, append a fake sampled token, finish. It records each sequence's computed positions, so that a test can prove
-no token was skipped or computed twice (except from scratch after a preemption).
-"""
+"""The continuous-batching scheduler driven by a fake engine loop (tests/scheduler_sim.py): admission, budgets,
+chunked prefill, prefix hits, preemption, forks and random runs that check every position is computed once."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from tests.test_block_manager import check_invariants, make_seq
-from tinyvllm.core.block_manager import BlockManager
-from tinyvllm.core.contiguous_allocator import ContiguousAllocator
-from tinyvllm.core.scheduler import Scheduler, SchedulerConfig, StaticScheduler
-from tinyvllm.core.scheduler_output import SchedulerOutput
-from tinyvllm.core.sequence import Sequence, SequenceStatus
-
-
-def fake_token(seq: Sequence) -> int: return 1000 + (seq.seq_id * 31 + len(seq.output_token_ids) * 7) % 997
-
-
-class Sim:
-  def __init__(self, scheduler: Scheduler | StaticScheduler):
-    self.sched, self.alloc = scheduler, scheduler.allocator
-    self.kv: dict[int, list[int | None]] = {}
-    self.seqs: list[Sequence] = []
-    self.positions: dict[int, list[int]] = {}   # seq id -> positions computed since its last (re)admission
-    self.starts: dict[int, int] = {}            # seq id -> first position computed after its last (re)admission
-    self.outputs: list[SchedulerOutput] = []
-    self.sampled: list[list[int]] = []           # per step: the ids of the sequences that sampled a token
-
-  def add(self, prompt: list[int], max_tokens: int = 4, n: int = 1, rid: str = "r") -> list[Sequence]:
-    seqs = [make_seq(prompt, max_tokens, n, f"{rid}{len(self.seqs)}", i) for i in range(n)]
-    self.seqs += seqs
-    self.sched.add(seqs)
-    return seqs
-
-  def step(self) -> SchedulerOutput:
-    out = self.sched.schedule()
-    self.outputs.append(out)
-    for seq in out.preempted:
-      assert seq.block_table == [] and seq.num_computed_tokens == 0 and seq.status is SequenceStatus.WAITING
-      self.positions.pop(seq.seq_id, None)
-    if not out:  # the engine runs nothing: no copy may be pending, and only a preemption excuses an idle step
-      assert out.block_copies == [] and (out.preempted or not self.sched.has_unfinished())
-      return out
-    if isinstance(self.sched, Scheduler): assert out.num_tokens <= self.sched.config.max_num_batched_tokens
-    self._run(out)
-    samplers = [item for item in out.scheduled if item.samples]  # (a property: read it before the counters move)
-    self.sampled.append([item.seq.seq_id for item in samplers])
-    for item in out.scheduled:
-      item.seq.num_computed_tokens += item.num_new_tokens
-      self.alloc.register_computed(item.seq)
-    for item in out.scheduled:
-      if not item.forks: continue
-      assert self.sched.fork(item.seq) == item.forks
-      for child in item.forks: self.positions[child.seq_id], self.starts[child.seq_id] = [], child.num_computed_tokens
-    finished = []
-    for seq in [s for item in samplers for s in [item.seq, *item.forks]]:
-      seq.output_token_ids.append(fake_token(seq))
-      if len(seq.output_token_ids) >= seq.params.max_tokens:
-        seq.status = SequenceStatus.FINISHED_LENGTH
-        finished.append(seq)
-    for seq in finished: self.sched.finish(seq)
-    self.check()
-    return out
-
-  def _run(self, out: SchedulerOutput) -> None:
-    """The model runner's view: copies first, then each scheduled token's K/V is written, then every position read."""
-    size = self.alloc.block_size
-    for src, dst in out.block_copies: self.kv[dst] = list(self.kv[src])
-    for seq in self.sched.running: self._read(seq, seq.num_computed_tokens)  # what attention reads is intact
-    for item in out.scheduled:
-      seq, start = item.seq, item.seq.num_computed_tokens
-      assert seq.status is SequenceStatus.RUNNING and item.num_new_tokens > 0
-      assert start + item.num_new_tokens <= seq.num_tokens
-      if seq.seq_id not in self.positions:
-        assert start % size == 0  # from scratch, or after a cached prefix of whole blocks
-        self.positions[seq.seq_id], self.starts[seq.seq_id] = [], start
-      done = self.positions[seq.seq_id]
-      assert start == (done[-1] + 1 if done else self.starts[seq.seq_id])
-      for p in range(start, start + item.num_new_tokens):
-        self.kv.setdefault(seq.block_table[p // size], [None] * size)[p % size] = seq.token_ids[p]
-        done.append(p)
-    for item in out.scheduled: self._read(item.seq, item.seq.num_computed_tokens + item.num_new_tokens)
-
-  def _read(self, seq: Sequence, upto: int) -> None:
-    size = self.alloc.block_size
-    got = [self.kv[seq.block_table[p // size]][p % size] for p in range(upto)]
-    assert got == seq.token_ids[:upto], f"seq {seq.seq_id} reads wrong K/V"
-
-  def check(self) -> None:
-    running, waiting = self.sched.running, list(self.sched.waiting)
-    assert len(set(map(id, running + waiting))) == len(running) + len(waiting)
-    assert all(s.status is SequenceStatus.RUNNING for s in running)
-    assert all(s.status is SequenceStatus.WAITING and s.block_table == [] for s in waiting)
-    assert all(s.block_table == [] for s in self.seqs if s not in running)  # finished, waiting, or a pending fork
-    if isinstance(self.alloc, BlockManager): check_invariants(self.alloc, self.seqs)
-
-  def run(self, max_steps: int = 1000) -> int:
-    steps = 0
-    while self.sched.has_unfinished():
-      self.step()
-      steps += 1
-      assert steps <= max_steps, "the scheduler made no progress"
-    return steps
-
-  def check_done(self) -> None:
-    """Every sequence finished, computed each of its tokens once after its last admission, and holds nothing."""
-    assert not self.sched.waiting and not self.sched.running and not self.sched.pending_forks
-    assert self.sched.pending_copies == []
-    for seq in self.seqs:
-      assert seq.status is SequenceStatus.FINISHED_LENGTH and len(seq.output_token_ids) == seq.params.max_tokens
-      assert seq.block_table == []
-      assert self.positions[seq.seq_id] == list(range(self.starts[seq.seq_id], seq.num_tokens - 1))
-    if isinstance(self.alloc, BlockManager):
-      assert self.alloc.num_free_blocks == self.alloc.num_blocks and self.alloc.num_used_blocks == 0
-      assert all(b.ref_count == 0 for b in self.alloc.blocks)
-    else:
-      assert self.alloc.num_free_blocks == self.alloc.num_blocks and self.alloc.reserved == {}
-
-
-def sim(num_blocks: int = 64, block_size: int = 4, prefix: bool = True, static: bool = False, **config) -> Sim:
-  cls = StaticScheduler if static else Scheduler
-  return Sim(cls(BlockManager(num_blocks, block_size, prefix), SchedulerConfig(**config)))
-
-
-def plan(out: SchedulerOutput) -> list[tuple[int, int]]:
-  """(seq id, tokens) of each scheduled item."""
-  return [(item.seq.seq_id, item.num_new_tokens) for item in out.scheduled]
+from tests.scheduler_sim import fake_token, plan, random_requests, sim
+from tinyvllm.core.sequence import SequenceStatus
 
 
 # ---- continuous batching ----
@@ -375,16 +252,6 @@ def test_abort_running_sequence_frees_blocks():
   assert a.block_table == [] and s.alloc.num_used_blocks == 0 and not s.sched.has_unfinished()
 
 
-def random_requests(rng: random.Random, count: int, block_size: int, num_blocks: int, max_n: int = 3):
-  bases = [[rng.randrange(500) for _ in range(24)] for _ in range(3)]
-  for _ in range(count):
-    prompt = rng.choice(bases)[:rng.randint(1, 24)] + [rng.randrange(500) for _ in range(rng.randint(0, 6))]
-    max_tokens, n = rng.randint(1, 12), rng.randint(1, max_n)
-    blocks = lambda t: -(-t // block_size)
-    need = blocks(len(prompt)) + n * (blocks(len(prompt) + max_tokens) - blocks(len(prompt)) + 1)  # as the engine checks
-    if need <= num_blocks: yield prompt, max_tokens, n
-
-
 @pytest.mark.parametrize("seed, config", [
   (0, dict(max_num_seqs=6, max_num_batched_tokens=32)),
   (1, dict(max_num_seqs=4, max_num_batched_tokens=16, long_prefill_token_threshold=5)),
@@ -409,89 +276,3 @@ def test_random_continuous_run(seed: int, config: dict, block_size: int, num_blo
   s.check_done()
   assert len(s.seqs) > 40 and s.sched.num_preemptions > 0
   assert (s.alloc.prefix_hits > 0) == prefix
-
-
-# ---- static batching ----
-def test_static_no_admission_while_a_batch_runs():
-  s = sim(static=True, max_num_seqs=2)
-  (a,) = s.add(list(range(3)), max_tokens=2)
-  (b,) = s.add(list(range(10, 14)), max_tokens=4)
-  assert plan(s.step()) == [(a.seq_id, 3), (b.seq_id, 4)]
-  (c,) = s.add(list(range(20, 22)), max_tokens=1)
-  assert plan(s.step()) == [(a.seq_id, 1), (b.seq_id, 1)]  # a finishes; c still waits for b
-  assert plan(s.step()) == [(b.seq_id, 1)]
-  assert plan(s.step()) == [(b.seq_id, 1)] and b.is_finished
-  assert plan(s.step()) == [(c.seq_id, 2)]
-  s.run()
-  s.check_done()
-
-
-def test_static_admission_respects_worst_case_blocks():
-  s = sim(num_blocks=8, block_size=4, static=True, max_num_seqs=8)
-  (a,) = s.add(list(range(8)), max_tokens=8)   # 4 blocks at worst
-  (b,) = s.add(list(range(10, 14)), max_tokens=12)  # 4 blocks at worst
-  (c,) = s.add([30], max_tokens=1)             # 1 block: does not fit beside them
-  assert plan(s.step()) == [(a.seq_id, 8), (b.seq_id, 4)] and list(s.sched.waiting) == [c]
-  s.run()
-  assert s.sched.num_preemptions == 0
-  s.check_done()
-
-
-def test_static_admission_counts_forks():
-  s = sim(num_blocks=8, block_size=4, static=True, max_num_seqs=8)
-  parent, *_ = s.add(list(range(4)), max_tokens=4, n=3)  # 2 blocks at worst, for each of 3 samples
-  (b,) = s.add([50, 51], max_tokens=7)                  # 3 blocks: 6 + 3 > 8
-  assert plan(s.step()) == [(parent.seq_id, 4)] and list(s.sched.waiting) == [b]
-  assert len(s.sched.running) == 3
-  s.run()
-  s.check_done()
-
-
-def test_static_admission_counts_seats():
-  s = sim(static=True, max_num_seqs=3)
-  s.add(list(range(4)), max_tokens=2, n=2)
-  b, _ = s.add([50, 51], max_tokens=2, n=2)
-  s.step()
-  assert list(s.sched.waiting) == [b] and len(s.sched.running) == 2
-  s.run()
-  s.check_done()
-
-
-@pytest.mark.parametrize("seed", [0, 1])
-def test_random_static_run(seed: int):
-  rng = random.Random(seed)
-  s = sim(num_blocks=20, block_size=4, static=True, max_num_seqs=4)
-  for request in random_requests(rng, 30, 4, 20): s.add(*request)
-  while s.sched.has_unfinished():
-    idle, before = not s.sched.running, set(map(id, s.sched.running))
-    out = s.step()
-    if not idle:  # mid-batch: only the batch's own decodes (and its forks) run, nothing is admitted
-      assert all(id(item.seq) in before and item.num_new_tokens == 1 for item in out.scheduled)
-  assert s.sched.num_preemptions == 0 and len(s.outputs) < 500
-  assert max(len(o.scheduled) for o in s.outputs) <= 4
-  s.check_done()
-
-
-# ---- the contiguous baseline under the schedulers ----
-@pytest.mark.parametrize("static", [False, True])
-def test_contiguous_allocator_run(static: bool):
-  rng = random.Random(5)
-  cls = StaticScheduler if static else Scheduler
-  s = Sim(cls(ContiguousAllocator(4, 64), SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16)))
-  for prompt, max_tokens, n in random_requests(rng, 20, 64, 4):
-    s.add(prompt, max_tokens, n)
-  s.run()
-  copies = [c for o in s.outputs for c in o.block_copies]
-  assert len(copies) == sum(1 for q in s.seqs if q.index > 0) > 0  # one row copy per fork
-  s.check_done()
-
-
-def test_contiguous_fork_copy_reported_next_step():
-  s = Sim(Scheduler(ContiguousAllocator(4, 32), SchedulerConfig()))
-  parent, child = s.add(list(range(5)), max_tokens=3, n=2)
-  s.step()
-  assert parent.block_table == [0] and child.block_table == [1] and s.sched.pending_copies == [(0, 1)]
-  out = s.step()
-  assert out.block_copies == [(0, 1)] and plan(out) == [(parent.seq_id, 1), (child.seq_id, 1)]
-  s.run()
-  s.check_done()

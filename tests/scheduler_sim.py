@@ -1,0 +1,140 @@
+"""A fake engine loop for driving the schedulers in tests: plain Python, no tensors, no model.
+
+`Sim` does what LLMEngine.step does around the model runner: schedule, run (here: copy blocks and write token ids into
+a fake KV store, then read every computed position back), advance num_computed_tokens, register computed blocks,
+fork, append a fake sampled token, finish. It records each sequence's computed positions, so that a test can prove
+no token was skipped or computed twice (except from scratch after a preemption).
+"""
+from __future__ import annotations
+
+import random
+
+from tests.test_block_manager import check_invariants, make_seq
+from tinyvllm.core.block_manager import BlockManager
+from tinyvllm.core.scheduler import Scheduler, SchedulerConfig, StaticScheduler
+from tinyvllm.core.scheduler_output import SchedulerOutput
+from tinyvllm.core.sequence import Sequence, SequenceStatus
+
+
+def fake_token(seq: Sequence) -> int: return 1000 + (seq.seq_id * 31 + len(seq.output_token_ids) * 7) % 997
+
+
+class Sim:
+  def __init__(self, scheduler: Scheduler | StaticScheduler):
+    self.sched, self.alloc = scheduler, scheduler.allocator
+    self.kv: dict[int, list[int | None]] = {}
+    self.seqs: list[Sequence] = []
+    self.positions: dict[int, list[int]] = {}   # seq id -> positions computed since its last (re)admission
+    self.starts: dict[int, int] = {}            # seq id -> first position computed after its last (re)admission
+    self.outputs: list[SchedulerOutput] = []
+    self.sampled: list[list[int]] = []           # per step: the ids of the sequences that sampled a token
+
+  def add(self, prompt: list[int], max_tokens: int = 4, n: int = 1, rid: str = "r") -> list[Sequence]:
+    seqs = [make_seq(prompt, max_tokens, n, f"{rid}{len(self.seqs)}", i) for i in range(n)]
+    self.seqs += seqs
+    self.sched.add(seqs)
+    return seqs
+
+  def step(self) -> SchedulerOutput:
+    out = self.sched.schedule()
+    self.outputs.append(out)
+    for seq in out.preempted:
+      assert seq.block_table == [] and seq.num_computed_tokens == 0 and seq.status is SequenceStatus.WAITING
+      self.positions.pop(seq.seq_id, None)
+    if not out:  # the engine runs nothing: no copy may be pending, and only a preemption excuses an idle step
+      assert out.block_copies == [] and (out.preempted or not self.sched.has_unfinished())
+      return out
+    if isinstance(self.sched, Scheduler): assert out.num_tokens <= self.sched.config.max_num_batched_tokens
+    self._run(out)
+    samplers = [item for item in out.scheduled if item.samples]  # (a property: read it before the counters move)
+    self.sampled.append([item.seq.seq_id for item in samplers])
+    for item in out.scheduled:
+      item.seq.num_computed_tokens += item.num_new_tokens
+      self.alloc.register_computed(item.seq)
+    for item in out.scheduled:
+      if not item.forks: continue
+      assert self.sched.fork(item.seq) == item.forks
+      for child in item.forks: self.positions[child.seq_id], self.starts[child.seq_id] = [], child.num_computed_tokens
+    finished = []
+    for seq in [s for item in samplers for s in [item.seq, *item.forks]]:
+      seq.output_token_ids.append(fake_token(seq))
+      if len(seq.output_token_ids) >= seq.params.max_tokens:
+        seq.status = SequenceStatus.FINISHED_LENGTH
+        finished.append(seq)
+    for seq in finished: self.sched.finish(seq)
+    self.check()
+    return out
+
+  def _run(self, out: SchedulerOutput) -> None:
+    """The model runner's view: copies first, then each scheduled token's K/V is written, then every position read."""
+    size = self.alloc.block_size
+    for src, dst in out.block_copies: self.kv[dst] = list(self.kv[src])
+    for seq in self.sched.running: self._read(seq, seq.num_computed_tokens)  # what attention reads is intact
+    for item in out.scheduled:
+      seq, start = item.seq, item.seq.num_computed_tokens
+      assert seq.status is SequenceStatus.RUNNING and item.num_new_tokens > 0
+      assert start + item.num_new_tokens <= seq.num_tokens
+      if seq.seq_id not in self.positions:
+        assert start % size == 0  # from scratch, or after a cached prefix of whole blocks
+        self.positions[seq.seq_id], self.starts[seq.seq_id] = [], start
+      done = self.positions[seq.seq_id]
+      assert start == (done[-1] + 1 if done else self.starts[seq.seq_id])
+      for p in range(start, start + item.num_new_tokens):
+        self.kv.setdefault(seq.block_table[p // size], [None] * size)[p % size] = seq.token_ids[p]
+        done.append(p)
+    for item in out.scheduled: self._read(item.seq, item.seq.num_computed_tokens + item.num_new_tokens)
+
+  def _read(self, seq: Sequence, upto: int) -> None:
+    size = self.alloc.block_size
+    got = [self.kv[seq.block_table[p // size]][p % size] for p in range(upto)]
+    assert got == seq.token_ids[:upto], f"seq {seq.seq_id} reads wrong K/V"
+
+  def check(self) -> None:
+    running, waiting = self.sched.running, list(self.sched.waiting)
+    assert len(set(map(id, running + waiting))) == len(running) + len(waiting)
+    assert all(s.status is SequenceStatus.RUNNING for s in running)
+    assert all(s.status is SequenceStatus.WAITING and s.block_table == [] for s in waiting)
+    assert all(s.block_table == [] for s in self.seqs if s not in running)  # finished, waiting, or a pending fork
+    if isinstance(self.alloc, BlockManager): check_invariants(self.alloc, self.seqs)
+
+  def run(self, max_steps: int = 1000) -> int:
+    steps = 0
+    while self.sched.has_unfinished():
+      self.step()
+      steps += 1
+      assert steps <= max_steps, "the scheduler made no progress"
+    return steps
+
+  def check_done(self) -> None:
+    """Every sequence finished, computed each of its tokens once after its last admission, and holds nothing."""
+    assert not self.sched.waiting and not self.sched.running and not self.sched.pending_forks
+    assert self.sched.pending_copies == []
+    for seq in self.seqs:
+      assert seq.status is SequenceStatus.FINISHED_LENGTH and len(seq.output_token_ids) == seq.params.max_tokens
+      assert seq.block_table == []
+      assert self.positions[seq.seq_id] == list(range(self.starts[seq.seq_id], seq.num_tokens - 1))
+    if isinstance(self.alloc, BlockManager):
+      assert self.alloc.num_free_blocks == self.alloc.num_blocks and self.alloc.num_used_blocks == 0
+      assert all(b.ref_count == 0 for b in self.alloc.blocks)
+    else:
+      assert self.alloc.num_free_blocks == self.alloc.num_blocks and self.alloc.reserved == {}
+
+
+def sim(num_blocks: int = 64, block_size: int = 4, prefix: bool = True, static: bool = False, **config) -> Sim:
+  cls = StaticScheduler if static else Scheduler
+  return Sim(cls(BlockManager(num_blocks, block_size, prefix), SchedulerConfig(**config)))
+
+
+def plan(out: SchedulerOutput) -> list[tuple[int, int]]:
+  """(seq id, tokens) of each scheduled item."""
+  return [(item.seq.seq_id, item.num_new_tokens) for item in out.scheduled]
+
+
+def random_requests(rng: random.Random, count: int, block_size: int, num_blocks: int, max_n: int = 3):
+  bases = [[rng.randrange(500) for _ in range(24)] for _ in range(3)]
+  for _ in range(count):
+    prompt = rng.choice(bases)[:rng.randint(1, 24)] + [rng.randrange(500) for _ in range(rng.randint(0, 6))]
+    max_tokens, n = rng.randint(1, 12), rng.randint(1, max_n)
+    blocks = lambda t: -(-t // block_size)
+    need = blocks(len(prompt)) + n * (blocks(len(prompt) + max_tokens) - blocks(len(prompt)) + 1)  # as the engine checks
+    if need <= num_blocks: yield prompt, max_tokens, n
