@@ -82,7 +82,7 @@ class LLMEngine:
     self.scheduler = (Scheduler if config.scheduler == "continuous" else StaticScheduler)(self.allocator, sched_config)
     log(f"{config.scheduler} scheduler, max {config.max_num_seqs} sequences, {sched_config.max_num_batched_tokens} tokens a step")
     self.runner = ModelRunner(self.model, self.kv_cache, min(backend.min_context_bucket, bucket(self.max_model_len, 16)),
-                              bucket(config.max_num_seqs) if backend.pads_prefill_rows else 1)
+                              bucket(config.max_num_seqs) if backend.pads_prefill_rows else 1, backend.builds_kernels)
     eos = frozenset(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
     self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
     self.requests: dict[str, Request] = {}

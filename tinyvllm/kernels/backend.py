@@ -10,6 +10,9 @@ from tinyvllm.layers.attention import AttentionMetadata
 
 class AttentionBackend(Protocol):
   name: str          # "portable", "cuda" or "metal"
+  min_context_bucket: int    # the smallest context bucket L its steps may use
+  pads_prefill_rows: bool    # whether steps with prompt chunks may be padded to max_num_seqs sequences
+  builds_kernels: bool       # whether a new step layout compiles hand-written kernel sources
 
   def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> Tensor:
     """q [N, heads, head_dim] (rotated); the caches already hold this step's K/V. Returns [N, heads * head_dim]."""

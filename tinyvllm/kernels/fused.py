@@ -53,6 +53,7 @@ class FusedBackend:
   # steps with prompt chunks are padded to max_num_seqs sequences: one capture per token bucket rather than one per
   # (tokens, sequences) pair as admissions fill the batch (padding sequences exit at once)
   pads_prefill_rows = True
+  builds_kernels = True      # a new step layout compiles kernel sources: collect and compile them in parallel first
 
   def __init__(self, dialect: str, device: str, log=_log, decode_splits: int | None = None, kv_together: bool = False):
     """decode_splits / kv_together: override the decode plan (for timing experiments; the defaults are the tuned ones)."""

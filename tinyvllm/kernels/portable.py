@@ -36,6 +36,7 @@ class PortableBackend:
   name = "portable"
   min_context_bucket = 16   # it gathers L keys per sequence: the tightest power of two
   pads_prefill_rows = False  # it computes every padded row
+  builds_kernels = False
 
   def __init__(self, reason: str = ""):
     self.reason = reason

@@ -24,6 +24,7 @@ from tinygrad.helpers import diskcache_get, diskcache_put
 from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
 
 from tinyvllm.kernels.plan import Launch
+from tinyvllm.kernels.selection import native_dialect
 
 _lock = threading.Lock()
 
@@ -32,16 +33,10 @@ class KernelBuildError(RuntimeError):
   """A kernel source did not compile (the message carries the compiler's log)."""
 
 
-def device_dialect(device: str) -> str | None:
-  """The kernel dialect a tinygrad device runs: cuda on CUDA (any renderer: CUDA, CUDA:PTX, ...), metal on METAL."""
-  base = device.split(":")[0].upper()
-  return {"CUDA": "cuda", "METAL": "metal"}.get(base)
-
-
 @functools.cache
 def _compiler(device: str):
   dev = Device[device]
-  dialect = device_dialect(dev.device)
+  dialect = native_dialect(dev.device)
   if dialect == "cuda":
     from tinygrad.runtime.support.compiler_cuda import NVRTCCompiler
     # a cubin for this GPU's exact architecture (PTX from a newer NVRTC than the driver knows would not load)

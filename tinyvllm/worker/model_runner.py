@@ -21,7 +21,7 @@ from tinygrad import Tensor, TinyJit, dtypes
 from tinyvllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from tinyvllm.core.sequence import Sequence
 from tinyvllm.device import is_cpu
-from tinyvllm.kernels.tinygrad_program import collecting_sources, compile_parallel, device_dialect
+from tinyvllm.kernels.tinygrad_program import collecting_sources, compile_parallel
 from tinyvllm.layers.attention import AttentionMetadata
 from tinyvllm.layers.sampler import SamplerVariant, SamplingBatch, compute_logprobs, sample
 from tinyvllm.model.llama import StepInputs, TransformerLM
@@ -111,16 +111,17 @@ def covers(captured: SamplerVariant, wanted: SamplerVariant) -> bool:
 
 
 class ModelRunner:
-  def __init__(self, model: TransformerLM, kv_cache: KVCache, min_context: int = 16, min_prefill_rows: int = 1):
-    """`min_context`, `min_prefill_rows`: the coarsest buckets the attention backend allows (prepare_batch)."""
+  def __init__(self, model: TransformerLM, kv_cache: KVCache, min_context: int = 16, min_prefill_rows: int = 1,
+               builds_kernels: bool = False):
+    """`min_context`, `min_prefill_rows`: the coarsest buckets the attention backend allows (prepare_batch);
+    `builds_kernels`: new layouts compile hand-written kernels (collected and compiled in parallel before a capture)."""
     self.model, self.kv_cache = model, kv_cache
-    self.min_context, self.min_prefill_rows = min_context, min_prefill_rows
+    self.min_context, self.min_prefill_rows, self._kernels = min_context, min_prefill_rows, builds_kernels
     self.vocab_size = model.config.vocab_size
     self._captures: dict[StepLayout, TinyJit] = {}
     self.capture_seconds = 0.0    # spent in steps that captured a new layout (building + running them)
     self._io = StepIO(model.device)
     self._jit_prefill = jit_prefill(model.device)
-    self._kernels = device_dialect(model.device) is not None   # hand-written kernels may be built: compile in parallel
 
   def execute(self, sched: SchedulerOutput) -> StepResult:
     if sched.block_copies: self.kv_cache.copy_blocks(sched.block_copies)
