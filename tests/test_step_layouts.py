@@ -54,6 +54,18 @@ def test_prompt_steps_padded_to_max_num_seqs_change_no_token(stories_dir, refere
   plain = LLM(str(stories_dir), max_num_seqs=8, num_gpu_blocks=64, max_num_batched_tokens=8)   # chunked prefill
   padded = LLM(str(stories_dir), max_num_seqs=8, num_gpu_blocks=64, max_num_batched_tokens=8)
   padded.engine.runner.min_prefill_rows = 8
+  rows = {id(llm): [] for llm in (plain, padded)}
+  for llm in (plain, padded):   # record the (query run, padded sequences) of every step
+    prepare = llm.engine.runner._prepare
+    def recording(sched, prepare=prepare, seen=rows[id(llm)]):
+      host, layout, packed = prepare(sched)
+      seen.append((layout.query_len, host.context_lens.shape[0]))
+      return host, layout, packed
+    llm.engine.runner._prepare = recording
   expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
   assert [o.outputs[0].token_ids for o in padded.generate(prompts, params, use_tqdm=False)] == expected
   assert expected[0] == reference["greedy_ids"][:12]
+  prompt_steps = lambda llm: [s for tq, s in rows[id(llm)] if tq > 1]
+  assert prompt_steps(padded) and all(s == 8 for s in prompt_steps(padded))
+  assert any(s < 8 for s in prompt_steps(plain))                      # the padding was not there anyway
+  assert [s for tq, s in rows[id(padded)] if tq == 1] == [s for tq, s in rows[id(plain)] if tq == 1]   # decode untouched
