@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
+from attention_bench import bench_batch, bench_prefill, dev_tensor, rel_err  # noqa: E402  (bench/ is on sys.path)
 
 T_START = time.perf_counter()
 RESULTS: dict = {"env": {}, "compile": [], "correctness": [], "jit": [], "engine": {}, "bench": [], "e2e": [], "failures": []}
@@ -58,15 +59,6 @@ def save() -> None:
 
 # ---------------------------------------------------------------- helpers on the device
 
-def dev_tensor(x: np.ndarray, dtype: str, device: str):
-  from tinygrad import Tensor, dtypes
-
-  from tinyvllm.kernels.cases import to_bits
-  if dtype == "float32": return Tensor(np.ascontiguousarray(x, np.float32), device=device).realize()
-  bits = Tensor(to_bits(x, dtype), device=device)
-  return bits.bitcast(dtypes.bfloat16 if dtype == "bfloat16" else dtypes.float16).contiguous().realize()
-
-
 def host(t, dtype: str) -> np.ndarray:
   from tinygrad import dtypes
 
@@ -79,10 +71,6 @@ def poisoned(numel: int, dtype: str, device: str):
   from tinygrad import Tensor, dtypes
   dt = {"float32": dtypes.float32, "float16": dtypes.float16, "bfloat16": dtypes.bfloat16}[dtype]
   return Tensor.full((numel,), float("nan"), dtype=dt, device=device).contiguous().realize()
-
-
-def rel_err(got: np.ndarray, want: np.ndarray) -> float:
-  return float(np.abs(got.astype(np.float64) - want).max() / max(np.abs(want).max(), 1e-30))
 
 
 TOL = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 2.5e-2}   # max |a - b| / max |b|
@@ -340,83 +328,6 @@ def step_engine(model: str | None, device: str, backend_name: str) -> None:
 
 # ---------------------------------------------------------------- 4. benchmark
 
-def bench_batch(dialect: str, device: str, batch: int, iters: int, variants: dict | None = None) -> dict:
-  """Per-layer decode attention time, fused vs portable, for the Qwen3-0.6B shape. Each JIT call runs `layers`
-  attention layers with their own caches (so the KV reads come from HBM, not L2) to keep the GPU busier than Python."""
-  from tinygrad import Tensor, dtypes
-
-  from tinyvllm.kernels.fused import FusedBackend
-  from tinyvllm.layers.attention import AttentionMetadata, paged_attention
-  heads, kvh, d, bs, L = 16, 8, 128, 16, 1024
-  layers = 64 if batch <= 8 else 32 if batch <= 32 else 16
-  rng = np.random.default_rng(batch)
-  blocks = batch * (L // bs)
-  ctx = rng.integers(L - 64, L + 1, batch).astype(np.int32)
-  qs = np.arange(batch + 1, dtype=np.int32)
-  Tensor.manual_seed(batch)
-  per_layer = []
-  for _ in range(layers):
-    table = rng.permutation(blocks).astype(np.int32).reshape(batch, L // bs)
-    kc = Tensor.rand(blocks * bs, kvh * d, dtype=dtypes.bfloat16, device=device).contiguous().realize()
-    vc = Tensor.rand(blocks * bs, kvh * d, dtype=dtypes.bfloat16, device=device).contiguous().realize()
-    q = Tensor.rand(batch, heads, d, dtype=dtypes.bfloat16, device=device).contiguous().realize()
-    ints = {k: Tensor(v, device=device).realize() for k, v in
-            {"bt": table, "ctx": ctx, "qs": qs, "qi": np.arange(batch, dtype=np.int32).reshape(batch, 1),
-             "qp": (ctx - 1).reshape(batch, 1), "oi": np.arange(batch, dtype=np.int32), "sm": np.full(batch, -1, np.int32)}.items()}
-    meta = AttentionMetadata(ints["sm"], ints["bt"], ints["qi"], ints["qp"], ints["oi"], ints["ctx"], ints["qs"], bs, L)
-    per_layer.append((q, kc, vc, meta))
-  backend = FusedBackend(dialect, device)
-  fns = {"fused": backend.attention, "portable": paged_attention} if variants is None else \
-    {name: FusedBackend(dialect, device, **kw).attention for name, kw in variants.items()}
-  res: dict = {"batch": batch, "layers": layers, "kv_bytes_per_layer": int(2 * ctx.sum() * kvh * d * 2)}
-  outs = time_layers(fns, per_layer, device, iters, layers, res)
-  if variants is not None: return res
-  res["speedup"] = res["portable_us_per_layer"] / res["fused_us_per_layer"]
-  res["fused_GBps"] = res["kv_bytes_per_layer"] / res["fused_us_per_layer"] / 1e3
-  res["err_fused_vs_portable"] = rel_err(outs["fused"], outs["portable"].astype(np.float64))
-  res["decode_plan_splits"] = backend.calls.most_common()
-  return res
-
-
-def time_layers(fns: dict, per_layer: list, device: str, iters: int, layers: int, res: dict) -> dict:
-  """Time each attention function over all layers under TinyJit (3 warm-up replays); us per layer go into res as
-  `<name>_us_per_layer`; returns each function's output."""
-  from tinygrad import Device, Tensor, TinyJit
-  outs = {}
-  for name, fn in fns.items():
-    jit = TinyJit(lambda fn=fn: Tensor.stack(*[fn(*x) for x in per_layer]).realize())
-    for _ in range(3): jit()
-    Device[device].synchronize()
-    t = time.perf_counter()
-    for _ in range(iters): jit()
-    Device[device].synchronize()
-    res[f"{name}_us_per_layer"] = (time.perf_counter() - t) / iters / layers * 1e6
-    outs[name] = jit().float().numpy()
-  return outs
-
-
-def bench_prefill(dialect: str, device: str, name: str, seqs: list[tuple[int, int]], iters: int, layers: int = 4) -> dict:
-  """Prefill / chunked-prefill attention, fused vs portable, Qwen3-0.6B shape (random data, own caches per layer)."""
-
-  from tinyvllm.kernels.cases import make_case, metadata_tensors
-  from tinyvllm.kernels.fused import FusedBackend
-  from tinyvllm.layers.attention import paged_attention
-  per_layer = []
-  for i in range(layers):
-    case = make_case(np.random.default_rng(100 + i), seqs, heads=16, kv_heads=8, head_dim=128, dtype="bfloat16")
-    per_layer.append((dev_tensor(case.q, "bfloat16", device), dev_tensor(case.k_cache, "bfloat16", device),
-                      dev_tensor(case.v_cache, "bfloat16", device), metadata_tensors(case, device)))
-  fns = {"fused": FusedBackend(dialect, device).attention, "portable": paged_attention}
-  new = sum(n for _, n in seqs)
-  res: dict = {"name": name, "seqs": seqs, "new_tokens": new, "layers": layers}
-  outs = {key: out[:, :new] for key, out in time_layers(fns, per_layer, device, iters, layers, res).items()}
-  flops = sum(4 * n * (c - n + (n + 1) / 2) * 16 * 128 for c, n in seqs)   # QK^T and PV over the visible keys
-  res["fused_TFLOPs"] = flops / res["fused_us_per_layer"] / 1e6
-  res["speedup"] = res["portable_us_per_layer"] / res["fused_us_per_layer"]
-  res["err_fused_vs_portable"] = rel_err(outs["fused"], outs["portable"].astype(np.float64))
-  return res
-
-
 def step_prefill_bench(dialect: str, device: str, iters: int) -> None:
   for name, seqs in (("chunk 512 after a 1536 prefix", [(2048, 512)]), ("4 prompts of 256", [(256, 256)] * 4),
                      ("mixed: 31 decodes ~1000 + chunk 256", [(1000, 1)] * 31 + [(768, 256)])):
@@ -427,22 +338,6 @@ def step_prefill_bench(dialect: str, device: str, iters: int) -> None:
         f"{r['portable_us_per_layer']:.1f} us/layer, speedup {r['speedup']:.2f}x, max diff {r['err_fused_vs_portable']:.1e}")
     if r["err_fused_vs_portable"] > TOL["bfloat16"]:
       fail(f"prefill bench {name}", f"fused and portable differ by {r['err_fused_vs_portable']:.3g}")
-
-
-def step_explore(dialect: str, device: str, iters: int) -> None:
-  """Decode variants (split count, V loads with or after K) timed on the same data: for tuning, not a check."""
-  from tinyvllm.kernels.plan import AttentionShape, decode_plan
-  RESULTS["explore"] = []
-  for b in (1, 8, 32, 128):
-    shape = AttentionShape("bfloat16", 128, 16, 8, 16, b, b, 1, 1024, b * 64 * 16)
-    auto = decode_plan(shape).splits
-    variants = {f"auto({auto})": {}, f"auto({auto}) v-with-k": {"kv_together": True}}
-    for sp in (1, 2, 4, 8, 16):
-      if sp != auto: variants[f"splits {sp}"] = {"decode_splits": sp}
-    r = guarded(f"explore batch {b}", bench_batch, dialect, device, b, iters, variants)
-    if r is None: continue
-    RESULTS["explore"].append(r)
-    log(f"explore batch {b:>3}: " + ", ".join(f"{k} {r[k + '_us_per_layer']:.1f}" for k in variants) + " us/layer")
 
 
 def step_bench(dialect: str, device: str, batches: list[int], iters: int) -> None:
@@ -481,7 +376,6 @@ def main() -> int:
   p.add_argument("--batches", default="1,8,32,128,256", help="decode batch sizes to time")
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--no-e2e", action="store_true", help="skip the whole-model decode timing")
-  p.add_argument("--explore", action="store_true", help="also time decode variants (split counts, load order)")
   p.add_argument("--skip", default="", help="comma list of steps to skip: compile,correctness,engine,bench,prefill-bench,e2e")
   args = p.parse_args()
   skip = set(filter(None, args.skip.split(","))) | ({"e2e"} if args.no_e2e else set())
@@ -509,7 +403,6 @@ def main() -> int:
              ("bench", lambda: step_bench(dialect, device, [int(b) for b in args.batches.split(",") if b], args.iters)),
              ("prefill-bench", lambda: step_prefill_bench(dialect, device, args.iters)),
              ("e2e", lambda: step_e2e(device, dialect))]
-    if args.explore: steps.append(("explore", lambda: step_explore(dialect, device, args.iters)))
     for name, fn in steps:
       if name in skip: continue
       log(f"==== {name}")

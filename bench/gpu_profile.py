@@ -50,15 +50,16 @@ def profile_one_step(engine, batch: int) -> dict:
 
 
 def step_breakdown(engine, batch: int, steps: int = 50) -> dict:
-  """Where a decode step's wall time goes: the whole engine.step, the runner's execute (batch prep + upload + graph
-  launch + reading the tokens), and the captured graph alone replayed back to back (GPU time + launch), in ms."""
+  """Where a decode step's wall time goes: the whole engine.step, the runner's launch (batch prep + upload + graph
+  launch), and the captured graph alone replayed back to back (GPU time + launch), in ms. With asynchronous
+  scheduling the engine step overlaps the host's work with the previous step's graph."""
   from tinygrad import Device
 
   from tinyvllm import SamplingParams
   runner = engine.runner
   seen: dict = {}
-  orig_step_fn, orig_execute = runner._step_fn, runner.execute
-  execute_s: list[float] = []
+  orig_step_fn, orig_launch = runner._step_fn, runner.launch
+  launch_s: list[float] = []
 
   def step_fn(layout):
     fn = orig_step_fn(layout)
@@ -67,13 +68,13 @@ def step_breakdown(engine, batch: int, steps: int = 50) -> dict:
       return fn(packed)
     return record
 
-  def execute(sched):
+  def launch(sched):
     t = time.perf_counter()
-    out = orig_execute(sched)
-    execute_s.append(time.perf_counter() - t)
+    out = orig_launch(sched)
+    launch_s.append(time.perf_counter() - t)
     return out
 
-  runner._step_fn, runner.execute = step_fn, execute
+  runner._step_fn, runner.launch = step_fn, launch
   params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
   for i in range(batch): engine.add_request(f"b{i}", [1 + i] * 100, params)
   step_s = []
@@ -83,7 +84,7 @@ def step_breakdown(engine, batch: int, steps: int = 50) -> dict:
       engine.step()
       step_s.append(time.perf_counter() - t)
   finally:
-    runner._step_fn, runner.execute = orig_step_fn, orig_execute
+    runner._step_fn, runner.launch = orig_step_fn, orig_launch
   layout = next(lay for lay in reversed(list(seen)) if lay.query_len == 1)
   fn, packed = seen[layout]
   dev = Device[engine.model.device]
@@ -91,13 +92,14 @@ def step_breakdown(engine, batch: int, steps: int = 50) -> dict:
   dev.synchronize()
   t = time.perf_counter()
   for _ in range(steps): fn(packed)
-  launch_s = (time.perf_counter() - t) / steps
+  graph_launch_s = (time.perf_counter() - t) / steps
   dev.synchronize()
   replay_s = (time.perf_counter() - t) / steps
   tail = len(step_s) // 2   # the second half: decode steps only, captures warm
   ms = lambda xs: round(1e3 * sorted(xs)[len(xs) // 2], 3)
-  return {"engine_step_ms": ms(step_s[-tail:]), "runner_execute_ms": ms(execute_s[-tail:]),
-          "graph_replay_ms": round(replay_s * 1e3, 3), "graph_launch_host_ms": round(launch_s * 1e3, 3)}
+  return {"engine_step_ms": ms(step_s[-tail:]), "runner_launch_ms": ms(launch_s[-tail:]),
+          "graph_replay_ms": round(replay_s * 1e3, 3), "graph_launch_host_ms": round(graph_launch_s * 1e3, 3),
+          "async_scheduling": engine.async_scheduling}
 
 
 def host_profile(engine, batch: int, steps: int = 30) -> list[str]:

@@ -3,7 +3,9 @@
 # output appended to $OUT/log.txt and its JSON written under $OUT.
 #   bash bench/run_on_device.sh check throughput decode profile256 ...
 # Steps: check (bench/check_kernels.py), capture (bench/capture_profile.py), profile1 / profile256
-# (bench/gpu_profile.py), gemm (bench/gemm_bench.py), and any part of bench/gpu_benchmarks.py.
+# (bench/gpu_profile.py), gemm (bench/gemm_bench.py), timeline (bench/step_timeline.py), explore
+# (bench/attention_bench.py), and any part of
+# bench/gpu_benchmarks.py.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD DEV=CUDA OUT=${OUT:-/tmp/out}
@@ -16,6 +18,9 @@ for step in "$@"; do
     profile1) cmd=(python3 bench/gpu_profile.py --batch 1 --tag b1) ;;
     profile256) cmd=(python3 bench/gpu_profile.py --batch 256 --tag b256) ;;
     gemm) cmd=(python3 bench/gemm_bench.py) ;;
+    timeline) cmd=(python3 bench/step_timeline.py) ;;
+    explore) cmd=(python3 bench/attention_bench.py) ;;
+    sampler) cmd=(python3 bench/sampler_bench.py) ;;
     *) cmd=(python3 bench/gpu_benchmarks.py "$step") ;;
   esac
   "${cmd[@]}" 2>&1 | tee -a "$OUT/log.txt" | tail -n 40

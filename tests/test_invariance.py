@@ -60,6 +60,8 @@ CONFIGS = {
   "preemption": dict(num_gpu_blocks=40),
   "small-chunks": dict(num_gpu_blocks=1024, max_num_seqs=24, max_num_batched_tokens=40, long_prefill_token_threshold=7),
   "no-prefix-cache": dict(num_gpu_blocks=1024, enable_prefix_caching=False, block_size=8),
+  "async-small-chunks": dict(num_gpu_blocks=1024, max_num_seqs=24, max_num_batched_tokens=40, long_prefill_token_threshold=7,
+                             async_scheduling=True),
   "static-contiguous": dict(kv_cache="contiguous", scheduler="static", max_num_seqs=24, enable_chunked_prefill=False,
                             max_num_batched_tokens=8192),
 }

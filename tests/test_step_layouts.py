@@ -47,6 +47,17 @@ def test_bad_capture_sizes_are_refused():
     EngineConfig(model="m", cuda_graph_sizes=[4, 0])
 
 
+def record_steps(llm: LLM) -> list[tuple[int, int]]:
+  seen, prepare = [], llm.engine.runner._prepare
+
+  def recording(sched):
+    host, layout, packed = prepare(sched)
+    seen.append((layout.query_len, host.context_lens.shape[0]))
+    return host, layout, packed
+  llm.engine.runner._prepare = recording
+  return seen
+
+
 def test_prompt_steps_padded_to_max_num_seqs_change_no_token(stories_dir, reference):
   """The fused backends pad steps with prompt chunks to max_num_seqs rows; forced here on the portable path."""
   prompts = [reference["prompt_ids"], [1, 2, 3, 4, 5, 6, 7], reference["zoo"]["prompt_ids"]]
@@ -54,14 +65,7 @@ def test_prompt_steps_padded_to_max_num_seqs_change_no_token(stories_dir, refere
   plain = LLM(str(stories_dir), max_num_seqs=8, num_gpu_blocks=64, max_num_batched_tokens=8)   # chunked prefill
   padded = LLM(str(stories_dir), max_num_seqs=8, num_gpu_blocks=64, max_num_batched_tokens=8)
   padded.engine.runner.min_prefill_rows = 8
-  rows = {id(llm): [] for llm in (plain, padded)}
-  for llm in (plain, padded):   # record the (query run, padded sequences) of every step
-    prepare = llm.engine.runner._prepare
-    def recording(sched, prepare=prepare, seen=rows[id(llm)]):
-      host, layout, packed = prepare(sched)
-      seen.append((layout.query_len, host.context_lens.shape[0]))
-      return host, layout, packed
-    llm.engine.runner._prepare = recording
+  rows = {id(llm): record_steps(llm) for llm in (plain, padded)}   # the (query run, padded sequences) of every step
   expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
   assert [o.outputs[0].token_ids for o in padded.generate(prompts, params, use_tqdm=False)] == expected
   assert expected[0] == reference["greedy_ids"][:12]

@@ -131,6 +131,9 @@ class EngineConfig:
   # decode batch sizes captured at start-up (bucketed to powers of two); None: every bucket up to max_num_seqs on a GPU,
   # none on the CPU; []: none (each layout is then captured when first met)
   cuda_graph_sizes: list[int] | None = None
+  # schedule step n+1 while step n runs, its in-flight tokens taken on the device; None: on for CUDA (where the copy of
+  # the samples to the host can wait on an event), off elsewhere
+  async_scheduling: bool | None = None
   extra: dict[str, Any] = field(default_factory=dict)
 
   def __post_init__(self) -> None:

@@ -42,7 +42,8 @@ def with_kv_cache(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) 
   for rid, prompt in zip(ids, prompts, strict=True): engine.add_request(rid, prompt, params)
   finals = {}
   t0 = time.perf_counter()
-  for out in engine.step(): finals[out.request_id] = out
+  while not finals:   # until the prompt step's tokens are read (a step later, with asynchronous scheduling)
+    for out in engine.step(): finals[out.request_id] = out
   t1 = time.perf_counter()
   while engine.has_unfinished_requests():
     for out in engine.step(): finals[out.request_id] = out

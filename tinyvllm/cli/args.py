@@ -22,6 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
   g.add_argument("--cuda-graph-sizes", type=int, nargs="*",
                  help="decode batch sizes to capture at start-up (default: powers of two up to --max-num-seqs on a GPU, "
                       "none on the CPU; the flag alone: none)")
+  g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                 help="schedule each step while the previous one runs on the device (default: on for CUDA)")
   c = p.add_argument_group("KV cache and scheduler")
   c.add_argument("--kv-cache", default="paged", choices=("paged", "contiguous"), help="contiguous: the pre-allocated baseline")
   c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -40,7 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 ENGINE_FLAGS = ("tokenizer", "dtype", "device", "max_model_len", "load_format", "kv_cache", "block_size", "kv_cache_memory",
                 "gpu_memory_utilization", "num_gpu_blocks", "enable_prefix_caching", "scheduler", "max_num_seqs",
                 "max_num_batched_tokens", "enable_chunked_prefill", "long_prefill_token_threshold", "attention_backend",
-                "cuda_graph_sizes")
+                "cuda_graph_sizes", "async_scheduling")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

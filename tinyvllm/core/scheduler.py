@@ -98,6 +98,9 @@ class Scheduler(SchedulerBase):
     index = 0
     while index < len(self.running) and budget > 0:
       seq = self.running[index]
+      if seq.reaches_max_tokens:   # its last token is in flight (asynchronous scheduling): nothing left to compute
+        index += 1
+        continue
       num_new = self._chunk(seq, budget)
       if not self._make_room(seq, num_new, preempted): break
       items.append(self._schedule_item(seq, num_new))
@@ -117,6 +120,7 @@ class Scheduler(SchedulerBase):
   def _admit_waiting(self, budget: int, items: list[ScheduledSequence]) -> None:
     while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
       seq = self.waiting[0]
+      if seq.num_pending: return   # preempted while its token was in flight: it is recomputed once the token is known
       # its pending forks will run too, and so will those of running sequences (a lone wide request still runs)
       seats = len(self.running) + sum(len(self.pending_forks.get(s.seq_id, [])) for s in self.running)
       if seats and seats + 1 + len(self.pending_forks.get(seq.seq_id, [])) > self.config.max_num_seqs: return
@@ -147,7 +151,7 @@ class StaticScheduler(SchedulerBase):
 
   def schedule(self) -> SchedulerOutput:
     if not self.running: self._admit_batch()
-    items = [self._schedule_item(seq, seq.num_uncomputed_tokens) for seq in self.running]
+    items = [self._schedule_item(seq, seq.num_uncomputed_tokens) for seq in self.running if not seq.reaches_max_tokens]
     return self._output(items, [])
 
   def _worst_case_blocks(self, seq: Sequence) -> int:

@@ -40,12 +40,28 @@ class Sequence:
   num_registered_blocks: int = 0                          # leading blocks already entered in the prefix cache
   stop_reason: int | str | None = None
   arrival_time: float = field(default_factory=time.monotonic)
+  # Asynchronous scheduling: tokens sampled by a step still in flight (0 or 1 when a step is scheduled). They count in
+  # num_tokens, so the next step can be scheduled before they are read, and take their id on the device from row
+  # `pending_row` of the in-flight step's samples.
+  num_pending: int = 0
+  pending_row: int = -1
 
   @property
-  def num_tokens(self) -> int: return len(self.prompt_token_ids) + len(self.output_token_ids)
+  def num_tokens(self) -> int: return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
 
   @property
-  def token_ids(self) -> list[int]: return self.prompt_token_ids + self.output_token_ids
+  def num_known_tokens(self) -> int: return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+  @property
+  def num_output_tokens(self) -> int: return len(self.output_token_ids) + self.num_pending
+
+  @property
+  def reaches_max_tokens(self) -> bool:
+    """Whether the tokens in flight already end the sequence by length (a step for it now would be wasted)."""
+    return self.params.max_tokens is not None and self.num_output_tokens >= self.params.max_tokens
+
+  @property
+  def token_ids(self) -> list[int]: return self.prompt_token_ids + self.output_token_ids   # the known ones
 
   def token_slice(self, start: int, end: int) -> list[int]:
     """token_ids[start:end] without copying the whole sequence."""

@@ -27,7 +27,7 @@ from tinyvllm.tokenizer import Tokenizer, load_tokenizer
 from tinyvllm.worker.cache_sizing import num_kv_blocks
 from tinyvllm.worker.input_batch import bucket
 from tinyvllm.worker.kv_cache import KVCache
-from tinyvllm.worker.model_runner import ModelRunner, StepResult, freeze_long_lived_objects
+from tinyvllm.worker.model_runner import LaunchedStep, ModelRunner, StepResult, freeze_long_lived_objects
 
 PromptType = str | list[int] | dict
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -35,6 +35,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 class PromptError(ValueError):
   """A request cannot be served as given (empty, too long for the context or the cache, not tokenizable)."""
+
+
+@dataclass
+class InFlightStep:
+  sched: SchedulerOutput
+  launched: LaunchedStep
 
 
 @dataclass
@@ -80,9 +86,14 @@ class LLMEngine:
       raise ConfigError(f"without chunked prefill, max_num_batched_tokens ({sched_config.max_num_batched_tokens}) must be "
                         f">= max_model_len ({self.max_model_len})")
     self.scheduler = (Scheduler if config.scheduler == "continuous" else StaticScheduler)(self.allocator, sched_config)
-    log(f"{config.scheduler} scheduler, max {config.max_num_seqs} sequences, {sched_config.max_num_batched_tokens} tokens a step")
+    self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                             else self.device.split(":")[0] == "CUDA")
+    log(f"{config.scheduler} scheduler, max {config.max_num_seqs} sequences, {sched_config.max_num_batched_tokens} tokens a step"
+        f"{', asynchronous scheduling' if self.async_scheduling else ''}")
     self.runner = ModelRunner(self.model, self.kv_cache, min(backend.min_context_bucket, bucket(self.max_model_len, 16)),
-                              bucket(config.max_num_seqs) if backend.pads_prefill_rows else 1, backend.builds_kernels)
+                              bucket(config.max_num_seqs) if backend.pads_prefill_rows else 1, backend.builds_kernels,
+                              chain_rows=bucket(config.max_num_seqs))
+    self._in_flight: InFlightStep | None = None
     eos = frozenset(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
     self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
     self.requests: dict[str, Request] = {}
@@ -188,7 +199,7 @@ class LLMEngine:
       self.scheduler.finish(seq)
       self.output_processor.release(seq)
 
-  def has_unfinished_requests(self) -> bool: return bool(self.requests)
+  def has_unfinished_requests(self) -> bool: return bool(self.requests) or self._in_flight is not None
 
   def compute_logits(self, prompt_ids: list[int]) -> np.ndarray:
     """The model's next-token logits after prompt_ids ([vocab], float32); runs on free cache space, outside the queue."""
@@ -204,19 +215,40 @@ class LLMEngine:
 
   # ---- the loop ----
   def step(self) -> list[RequestOutput]:
-    """Schedule, run the model once, and return the outputs of the requests that progressed."""
+    """Schedule and launch one step; return the outputs of the requests that progressed in the step that finished.
+
+    With asynchronous scheduling the finished step is the previous one: this step was scheduled and launched while
+    it ran, its tokens still in flight counted as placeholders (`Sequence.num_pending`) and read on the device."""
+    outputs = []
+    if self._in_flight is not None and not self._in_flight.launched.chains: outputs = self._finish_in_flight()
     sched = self.scheduler.schedule()
-    if not sched: return []
-    result = self.runner.execute(sched)
-    for item in sched.scheduled:
-      item.seq.num_computed_tokens += item.num_new_tokens
-      self.allocator.register_computed(item.seq)
+    launched = self._launch(sched) if sched else None
+    if self._in_flight is not None: outputs += self._finish_in_flight()
+    self._in_flight = launched
+    if launched is not None and not self.async_scheduling: outputs += self._finish_in_flight()
+    return outputs
+
+  def _launch(self, sched: SchedulerOutput) -> InFlightStep:
+    launched = self.runner.launch(sched)
+    for item in sched.scheduled: item.seq.num_computed_tokens += item.num_new_tokens
+    for row, seq in enumerate(launched.seqs): seq.num_pending, seq.pending_row = seq.num_pending + 1, row
     for item in sched.scheduled:
       if item.forks: self.scheduler.fork(item.seq)
+    return InFlightStep(sched, launched)
+
+  def _finish_in_flight(self) -> list[RequestOutput]:
+    """Wait for the step in flight, land its tokens, and retire what finished."""
+    flight, self._in_flight = self._in_flight, None
+    assert flight is not None
+    result = flight.launched.result()
     touched: dict[str, Request] = {}
     for row, (seq, token) in enumerate(zip(result.seqs, result.token_ids, strict=True)):
+      seq.num_pending -= 1
+      if seq.is_finished: continue   # it ended (or was aborted) after this step was launched: the token is dropped
       self.output_processor.append_token(seq, token, self._logprobs(result, row, seq))
       touched[seq.request_id] = self.requests[seq.request_id]
+    for item in flight.sched.scheduled:   # now that every token they computed is known
+      if not item.seq.is_finished: self.allocator.register_computed(item.seq)
     outputs = [self.output_processor.request_output(r) for r in touched.values()
                if r.params.output_kind is not RequestOutputKind.FINAL_ONLY or r.is_finished]
     for request in touched.values(): self._retire_finished(request)

@@ -66,8 +66,9 @@ class OutputProcessor:
       state.logprobs.append(logprobs)
       state.cumulative_logprob += logprobs[token].logprob
     stopped_by_token = self._token_stop(seq, token)
-    if seq.status is SequenceStatus.RUNNING and ((params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens)
-                                                 or seq.num_tokens >= self.max_model_len):
+    # not `status is RUNNING`: a sequence preempted while its token was in flight is WAITING, and must still end here
+    if not seq.is_finished and ((params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens)
+                                or seq.num_known_tokens >= self.max_model_len):
       seq.status = SequenceStatus.FINISHED_LENGTH
     if state.detokenizer is None or (stopped_by_token and not params.include_stop_str_in_output): return
     old_len = len(state.text)

@@ -35,6 +35,7 @@ def _empty(n: int, s: int, tq: int, max_blocks: int) -> dict[str, np.ndarray]:
   z = lambda *shape: np.zeros(shape, np.int32)
   return {
     "token_ids": z(n), "positions": z(n),
+    "token_source": np.full(n, -1, np.int32),   # row of the previous step's samples holding the token (-1: token_ids)
     "slot_mapping": np.full(n, -1, np.int32),   # cache slot each new token's K/V goes to (-1: padding, not written)
     "output_index": z(n),                       # where each flat token's output sits in the [S * Tq] padded layout
     "block_tables": z(s, max_blocks),           # physical block of each logical block
@@ -42,6 +43,20 @@ def _empty(n: int, s: int, tq: int, max_blocks: int) -> dict[str, np.ndarray]:
     "context_lens": z(s),                       # keys visible to each sequence's last query (0: padding)
     "query_start": z(s + 1),                    # flat offset of each sequence's first new token (exclusive scan)
   }
+
+
+def _fill_tokens(a: dict[str, np.ndarray], scheduled: list[ScheduledSequence], computed: np.ndarray, starts: np.ndarray,
+                 n_real: int) -> None:
+  """Token ids of the flat tokens. A token still in flight (asynchronous scheduling: always the last of its run) is left
+  0 here and taken on the device from the previous step's samples, row `token_source`."""
+  pending = np.fromiter((item.seq.num_pending for item in scheduled), np.int64, len(scheduled))
+  runs = (item.seq.token_slice(int(c), int(c) + item.num_new_tokens - int(p))
+          for item, c, p in zip(scheduled, computed, pending, strict=True))
+  if pending.any(): runs = (run + [0] * int(p) for run, p in zip(runs, pending, strict=True))
+  a["token_ids"][:n_real] = np.fromiter(chain.from_iterable(runs), np.int32, n_real)
+  if pending.any():
+    rows = np.fromiter((item.seq.pending_row for item in scheduled), np.int32, len(scheduled))
+    a["token_source"][(starts[1:] - 1)[pending > 0]] = rows[pending > 0]
 
 
 def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, min_context: int = 16,
@@ -68,9 +83,7 @@ def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, min_conte
   held = np.fromiter((len(t) for t in tables), np.int64, rows)
   a["block_tables"][:rows][np.arange(max_blocks) < held[:, None]] = np.fromiter(chain.from_iterable(tables), np.int32,
                                                                                 int(held.sum()))
-  a["token_ids"][:n_real] = np.fromiter(chain.from_iterable(item.seq.token_slice(int(c), int(c) + item.num_new_tokens)
-                                                            for item, c in zip(scheduled, computed, strict=True)),
-                                        np.int32, n_real)
+  _fill_tokens(a, scheduled, computed, starts, n_real)
   a["positions"][:n_real] = pos
   a["slot_mapping"][:n_real] = a["block_tables"][row_of, pos // block_size] * block_size + pos % block_size
   a["output_index"][:n_real] = row_of * tq + offset

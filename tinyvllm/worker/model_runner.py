@@ -26,7 +26,7 @@ from tinyvllm.layers.attention import AttentionMetadata
 from tinyvllm.layers.sampler import SamplerVariant, SamplingBatch, compute_logprobs, sample
 from tinyvllm.model.llama import StepInputs, TransformerLM
 from tinyvllm.sampling_params import SamplingParams
-from tinyvllm.worker.host_io import StepIO
+from tinyvllm.worker.host_io import Download, StepIO
 from tinyvllm.worker.input_batch import HostBatch, bucket, prepare_batch
 from tinyvllm.worker.kv_cache import KVCache
 
@@ -88,6 +88,20 @@ class StepResult:
   logprobs: TokenLogprobs | None = None
 
 
+@dataclass
+class LaunchedStep:
+  """A step enqueued on the device; `result()` waits for its sampled tokens."""
+  seqs: list[Sequence]       # the sequence of each sampling row
+  download: Download
+  chains: bool               # whether the next step may take these tokens on the device before they are read
+
+  def result(self) -> StepResult:
+    arrays = [a[:len(self.seqs)] for a in self.download.result()]
+    if len(arrays) == 1: return StepResult(self.seqs, arrays[0].tolist())
+    tokens, chosen, rank, top_ids, top_lps = arrays
+    return StepResult(self.seqs, tokens.tolist(), TokenLogprobs(chosen, rank, top_ids, top_lps))
+
+
 LOGPROB_BUCKETS = (0, 1, 2, 5, 10, 20)
 
 
@@ -112,10 +126,12 @@ def covers(captured: SamplerVariant, wanted: SamplerVariant) -> bool:
 
 class ModelRunner:
   def __init__(self, model: TransformerLM, kv_cache: KVCache, min_context: int = 16, min_prefill_rows: int = 1,
-               builds_kernels: bool = False):
+               builds_kernels: bool = False, chain_rows: int = 256):
     """`min_context`, `min_prefill_rows`: the coarsest buckets the attention backend allows (prepare_batch);
-    `builds_kernels`: new layouts compile hand-written kernels (collected and compiled in parallel before a capture)."""
-    self.model, self.kv_cache = model, kv_cache
+    `builds_kernels`: new layouts compile hand-written kernels (collected and compiled in parallel before a capture);
+    `chain_rows`: how many sampled tokens each step keeps on the device for the next one (asynchronous scheduling)."""
+    self.model, self.kv_cache, self.chain_rows = model, kv_cache, chain_rows
+    self.last_tokens = Tensor.zeros(chain_rows, dtype=dtypes.int32, device=model.device).contiguous().realize()
     self.min_context, self.min_prefill_rows, self._kernels = min_context, min_prefill_rows, builds_kernels
     self.vocab_size = model.config.vocab_size
     self._captures: dict[StepLayout, TinyJit] = {}
@@ -123,14 +139,19 @@ class ModelRunner:
     self._io = StepIO(model.device)
     self._jit_prefill = jit_prefill(model.device)
 
-  def execute(self, sched: SchedulerOutput) -> StepResult:
+  def execute(self, sched: SchedulerOutput) -> StepResult: return self.launch(sched).result()
+
+  def launch(self, sched: SchedulerOutput) -> LaunchedStep:
+    """Enqueue the step and the copy of its samples to the host; tokens still in flight come from the previous step's
+    samples on the device. Penalties need every earlier token on the host, so those rows must have none in flight."""
+    if any(item.seq.num_pending and item.seq.params.uses_penalties for item in sched.scheduled):
+      raise RuntimeError("a sequence with penalties was scheduled before its previous token was read")
     if sched.block_copies: self.kv_cache.copy_blocks(sched.block_copies)
     host, layout, packed = self._prepare(sched)
     out = self._step_fn(self._covering(layout))(packed)
-    rows = len(host.sample_seqs)
-    if layout.logprobs < 0: return StepResult(host.sample_seqs, self._io.download(out)[:rows].tolist())
-    tokens, chosen, rank, top_ids, top_lps = (self._io.download(t)[:rows] for t in out)
-    return StepResult(host.sample_seqs, tokens.tolist(), TokenLogprobs(chosen, rank, top_ids, top_lps))
+    seqs = host.sample_seqs
+    chains = len(seqs) <= self.chain_rows and not any(s.params.uses_penalties for s in seqs)
+    return LaunchedStep(seqs, self._io.download_later(out if isinstance(out, tuple) else (out,)), chains)
 
   def _prepare(self, sched: SchedulerOutput) -> tuple[HostBatch, StepLayout, Tensor]:
     """The step's host batch, its layout, and its packed metadata uploaded to the device."""
@@ -207,14 +228,16 @@ class ModelRunner:
   @property
   def num_captures(self) -> int: return len(self._captures)
 
-  def _step_inputs(self, f: dict[str, Tensor], context_len: int) -> StepInputs:
+  def _step_inputs(self, f: dict[str, Tensor], context_len: int, token_ids: Tensor | None = None) -> StepInputs:
     meta = AttentionMetadata(f["slot_mapping"], f["block_tables"], f["query_index"], f["query_pos"], f["output_index"],
                              f["context_lens"], f["query_start"], self.kv_cache.block_size, context_len)
-    return StepInputs(f["token_ids"], f["positions"], meta, f["logits_index"])
+    return StepInputs(f["token_ids"] if token_ids is None else token_ids, f["positions"], meta, f["logits_index"])
 
   def _forward(self, layout: StepLayout, packed: Tensor, realize: bool = True) -> Tensor | tuple[Tensor, ...]:
     f = layout.unpack(packed)
-    logits, caches = self.model(self._step_inputs(f, layout.context_len), self.kv_cache.layers)
+    source = f["token_source"]
+    token_ids = (source >= 0).where(self.last_tokens[source.maximum(0)], f["token_ids"])
+    logits, caches = self.model(self._step_inputs(f, layout.context_len, token_ids), self.kv_cache.layers)
     penalties = None
     if "penalty_index" in f: penalties = (f["penalty_index"], f["penalty_value"].bitcast(dtypes.float32))
     tokens = sample(logits, f["params"].bitcast(dtypes.float32), f["rng"].bitcast(dtypes.uint32), layout.variant, penalties)
@@ -223,11 +246,14 @@ class ModelRunner:
       chosen, top_ids, top_lps = compute_logprobs(logits, tokens, layout.logprobs)
       rank = (logits.float().log_softmax(1) > chosen[:, None]).sum(1).cast(dtypes.int32) + 1
       outputs = (tokens, chosen, rank, top_ids, top_lps)
-    if realize: Tensor.realize(*outputs, *[t for pair in caches for t in pair])
+    if realize:   # (a build that only collects kernel sources must leave no assignment pending)
+      kept = min(layout.rows, self.chain_rows)
+      self.last_tokens.assign(tokens[:kept].pad((0, self.chain_rows - kept)))
+      Tensor.realize(*outputs, self.last_tokens, *[t for pair in caches for t in pair])
     return outputs[0] if len(outputs) == 1 else outputs
 
   def _sampling_batch(self, host: HostBatch) -> SamplingBatch:
     seqs = host.sample_seqs
     histories = [(s.prompt_token_ids, s.output_token_ids) for s in seqs] if any(s.params.uses_penalties for s in seqs) else None
-    return SamplingBatch.build([s.params for s in seqs], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs],
+    return SamplingBatch.build([s.params for s in seqs], [s.seed for s in seqs], [s.num_output_tokens for s in seqs],
                                histories, len(host.logits_index), self.vocab_size)

@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Attention timings on the GPU for the Qwen3-0.6B shape: fused decode and prefill against the portable path, and
+decode variants (split counts) on uniform or mixed contexts. bench/check_kernels.py runs the first two as its
+benchmark step; run alone, this explores the decode split policy:
+
+  DEV=CUDA python bench/attention_bench.py [--batches 64,128,256] [--splits 1,2,4,8,16]  ->  $OUT/attention_explore.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def dev_tensor(x: np.ndarray, dtype: str, device: str):
+  from tinygrad import Tensor, dtypes
+
+  from tinyvllm.kernels.cases import to_bits
+  if dtype == "float32": return Tensor(np.ascontiguousarray(x, np.float32), device=device).realize()
+  bits = Tensor(to_bits(x, dtype), device=device)
+  return bits.bitcast(dtypes.bfloat16 if dtype == "bfloat16" else dtypes.float16).contiguous().realize()
+
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+  return float(np.abs(got.astype(np.float64) - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+
+def bench_batch(dialect: str, device: str, batch: int, iters: int, variants: dict | None = None, mixed: bool = False) -> dict:
+  """Per-layer decode attention time, fused vs portable, for the Qwen3-0.6B shape. Each JIT call runs `layers`
+  attention layers with their own caches (so the KV reads come from HBM, not L2) to keep the GPU busier than Python.
+  Contexts ~1,024 (bucket 1,024), or with `mixed` uniform in [100, 2048] (bucket 2,048) as in the throughput workload."""
+  from tinygrad import Tensor, dtypes
+
+  from tinyvllm.kernels.fused import FusedBackend
+  from tinyvllm.layers.attention import AttentionMetadata, paged_attention
+  heads, kvh, d, bs, L = 16, 8, 128, 16, 2048 if mixed else 1024
+  layers = 64 if batch <= 8 else 32 if batch <= 32 else 16
+  rng = np.random.default_rng(batch)
+  blocks = batch * (L // bs)
+  ctx = (rng.integers(100, L + 1, batch) if mixed else rng.integers(L - 64, L + 1, batch)).astype(np.int32)
+  qs = np.arange(batch + 1, dtype=np.int32)
+  Tensor.manual_seed(batch)
+  per_layer = []
+  for _ in range(layers):
+    table = rng.permutation(blocks).astype(np.int32).reshape(batch, L // bs)
+    kc = Tensor.rand(blocks * bs, kvh * d, dtype=dtypes.bfloat16, device=device).contiguous().realize()
+    vc = Tensor.rand(blocks * bs, kvh * d, dtype=dtypes.bfloat16, device=device).contiguous().realize()
+    q = Tensor.rand(batch, heads, d, dtype=dtypes.bfloat16, device=device).contiguous().realize()
+    ints = {k: Tensor(v, device=device).realize() for k, v in
+            {"bt": table, "ctx": ctx, "qs": qs, "qi": np.arange(batch, dtype=np.int32).reshape(batch, 1),
+             "qp": (ctx - 1).reshape(batch, 1), "oi": np.arange(batch, dtype=np.int32), "sm": np.full(batch, -1, np.int32)}.items()}
+    meta = AttentionMetadata(ints["sm"], ints["bt"], ints["qi"], ints["qp"], ints["oi"], ints["ctx"], ints["qs"], bs, L)
+    per_layer.append((q, kc, vc, meta))
+  backend = FusedBackend(dialect, device)
+  fns = {"fused": backend.attention, "portable": paged_attention} if variants is None else \
+    {name: FusedBackend(dialect, device, **kw).attention for name, kw in variants.items()}
+  res: dict = {"batch": batch, "mixed": mixed, "layers": layers, "kv_bytes_per_layer": int(2 * ctx.sum() * kvh * d * 2)}
+  outs = time_layers(fns, per_layer, device, iters, layers, res)
+  if variants is not None:
+    for name in variants: res[f"{name}_GBps"] = res["kv_bytes_per_layer"] / res[f"{name}_us_per_layer"] / 1e3
+    return res
+  res["speedup"] = res["portable_us_per_layer"] / res["fused_us_per_layer"]
+  res["fused_GBps"] = res["kv_bytes_per_layer"] / res["fused_us_per_layer"] / 1e3
+  res["err_fused_vs_portable"] = rel_err(outs["fused"], outs["portable"].astype(np.float64))
+  res["decode_plan_splits"] = backend.calls.most_common()
+  return res
+
+
+def time_layers(fns: dict, per_layer: list, device: str, iters: int, layers: int, res: dict) -> dict:
+  """Time each attention function over all layers under TinyJit (3 warm-up replays); us per layer go into res as
+  `<name>_us_per_layer`; returns each function's output."""
+  from tinygrad import Device, Tensor, TinyJit
+  outs = {}
+  for name, fn in fns.items():
+    jit = TinyJit(lambda fn=fn: Tensor.stack(*[fn(*x) for x in per_layer]).realize())
+    for _ in range(3): jit()
+    Device[device].synchronize()
+    t = time.perf_counter()
+    for _ in range(iters): jit()
+    Device[device].synchronize()
+    res[f"{name}_us_per_layer"] = (time.perf_counter() - t) / iters / layers * 1e6
+    outs[name] = jit().float().numpy()
+  return outs
+
+
+
+def bench_prefill(dialect: str, device: str, name: str, seqs: list[tuple[int, int]], iters: int, layers: int = 4) -> dict:
+  """Prefill / chunked-prefill attention, fused vs portable, Qwen3-0.6B shape (random data, own caches per layer)."""
+
+  from tinyvllm.kernels.cases import make_case, metadata_tensors
+  from tinyvllm.kernels.fused import FusedBackend
+  from tinyvllm.layers.attention import paged_attention
+  per_layer = []
+  for i in range(layers):
+    case = make_case(np.random.default_rng(100 + i), seqs, heads=16, kv_heads=8, head_dim=128, dtype="bfloat16")
+    per_layer.append((dev_tensor(case.q, "bfloat16", device), dev_tensor(case.k_cache, "bfloat16", device),
+                      dev_tensor(case.v_cache, "bfloat16", device), metadata_tensors(case, device)))
+  fns = {"fused": FusedBackend(dialect, device).attention, "portable": paged_attention}
+  new = sum(n for _, n in seqs)
+  res: dict = {"name": name, "seqs": seqs, "new_tokens": new, "layers": layers}
+  outs = {key: out[:, :new] for key, out in time_layers(fns, per_layer, device, iters, layers, res).items()}
+  flops = sum(4 * n * (c - n + (n + 1) / 2) * 16 * 128 for c, n in seqs)   # QK^T and PV over the visible keys
+  res["fused_TFLOPs"] = flops / res["fused_us_per_layer"] / 1e6
+  res["speedup"] = res["portable_us_per_layer"] / res["fused_us_per_layer"]
+  res["err_fused_vs_portable"] = rel_err(outs["fused"], outs["portable"].astype(np.float64))
+  return res
+
+
+
+
+def explore(dialect: str, device: str, batches: list[int], splits: list[int], iters: int) -> list[dict]:
+  """The automatic split count against forced ones, on uniform and on mixed contexts."""
+  results = []
+  for mixed in (False, True):
+    for b in batches:
+      variants = {"auto": {}, **{f"splits {sp}": {"decode_splits": sp} for sp in splits}}
+      r = bench_batch(dialect, device, b, iters, variants, mixed=mixed)
+      results.append(r)
+      print(f"batch {b:>3} {'mixed' if mixed else 'uniform'}: " +
+            ", ".join(f"{k} {r[k + '_us_per_layer']:.1f} us ({r[k + '_GBps']:.0f} GB/s)" for k in variants), flush=True)
+  return results
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--batches", default="64,128,256")
+  p.add_argument("--splits", default="1,2,4,8,16")
+  p.add_argument("--iters", type=int, default=10)
+  args = p.parse_args()
+  from tinyvllm.device import select_device
+  from tinyvllm.kernels.selection import native_dialect
+  device = select_device(os.environ.get("DEV", "CUDA"))
+  t = time.perf_counter()
+  results = explore(native_dialect(device), device, [int(b) for b in args.batches.split(",")],
+                    [int(s) for s in args.splits.split(",")], args.iters)
+  print(f"explored in {time.perf_counter() - t:.0f} s", flush=True)
+  if out := os.environ.get("OUT"): Path(out, "attention_explore.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+  main()

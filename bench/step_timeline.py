@@ -1,0 +1,143 @@
+"""Where the offline-throughput run's time goes, step by step, without slowing it down.
+
+CUDA events recorded on the stream before and after each step's launch give, once the run is over, each step's GPU
+time (its upload, kernels and copy out) and the gaps in which the GPU waited for the host. With each step's rows, tokens
+and KV tokens read, a least-squares fit over the decode-only steps splits their GPU time into a fixed part, a part per
+row and a part per KV token (the attention's bandwidth).
+
+Usage (on the GPU machine, from the repo root): DEV=CUDA python bench/step_timeline.py  ->  $OUT/step_timeline.json
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+class EventClock:
+  """Timing events on the default stream (the one tinygrad's CUDA backend and its graphs use)."""
+  def __init__(self, device):
+    from tinygrad.runtime.autogen import cuda
+    from tinygrad.runtime.ops_cuda import check
+    self.cuda, self.check, self.dev = cuda, check, device
+
+  def record(self):
+    ev = self.cuda.CUevent()
+    self.check(self.cuda.cuCtxSetCurrent(self.dev.context))
+    self.check(self.cuda.cuEventCreate(ctypes.byref(ev), 0))
+    self.check(self.cuda.cuEventRecord(ev, None))
+    return ev
+
+  def elapsed_ms(self, start, end) -> float:
+    ms = ctypes.c_float()
+    self.check(self.cuda.cuEventElapsedTime(ctypes.byref(ms), start, end))
+    return ms.value
+
+
+def record_steps(llm, clock: EventClock) -> list[dict]:
+  """Wrap the runner's launch: events around it, and what the step holds."""
+  runner, steps = llm.engine.runner, []
+  original = runner.launch
+
+  def launch(sched):
+    start, t = clock.record(), time.perf_counter()
+    out = original(sched)
+    steps.append({"start": start, "end": clock.record(), "host_launch_ms": (time.perf_counter() - t) * 1e3,
+                  "rows": len(sched.scheduled), "tokens": sched.num_tokens,
+                  "prompt": any(item.num_new_tokens > 1 for item in sched.scheduled),
+                  "kv_tokens": sum(item.seq.num_computed_tokens + item.num_new_tokens for item in sched.scheduled)})
+    return out
+  runner.launch = launch
+  return steps
+
+
+def probe(llm, at_step: int, steps: list[dict]) -> dict:
+  """At launch number `at_step` (a decode step in the middle of the run): its captured graph replayed alone (GPU time
+  at that state) and one eager run of it with tinygrad's per-kernel timing (DEBUG=2), summed by kernel name."""
+  import contextlib
+  import io
+  import re
+  from collections import defaultdict
+
+  from tinygrad import Device
+  from tinygrad.helpers import Context
+  runner, found = llm.engine.runner, {}
+  original_step_fn = runner._step_fn
+
+  def step_fn(layout, **kw):
+    fn = original_step_fn(layout, **kw)
+    def call(packed):
+      out = fn(packed)
+      if len(steps) == at_step and layout.query_len == 1 and not found:
+        dev = Device[llm.engine.model.device]
+        dev.synchronize()
+        t = time.perf_counter()
+        for _ in range(10): fn(packed)
+        dev.synchronize()
+        found["replay_ms"] = (time.perf_counter() - t) / 10 * 1e3
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf), Context(DEBUG=2): runner._forward(layout, packed)
+        times: dict = defaultdict(float)
+        for m in re.finditer(r"\*\*\*\s+\S+\s+\d+\s+(\S+).*?tm\s+([\d.]+)(us|ms)", re.sub(r"\x1b\[[0-9;]*m", "", buf.getvalue())):
+          times[m.group(1)] += float(m.group(2)) * (1e-3 if m.group(3) == "us" else 1.0)
+        found["eager_kernel_ms"] = dict(sorted(times.items(), key=lambda kv: -kv[1])[:15])
+        found["rows"], found["context_len"] = layout.rows, layout.context_len
+      return out
+    return call
+  runner._step_fn = step_fn
+  return found
+
+
+def summarise(steps: list[dict], clock: EventClock, seconds: float) -> dict:
+  for i, s in enumerate(steps):
+    s["gpu_ms"] = clock.elapsed_ms(s["start"], s["end"])
+    s["idle_ms"] = clock.elapsed_ms(s["end"], steps[i + 1]["start"]) if i + 1 < len(steps) else 0.0
+  decode = [s for s in steps if not s["prompt"]]
+  prompt = [s for s in steps if s["prompt"]]
+  x = np.array([[1.0, s["rows"], s["kv_tokens"]] for s in decode])
+  coef = np.linalg.lstsq(x, np.array([s["gpu_ms"] for s in decode]), rcond=None)[0] if len(decode) > 3 else [0, 0, 0]
+  total = lambda xs, key: round(sum(s[key] for s in xs) / 1e3, 3)
+  return {
+    "seconds": seconds, "steps": len(steps), "decode_steps": len(decode), "prompt_steps": len(prompt),
+    "gpu_s": total(steps, "gpu_ms"), "idle_s": total(steps, "idle_ms"),
+    "decode_gpu_s": total(decode, "gpu_ms"), "prompt_gpu_s": total(prompt, "gpu_ms"),
+    "host_launch_s": total(steps, "host_launch_ms"),
+    "decode_fit_ms": {"fixed": float(coef[0]), "per_row": float(coef[1]), "per_1k_kv_tokens": float(coef[2]) * 1e3},
+    "kv_tokens_read": int(sum(s["kv_tokens"] for s in decode)),
+    "per_step": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items() if k not in ("start", "end")}
+                 for s in steps],
+  }
+
+
+def main() -> None:
+  from tinygrad import Device
+
+  from tinyvllm import LLM
+  from tinyvllm.bench.throughput import run_throughput, workload
+  llm = LLM("qwen3-0.6b", load_format="dummy", dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory=40,
+            max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192)
+  run_throughput(llm, num_requests=48, warmup_requests=0)   # captures and compiles outside the timed run
+  clock = EventClock(Device[llm.engine.model.device])
+  steps = record_steps(llm, clock)
+  probed = probe(llm, int(os.environ.get("PROBE_STEP", "150")), steps)
+  prompts, params = workload(256, 100, 1024, min(10000, llm.engine.model_config.vocab_size))
+  start = time.perf_counter()
+  outputs = llm.generate(prompts, params, use_tqdm=False)
+  seconds = time.perf_counter() - start
+  Device[llm.engine.model.device].synchronize()
+  result = summarise(steps, clock, seconds)
+  result["output_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
+  result["probe"] = probed
+  print(json.dumps({k: v for k, v in result.items() if k != "per_step"}, indent=1), flush=True)
+  if out := os.environ.get("OUT"): Path(out, "step_timeline.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main()
