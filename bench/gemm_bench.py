@@ -65,7 +65,8 @@ def check(device: str) -> None:
   for m, o, k, opts in cases:
     x, ws, extra = inputs(m, o, k, opts, device, seed=m)
     ref = call(x, ws[0], extra, opts, {"kind": "portable"}).float().numpy()
-    variants = [{"kind": "gemm"}, {"kind": "gemm", "tiles": GemmTiles(128, 128, 2, 4, 1)},
+    large = GemmTiles(64, 128, 2, 2, 1) if opts.get("silu_mul") else GemmTiles(128, 128, 2, 4, 1)   # 2 stages
+    variants = [{"kind": "gemm"}, {"kind": "gemm", "tiles": large},
                 {"kind": "gemm", "tiles": GemmTiles(16, 64, 1, 4, 2)}] + ([{"kind": "skinny"}] if m <= 16 else [])
     for v in variants:
       got = call(x, ws[0], extra, opts, v).float().numpy()

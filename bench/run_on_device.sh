@@ -17,7 +17,7 @@ for step in "$@"; do
     capture) cmd=(python3 bench/capture_profile.py) ;;
     profile1) cmd=(python3 bench/gpu_profile.py --batch 1 --tag b1) ;;
     profile256) cmd=(python3 bench/gpu_profile.py --batch 256 --tag b256) ;;
-    gemm) cmd=(python3 bench/gemm_bench.py) ;;
+    gemm) cmd=(python3 bench/gemm_bench.py --rows "${GEMM_ROWS:-1,4,16,32,64,128,256,1024,4096}") ;;
     timeline) cmd=(python3 bench/step_timeline.py) ;;
     explore) cmd=(python3 bench/attention_bench.py) ;;
     sampler) cmd=(python3 bench/sampler_bench.py) ;;

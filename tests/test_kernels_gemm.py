@@ -23,6 +23,9 @@ CASES = {
   "bf16_m70_bias_residual_split2": ("bfloat16", 70, 256, 136, True, False, False, True, False, GemmTiles(64, 128, 2, 2, 2)),
   "bf16_m130_norm_logits": ("bfloat16", 130, 96, 136, False, True, False, False, True, GemmTiles(128, 128, 2, 4, 1)),
   "f16_m9_bias_logits_split4": ("float16", 9, 512, 24, True, False, False, False, True, GemmTiles(16, 64, 1, 4, 4)),
+  # more than XPRIME_COLUMN_BLOCKS column blocks: the prologue runs once as tv_gemm_xprime
+  "bf16_m130_norm_xprime": ("bfloat16", 130, 64, 520, False, True, False, False, False, GemmTiles(32, 64, 2, 2, 1)),
+  "f16_m140_silu_residual_xprime_split2": ("float16", 140, 128, 330, False, False, True, True, False, GemmTiles(16, 64, 1, 4, 2)),
 }
 
 
@@ -45,19 +48,17 @@ def _inputs(name: str) -> dict[str, np.ndarray]: return linear_inputs(np.random.
 
 
 def _run(emu: EmulatedKernels, name: str, a: dict[str, np.ndarray], order: str = "forward") -> np.ndarray:
+  """The plan's launches in order, buffers found by parameter name (as kernels/linear.py does); scratch ones poisoned."""
   shape = _shape(name)
-  launches = emu.specs[name].launches
   bits = {key: to_bits(v, shape.dtype).reshape(-1) for key, v in a.items()}
-  out = np.full(shape.rows * shape.out_features, np.nan, np.float32) if shape.out_float32 else \
-    poisoned(shape.rows * shape.out_features, shape.dtype)
-  epilogue = [bits[key] for key in ("bias", "residual") if key in bits]
-  inputs = [bits["x"], bits["w"]] + ([bits["norm"]] if "norm" in bits else [])
-  if len(launches) == 1:
-    emu.launch(name, 0, [out, *inputs, *epilogue], order)
-  else:
-    part = np.full(launches[0].params[0].numel, np.nan, np.float32)
-    emu.launch(name, 0, [part, *inputs], order)
-    emu.launch(name, 1, [out, part, *epilogue], order)
+  buffers = {**bits, "g": bits.get("norm"), "y": np.full(shape.rows * shape.out_features, np.nan, np.float32)
+             if shape.out_float32 else poisoned(shape.rows * shape.out_features, shape.dtype)}
+  for i, launch in enumerate(emu.specs[name].launches):
+    for p in launch.params:
+      if buffers.get(p.name) is None:
+        buffers[p.name] = np.full(p.numel, np.nan, np.float32) if p.kind == "float" else poisoned(p.numel, shape.dtype)
+    emu.launch(name, i, [buffers[p.name] for p in launch.params], order)
+  out = buffers["y"]
   return (out if shape.out_float32 else from_bits(out, shape.dtype)).reshape(shape.rows, shape.out_features)
 
 
@@ -79,6 +80,14 @@ def test_planner_fills_the_gpu_and_splits_only_whole_slices():
   for rows, k, o in ((1, 96, 8), (300, 1024, 1024), (48, 4864, 896)):
     t = choose_tiles(rows, k, o)
     assert k % (32 * t.splits) == 0 and (t.splits == 1 or k // (32 * t.splits) >= 4)
+
+
+def test_prologue_runs_once_for_wide_products():
+  kernels = lambda name: [launch.kernel for launch in gemm_plan(_shape(name), CASES[name][-1])[1]]
+  assert kernels("bf16_m130_norm_xprime") == ["tv_gemm_xprime", "tv_gemm"]
+  assert kernels("f16_m140_silu_residual_xprime_split2") == ["tv_gemm_xprime", "tv_gemm", "tv_gemm_reduce"]
+  assert kernels("bf16_m130_norm_logits")[0] == "tv_gemm"   # two column blocks: the prologue stays in the loop
+  assert kernels("f16_m33_silu_residual")[0] == "tv_gemm"   # few rows: likewise
 
 
 def test_shapes_the_kernel_refuses():

@@ -113,10 +113,14 @@ def fused_linear(dialect: str, x: Tensor, w: Tensor, bias: Tensor | None = None,
 
 
 def _run_gemm(shape: LinearShape, tiles: GemmTiles | None, y: Tensor, x: Tensor, w: Tensor, extras: dict[str, Tensor]) -> Tensor:
+  """The plan's launches in order, each buffer found by its parameter's name (scratch ones made when first written)."""
   launches, source = gemm_source(shape, tiles)
-  inputs = [x, w] + ([extras["norm"]] if "norm" in extras else [])
-  epilogue = [extras[n] for n in ("bias", "residual") if n in extras]
-  if len(launches) == 1: return run_kernel(launches[0], source, [y, *inputs, *epilogue])[0]
-  part = Tensor.empty(launches[0].params[0].numel, dtype=dtypes.float32, device=x.device)
-  part = run_kernel(launches[0], source, [part, *inputs])[0]
-  return run_kernel(launches[1], source, [y, part, *epilogue])[0]
+  buffers = {"y": y, "x": x, "w": w, **({"g": extras["norm"]} if "norm" in extras else {}),
+             **{n: extras[n] for n in ("bias", "residual") if n in extras}}
+  for launch in launches:
+    for p in launch.params:
+      if p.name not in buffers:
+        buffers[p.name] = Tensor.empty(p.numel, dtype=dtypes.float32 if p.kind == "float" else w.dtype, device=x.device)
+    after = run_kernel(launch, source, [buffers[p.name] for p in launch.params])
+    buffers.update({p.name: t for p, t in zip(launch.params, after, strict=True) if p.written})
+  return buffers["y"]
