@@ -74,7 +74,8 @@ def test_gemm_matches_portable(emu, name):
 
 def test_planner_fills_the_gpu_and_splits_only_whole_slices():
   assert choose_tiles(1, 1024, 4096) == GemmTiles(16, 64, 1, 4, 4)     # 64 column blocks -> split K four ways
-  assert choose_tiles(256, 1024, 151936) == GemmTiles(64, 128, 2, 2, 1)  # plenty of blocks with the largest tile
+  assert choose_tiles(256, 1024, 151936) == GemmTiles(128, 128, 2, 4, 1)  # plenty of blocks even with the big tile
+  assert choose_tiles(2048, 3072, 1024, silu_mul=True) == GemmTiles(64, 64, 2, 2, 1)   # room for 3 stages of both halves
   assert choose_tiles(256, 1024, 4096) == GemmTiles(64, 64, 2, 2, 1)     # the largest tile that still makes 256 blocks
   assert choose_tiles(32, 3072, 1024) == GemmTiles(32, 64, 2, 2, 8)
   for rows, k, o in ((1, 96, 8), (300, 1024, 1024), (48, 4864, 896)):

@@ -166,11 +166,12 @@ def test_greedy_row_unaffected_by_random_rows():
   logits = rng.standard_normal(8).astype(np.float32)
   for trial in range(3):
     other = rng.standard_normal((ROWS, 8)).astype(np.float32) * 5
-    other[2] = logits
+    other[2], other[3] = logits, [2, 0, 3, 1, 3, 3, -1, 0]   # row 3: tied maxima, the first one wins
     params = _params([(1.5, 3, 0.8, 0.1)] * ROWS)
-    params[2, 0] = 0.0
-    out = sample(Tensor(other), Tensor(params), _rng([trial * 1000 + i for i in range(ROWS)]), FILTERED).numpy()
-    assert out[2] == int(np.argmax(logits))
+    params[2, 0] = params[3, 0] = 0.0
+    for variant in (FILTERED, RANDOM):
+      out = sample(Tensor(other), Tensor(params), _rng([trial * 1000 + i for i in range(ROWS)]), variant).numpy()
+      assert out[2] == int(np.argmax(logits)) and out[3] == 2
 
 
 def test_same_seed_same_token_whatever_the_batch():

@@ -19,6 +19,7 @@ inline ushort tv_emu_float_to_half(float f) { return emu::float_to_half_bits(f);
 // the tensor-core kernel's PTX (mma.sync, cp.async): the mma over the SIMD group's fragments, cp.async as a plain copy
 inline void tv_emu_mma_16816(float* c, const uint* a, const uint* b, bool bf16) { emu::mma_m16n8k16(c, a, b, bf16); }
 inline void tv_emu_cp_async16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
+inline void tv_emu_ldmatrix_x4(uint* r, const void* row) { emu::ldmatrix_x4(r, row); }
 
 #define TV_EMULATOR 1
 #define TV_LINKAGE

@@ -107,6 +107,18 @@ template <class T> inline unsigned simd_publish(T v) {
   return p;
 }
 
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16: lanes 8j .. 8j + 7 give the row addresses of 8x8 matrix j (16-bit
+// elements, 16 bytes a row); lane l receives, for each j, the element pair at row l / 4, columns 2 (l % 4) and + 1
+inline void ldmatrix_x4(uint32_t* r, const void* row) {
+  Group* g = current_group();
+  const unsigned p = simd_publish(reinterpret_cast<uintptr_t>(row));
+  const int tid = current_fiber()->tid, base = (tid / 32) * 32, lane = tid % 32;
+  for (int j = 0; j < 4; j++) {
+    const char* addr = reinterpret_cast<const char*>(static_cast<uintptr_t>(g->slots[p][base + j * 8 + lane / 4]));
+    std::memcpy(&r[j], addr + (lane % 4) * 4, 4);
+  }
+}
+
 inline float half_bits_to_float(uint16_t h);
 
 // mma.sync.m16n8k16.row.col with float32 accumulators, PTX's fragment layout (g = lane / 4, t = lane % 4):
