@@ -22,6 +22,16 @@ LINE = re.compile(r"\*\*\*\s+\S+\s+\d+\s+(\S+).*?tm\s+([\d.]+)(us|ms)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
+def kernel_times(debug_output: str) -> tuple[dict[str, float], dict[str, int]]:
+  """Milliseconds and launches per kernel name from tinygrad's DEBUG=2 lines."""
+  times: dict[str, float] = defaultdict(float)
+  counts: dict[str, int] = defaultdict(int)
+  for m in LINE.finditer(ANSI.sub("", debug_output)):
+    times[m.group(1)] += float(m.group(2)) * (1e-3 if m.group(3) == "us" else 1.0)
+    counts[m.group(1)] += 1
+  return times, counts
+
+
 def profile_one_step(engine, batch: int) -> dict:
   """One eager decode step with tinygrad's DEBUG=2 per-kernel timing (kernels run one by one, no graph)."""
   from tinygrad.helpers import Context
@@ -38,12 +48,7 @@ def profile_one_step(engine, batch: int) -> dict:
   with contextlib.redirect_stdout(buf), Context(DEBUG=2): engine.step()
   mr.USE_JIT = True
   while engine.has_unfinished_requests(): engine.step()
-  times: dict[str, float] = defaultdict(float)
-  counts: dict[str, int] = defaultdict(int)
-  for m in LINE.finditer(ANSI.sub("", buf.getvalue())):
-    t = float(m.group(2)) * (1e-3 if m.group(3) == "us" else 1.0)
-    times[m.group(1)] += t
-    counts[m.group(1)] += 1
+  times, counts = kernel_times(buf.getvalue())
   top = sorted(times.items(), key=lambda kv: -kv[1])[:25]
   return {"kernels": sum(counts.values()), "total_ms": sum(times.values()),
           "top": [{"name": k, "ms": round(v, 4), "count": counts[k]} for k, v in top]}

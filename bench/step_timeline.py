@@ -63,9 +63,8 @@ def probe(llm, at_step: int, steps: list[dict]) -> dict:
   at that state) and one eager run of it with tinygrad's per-kernel timing (DEBUG=2), summed by kernel name."""
   import contextlib
   import io
-  import re
-  from collections import defaultdict
 
+  from gpu_profile import kernel_times  # (bench/ is on sys.path when this runs as a script)
   from tinygrad import Device
   from tinygrad.helpers import Context
   runner, found = llm.engine.runner, {}
@@ -84,9 +83,7 @@ def probe(llm, at_step: int, steps: list[dict]) -> dict:
         found["replay_ms"] = (time.perf_counter() - t) / 10 * 1e3
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf), Context(DEBUG=2): runner._forward(layout, packed)
-        times: dict = defaultdict(float)
-        for m in re.finditer(r"\*\*\*\s+\S+\s+\d+\s+(\S+).*?tm\s+([\d.]+)(us|ms)", re.sub(r"\x1b\[[0-9;]*m", "", buf.getvalue())):
-          times[m.group(1)] += float(m.group(2)) * (1e-3 if m.group(3) == "us" else 1.0)
+        times = kernel_times(buf.getvalue())[0]
         found["eager_kernel_ms"] = dict(sorted(times.items(), key=lambda kv: -kv[1])[:15])
         found["rows"], found["context_len"] = layout.rows, layout.context_len
       return out

@@ -25,6 +25,7 @@ from tinyvllm.outputs import Logprob, RequestOutput
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 from tinyvllm.tokenizer import Tokenizer, load_tokenizer
 from tinyvllm.worker.cache_sizing import num_kv_blocks
+from tinyvllm.worker.host_io import reads_back_asynchronously
 from tinyvllm.worker.input_batch import bucket
 from tinyvllm.worker.kv_cache import KVCache
 from tinyvllm.worker.model_runner import LaunchedStep, ModelRunner, StepResult, freeze_long_lived_objects
@@ -87,7 +88,7 @@ class LLMEngine:
                         f">= max_model_len ({self.max_model_len})")
     self.scheduler = (Scheduler if config.scheduler == "continuous" else StaticScheduler)(self.allocator, sched_config)
     self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                             else self.device.split(":")[0] == "CUDA")
+                             else reads_back_asynchronously(self.device))
     log(f"{config.scheduler} scheduler, max {config.max_num_seqs} sequences, {sched_config.max_num_batched_tokens} tokens a step"
         f"{', asynchronous scheduling' if self.async_scheduling else ''}")
     self.runner = ModelRunner(self.model, self.kv_cache, min(backend.min_context_bucket, bucket(self.max_model_len, 16)),

@@ -25,6 +25,11 @@ from tinygrad.device import BufferSpec
 from tinygrad.dtype import _to_np_dtype
 
 
+def reads_back_asynchronously(device: str) -> bool:
+  """Whether `download_later` can return before the device has finished (CUDA: pinned memory and an event)."""
+  return device.split(":")[0] == "CUDA"
+
+
 class StepIO:
   def __init__(self, device: str):
     self.device = device
@@ -49,7 +54,7 @@ class StepIO:
 
   def download_later(self, tensors: tuple[Tensor, ...]) -> Download:
     """Copies of realized tensors' contents, ready once the device has finished the work enqueued so far."""
-    if self.device.split(":")[0] == "CUDA": return CudaDownload(self.device, tensors)
+    if reads_back_asynchronously(self.device): return CudaDownload(self.device, tensors)
     return Download([self.download(t) for t in tensors])
 
 

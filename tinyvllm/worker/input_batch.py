@@ -50,11 +50,12 @@ def _fill_tokens(a: dict[str, np.ndarray], scheduled: list[ScheduledSequence], c
   """Token ids of the flat tokens. A token still in flight (asynchronous scheduling: always the last of its run) is left
   0 here and taken on the device from the previous step's samples, row `token_source`."""
   pending = np.fromiter((item.seq.num_pending for item in scheduled), np.int64, len(scheduled))
+  in_flight = bool(pending.any())
   runs = (item.seq.token_slice(int(c), int(c) + item.num_new_tokens - int(p))
           for item, c, p in zip(scheduled, computed, pending, strict=True))
-  if pending.any(): runs = (run + [0] * int(p) for run, p in zip(runs, pending, strict=True))
+  if in_flight: runs = (run + [0] * int(p) for run, p in zip(runs, pending, strict=True))
   a["token_ids"][:n_real] = np.fromiter(chain.from_iterable(runs), np.int32, n_real)
-  if pending.any():
+  if in_flight:
     rows = np.fromiter((item.seq.pending_row for item in scheduled), np.int32, len(scheduled))
     a["token_source"][(starts[1:] - 1)[pending > 0]] = rows[pending > 0]
 

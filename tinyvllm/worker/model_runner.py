@@ -144,14 +144,14 @@ class ModelRunner:
   def launch(self, sched: SchedulerOutput) -> LaunchedStep:
     """Enqueue the step and the copy of its samples to the host; tokens still in flight come from the previous step's
     samples on the device. Penalties need every earlier token on the host, so those rows must have none in flight."""
-    if any(item.seq.num_pending and item.seq.params.uses_penalties for item in sched.scheduled):
+    host, layout, packed = self._prepare(sched)
+    penalties = layout.variant.penalties
+    if penalties and any(item.seq.num_pending and item.seq.params.uses_penalties for item in sched.scheduled):
       raise RuntimeError("a sequence with penalties was scheduled before its previous token was read")
     if sched.block_copies: self.kv_cache.copy_blocks(sched.block_copies)
-    host, layout, packed = self._prepare(sched)
     out = self._step_fn(self._covering(layout))(packed)
-    seqs = host.sample_seqs
-    chains = len(seqs) <= self.chain_rows and not any(s.params.uses_penalties for s in seqs)
-    return LaunchedStep(seqs, self._io.download_later(out if isinstance(out, tuple) else (out,)), chains)
+    chains = len(host.sample_seqs) <= self.chain_rows and not penalties
+    return LaunchedStep(host.sample_seqs, self._io.download_later(out if isinstance(out, tuple) else (out,)), chains)
 
   def _prepare(self, sched: SchedulerOutput) -> tuple[HostBatch, StepLayout, Tensor]:
     """The step's host batch, its layout, and its packed metadata uploaded to the device."""
