@@ -22,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def dev_tensor(x: np.ndarray, dtype: str, device: str):
   from tinygrad import Tensor, dtypes
 
-  from tinyvllm.kernels.cases import to_bits
+  from tinyvllm.kernels.cases import FP8, to_bits
   if dtype == "float32": return Tensor(np.ascontiguousarray(x, np.float32), device=device).realize()
+  if dtype == FP8: return Tensor(to_bits(x, FP8), device=device).realize()   # uint8 E4M3 codes
   bits = Tensor(to_bits(x, dtype), device=device)
   return bits.bitcast(dtypes.bfloat16 if dtype == "bfloat16" else dtypes.float16).contiguous().realize()
 

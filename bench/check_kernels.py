@@ -9,6 +9,7 @@
    and without split-K, prefill and mixed batches with a cached prefix; outputs are poisoned with NaN before each run
    and must be fully written; the KV write; a TinyJit (CUDA graph) run of write + attention over several steps;
 3. greedy-decodes stories260K through the engine with the hand-written backend and checks reference_greedy.json;
+   the FP8 KV cache (bench/check_fp8.py): attention cases over FP8 codes, the write's codes, greedy Qwen3-shape decoding;
 4. times the fused decode against the portable path for the Qwen3-0.6B attention shape (16 q heads, 8 KV heads,
    head_dim 128, bf16, block 16, contexts ~1024) at batch 1, 8, 32, 128, 256;
 5. (unless --no-e2e) batch-1 decode tok/s of the whole Qwen3-0.6B shape (random weights), both backends.
@@ -29,6 +30,7 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 from attention_bench import bench_batch, bench_prefill, dev_tensor, rel_err  # noqa: E402  (bench/ is on sys.path)
+from check_fp8 import FP8_CASES, check_kv_write_fp8, step_engine_fp8  # noqa: E402
 
 T_START = time.perf_counter()
 RESULTS: dict = {"env": {}, "compile": [], "correctness": [], "jit": [], "engine": {}, "bench": [], "e2e": [], "failures": []}
@@ -103,6 +105,7 @@ def case_list(quick: bool) -> list[dict]:
          head_dim=8, dtype="float32", share=2),
     dict(name="mixed_f32_d8_g2_stories", seqs=[(200, 200), (300, 40), (17, 1), (5, 5)], heads=8, kv_heads=4, head_dim=8,
          dtype="float32", share=1),
+    *FP8_CASES,
   ]
   return cases
 
@@ -111,7 +114,7 @@ def build(spec: dict, seed: int):
   from tinyvllm.kernels.cases import make_case
   rng = np.random.default_rng(seed)
   return make_case(rng, spec["seqs"], heads=spec["heads"], kv_heads=spec["kv_heads"], head_dim=spec["head_dim"],
-                   dtype=spec["dtype"], share=spec["share"], pad_seqs=1)
+                   dtype=spec["dtype"], share=spec["share"], pad_seqs=1, kv_fp8=spec.get("kv_fp8", False))
 
 
 def plan_for(case, dialect: str, splits=None):
@@ -154,7 +157,7 @@ def run_fused_direct(dialect: str, device: str, case, splits=None) -> tuple[np.n
   algo, plan = plan_for(case, dialect, splits)
   src = kernel_source(dialect, algo, plan.defines)
   q = dev_tensor(case.q.reshape(sh.num_tokens, -1), sh.dtype, device)
-  kc, vc = dev_tensor(case.k_cache, sh.dtype, device), dev_tensor(case.v_cache, sh.dtype, device)
+  kc, vc = dev_tensor(case.k_cache, case.kv_dtype, device), dev_tensor(case.v_cache, case.kv_dtype, device)
   ints = [Tensor(np.ascontiguousarray(a[k]), device=device).realize() for k in ("block_tables", "context_lens", "query_start")]
   out = poisoned(sh.num_tokens * sh.num_heads * sh.head_dim, sh.dtype, device)
   info = {"kernel": algo, "splits": getattr(plan, "splits", None), "grid": [list(x.grid) for x in plan.launches]}
@@ -174,7 +177,7 @@ def run_portable(device: str, case) -> np.ndarray:
   from tinyvllm.layers.attention import paged_attention
   sh = case.shape
   q = dev_tensor(case.q.reshape(sh.num_tokens, -1), sh.dtype, device).reshape(sh.num_tokens, sh.num_heads, sh.head_dim)
-  kc, vc = dev_tensor(case.k_cache, sh.dtype, device), dev_tensor(case.v_cache, sh.dtype, device)
+  kc, vc = dev_tensor(case.k_cache, case.kv_dtype, device), dev_tensor(case.v_cache, case.kv_dtype, device)
   return host(paged_attention(q, kc, vc, metadata_tensors(case, device)).realize(), sh.dtype).reshape(sh.num_tokens, -1)
 
 
@@ -283,6 +286,9 @@ def check_jit(dialect: str, device: str, name: str, seqs_per_step: list[list[tup
 def step_correctness(dialect: str, device: str, cases: list[dict]) -> None:
   for i, spec in enumerate(cases): guarded(spec["name"], check_case, dialect, device, spec, i)
   guarded("kv_write", check_kv_write, dialect, device)
+  record = guarded("kv_write fp8", check_kv_write_fp8, dialect, device)
+  RESULTS["correctness"].append(record or {"name": "kv_write_fp8", "ok": False})
+  log(f"{'ok  ' if record else 'FAIL'} kv_write fp8 (bf16 -> E4M3 codes, fused and portable)")
   steps = [[(int(c), 1) for c in np.random.default_rng(s).integers(1, 1000, 6)] for s in range(4)]
   for st in steps: st[0] = (1000, 1)   # same context bucket in every step (one capture)
   guarded("jit decode", check_jit, dialect, device, "decode_bf16_qwen3", steps, 16, 8, 128, "bfloat16")
@@ -324,6 +330,11 @@ def step_engine(model: str | None, device: str, backend_name: str) -> None:
     fail("engine greedy", f"differs from reference_greedy.json at token {first}")
   if not zoo_same: fail("engine zoo", "the 'Zoo' prompt's greedy ids differ from the reference")
   if backend.name not in ("cuda", "metal"): fail("engine", f"the engine did not select the hand-written backend ({backend.describe()})")
+
+
+def step_fp8_engine(device: str, dialect: str) -> None:
+  RESULTS["engine_fp8"] = step_engine_fp8(device, dialect)
+  log(f"ok   engine with an FP8 KV cache, {dialect} kernels against the portable path: {RESULTS['engine_fp8']}")
 
 
 # ---------------------------------------------------------------- 4. benchmark
@@ -376,7 +387,7 @@ def main() -> int:
   p.add_argument("--batches", default="1,8,32,128,256", help="decode batch sizes to time")
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--no-e2e", action="store_true", help="skip the whole-model decode timing")
-  p.add_argument("--skip", default="", help="comma list of steps to skip: compile,correctness,engine,bench,prefill-bench,e2e")
+  p.add_argument("--skip", default="", help="comma list of steps to skip: compile,correctness,engine,engine-fp8,bench,prefill-bench,e2e")
   args = p.parse_args()
   skip = set(filter(None, args.skip.split(","))) | ({"e2e"} if args.no_e2e else set())
 
@@ -400,6 +411,7 @@ def main() -> int:
     steps = [("compile", lambda: step_compile(dialect, device, cases)),
              ("correctness", lambda: step_correctness(dialect, device, cases)),
              ("engine", lambda: step_engine(args.model, device, dialect)),
+             ("engine-fp8", lambda: step_fp8_engine(device, dialect)),
              ("bench", lambda: step_bench(dialect, device, [int(b) for b in args.batches.split(",") if b], args.iters)),
              ("prefill-bench", lambda: step_prefill_bench(dialect, device, args.iters)),
              ("e2e", lambda: step_e2e(device, dialect))]

@@ -23,7 +23,8 @@ sys.path.insert(0, str(REPO))
 # overridable for a smoke test on the CPU (a small config folder, float32)
 MODEL = os.environ.get("BENCH_MODEL", "qwen3-0.6b")
 DTYPE = os.environ.get("BENCH_DTYPE", "bfloat16")
-COMMON = dict(load_format="dummy", dtype=DTYPE, enable_prefix_caching=False)
+KV_CACHE_DTYPE = os.environ.get("BENCH_KV_CACHE_DTYPE", "auto")   # fp8: the E4M3 KV cache (results saved as *_fp8.json)
+COMMON = dict(load_format="dummy", dtype=DTYPE, enable_prefix_caching=False, kv_cache_dtype=KV_CACHE_DTYPE)
 SMALL = os.environ.get("BENCH_SMALL") == "1"   # a CPU smoke test: small caches and sweeps
 
 
@@ -32,7 +33,8 @@ def kv_gib(gib: float) -> float: return 0.05 if SMALL else gib
 
 def save(part: str, result: dict) -> None:
   print(json.dumps(result)[:2000], flush=True)
-  if out := os.environ.get("OUT"): Path(out, f"bench_{part}.json").write_text(json.dumps(result, indent=1))
+  suffix = "" if KV_CACHE_DTYPE == "auto" else f"_{KV_CACHE_DTYPE}"
+  if out := os.environ.get("OUT"): Path(out, f"bench_{part}{suffix}.json").write_text(json.dumps(result, indent=1))
 
 
 def engine(**kwargs):
@@ -55,7 +57,7 @@ def weight_bytes(llm) -> int:
 def part_decode() -> dict:
   from tinyvllm.bench.decode import run_decode_bench
   llm, load_s = engine(kv_cache_memory=kv_gib(8), max_model_len=4096, max_num_seqs=64)
-  wbytes, kv_per_token = weight_bytes(llm), llm.engine.kv_cache.bytes_per_token(llm.engine.model_config, llm.engine.dtype)
+  wbytes, kv_per_token = weight_bytes(llm), llm.engine.kv_cache.bytes_per_token(llm.engine.model_config, llm.engine.kv_dtype)
   rows = []
   for prompt_len in (128, 2048):
     t0 = time.perf_counter()

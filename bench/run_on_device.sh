@@ -5,7 +5,7 @@
 # Steps: check (bench/check_kernels.py), capture (bench/capture_profile.py), profile1 / profile256
 # (bench/gpu_profile.py), gemm (bench/gemm_bench.py), timeline (bench/step_timeline.py), explore
 # (bench/attention_bench.py), and any part of
-# bench/gpu_benchmarks.py.
+# bench/gpu_benchmarks.py (with the suffix _fp8: the same part with --kv-cache-dtype fp8, e.g. throughput_fp8).
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD DEV=CUDA OUT=${OUT:-/tmp/out}
@@ -21,6 +21,7 @@ for step in "$@"; do
     timeline) cmd=(python3 bench/step_timeline.py) ;;
     explore) cmd=(python3 bench/attention_bench.py) ;;
     sampler) cmd=(python3 bench/sampler_bench.py) ;;
+    *_fp8) cmd=(env BENCH_KV_CACHE_DTYPE=fp8 python3 bench/gpu_benchmarks.py "${step%_fp8}") ;;
     *) cmd=(python3 bench/gpu_benchmarks.py "$step") ;;
   esac
   "${cmd[@]}" 2>&1 | tee -a "$OUT/log.txt" | tail -n 40

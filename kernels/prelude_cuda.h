@@ -8,6 +8,7 @@
 #ifndef TV_EMULATOR
 typedef unsigned int uint;
 typedef unsigned short ushort;
+typedef unsigned char uchar;
 #endif
 #define TV_KERNEL(name) TV_LINKAGE __global__ void __launch_bounds__(TV_NT) name(
 #define TV_KERNEL_END )
@@ -29,6 +30,11 @@ typedef unsigned short ushort;
 #define TV_ZERO16 make_uint4(0u, 0u, 0u, 0u)
 #define TV_LD16(p) (*reinterpret_cast<const uint4*>(p))
 #define TV_ST16(p, v) (*reinterpret_cast<uint4*>(p) = (v))
+#define TV_U32X2 uint2
+#define TV_ZERO8 make_uint2(0u, 0u)
+#define TV_LD8(p) (*reinterpret_cast<const uint2*>(p))
+#define TV_ST8(p, v) (*reinterpret_cast<uint2*>(p) = (v))
+#define TV_RINT(x) rintf(x)
 #define TV_AS_FLOAT(u) __uint_as_float(u)
 #define TV_AS_UINT(f) __float_as_uint(f)
 #ifdef TV_EMULATOR
@@ -47,6 +53,23 @@ __device__ __forceinline__ float tv_cuda_h2f(ushort h) { float f; asm("cvt.f32.f
 __device__ __forceinline__ ushort tv_cuda_f2h(float f) { ushort h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
 #define TV_H2F(h) tv_cuda_h2f(h)
 #define TV_F2H(f) tv_cuda_f2h(f)
+#endif
+#if !defined(TV_EMULATOR) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+// FP8 E4M3 conversions in hardware (sm_89+; common.inc has the portable ones): two codes per 16 bits, the first value
+// in the low byte; satfinite saturates to +-448 as the portable encoder does
+#define TV_HAS_FP8_CVT 1
+__device__ __forceinline__ void tv_fp8x4_unpack(uint w, float* f) {
+  uint lo, hi;
+  asm("{.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, a;\n\tcvt.rn.f16x2.e4m3x2 %1, b;}"
+      : "=r"(lo), "=r"(hi) : "r"(w));
+  f[0] = tv_cuda_h2f((ushort)(lo & 0xffffu)); f[1] = tv_cuda_h2f((ushort)(lo >> 16));
+  f[2] = tv_cuda_h2f((ushort)(hi & 0xffffu)); f[3] = tv_cuda_h2f((ushort)(hi >> 16));
+}
+__device__ __forceinline__ uint tv_fp8x2_pack(float lo, float hi) {
+  ushort r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
 #endif
 // warp (SIMD-group) reductions over all 32 lanes; every lane gets the result
 __device__ __forceinline__ float tv_warp_sum(float v) {

@@ -25,6 +25,11 @@ using namespace metal;
 #define TV_ZERO16 uint4(0u)
 #define TV_LD16(p) (*((const device uint4*)(p)))
 #define TV_ST16(p, v) (*((device uint4*)(p)) = (v))
+#define TV_U32X2 uint2
+#define TV_ZERO8 uint2(0u)
+#define TV_LD8(p) (*((const device uint2*)(p)))
+#define TV_ST8(p, v) (*((device uint2*)(p)) = (v))
+#define TV_RINT(x) rint(x)
 #define TV_AS_FLOAT(u) as_type<float>((uint)(u))
 #define TV_AS_UINT(f) as_type<uint>((float)(f))
 #define TV_EXP2(x) exp2(x)

@@ -4,7 +4,7 @@ compared with the portable tinygrad path (layers/attention.paged_attention) on r
 What this checks: the algorithm text of every kernel, compiled with each dialect's real prelude against a shim of
 that dialect's builtins, with real barrier and 32-lane SIMD semantics, in three thread orders (a missing barrier
 changes the result with the order); block tables with holes, out of order and shared between sequences; GQA 1, 2, 4,
-8; head_dim 8, 64, 128; float32, float16, bfloat16; decode with and without split-K, prefill with a cached prefix,
+8; head_dim 8, 64, 128; float32, float16, bfloat16; FP8 E4M3 caches; decode with and without split-K, prefill with a cached prefix,
 mixed decode/prefill batches; padding sequences and tokens; every output element written (outputs start as NaN).
 What it cannot check: the GPU compilers themselves (NVRTC, Metal's), address-space rules the C++ compiler does not
 enforce, memory-model effects beyond barriers, and speed. See docs/kernels.md.
@@ -16,7 +16,7 @@ import zlib
 import numpy as np
 import pytest
 
-from tinyvllm.kernels.cases import make_case, portable_attention, reference_attention, round_to
+from tinyvllm.kernels.cases import FP8, make_case, portable_attention, reference_attention, round_to
 from tinyvllm.kernels.emulator import EmulatedKernels, EmulatorError, Spec, find_compiler, run_attention, run_kv_write
 from tinyvllm.kernels.plan import Launch, Param, decode_plan, prefill_plan, write_plan
 
@@ -39,14 +39,23 @@ ATTENTION_CASES = {
   "pre_f32_g1_d8": ([(30, 30), (10, 1), (18, 3)], 4, 4, 8, "float32", 0, None),
   "pre_bf16_g1_d128": ([(70, 70), (2, 2)], 2, 2, 128, "bfloat16", 0, None),
   "pre_bf16_g7": ([(40, 21), (5, 1), (9, 9)], 14, 2, 64, "bfloat16", 0, None),
+  # FP8 E4M3 caches (names with _kv8): Qwen3's head shape, with and without split-K, prefill with a cached prefix
+  "dec_bf16_g2_d128_kv8": ([(60, 1), (300, 1), (3, 1), (17, 1)], 4, 2, 128, "bfloat16", 1, None),
+  "dec_f16_g4_kv8_nosplit": ([(1, 1), (100, 1), (33, 1)], 8, 2, 64, "float16", 1, {"splits": 1}),
+  "pre_bf16_g2_d128_kv8": ([(70, 70), (50, 7), (20, 1)], 4, 2, 128, "bfloat16", 1, None),
+  "pre_f16_g8_kv8": ([(33, 33), (20, 5), (15, 1)], 16, 2, 64, "float16", 0, None),
 }
-WRITE_CASES = {"write_f32": ("float32", 2, 64), "write_bf16": ("bfloat16", 2, 128), "write_f16_d8": ("float16", 1, 8)}
+# name -> (dtype, kv_heads, head_dim, FP8 caches)
+WRITE_CASES = {"write_f32": ("float32", 2, 64, False), "write_bf16": ("bfloat16", 2, 128, False),
+               "write_f16_d8": ("float16", 1, 8, False), "write_bf16_kv8": ("bfloat16", 2, 128, True),
+               "write_f16_kv8": ("float16", 1, 64, True)}
 
 
 def _case(name: str):
   seqs, heads, kv_heads, head_dim, dtype, share, _ = ATTENTION_CASES[name]
   rng = np.random.default_rng(zlib.crc32(name.encode()))
-  return make_case(rng, seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, share=share, pad_seqs=1)
+  return make_case(rng, seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, share=share, pad_seqs=1,
+                   kv_fp8="_kv8" in name)
 
 
 CASES = {name: _case(name) for name in ATTENTION_CASES}
@@ -58,8 +67,8 @@ def _specs(dialect: str) -> list[Spec]:
     overrides = ATTENTION_CASES[name][-1] or {}
     plan = decode_plan(case.shape, **overrides) if case.shape.query_len == 1 else prefill_plan(case.shape, dialect)
     specs.append(Spec(name, "decode" if case.shape.query_len == 1 else "prefill", plan.defines, plan.launches))
-  for name, (dtype, kv_heads, head_dim) in WRITE_CASES.items():
-    plan = write_plan(dtype, kv_heads * head_dim, 8, 40)
+  for name, (dtype, kv_heads, head_dim, kv_fp8) in WRITE_CASES.items():
+    plan = write_plan(dtype, kv_heads * head_dim, 8, 40, kv_fp8)
     specs.append(Spec(name, "kv_write", plan.defines, plan.launches))
   return specs + _selftest_specs()
 
@@ -147,17 +156,20 @@ def test_decode_cases_split(emu):
 
 @pytest.mark.parametrize("name", list(WRITE_CASES))
 def test_kv_write(emu, name):
-  dtype, kv_heads, head_dim = WRITE_CASES[name]
+  dtype, kv_heads, head_dim, kv_fp8 = WRITE_CASES[name]
+  kv_dtype = FP8 if kv_fp8 else dtype
   rng = np.random.default_rng(3)
   row, slots = kv_heads * head_dim, 40
-  kc, vc = (round_to(rng.standard_normal((slots, row)), dtype) for _ in range(2))
-  k, v = (round_to(rng.standard_normal((8, row)), dtype) for _ in range(2))
+  kc, vc = (round_to(rng.standard_normal((slots, row)), kv_dtype) for _ in range(2))
+  # FP8: magnitudes from 1e-4 (subnormal codes) to 1e3 (saturated) in the new rows
+  k, v = (round_to(rng.standard_normal((8, row)) * (np.exp(rng.uniform(-9, 7, (8, row))) if kv_fp8 else 1), dtype)
+          for _ in range(2))
   slot_mapping = np.array([5, -1, 39, 0, 17, -1, 40, 22], np.int32)   # -1: padding; 40 is out of range: skipped too
   for order in ("forward", "random"):
-    got_k, got_v = run_kv_write(emu, name, kc, vc, k, v, slot_mapping, dtype, order)
+    got_k, got_v = run_kv_write(emu, name, kc, vc, k, v, slot_mapping, dtype, order, kv_dtype)
     want_k, want_v = kc.copy(), vc.copy()
     for i, s in enumerate(slot_mapping):
-      if 0 <= s < slots: want_k[s], want_v[s] = k[i], v[i]
+      if 0 <= s < slots: want_k[s], want_v[s] = round_to(k[i], kv_dtype), round_to(v[i], kv_dtype)
     np.testing.assert_array_equal(got_k, want_k)
     np.testing.assert_array_equal(got_v, want_v)
 

@@ -2,16 +2,18 @@
 whose mma.sync follows PTX's documented m16n8k16 fragment layout, and compared with the portable form
 (tinyvllm/layers/linear.py, tinygrad ops) on the same rounded inputs: every tile shape the planner picks, row counts
 and output counts that are not multiples of the tile, split-K with its reduce kernel, the RMSNorm / SwiGLU prologues,
-bias, residual, float32 logits, bfloat16 and float16; every output written (outputs start as NaN)."""
+bias, residual, float32 logits, bfloat16 and float16, stage rings in more than 48 KB of dynamic shared memory; every
+output written (outputs start as NaN)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from tinyvllm.kernels.cases import from_bits, linear_inputs, portable_linear_reference, to_bits
-from tinyvllm.kernels.emulator import EmulatedKernels, Spec, find_compiler, poisoned
-from tinyvllm.kernels.gemm import GemmTiles, choose_tiles, gemm_plan, unsupported_reason
+from tinyvllm.kernels.emulator import EmulatedKernels, EmulatorError, Spec, find_compiler, poisoned
+from tinyvllm.kernels.gemm import SHARED_BYTES, GemmTiles, choose_tiles, gemm_plan, unsupported_reason
 from tinyvllm.kernels.linear import LinearShape, pick_kernel
+from tinyvllm.kernels.plan import Launch, Param
 
 TOLERANCE = {"float16": 3e-3, "bfloat16": 2e-2}
 EPS = 1e-5
@@ -26,7 +28,26 @@ CASES = {
   # more than XPRIME_COLUMN_BLOCKS column blocks: the prologue runs once as tv_gemm_xprime
   "bf16_m130_norm_xprime": ("bfloat16", 130, 64, 520, False, True, False, False, False, GemmTiles(32, 64, 2, 2, 1)),
   "f16_m140_silu_residual_xprime_split2": ("float16", 140, 128, 330, False, False, True, True, False, GemmTiles(16, 64, 1, 4, 2)),
+  # more than 48 KB of dynamic shared memory, K long enough for the ring to wrap: 4 stages of the 128x128 tile (82 KB),
+  # 3 of it with SwiGLU's two halves in the loop (93 KB), 5 with the RMSNorm in the loop and split K (103 KB)
+  "bf16_m130_big_4stages_residual": ("bfloat16", 130, 320, 136, False, False, False, True, False, GemmTiles(128, 128, 2, 4, 1)),
+  "f16_m129_big_silu_3stages": ("float16", 129, 256, 72, False, False, True, False, False, GemmTiles(128, 128, 2, 4, 1)),
+  "bf16_m40_big_norm_5stages_split2": ("bfloat16", 40, 512, 130, True, True, False, False, False, GemmTiles(128, 128, 2, 4, 2, ring=5)),
 }
+# emulator self-tests of dynamic shared memory: each thread writes its slot (TV_SHIFT slots further on: past the end
+# for a shift of 1), then reads its neighbour's
+DYNAMIC = """
+TV_KERNEL(tv_dynamic) TV_ARG(float, out, 0) TV_KERNEL_END
+{
+  TV_TPTR(float) s = (TV_TPTR(float))tv_emu_dynamic_shared();
+  out[TV_BID_X * 2 * TV_NT + TV_TID] = s[TV_TID];
+  TV_BARRIER();
+  s[TV_TID + TV_SHIFT] = (float)(TV_BID_X * TV_NT + TV_TID);
+  TV_BARRIER();
+  out[(TV_BID_X * 2 + 1) * TV_NT + TV_TID] = s[(TV_TID + 1) % TV_NT + TV_SHIFT];
+}
+"""
+DYNAMIC_NT = 64
 
 
 def _shape(name: str) -> LinearShape:
@@ -41,6 +62,9 @@ def emu() -> EmulatedKernels:
   for name in CASES:
     defines, launches = gemm_plan(_shape(name), CASES[name][-1])
     specs.append(Spec(name, "gemm_tc", defines, launches))
+  launch = (Launch("tv_dynamic", (2, 1, 1), DYNAMIC_NT, (Param("out", "float", True, 4 * DYNAMIC_NT),), 4 * DYNAMIC_NT),)
+  for name, shift in (("dynamic_ok", 0), ("dynamic_overrun", 1)):
+    specs.append(Spec(name, "dynamic", {"TV_DTYPE": 0, "TV_NT": DYNAMIC_NT, "TV_SHIFT": shift}, launch, DYNAMIC))
   return EmulatedKernels("cuda", specs)
 
 
@@ -75,12 +99,39 @@ def test_gemm_matches_portable(emu, name):
 def test_planner_fills_the_gpu_and_splits_only_whole_slices():
   assert choose_tiles(1, 1024, 4096) == GemmTiles(16, 64, 1, 4, 4)     # 64 column blocks -> split K four ways
   assert choose_tiles(256, 1024, 151936) == GemmTiles(128, 128, 2, 4, 1)  # plenty of blocks even with the big tile
-  assert choose_tiles(2048, 3072, 1024, silu_mul=True) == GemmTiles(64, 64, 2, 2, 1)   # room for 3 stages of both halves
+  assert choose_tiles(2048, 3072, 1024, silu_mul=True) == GemmTiles(64, 128, 2, 2, 1)   # room for 4 stages of both halves
   assert choose_tiles(256, 1024, 4096) == GemmTiles(64, 64, 2, 2, 1)     # the largest tile that still makes 256 blocks
   assert choose_tiles(32, 3072, 1024) == GemmTiles(32, 64, 2, 2, 8)
   for rows, k, o in ((1, 96, 8), (300, 1024, 1024), (48, 4864, 896)):
     t = choose_tiles(rows, k, o)
     assert k % (32 * t.splits) == 0 and (t.splits == 1 or k // (32 * t.splits) >= 4)
+
+
+def test_stage_rings_in_dynamic_shared_memory():
+  big = GemmTiles(128, 128, 2, 4, 1)
+  assert (big.stages(), big.stages(silu_mul=True), GemmTiles(64, 128, 2, 2, 1).stages(silu_mul=True)) == (4, 3, 4)
+  assert big.shared_bytes() > 48 * 1024 and big.min_blocks() == 2   # two 256-thread blocks an SM, <= 128 registers
+  for name in CASES:
+    defines, launches = gemm_plan(_shape(name), CASES[name][-1])
+    gemm = next(launch for launch in launches if launch.kernel == "tv_gemm")
+    assert gemm.shared_bytes == defines["TV_SMEM_BYTES"] and all(x.shared_bytes == 0 for x in launches if x is not gemm)
+  for rows in (1, 17, 100, 300, 2048, 4096):
+    for o, k, silu in ((4096, 1024, False), (1024, 3072, True), (151936, 1024, False)):
+      shape = LinearShape("bfloat16", rows, k, o, False, None if silu else 1e-6, silu, silu, False)
+      defines, launches = gemm_plan(shape)
+      assert 3 <= defines["TV_STAGES"] <= 4 and max(x.shared_bytes for x in launches) <= SHARED_BYTES
+  with pytest.raises(ValueError, match="bytes of shared memory"):   # 9 stages of both SwiGLU halves: 271 KB
+    gemm_plan(LinearShape("bfloat16", 64, 1024, 64, False, None, True, False, False), GemmTiles(128, 128, 2, 4, 1, 9))
+
+
+def test_emulated_dynamic_shared_memory(emu):
+  out = np.full(4 * DYNAMIC_NT, 7.0, np.float32)
+  emu.launch("dynamic_ok", 0, [out], order="random")
+  fresh, shifted = out.reshape(2, 2, DYNAMIC_NT)[:, 0], out.reshape(2, 2, DYNAMIC_NT)[:, 1]
+  assert np.isnan(fresh).all()   # every block starts from poisoned memory, not the previous block's
+  assert (shifted == np.arange(2 * DYNAMIC_NT).reshape(2, DYNAMIC_NT)[:, np.r_[1:DYNAMIC_NT, 0]]).all()
+  with pytest.raises(EmulatorError):
+    emu.launch("dynamic_overrun", 0, [out])
 
 
 def test_prologue_runs_once_for_wide_products():

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from tinygrad import Tensor, dtypes
 
-from tinyvllm.kernels.cases import from_bits, round_to, to_bits
+from tinyvllm.kernels.cases import FP8, from_bits, round_to, to_bits
 from tinyvllm.kernels.emulator import EmulatedKernels, Spec, find_compiler, poisoned
 from tinyvllm.kernels.fused import FusedBackend
 from tinyvllm.kernels.portable import qkv_rope_write
@@ -42,12 +42,15 @@ CASES = {
   "bf16_d64_norm": ("bfloat16", 3, 8, 2, 64, True),
   "bf16_d96_norm": ("bfloat16", 2, 4, 2, 96, True),            # 6 vectors a half-head: 8 lanes, two idle
   "bf16_d128_norm_qwen3": ("bfloat16", 4, 16, 8, 128, True),   # Qwen3-0.6B: 32 heads x 8 lanes, one pass of 256
+  "bf16_d128_norm_qwen3_kv8": ("bfloat16", 4, 16, 8, 128, True),   # FP8 E4M3 caches (names with _kv8)
+  "f16_d64_kv8": ("float16", 3, 6, 2, 64, False),
 }
+FP8_CASES = [name for name in CASES if name.endswith("_kv8")]
 
 
 def _shape(name: str) -> QkvRopeShape:
   dtype, n, h, kvh, d, norm = CASES[name]
-  return QkvRopeShape(dtype, n, h, kvh, d, 3 * n + 2, norm, EPS)
+  return QkvRopeShape(dtype, n, h, kvh, d, 3 * n + 2, norm, EPS, name.endswith("_kv8"))
 
 
 @pytest.fixture(scope="module", params=("cuda", "metal"))
@@ -71,20 +74,21 @@ def _inputs(name: str) -> dict[str, np.ndarray]:
   if n > 3: slots[3] = sh.num_slots              # out of range: skipped like -1
   a = {"qkv": qkv, "k_cache": rng.standard_normal((sh.num_slots, row)), "v_cache": rng.standard_normal((sh.num_slots, row))}
   if sh.qk_norm: a |= {"q_norm": 1 + 0.3 * rng.standard_normal(d), "k_norm": 1 + 0.3 * rng.standard_normal(d)}
-  out = {k: round_to(v.astype(np.float32), sh.dtype) for k, v in a.items()}
+  out = {k: round_to(v.astype(np.float32), FP8 if sh.kv_fp8 and k.endswith("_cache") else sh.dtype) for k, v in a.items()}
   return out | {"cos": cos_t[positions], "sin": sin_t[positions], "slot_mapping": slots}
 
 
 def _run_kernel(emu: EmulatedKernels, name: str, a: dict[str, np.ndarray], order: str = "forward"):
   sh = _shape(name)
   q = poisoned(sh.num_tokens * sh.num_heads * sh.head_dim, sh.dtype)
-  kc, vc = to_bits(a["k_cache"], sh.dtype).reshape(-1).copy(), to_bits(a["v_cache"], sh.dtype).reshape(-1).copy()
+  kv = FP8 if sh.kv_fp8 else sh.dtype
+  kc, vc = to_bits(a["k_cache"], kv).reshape(-1).copy(), to_bits(a["v_cache"], kv).reshape(-1).copy()
   args = [q, kc, vc, to_bits(a["qkv"], sh.dtype).reshape(-1), np.ascontiguousarray(a["cos"], np.float32).reshape(-1),
           np.ascontiguousarray(a["sin"], np.float32).reshape(-1), a["slot_mapping"]]
   if sh.qk_norm: args += [to_bits(a["q_norm"], sh.dtype), to_bits(a["k_norm"], sh.dtype)]
   emu.launch(name, 0, args, order, seed=7)
   return (from_bits(q, sh.dtype).reshape(sh.num_tokens, sh.num_heads, sh.head_dim),
-          from_bits(kc, sh.dtype).reshape(a["k_cache"].shape), from_bits(vc, sh.dtype).reshape(a["v_cache"].shape))
+          from_bits(kc, kv).reshape(a["k_cache"].shape), from_bits(vc, kv).reshape(a["v_cache"].shape))
 
 
 def _portable(a: dict[str, np.ndarray], dtype):
@@ -95,7 +99,7 @@ def _portable(a: dict[str, np.ndarray], dtype):
   return tuple(x.cast(dtypes.float32).numpy() for x in (q, kc, vc))
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [name for name in CASES if name not in FP8_CASES])
 def test_qkv_rope_write_matches_portable(emu, name):
   sh, a = _shape(name), _inputs(name)
   assert unsupported_reason(sh) is None
@@ -125,7 +129,27 @@ def test_qkv_rope_write_matches_portable(emu, name):
   assert np.abs(kc - low_kc).max() / np.abs(low_kc).max() < TOLERANCE[sh.dtype]
 
 
-@pytest.mark.parametrize("name", ["bf16_d128_norm_qwen3", "f32_d24_norm"])
+@pytest.mark.parametrize("name", FP8_CASES)
+def test_qkv_rope_write_fp8_cache(emu, name):
+  """FP8 caches: q as with 16-bit caches; k rounded to the activations' dtype, then to E4M3 (one E4M3 step at most off
+  the float32 reference, whose k skips the first rounding); v exactly its E4M3 rounding; other rows untouched."""
+  sh, a = _shape(name), _inputs(name)
+  q, kc, vc = _run_kernel(emu, name, a)
+  ref_q, ref_kc, _ = _portable(a, dtypes.float32)
+  assert not np.isnan(q).any() and (np.abs(q - ref_q) <= REL[sh.dtype] * np.abs(ref_q) + 1e-6 * np.abs(ref_q).max()).all()
+  slots = a["slot_mapping"]
+  valid = (slots >= 0) & (slots < sh.num_slots)
+  written, untouched = slots[valid], np.setdiff1d(np.arange(sh.num_slots), slots[valid])
+  np.testing.assert_array_equal(kc[untouched], a["k_cache"][untouched])
+  np.testing.assert_array_equal(vc[untouched], a["v_cache"][untouched])
+  want_k = round_to(round_to(ref_kc[written], sh.dtype), FP8)
+  assert (np.abs(kc[written] - want_k) <= 2.0 ** -3 * np.abs(want_k) + 2.0 ** -9).all()
+  assert np.mean(kc[written] == want_k) > 0.99
+  v_new = a["qkv"].reshape(sh.num_tokens, -1, sh.head_dim)[:, sh.num_heads + sh.num_kv_heads:].reshape(sh.num_tokens, -1)
+  np.testing.assert_array_equal(vc[written], round_to(v_new[valid], FP8))
+
+
+@pytest.mark.parametrize("name", ["bf16_d128_norm_qwen3", "f32_d24_norm", "bf16_d128_norm_qwen3_kv8"])
 @pytest.mark.parametrize("order", ["reverse", "random"])
 def test_thread_order_does_not_matter(emu, name, order):
   a = _inputs(name)

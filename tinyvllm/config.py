@@ -9,6 +9,7 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTENTION_BACKENDS = ("auto", "portable", "cuda", "metal")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")   # vLLM's names; fp8 = fp8_e4m3
 
 
 class ConfigError(ValueError):
@@ -117,6 +118,7 @@ class EngineConfig:
   kv_cache: str = "paged"                       # paged | contiguous (the baseline)
   block_size: int = 16
   kv_cache_memory: float | None = None          # GiB for the KV cache
+  kv_cache_dtype: str = "auto"                  # auto (the model's dtype) | fp8 / fp8_e4m3 (E4M3 codes, scale 1)
   gpu_memory_utilization: float = 0.9           # fraction of device memory for weights + cache, where it can be read
   num_gpu_blocks: int | None = None             # exact number of blocks (overrides the two above)
   enable_prefix_caching: bool = True
@@ -142,6 +144,8 @@ class EngineConfig:
       (self.load_format in ("auto", "safetensors", "dummy"), f"load_format must be auto, safetensors or dummy, got {self.load_format!r}"),
       (self.max_model_len is None or self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}"),
       (self.kv_cache in ("paged", "contiguous"), f"kv_cache must be paged or contiguous, got {self.kv_cache!r}"),
+      (self.kv_cache_dtype in KV_CACHE_DTYPES,
+       f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"),
       (self.scheduler in ("continuous", "static"), f"scheduler must be continuous or static, got {self.scheduler!r}"),
       (self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, f"block_size must be a power of two, got {self.block_size}"),
       (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),

@@ -1,5 +1,5 @@
 // A small C++ stand-in for the CUDA builtins the kernels use, over the fiber emulator (emu_runtime.h): threadIdx,
-// blockIdx, __syncthreads, __shfl_xor_sync, uint4/make_uint4, __uint_as_float/__float_as_uint, exp2f, the
+// blockIdx, __syncthreads, __shfl_xor_sync, uint4/make_uint4, uint2/make_uint2, __uint_as_float/__float_as_uint, exp2f, the
 // declaration specifiers. The CUDA prelude is compiled with TV_EMULATOR defined: it then skips its typedefs and its
 // two inline-PTX half conversions (cvt.f32.f16 / cvt.rn.f16.f32), which use tv_emu_half_to_float/tv_emu_float_to_half.
 #pragma once
@@ -9,6 +9,9 @@ typedef unsigned int uint;
 typedef unsigned short ushort;
 struct alignas(16) uint4 { uint x, y, z, w; };
 inline uint4 make_uint4(uint a, uint b, uint c, uint d) { return uint4{a, b, c, d}; }
+struct alignas(8) uint2 { uint x, y; };
+inline uint2 make_uint2(uint a, uint b) { return uint2{a, b}; }
+typedef unsigned char uchar;
 inline float __uint_as_float(uint u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline uint __float_as_uint(float f) { uint u; std::memcpy(&u, &f, 4); return u; }
 template <class T> inline T __shfl_xor_sync(unsigned, T v, int mask) { return emu::simd_xor(v, (unsigned)mask); }
@@ -20,6 +23,8 @@ inline ushort tv_emu_float_to_half(float f) { return emu::float_to_half_bits(f);
 inline void tv_emu_mma_16816(float* c, const uint* a, const uint* b, bool bf16) { emu::mma_m16n8k16(c, a, b, bf16); }
 inline void tv_emu_cp_async16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
 inline void tv_emu_ldmatrix_x4(uint* r, const void* row) { emu::ldmatrix_x4(r, row); }
+// `extern __shared__` arrays (dynamic shared memory, sized by the launch): kernels take this pointer under TV_EMULATOR
+inline unsigned char* tv_emu_dynamic_shared() { return emu::dynamic_shared(); }
 
 #define TV_EMULATOR 1
 #define TV_LINKAGE

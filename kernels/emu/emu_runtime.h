@@ -8,7 +8,9 @@
 // Deadlocks (a barrier some threads never reach, e.g. after a non-uniform early exit) are detected and reported.
 //
 // Threadgroup (shared) memory: the shims define the address-space keyword as `static`, so a kernel's shared arrays are
-// one instance shared by the fibers; that is exact because only one threadgroup runs at a time.
+// one instance shared by the fibers; that is exact because only one threadgroup runs at a time. Dynamic shared memory
+// (CUDA `extern __shared__`, the launch's size) is one buffer, filled with 0xff bytes (NaN in every float type) before
+// each threadgroup, so a read of memory the group never wrote shows; a write past its end is reported.
 #pragma once
 #if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
 #define _XOPEN_SOURCE 700   // macOS declares the (deprecated) ucontext functions only with it
@@ -26,6 +28,8 @@
 namespace emu {
 
 struct Dim3 { unsigned x, y, z; };
+struct alignas(16) Bytes16 { unsigned char b[16]; };
+constexpr size_t SHARED_GUARD = 256;   // bytes past the dynamic shared memory that must stay untouched
 
 enum State { READY, WAIT_GROUP, WAIT_SIMD, DONE };
 
@@ -55,6 +59,8 @@ struct Group {
   uint32_t frags[2][1024][6];         // the same for the mma operand fragments
   const std::function<void()>* body = nullptr;
   const char* error = nullptr;
+  std::vector<Bytes16> dynamic_shared;   // the launch's bytes, then SHARED_GUARD guard bytes
+  size_t dynamic_shared_bytes = 0;
 
   int simd_size(int sg) const { return std::min(32, nt - sg * 32); }
 };
@@ -67,6 +73,19 @@ inline void fiber_entry() {
 }
 
 inline void yield() { swapcontext(&current_fiber()->ctx, &current_group()->sched); }
+
+inline unsigned char* dynamic_shared() { return current_group()->dynamic_shared.data()->b; }
+
+inline void reset_dynamic_shared(Group& g) {
+  unsigned char* p = g.dynamic_shared.data()->b;
+  std::memset(p, 0xff, g.dynamic_shared_bytes);
+  std::memset(p + g.dynamic_shared_bytes, 0xa5, SHARED_GUARD);
+}
+
+inline bool dynamic_shared_intact(const Group& g) {
+  const unsigned char* p = g.dynamic_shared.data()->b + g.dynamic_shared_bytes;
+  return std::all_of(p, p + SHARED_GUARD, [](unsigned char c) { return c == 0xa5; });
+}
 
 inline void group_barrier() {
   Group* g = current_group();
@@ -171,12 +190,15 @@ template <class T, class Op> inline T simd_reduce(T v, Op op) {
 inline Dim3& thread_pos() { static thread_local Dim3 d; return d; }
 inline Dim3& group_pos() { static thread_local Dim3 d; return d; }
 
-// order: 0 forward, 1 reverse, 2 random permutation every round (seeded)
-inline int launch(Dim3 grid, int nt, int order, unsigned seed, const std::function<void()>& body, size_t stack_bytes = 256 * 1024) {
+// order: 0 forward, 1 reverse, 2 random permutation every round (seeded); shared_bytes: dynamic shared memory
+inline int launch(Dim3 grid, int nt, int order, unsigned seed, const std::function<void()>& body, size_t shared_bytes = 0,
+                  size_t stack_bytes = 256 * 1024) {
   if (nt < 1 || nt > 1024) { std::fprintf(stderr, "emu: bad block size %d\n", nt); return 2; }
   Group g;
   g.nt = nt;
   g.grid = grid;
+  g.dynamic_shared_bytes = shared_bytes;
+  g.dynamic_shared.resize((shared_bytes + SHARED_GUARD + 15) / 16);
   g.fibers.resize(nt);
   for (auto& f : g.fibers) f.stack.resize(stack_bytes);
   g.body = &body;
@@ -188,6 +210,7 @@ inline int launch(Dim3 grid, int nt, int order, unsigned seed, const std::functi
   for (unsigned bz = 0; bz < grid.z; bz++) for (unsigned by = 0; by < grid.y; by++) for (unsigned bx = 0; bx < grid.x; bx++) {
     g.block = {bx, by, bz};
     g.arrived = 0;
+    reset_dynamic_shared(g);
     for (int i = 0; i < 32; i++) g.simd_arrived[i] = 0;
     for (int t = 0; t < nt; t++) {
       Fiber& f = g.fibers[t];
@@ -227,6 +250,12 @@ inline int launch(Dim3 grid, int nt, int order, unsigned seed, const std::functi
         current_group() = nullptr;
         return 1;
       }
+    }
+    if (!dynamic_shared_intact(g)) {
+      std::fprintf(stderr, "emu: block (%u,%u,%u) wrote past its %zu bytes of dynamic shared memory\n", bx, by, bz,
+                   shared_bytes);
+      current_group() = nullptr;
+      return 3;
     }
   }
   current_group() = nullptr;

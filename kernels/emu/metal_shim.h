@@ -1,5 +1,5 @@
 // A small C++ stand-in for the parts of the Metal Shading Language the kernels use, over the fiber emulator
-// (emu_runtime.h): address-space qualifiers, uint3/uint4, half, as_type<>, threadgroup_barrier, simd_shuffle_xor,
+// (emu_runtime.h): address-space qualifiers, uint2/uint3/uint4, uchar, half, as_type<>, threadgroup_barrier, simd_shuffle_xor,
 // simd_sum/simd_max, exp2. Thread positions come from the emulator; attributes such as [[buffer(0)]] are ignored by
 // the C++ compiler (warning switched off). Included once per translation unit; the fake <metal_stdlib> in include/
 // is empty so the prelude's #include of it is harmless.
@@ -16,6 +16,13 @@ struct alignas(16) uint4 {
   explicit uint4(uint s) : x(s), y(s), z(s), w(s) {}
   uint4(uint a, uint b, uint c, uint d) : x(a), y(b), z(c), w(d) {}
 };
+struct alignas(8) uint2 {
+  uint x, y;
+  uint2() = default;
+  explicit uint2(uint s) : x(s), y(s) {}
+  uint2(uint a, uint b) : x(a), y(b) {}
+};
+typedef unsigned char uchar;
 struct half {
   ushort bits;
   half() = default;
@@ -31,6 +38,7 @@ template <class T> inline T simd_shuffle_xor(T v, ushort mask) { return emu::sim
 inline float simd_sum(float v) { return emu::simd_reduce(v, [](float a, float b) { return a + b; }); }
 inline float simd_max(float v) { return emu::simd_reduce(v, [](float a, float b) { return a > b ? a : b; }); }
 inline float exp2(float x) { return std::exp2(x); }
+inline float rint(float x) { return std::rint(x); }
 template <class T, class F> inline T as_type(F f) {
   static_assert(sizeof(T) == sizeof(F), "as_type needs equal sizes");
   T t;

@@ -5,7 +5,7 @@ import argparse
 import random
 from typing import Any
 
-from tinyvllm.config import ATTENTION_BACKENDS, DTYPES
+from tinyvllm.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -28,6 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
   c.add_argument("--kv-cache", default="paged", choices=("paged", "contiguous"), help="contiguous: the pre-allocated baseline")
   c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
   c.add_argument("--kv-cache-memory", type=float, help="GiB for the KV cache")
+  c.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                 help="auto: the model's dtype; fp8 (= fp8_e4m3): E4M3 codes, half the bytes of bfloat16, scale 1")
   c.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory to use (CUDA)")
   c.add_argument("--num-gpu-blocks", type=int, help="exact number of KV blocks (overrides the memory flags)")
   c.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", help="turn prefix caching off")
@@ -40,6 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 ENGINE_FLAGS = ("tokenizer", "dtype", "device", "max_model_len", "load_format", "kv_cache", "block_size", "kv_cache_memory",
+                "kv_cache_dtype",
                 "gpu_memory_utilization", "num_gpu_blocks", "enable_prefix_caching", "scheduler", "max_num_seqs",
                 "max_num_batched_tokens", "enable_chunked_prefill", "long_prefill_token_threshold", "attention_backend",
                 "cuda_graph_sizes", "async_scheduling")

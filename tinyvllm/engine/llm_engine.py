@@ -18,6 +18,7 @@ from tinyvllm.core.sequence import Request, Sequence, SequenceStatus
 from tinyvllm.device import check_dtype, is_cpu, select_device
 from tinyvllm.engine.output_processor import OutputProcessor
 from tinyvllm.kernels import select_attention_backend
+from tinyvllm.layers.fp8 import FP8_STORAGE
 from tinyvllm.model.hub import resolve_model
 from tinyvllm.model.loader import load_model, resolve_dtype
 from tinyvllm.model.presets import PRESETS
@@ -72,6 +73,7 @@ class LLMEngine:
     self.tokenizer = self._tokenizer(config, located.folder)
     self.dtype = resolve_dtype(config.dtype, mc, self.device)
     check_dtype(self.device, self.dtype)
+    self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else FP8_STORAGE
     log(f"backend {self.device}, dtype {self.dtype.name}, model {mc.architecture} from {located.folder or config.model}")
     self.attention_backend = select_attention_backend(config.attention_backend, self.device)   # before loading: fail fast
     log(f"attention backend {self.attention_backend.describe()}")
@@ -80,7 +82,7 @@ class LLMEngine:
     self.model.attention_fn, self.model.write_kv_fn, self.model.linear_fn = backend.attention, backend.write_kv, backend.linear
     self.model.qkv_rope_write_fn = backend.qkv_rope_write
     self.allocator = self._allocator()
-    self.kv_cache = KVCache(mc, self.allocator.num_blocks, self.allocator.block_size, self.dtype, self.device)
+    self.kv_cache = KVCache(mc, self.allocator.num_blocks, self.allocator.block_size, self.kv_dtype, self.device)
     sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens or 0, config.enable_chunked_prefill,
                                    config.long_prefill_token_threshold)
     if not config.enable_chunked_prefill and sched_config.max_num_batched_tokens < self.max_model_len:
@@ -129,14 +131,15 @@ class LLMEngine:
     return load_tokenizer(folder)
 
   def _allocator(self) -> BlockManager | ContiguousAllocator:
-    cfg, per_token = self.config, KVCache.bytes_per_token(self.model_config, self.dtype)
+    cfg, per_token = self.config, KVCache.bytes_per_token(self.model_config, self.kv_dtype)
     if cfg.kv_cache == "contiguous":
       rows = min(cfg.max_num_seqs, num_kv_blocks(cfg, self.device, per_token * self.max_model_len, self.max_model_len,
                                                  self.max_model_len))
       log(f"contiguous KV cache: {rows} rows x {self.max_model_len} tokens ({rows * self.max_model_len * per_token / 2**20:.1f} MiB)")
       return ContiguousAllocator(rows, self.max_model_len)
     blocks = num_kv_blocks(cfg, self.device, per_token * cfg.block_size, cfg.block_size, self.max_model_len)
-    log(f"paged KV cache: {blocks} blocks of {cfg.block_size} tokens ({blocks * cfg.block_size * per_token / 2**20:.1f} MiB), "
+    kind = "FP8 E4M3" if cfg.kv_cache_dtype != "auto" else self.kv_dtype.name
+    log(f"paged {kind} KV cache: {blocks} blocks of {cfg.block_size} tokens ({blocks * cfg.block_size * per_token / 2**20:.1f} MiB), "
         f"prefix caching {'on' if cfg.enable_prefix_caching else 'off'}")
     return BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)
 

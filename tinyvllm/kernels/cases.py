@@ -18,10 +18,31 @@ from tinyvllm.kernels.plan import AttentionShape
 def bucket(n: int, minimum: int = 1) -> int: return 1 << (max(n, minimum) - 1).bit_length()
 
 
+FP8 = "fp8_e4m3"   # the FP8 KV cache's storage (uint8 codes), as a dtype name of these helpers
+
+
+def e4m3_codes_to_f32(codes: np.ndarray) -> np.ndarray:
+  c = np.asarray(codes, np.uint16)
+  return ((c & 0x7F) << 7 | (c & 0x80) << 8).astype(np.uint16).view(np.float16).astype(np.float32) * np.float32(256)
+
+
+def f32_to_e4m3_codes(x: np.ndarray) -> np.ndarray:
+  """Nearest even, saturating to +-448, NaN -> 0x7f (torch.float8_e4m3fn's rounding; the tests check it against torch)."""
+  u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.int64)
+  sign, a = (u >> 24) & 0x80, u & 0x7FFFFFFF
+  r = a + 0x7FFFF + ((a >> 20) & 1)
+  normal = ((r >> 23) - 120) << 3 | (r >> 20) & 7
+  small = np.where(a < 0x3C800000, a, 0).astype(np.uint32).view(np.float32)
+  subnormal = np.rint(small * np.float32(512)).astype(np.int64)
+  code = np.where(a > 0x7F800000, 0x7F, np.where(a >= 0x43E00000, 0x7E, np.where(a < 0x3C800000, subnormal, normal)))
+  return (code | sign).astype(np.uint8)
+
+
 def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
   """float32 values rounded to `dtype` (round to nearest even), as float32."""
   x = np.asarray(x, np.float32)
   if dtype == "float32": return x.copy()
+  if dtype == FP8: return e4m3_codes_to_f32(f32_to_e4m3_codes(x))
   if dtype == "float16": return x.astype(np.float16).astype(np.float32)
   if dtype == "bfloat16": return bf16_bits_to_f32(f32_to_bf16_bits(x))
   raise ValueError(dtype)
@@ -37,14 +58,16 @@ def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray: return (b.astype(np.uint32) <
 
 
 def to_bits(x: np.ndarray, dtype: str) -> np.ndarray:
-  """The storage the kernels read: float32 as is, 16-bit types as raw uint16 bits."""
+  """The storage the kernels read: float32 as is, 16-bit types as raw uint16 bits, FP8 as uint8 codes."""
   if dtype == "float32": return np.ascontiguousarray(x, np.float32)
+  if dtype == FP8: return f32_to_e4m3_codes(x)
   if dtype == "float16": return np.ascontiguousarray(x.astype(np.float16)).view(np.uint16)
   return f32_to_bf16_bits(x)
 
 
 def from_bits(b: np.ndarray, dtype: str) -> np.ndarray:
   if dtype == "float32": return b.astype(np.float32)
+  if dtype == FP8: return e4m3_codes_to_f32(b)
   if dtype == "float16": return b.view(np.float16).astype(np.float32)
   return bf16_bits_to_f32(b)
 
@@ -54,19 +77,22 @@ class PagedCase:
   shape: AttentionShape
   seqs: list[tuple[int, int]]   # (context length, new tokens) of each real sequence
   q: np.ndarray                 # [N, H, D] float32 (representable in shape.dtype)
-  k_cache: np.ndarray           # [slots, KVH * D]
+  k_cache: np.ndarray           # [slots, KVH * D] (representable in kv_dtype)
   v_cache: np.ndarray
   arrays: dict[str, np.ndarray]  # int32 metadata, named as in input_batch
 
   @property
   def total_tokens(self) -> int: return int(self.arrays["query_start"][-1])
 
+  @property
+  def kv_dtype(self) -> str: return FP8 if self.shape.kv_fp8 else self.shape.dtype
+
 
 def make_case(rng: np.random.Generator, seqs: list[tuple[int, int]], *, heads: int, kv_heads: int, head_dim: int,
               block_size: int = 16, dtype: str = "float32", share: int = 0, pad_seqs: int = 0, extra_blocks: int = 7,
-              scale: float = 1.0) -> PagedCase:
+              scale: float = 1.0, kv_fp8: bool = False) -> PagedCase:
   """`share`: sequences 1..share start with sequence 0's physical blocks (as many as both fill completely).
-  `pad_seqs`: extra padding sequences beyond the power-of-two bucket's own padding."""
+  `pad_seqs`: extra padding sequences beyond the power-of-two bucket's own padding. `kv_fp8`: FP8 caches."""
   assert all(1 <= new <= ctx for ctx, new in seqs), seqs
   s_real = len(seqs)
   s_pad = bucket(s_real + pad_seqs)
@@ -103,10 +129,11 @@ def make_case(rng: np.random.Generator, seqs: list[tuple[int, int]], *, heads: i
     a["context_lens"][row] = ctx
     start += new
     a["query_start"][row + 1:] = start
-  shape = AttentionShape(dtype, head_dim, heads, kv_heads, block_size, s_pad, n, tq, L, num_slots)
+  shape = AttentionShape(dtype, head_dim, heads, kv_heads, block_size, s_pad, n, tq, L, num_slots, kv_fp8)
+  kv_dtype = FP8 if kv_fp8 else dtype
   q = round_to(rng.standard_normal((n, heads, head_dim)) * scale, dtype)
-  kc = round_to(rng.standard_normal((num_slots, kv_heads * head_dim)) * scale, dtype)
-  vc = round_to(rng.standard_normal((num_slots, kv_heads * head_dim)), dtype)
+  kc = round_to(rng.standard_normal((num_slots, kv_heads * head_dim)) * scale, kv_dtype)
+  vc = round_to(rng.standard_normal((num_slots, kv_heads * head_dim)), kv_dtype)
   return PagedCase(shape, list(seqs), q, kc, vc, a)
 
 
@@ -147,7 +174,9 @@ def portable_attention(case: PagedCase, device: str | None = None) -> np.ndarray
 
   from tinyvllm.layers.attention import paged_attention
   meta = metadata_tensors(case, device)
-  q, kc, vc = (Tensor(np.ascontiguousarray(x), device=device) for x in (case.q, case.k_cache, case.v_cache))
+  q = Tensor(np.ascontiguousarray(case.q), device=device)
+  kc, vc = (Tensor(to_bits(x, case.kv_dtype) if case.shape.kv_fp8 else np.ascontiguousarray(x), device=device)
+            for x in (case.k_cache, case.v_cache))
   return paged_attention(q, kc, vc, meta).numpy()
 
 

@@ -52,9 +52,10 @@ class Spec:
 def _macro_names(text: str) -> set[str]: return set(re.findall(r"^\s*#\s*define\s+([A-Za-z_]\w*)", text, flags=re.M))
 
 
-def _ctype(kind: str, dtype: int) -> str:
+def _ctype(kind: str, dtype: int, kv_fp8: bool) -> str:
   if kind == "int": return "int"
   if kind == "float": return "float"
+  if kind == "kv" and kv_fp8: return "unsigned char"
   return "float" if dtype == 0 else "unsigned short"
 
 
@@ -66,15 +67,15 @@ def translation_unit(dialect: str, specs: list[Spec]) -> str:
     text = kernel_source(dialect, spec.algorithm, spec.defines, spec.body)   # the GPU source, prelude included, unchanged
     names = sorted(_macro_names(text) - {"TV_LINKAGE", "TV_EMULATOR"})
     out += [f"namespace {spec.name} {{", text, *[f"#undef {n}" for n in names], f"}}  // namespace {spec.name}"]
-    code = int(spec.defines["TV_DTYPE"])
+    code, kv_fp8 = int(spec.defines["TV_DTYPE"]), bool(spec.defines.get("TV_KV_FP8"))
     for launch in spec.launches:
-      args = ", ".join(f"({_ctype(p.kind, code)}*)b[{i}]" for i, p in enumerate(launch.params))
+      args = ", ".join(f"({_ctype(p.kind, code, kv_fp8)}*)b[{i}]" for i, p in enumerate(launch.params))
       pos = ", uint3{::emu::group_pos().x, ::emu::group_pos().y, ::emu::group_pos().z}, uint3{::emu::thread_pos().x, 0u, 0u}" \
         if dialect == "metal" else ""
       out.append(f'extern "C" int {spec.name}__{launch.kernel}(void** b, unsigned gx, unsigned gy, unsigned gz, int nt, '
                  f'int order, unsigned seed) {{\n'
                  f'  std::function<void()> body = [&]() {{ {spec.name}::{launch.kernel}({args}{pos}); }};\n'
-                 f'  return ::emu::launch(::emu::Dim3{{gx, gy, gz}}, nt, order, seed, body);\n}}')
+                 f'  return ::emu::launch(::emu::Dim3{{gx, gy, gz}}, nt, order, seed, body, {launch.shared_bytes});\n}}')
   return "\n".join(out) + "\n"
 
 
@@ -106,9 +107,11 @@ class EmulatedKernels:
     """Run launch `index` of specialisation `spec` over the whole grid; buffers in the kernel's argument order."""
     launch = self.specs[spec].launches[index]
     code = dtype_code({0: "float32", 1: "float16", 2: "bfloat16"}[int(self.specs[spec].defines["TV_DTYPE"])])
+    kv_fp8 = bool(self.specs[spec].defines.get("TV_KV_FP8"))
     if len(buffers) != len(launch.params): raise ValueError(f"{launch.kernel} takes {len(launch.params)} buffers")
     for p, b in zip(launch.params, buffers, strict=True):
-      want = {"int": np.int32, "float": np.float32}.get(p.kind, np.float32 if code == 0 else np.uint16)
+      want = {"int": np.int32, "float": np.float32, "kv": np.uint8 if kv_fp8 else None}.get(p.kind) \
+        or (np.float32 if code == 0 else np.uint16)
       if b.dtype != want or not b.flags.c_contiguous or b.size != p.numel:
         raise ValueError(f"{launch.kernel}: buffer {p.name} must be {p.numel} contiguous {np.dtype(want).name}, "
                          f"got {b.size} {b.dtype}")
@@ -134,7 +137,8 @@ def run_attention(emu: EmulatedKernels, spec: str, case, order: str = "forward",
   from tinyvllm.kernels.cases import from_bits, to_bits
   sh, a = case.shape, case.arrays
   launches = emu.specs[spec].launches
-  q, kc, vc = (to_bits(x, sh.dtype).reshape(-1) for x in (case.q, case.k_cache, case.v_cache))
+  q = to_bits(case.q, sh.dtype).reshape(-1)
+  kc, vc = (to_bits(x, case.kv_dtype).reshape(-1) for x in (case.k_cache, case.v_cache))
   ints = [np.ascontiguousarray(a[k], np.int32).reshape(-1) for k in ("block_tables", "context_lens", "query_start")]
   out = poisoned(sh.num_tokens * sh.num_heads * sh.head_dim, sh.dtype)
   if len(launches) == 1:
@@ -148,10 +152,12 @@ def run_attention(emu: EmulatedKernels, spec: str, case, order: str = "forward",
 
 
 def run_kv_write(emu: EmulatedKernels, spec: str, k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
-                 slot_mapping: np.ndarray, dtype: str, order: str = "forward") -> tuple[np.ndarray, np.ndarray]:
-  """Run a kv_write specialisation; float32 arrays in and out (caches [slots, row], k/v [N, row])."""
+                 slot_mapping: np.ndarray, dtype: str, order: str = "forward", kv_dtype: str | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+  """Run a kv_write specialisation; float32 arrays in and out (caches [slots, row] in kv_dtype, default dtype; k/v [N, row])."""
   from tinyvllm.kernels.cases import from_bits, to_bits
-  kc, vc = to_bits(k_cache, dtype).reshape(-1).copy(), to_bits(v_cache, dtype).reshape(-1).copy()
+  kv_dtype = kv_dtype or dtype
+  kc, vc = to_bits(k_cache, kv_dtype).reshape(-1).copy(), to_bits(v_cache, kv_dtype).reshape(-1).copy()
   emu.launch(spec, 0, [kc, vc, to_bits(k, dtype).reshape(-1), to_bits(v, dtype).reshape(-1),
                        np.ascontiguousarray(slot_mapping, np.int32)], order)
-  return from_bits(kc, dtype).reshape(k_cache.shape), from_bits(vc, dtype).reshape(v_cache.shape)
+  return from_bits(kc, kv_dtype).reshape(k_cache.shape), from_bits(vc, kv_dtype).reshape(v_cache.shape)

@@ -20,6 +20,7 @@ from tinyvllm.kernels.qkv_rope import qkv_rope_shape, run_qkv_rope_write
 from tinyvllm.kernels.sources import kernel_source
 from tinyvllm.kernels.tinygrad_program import has_buffer_identity, run_kernel
 from tinyvllm.layers.attention import AttentionMetadata, paged_attention, write_kv
+from tinyvllm.layers.fp8 import is_fp8
 from tinyvllm.layers.linear import portable_linear
 
 DTYPE_NAMES = {dtypes.float32: "float32", dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}
@@ -41,8 +42,8 @@ def _prefill(dialect: str, shape: AttentionShape):
 
 
 @functools.cache
-def _write(dialect: str, dtype: str, row: int, num_tokens: int, num_slots: int):
-  plan = write_plan(dtype, row, num_tokens, num_slots)
+def _write(dialect: str, dtype: str, row: int, num_tokens: int, num_slots: int, kv_fp8: bool):
+  plan = write_plan(dtype, row, num_tokens, num_slots, kv_fp8)
   return plan, kernel_source(dialect, "kv_write", plan.defines)
 
 
@@ -79,15 +80,16 @@ class FusedBackend:
 
   def attention_shape(self, q: Tensor, k_cache: Tensor, meta: AttentionMetadata) -> tuple[AttentionShape | None, str | None]:
     n, heads, head_dim = q.shape
-    dtype = DTYPE_NAMES.get(k_cache.dtype)
-    if dtype is None: return None, f"cache dtype {k_cache.dtype.name}"
+    kv_fp8 = is_fp8(k_cache)
+    dtype = DTYPE_NAMES.get(q.dtype if kv_fp8 else k_cache.dtype)
+    if dtype is None: return None, f"{'activation' if kv_fp8 else 'cache'} dtype {(q if kv_fp8 else k_cache).dtype.name}"
     if k_cache.shape[1] % head_dim: return None, "cache row is not a whole number of heads"
     if any(t.dtype != dtypes.int32 for t in (meta.block_tables, meta.context_lens, meta.query_start)):
       return None, "metadata not int32"
     s, tq = meta.query_index.shape
     max_blocks = meta.block_tables.shape[1]
     shape = AttentionShape(dtype, head_dim, heads, k_cache.shape[1] // head_dim, meta.block_size, s, n, tq,
-                           max_blocks * meta.block_size, k_cache.shape[0])
+                           max_blocks * meta.block_size, k_cache.shape[0], kv_fp8)
     return shape, unsupported_reason(shape, self.name)
 
   def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> Tensor:
@@ -96,12 +98,11 @@ class FusedBackend:
     if shape is None or reason is not None:
       self._fallback("attention", reason or "unsupported")
       return paged_attention(q, k_cache, v_cache, meta)
-    n = shape.num_tokens
+    n, elem = shape.num_tokens, q.dtype if shape.kv_fp8 else k_cache.dtype
     # q straight from a kernel (the fused qkv step) goes in as it is: a reshape + contiguous of it would cost a copy kernel
-    qf = q if q.dtype == k_cache.dtype and has_buffer_identity(q) else \
-      q.reshape(n, shape.num_heads * shape.head_dim).cast(k_cache.dtype).contiguous()
+    qf = q if q.dtype == elem and has_buffer_identity(q) else q.reshape(n, shape.num_heads * shape.head_dim).cast(elem).contiguous()
     ints = [meta.block_tables, meta.context_lens, meta.query_start]
-    out = Tensor.empty(n, shape.num_heads * shape.head_dim, dtype=k_cache.dtype, device=q.device)
+    out = Tensor.empty(n, shape.num_heads * shape.head_dim, dtype=elem, device=q.device)
     if shape.query_len == 1:
       plan, source = _decode(self.name, shape, self.decode_splits, self.kv_together)
       self.calls["decode" if plan.splits == 1 else "decode-split"] += 1
@@ -119,18 +120,18 @@ class FusedBackend:
     return out if out.dtype == q.dtype else out.cast(q.dtype)
 
   def write_kv(self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> tuple[Tensor, Tensor]:
-    n = k.shape[0]
-    dtype = DTYPE_NAMES.get(k_cache.dtype)
-    row = k_cache.shape[1]
-    reason = (f"cache dtype {k_cache.dtype.name}" if dtype is None else write_unsupported_reason(dtype, row)) \
+    n, row, kv_fp8 = k.shape[0], k_cache.shape[1], is_fp8(k_cache)
+    elem = k.dtype if kv_fp8 else k_cache.dtype
+    dtype = DTYPE_NAMES.get(elem)
+    reason = (f"dtype {elem.name}" if dtype is None else write_unsupported_reason(dtype, row, kv_fp8)) \
       or ("K and V caches differ" if v_cache.dtype != k_cache.dtype or v_cache.shape != k_cache.shape else None) \
       or ("slot mapping not int32" if slot_mapping.dtype != dtypes.int32 else None)
     if reason is not None or dtype is None:
       self._fallback("kv-write", reason or "unsupported")
       return write_kv(k_cache, v_cache, k, v, slot_mapping)
     self.calls["write"] += 1
-    plan, source = _write(self.name, dtype, row, n, k_cache.shape[0])
-    kr, vr = k.reshape(n, row).cast(k_cache.dtype).contiguous(), v.reshape(n, row).cast(k_cache.dtype).contiguous()
+    plan, source = _write(self.name, dtype, row, n, k_cache.shape[0], kv_fp8)
+    kr, vr = k.reshape(n, row).cast(elem).contiguous(), v.reshape(n, row).cast(elem).contiguous()
     if not has_buffer_identity(k_cache): k_cache = k_cache.clone()
     if not has_buffer_identity(v_cache): v_cache = v_cache.clone()
     kc, vc = run_kernel(plan.launches[0], source, [k_cache, v_cache, kr, vr, slot_mapping])[:2]

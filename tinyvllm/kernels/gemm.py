@@ -4,7 +4,8 @@ skinny kernel's rows and for prefill chunks, with the same fused RMSNorm / SwiGL
 tinygrad's generated GEMMs for these shapes (without a beam search) use tensor cores but few blocks and unvectorised
 loads; a decode step at batch 32 took 23 ms for weights that one pass reads in 0.4 ms. This plan picks a block tile for
 the rows, then splits K (grid z, float32 partials + a reduce kernel) until the grid covers the GPU,
-as long as the partial sums cost less traffic than the weights.
+as long as the partial sums cost less traffic than the weights. tv_gemm's ring of K slices is dynamic shared memory:
+its Launch carries the bytes (`shared_bytes`), which tinygrad_program.py gives tinygrad's CUDA program.
 """
 from __future__ import annotations
 
@@ -14,8 +15,16 @@ from dataclasses import dataclass
 from tinyvllm.kernels.plan import Launch, Param, cdiv, dtype_code
 
 TARGET_BLOCKS = 256        # ~2 blocks per H100 SM
-SHARED_BYTES = 48 * 1024   # static shared memory per block
+# the stage ring is dynamic shared memory (a block may opt into up to SHARED_LIMIT on an H100/H200); the planner keeps
+# each block within SHARED_BYTES, the opt-in limit of sm_86/89/120 GPUs, which also leaves room for two blocks in an
+# H100 SM's 228 KB
+SHARED_BYTES = 99 * 1024
+SHARED_LIMIT = 227 * 1024
 MAX_STAGES = 4             # K slices in the shared-memory ring (3 in flight while one is multiplied)
+ROW_BYTES = 80             # a staged row: a 32-wide K slice of 16-bit elements padded to 40 (conflict-free fragments)
+# an H100 SM: shared memory (each resident block takes 1 KB more than it asks) and registers, of which the kernel's
+# __launch_bounds__ leaves each thread at least MIN_REGISTERS (the 128x128 tile's warps hold 64 accumulators each)
+SM_SHARED_BYTES, SM_REGISTERS, MIN_REGISTERS = 228 * 1024, 65536, 128
 # the RMSNorm / SwiGLU prologue runs once, as its own pass, for products of at least XPRIME_ROWS rows and more than
 # XPRIME_COLUMN_BLOCKS column blocks (each would redo it on its copy of every slice: at 2,048 rows the SwiGLU product
 # ran at a third of the plain one's speed); below that its launch costs more than the repeats
@@ -27,9 +36,10 @@ MIN_KTILES_PER_SPLIT = 4   # 32-wide K slices each split keeps (fewer leave the 
 WIDE_TILES = ((64, 128, 2, 2), (64, 64, 2, 2), (32, 64, 2, 2), (16, 64, 1, 4))
 # else by rows M, with K split
 TILES = ((16, (16, 64, 1, 4)), (32, (32, 64, 2, 2)), (64, (64, 64, 2, 2)), (1 << 30, (64, 128, 2, 2)))
-FALLBACK_TILE = (64, 64, 2, 2)   # three stages even with SwiGLU's two halves of x
+FALLBACK_TILE = (64, 64, 2, 2)   # four stages even with SwiGLU's two halves of x
 # for products big enough to give it 4 blocks per SM: fewer, larger blocks won at 2,048 rows (qkv 119 -> 102 us, gate_up
-# 186 -> 156 us) and for the logits at 256 rows (731 -> 510 us), though with two stages only (not with SwiGLU's x)
+# 186 -> 156 us) and for the logits at 256 rows (731 -> 510 us), then with two stages only (48 KB of static shared
+# memory); now 4 (3 with SwiGLU's two halves of x)
 BIG_TILE, BIG_TILE_BLOCKS = (128, 128, 2, 4), 2 * TARGET_BLOCKS
 
 
@@ -40,15 +50,27 @@ class GemmTiles:
   wm: int
   wn: int
   splits: int
+  ring: int = 0   # shared-memory stages; 0: as many as fit SHARED_BYTES, up to MAX_STAGES (others: timing experiments)
 
   @property
   def threads(self) -> int: return 32 * self.wm * self.wn
 
+  def stage_bytes(self, silu_mul: bool = False) -> int:
+    """One stage: a 32-wide K slice of x (both halves for SwiGLU) and of w."""
+    return (self.bm * (2 if silu_mul else 1) + self.bn) * ROW_BYTES
+
   def stages(self, silu_mul: bool = False) -> int:
-    """Shared-memory stages that fit: each holds a 32-wide K slice of x (both halves for SwiGLU) and of w, in rows
-    padded to 40 elements."""
-    per_stage = (self.bm * (2 if silu_mul else 1) + self.bn) * 40 * 2
-    return min(MAX_STAGES, (SHARED_BYTES - 4 * self.bm - 256) // per_stage)
+    return self.ring or min(MAX_STAGES, (SHARED_BYTES - 4 * self.bm) // self.stage_bytes(silu_mul))
+
+  def shared_bytes(self, silu_mul: bool = False) -> int:
+    """tv_gemm's dynamic shared memory: the stage ring and a float per row (kernels/gemm_tc.inc's TV_SMEM_NEEDED)."""
+    return self.stages(silu_mul) * self.stage_bytes(silu_mul) + 4 * self.bm
+
+  def min_blocks(self, silu_mul: bool = False) -> int:
+    """The kernel's __launch_bounds__ minimum of blocks per SM: as many as the shared memory allows, while each
+    thread keeps MIN_REGISTERS."""
+    by_registers = SM_REGISTERS // (MIN_REGISTERS * self.threads)
+    return max(1, min(by_registers, SM_SHARED_BYTES // (self.shared_bytes(silu_mul) + 1024)))
 
 
 def unsupported_reason(dtype: str, rows: int, in_features: int, out_features: int) -> str | None:
@@ -63,7 +85,7 @@ def choose_tiles(rows: int, in_features: int, out_features: int, silu_mul: bool 
   the weights dominate, and splitting K only pays when even the smallest tiles leave the GPU idle. Tiles that leave
   room for fewer than three shared-memory stages are skipped where a smaller one will do."""
   fits = lambda t: GemmTiles(*t, 1).stages(silu_mul) >= 3
-  if not silu_mul and rows >= BIG_TILE[0] and cdiv(rows, BIG_TILE[0]) * cdiv(out_features, BIG_TILE[1]) >= BIG_TILE_BLOCKS:
+  if fits(BIG_TILE) and rows >= BIG_TILE[0] and cdiv(rows, BIG_TILE[0]) * cdiv(out_features, BIG_TILE[1]) >= BIG_TILE_BLOCKS:
     return GemmTiles(*BIG_TILE, 1)
   for bm, bn, wm, wn in WIDE_TILES:
     if bm <= rows and cdiv(rows, bm) * cdiv(out_features, bn) >= TARGET_BLOCKS and fits((bm, bn, wm, wn)):
@@ -85,12 +107,14 @@ def gemm_plan(shape, tiles: GemmTiles | None = None) -> tuple[dict[str, int | st
   t = tiles or choose_tiles(m, k, o, shape.silu_mul)
   prologue = shape.norm_eps is not None or shape.silu_mul
   xprime = prologue and m >= XPRIME_ROWS and cdiv(o, t.bn) > XPRIME_COLUMN_BLOCKS
-  stages = t.stages(shape.silu_mul and not xprime)
+  staged_silu = shape.silu_mul and not xprime
+  stages, smem = t.stages(staged_silu), t.shared_bytes(staged_silu)
   if k % (32 * t.splits): raise ValueError(f"tiles {t}: K = {k} does not split into {t.splits} runs of 32-wide slices")
   if stages < 2: raise ValueError(f"tiles {t} leave room for {stages} shared-memory stage(s); at least 2 are needed")
+  if smem > SHARED_LIMIT: raise ValueError(f"tiles {t} need {smem} bytes of shared memory (a block gets {SHARED_LIMIT})")
   defines: dict[str, int | str] = {"TV_DTYPE": dtype_code(shape.dtype), "TV_M": m, "TV_K": k, "TV_NOUT": o, "TV_BM": t.bm,
                                    "TV_BN": t.bn, "TV_WM": t.wm, "TV_WN": t.wn, "TV_NT": t.threads, "TV_SPLITS": t.splits,
-                                   "TV_STAGES": stages}
+                                   "TV_STAGES": stages, "TV_SMEM_BYTES": smem, "TV_MIN_BLOCKS": t.min_blocks(staged_silu)}
   y = Param("y", "float" if shape.out_float32 else "elem", True, m * o)
   part = Param("part", "float", True, t.splits * m * o)
   x = Param("x", "elem", False, m * k * (2 if shape.silu_mul else 1))
@@ -108,7 +132,7 @@ def gemm_plan(shape, tiles: GemmTiles | None = None) -> tuple[dict[str, int | st
       defines[flag] = len(epilogue)
       epilogue.append(Param(name, "elem", False, numel))
   launches = [Launch("tv_gemm_xprime", (m, 1, 1), t.threads, tuple(pre))] if xprime else []
-  launches.append(Launch("tv_gemm", (cdiv(o, t.bn), cdiv(m, t.bm), t.splits), t.threads, tuple(gemm)))
+  launches.append(Launch("tv_gemm", (cdiv(o, t.bn), cdiv(m, t.bm), t.splits), t.threads, tuple(gemm), smem))
   if t.splits > 1: launches.append(Launch("tv_gemm_reduce", (cdiv(m * o, t.threads), 1, 1), t.threads, tuple(epilogue)))
   return defines, tuple(launches)
 

@@ -33,7 +33,7 @@ def dtype_code(name: str) -> int:
 @dataclass(frozen=True)
 class Param:
   name: str
-  kind: str        # "elem" (the cache/activation dtype), "float" (float32 scratch) or "int" (int32 metadata)
+  kind: str        # "elem" (the activation dtype), "kv" (the cache's: elem or FP8 codes), "float" (float32), "int" (int32)
   written: bool
   numel: int
 
@@ -44,6 +44,7 @@ class Launch:
   grid: tuple[int, int, int]       # blocks (CUDA grid / Metal threadgroups per grid)
   threads: int                     # threads per block (1-D)
   params: tuple[Param, ...]        # in the kernel's argument order
+  shared_bytes: int = 0            # dynamic shared memory per block (CUDA `extern __shared__`), set at launch
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class AttentionShape:
   query_len: int       # Tq (padded longest query run; 1 = pure decode)
   context_len: int     # L (multiple of block_size)
   num_slots: int       # rows of the cache tensors
+  kv_fp8: bool = False  # the caches hold FP8 E4M3 codes (else `dtype` values)
 
   @property
   def group(self) -> int: return self.num_heads // self.num_kv_heads
@@ -70,13 +72,14 @@ class AttentionShape:
 def _common(shape: AttentionShape) -> dict[str, int | str]:
   return {"TV_DTYPE": dtype_code(shape.dtype), "TV_NT": THREADS, "TV_D": shape.head_dim, "TV_G": shape.group,
           "TV_KVH": shape.num_kv_heads, "TV_H": shape.num_heads, "TV_BS": shape.block_size, "TV_S": shape.num_seqs,
-          "TV_N": shape.num_tokens, "TV_MAXB": shape.max_blocks,
+          "TV_N": shape.num_tokens, "TV_MAXB": shape.max_blocks, "TV_KV_FP8": int(shape.kv_fp8),
           "TV_SCALE_LOG2": f"{(1.0 / math.sqrt(shape.head_dim)) * math.log2(math.e)!r}f"}
 
 
 def unsupported_reason(shape: AttentionShape, dialect: str = "cuda") -> str | None:
   """Why the fused kernels cannot take this shape (None: they can). The adapter then uses the portable path."""
   if shape.dtype not in DTYPE_CODES: return f"dtype {shape.dtype} (float32, float16 and bfloat16 are supported)"
+  if shape.kv_fp8 and dtype_code(shape.dtype) == 0: return "an FP8 KV cache with float32 activations"
   if shape.num_kv_heads < 1 or shape.num_heads % shape.num_kv_heads: return "heads not a multiple of kv heads"
   if shape.group > 32: return f"GQA group {shape.group} > 32"
   vec = 16 // ELEM_BYTES[dtype_code(shape.dtype)]
@@ -143,8 +146,8 @@ def decode_plan(shape: AttentionShape, splits: int | None = None, kv_together: b
   d = {**_common(shape), "TV_LPK": lpk, "TV_NVL": nvl, "TV_KPP": kpp, "TV_U": unroll, "TV_TILE": tile, "TV_VPR": vpr,
        "TV_NJG": njg, "TV_KPT": kpt, "TV_NSPLIT": splits, "TV_CHUNK": chunk, "TV_KV_TOGETHER": int(kv_together)}
   s, h, n, hd = shape.num_seqs, shape.num_heads, shape.num_tokens, shape.head_dim
-  ins = (Param("q", "elem", False, n * h * hd), Param("k_cache", "elem", False, shape.num_slots * shape.num_kv_heads * hd),
-         Param("v_cache", "elem", False, shape.num_slots * shape.num_kv_heads * hd),
+  ins = (Param("q", "elem", False, n * h * hd), Param("k_cache", "kv", False, shape.num_slots * shape.num_kv_heads * hd),
+         Param("v_cache", "kv", False, shape.num_slots * shape.num_kv_heads * hd),
          Param("block_tables", "int", False, s * shape.max_blocks), Param("context_lens", "int", False, s),
          Param("query_start", "int", False, s + 1))
   out = Param("out", "elem", True, n * h * hd)
@@ -206,8 +209,8 @@ def prefill_plan(shape: AttentionShape, dialect: str = "cuda") -> PrefillPlan:
        "TV_CG": COL_GROUPS, "TV_RPT": rpt, "TV_CPT": cpt, "TV_WPT": wpt, "TV_DW": words, "TV_QSTR": words + 1}
   s, h, n, hd = shape.num_seqs, shape.num_heads, shape.num_tokens, shape.head_dim
   params = (Param("out", "elem", True, n * h * hd), Param("q", "elem", False, n * h * hd),
-            Param("k_cache", "elem", False, shape.num_slots * shape.num_kv_heads * hd),
-            Param("v_cache", "elem", False, shape.num_slots * shape.num_kv_heads * hd),
+            Param("k_cache", "kv", False, shape.num_slots * shape.num_kv_heads * hd),
+            Param("v_cache", "kv", False, shape.num_slots * shape.num_kv_heads * hd),
             Param("block_tables", "int", False, s * shape.max_blocks), Param("context_lens", "int", False, s),
             Param("query_start", "int", False, s + 1))
   launch = Launch("tv_paged_prefill", (q_tiles, shape.num_kv_heads, s), THREADS, params)
@@ -227,18 +230,21 @@ class WritePlan:
   launches: tuple[Launch, ...] = field(compare=False)
 
 
-def write_unsupported_reason(dtype: str, row: int) -> str | None:
+def write_unsupported_reason(dtype: str, row: int, kv_fp8: bool = False) -> str | None:
   if dtype not in DTYPE_CODES: return f"dtype {dtype}"
+  if kv_fp8 and dtype_code(dtype) == 0: return "an FP8 KV cache with float32 activations"
   vec = 16 // ELEM_BYTES[dtype_code(dtype)]
   return None if row % vec == 0 else f"row of {row} elements is not a whole number of 16-byte vectors"
 
 
-def write_plan(dtype: str, row: int, num_tokens: int, num_slots: int) -> WritePlan:
+def write_plan(dtype: str, row: int, num_tokens: int, num_slots: int, kv_fp8: bool = False) -> WritePlan:
+  """`dtype`: the new K/V rows'; the caches hold the same, or FP8 codes with `kv_fp8`."""
   code = dtype_code(dtype)
   vectors = row // (16 // ELEM_BYTES[code])
   threads = min(THREADS, max(32, -(-vectors // 32) * 32))
-  d: dict[str, int | str] = {"TV_DTYPE": code, "TV_NT": threads, "TV_ROW": row, "TV_N": num_tokens, "TV_NSLOTS": num_slots}
-  params = (Param("k_cache", "elem", True, num_slots * row), Param("v_cache", "elem", True, num_slots * row),
+  d: dict[str, int | str] = {"TV_DTYPE": code, "TV_NT": threads, "TV_ROW": row, "TV_N": num_tokens, "TV_NSLOTS": num_slots,
+                             "TV_KV_FP8": int(kv_fp8)}
+  params = (Param("k_cache", "kv", True, num_slots * row), Param("v_cache", "kv", True, num_slots * row),
             Param("k", "elem", False, num_tokens * row), Param("v", "elem", False, num_tokens * row),
             Param("slot_mapping", "int", False, num_tokens))
   return WritePlan(dtype, row, num_tokens, num_slots, threads, d, (Launch("tv_kv_write", (num_tokens, 1, 1), threads, params),))

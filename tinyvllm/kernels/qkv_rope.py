@@ -16,6 +16,7 @@ from tinygrad import Tensor, dtypes
 from tinyvllm.kernels.plan import DTYPE_CODES, ELEM_BYTES, Launch, Param, cdiv, dtype_code
 from tinyvllm.kernels.sources import kernel_source
 from tinyvllm.kernels.tinygrad_program import has_buffer_identity, run_kernel
+from tinyvllm.layers.fp8 import is_fp8
 
 MAX_THREADS = 256
 MAX_HEAD_DIM = 256
@@ -24,7 +25,7 @@ DTYPE_NAMES = {dtypes.float32: "float32", dtypes.float16: "float16", dtypes.bflo
 
 @dataclass(frozen=True)
 class QkvRopeShape:
-  dtype: str           # qkv, q, caches and norm weights
+  dtype: str           # qkv, q, norm weights and (without kv_fp8) the caches
   num_tokens: int      # N (static, padded)
   num_heads: int       # H
   num_kv_heads: int    # KVH
@@ -32,6 +33,7 @@ class QkvRopeShape:
   num_slots: int       # cache rows
   qk_norm: bool
   eps: float           # RMSNorm epsilon (used with qk_norm)
+  kv_fp8: bool = False  # the caches hold FP8 E4M3 codes
 
   @property
   def vec(self) -> int: return 16 // ELEM_BYTES[dtype_code(self.dtype)]
@@ -49,6 +51,7 @@ class QkvRopePlan:
 
 def unsupported_reason(shape: QkvRopeShape) -> str | None:
   if shape.dtype not in DTYPE_CODES: return f"dtype {shape.dtype} (float32, float16 and bfloat16 are supported)"
+  if shape.kv_fp8 and dtype_code(shape.dtype) == 0: return "an FP8 KV cache with float32 activations"
   if shape.num_heads < 1 or shape.num_kv_heads < 1: return "no heads"
   d, vec = shape.head_dim, shape.vec
   if d > MAX_HEAD_DIM: return f"head_dim {d} > {MAX_HEAD_DIM}"
@@ -67,9 +70,10 @@ def qkv_rope_plan(shape: QkvRopeShape) -> QkvRopePlan:
   passes = cdiv(units, threads // lph)
   n, h, kvh, d = shape.num_tokens, shape.num_heads, shape.num_kv_heads, shape.head_dim
   defines: dict[str, int | str] = {"TV_DTYPE": dtype_code(shape.dtype), "TV_NT": threads, "TV_N": n, "TV_H": h, "TV_KVH": kvh,
-                                   "TV_D": d, "TV_NSLOTS": shape.num_slots, "TV_LPH": lph, "TV_HV": hv, "TV_PASSES": passes}
-  params = [Param("q", "elem", True, n * h * d), Param("k_cache", "elem", True, shape.num_slots * kvh * d),
-            Param("v_cache", "elem", True, shape.num_slots * kvh * d), Param("qkv", "elem", False, n * units * d),
+                                   "TV_D": d, "TV_NSLOTS": shape.num_slots, "TV_LPH": lph, "TV_HV": hv, "TV_PASSES": passes,
+                                   "TV_KV_FP8": int(shape.kv_fp8)}
+  params = [Param("q", "elem", True, n * h * d), Param("k_cache", "kv", True, shape.num_slots * kvh * d),
+            Param("v_cache", "kv", True, shape.num_slots * kvh * d), Param("qkv", "elem", False, n * units * d),
             Param("cos", "float", False, n * d // 2), Param("sin", "float", False, n * d // 2),
             Param("slot_mapping", "int", False, n)]
   if shape.qk_norm:
@@ -91,9 +95,10 @@ def qkv_rope_shape(qkv: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, co
   if qkv.ndim != 2 or k_cache.ndim != 2 or cos.ndim != 2 or slot_mapping.ndim != 1: return None, "tensor ranks"
   n, d = qkv.shape[0], 2 * cos.shape[1]
   if not all(isinstance(x, int) for x in (*qkv.shape, *k_cache.shape, *cos.shape)): return None, "symbolic shape"
-  dtype = DTYPE_NAMES.get(k_cache.dtype)
-  if dtype is None: return None, f"cache dtype {k_cache.dtype.name}"
-  if qkv.dtype != k_cache.dtype: return None, f"qkv dtype {qkv.dtype.name} differs from the cache's {k_cache.dtype.name}"
+  kv_fp8 = is_fp8(k_cache)
+  dtype = DTYPE_NAMES.get(qkv.dtype if kv_fp8 else k_cache.dtype)
+  if dtype is None: return None, f"{'qkv' if kv_fp8 else 'cache'} dtype {(qkv if kv_fp8 else k_cache).dtype.name}"
+  if not kv_fp8 and qkv.dtype != k_cache.dtype: return None, f"qkv dtype {qkv.dtype.name} differs from the cache's {k_cache.dtype.name}"
   if v_cache.dtype != k_cache.dtype or v_cache.shape != k_cache.shape: return None, "K and V caches differ"
   if slot_mapping.dtype != dtypes.int32: return None, "slot mapping not int32"
   if d == 0 or k_cache.shape[1] % d or qkv.shape[1] % d: return None, "rows not a whole number of heads"
@@ -101,7 +106,7 @@ def qkv_rope_shape(qkv: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, co
   if (q_norm is None) != (k_norm is None): return None, "only one of q_norm and k_norm"
   if q_norm is not None and (q_norm.shape != (d,) or k_norm is None or k_norm.shape != (d,)): return None, "norm weights not [head_dim]"
   kvh = k_cache.shape[1] // d
-  shape = QkvRopeShape(dtype, n, qkv.shape[1] // d - 2 * kvh, kvh, d, k_cache.shape[0], q_norm is not None, float(eps))
+  shape = QkvRopeShape(dtype, n, qkv.shape[1] // d - 2 * kvh, kvh, d, k_cache.shape[0], q_norm is not None, float(eps), kv_fp8)
   return shape, unsupported_reason(shape)
 
 
@@ -119,12 +124,12 @@ def run_qkv_rope_write(dialect: str, shape: QkvRopeShape, qkv: Tensor, q_norm: T
   kernel when made contiguous)."""
   plan, source = _compiled(dialect, shape)
   n, h, d = shape.num_tokens, shape.num_heads, shape.head_dim
-  q = Tensor.empty(n, h, d, dtype=k_cache.dtype, device=qkv.device)
+  q = Tensor.empty(n, h, d, dtype=qkv.dtype, device=qkv.device)
   if not has_buffer_identity(k_cache): k_cache = k_cache.clone()
   if not has_buffer_identity(v_cache): v_cache = v_cache.clone()
   ins = [_as_buffer(qkv), _as_buffer(cos.cast(dtypes.float32)), _as_buffer(sin.cast(dtypes.float32)), slot_mapping]
   if shape.qk_norm:
     assert q_norm is not None and k_norm is not None
-    ins += [_as_buffer(q_norm.cast(k_cache.dtype)), _as_buffer(k_norm.cast(k_cache.dtype))]
+    ins += [_as_buffer(q_norm.cast(qkv.dtype)), _as_buffer(k_norm.cast(qkv.dtype))]
   q, kc, vc = run_kernel(plan.launch, source, [q, k_cache, v_cache, *ins])[:3]
   return q, kc, vc

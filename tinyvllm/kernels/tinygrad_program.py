@@ -1,14 +1,21 @@
 """The one place that touches tinygrad internals for the hand-written kernels (tinygrad==0.14.0 is pinned).
 
 What is internal and may change between tinygrad releases: `ProgramInfo`, the layout of an `Ops.PROGRAM` node
-(SINK, LINEAR, SOURCE, BINARY), `KernelInfo`, the compiler classes (NVRTCCompiler, MetalCompiler) and
-`Device[...].renderer.target`. Everything else in tinyvllm/kernels uses only `Tensor` and the plans.
+(SINK, LINEAR, SOURCE, BINARY), `KernelInfo`, the compiler classes (NVRTCCompiler, MetalCompiler),
+`Device[...].renderer.target`, and `Device[...].runtime_t` with CUDAProgram's `smem` argument (below). Everything else
+in tinyvllm/kernels uses only `Tensor` and the plans.
 
 A kernel runs through the public `Tensor.custom_kernel`: its function returns a finished PROGRAM with a BINARY we
 compiled ourselves (NVRTC to a cubin on CUDA, MetalCompiler on METAL), explicit `outs`/`ins` (without them CUDA graphs
 add no dependency edge after the kernel and the JIT replays read stale data) and a fixed grid (no Variables: symbolic
 launch dims break CUDA graphs). Compilers are imported only when a kernel is built for their device, so the CPU never
 loads NVRTC or Metal.
+
+Dynamic shared memory (a Launch's `shared_bytes`): tinygrad's CUDAProgram takes `smem`, sets the function's
+MAX_DYNAMIC_SHARED_SIZE_BYTES attribute and launches with it (CUDA graph nodes read `runtime.smem` too), but tinygrad
+builds programs as `Device[d].runtime(elf)`, without it. So `run_kernel` records the bytes under (binary, kernel name)
+and wraps the device's `runtime_t` once, to build a recorded kernel with them: keyed by the binary, two
+specialisations of one kernel name cannot be mixed up.
 """
 from __future__ import annotations
 
@@ -48,6 +55,7 @@ def _compiler(device: str):
 
 
 _binaries: dict[tuple[str, str], bytes] = {}
+_dynamic_shared: dict[tuple[bytes, str], int] = {}   # (binary, kernel name) -> bytes of dynamic shared memory
 _pending: set[tuple[str, str]] | None = None   # while collecting: sources met, not compiled
 
 
@@ -95,6 +103,42 @@ def compile_parallel(sources: Iterable[tuple[str, str]], workers: int | None = N
 def device_arch(device: str) -> str: return str(getattr(Device[device], "arch", ""))
 
 
+def dynamic_shared_bytes(binary: bytes, kernel: str) -> int:
+  """Dynamic shared memory recorded for `kernel` of `binary` (0: none)."""
+  return _dynamic_shared.get((binary, kernel), 0)
+
+
+def record_dynamic_shared(binary: bytes, kernel: str, nbytes: int) -> None:
+  """Programs built from now on for `kernel` of `binary` launch with `nbytes` of dynamic shared memory (the largest
+  recorded, should a binary ever come with two sizes)."""
+  key = (binary, kernel)
+  _dynamic_shared[key] = max(nbytes, _dynamic_shared.get(key, 0))
+
+
+class DynamicSharedRuntime:
+  """A device's `runtime_t` (the program class tinygrad calls as runtime_t(device, elf)) that passes the recorded
+  dynamic shared memory as `smem` to the programs that need it."""
+
+  def __init__(self, program_class): self.program_class = program_class
+
+  def __call__(self, dev, obj):
+    smem = dynamic_shared_bytes(obj.lib, obj.name)
+    return self.program_class(dev, obj, smem=smem) if smem else self.program_class(dev, obj)
+
+
+def enable_dynamic_shared(dev) -> None:
+  """Wrap `dev.runtime_t` (a tinygrad Compiled device) in DynamicSharedRuntime, once."""
+  with _lock:
+    if not isinstance(dev.runtime_t, DynamicSharedRuntime): dev.runtime_t = DynamicSharedRuntime(dev.runtime_t)
+
+
+def _use_dynamic_shared(device: str, binary: bytes, launch: Launch) -> None:
+  dev = Device[device]
+  if native_dialect(dev.device) != "cuda": raise KernelBuildError(f"{launch.kernel}: dynamic shared memory is CUDA only")
+  enable_dynamic_shared(dev)
+  record_dynamic_shared(binary, launch.kernel, launch.shared_bytes)
+
+
 def _program_fxn(launch: Launch, source: str, binary: bytes, device: str):
   outs = tuple(i for i, p in enumerate(launch.params) if p.written)
   ins = tuple(i for i, p in enumerate(launch.params) if not p.written)
@@ -121,6 +165,7 @@ def run_kernel(launch: Launch, source: str, tensors: list[Tensor]) -> list[Tenso
     _pending.add((device, source))
     binary = b""
   else: binary = compile_source(device, source)
+  if launch.shared_bytes and binary: _use_dynamic_shared(device, binary, launch)
   return Tensor.custom_kernel(*tensors, fxn=_program_fxn(launch, source, binary, device))
 
 

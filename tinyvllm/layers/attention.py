@@ -13,7 +13,9 @@ import math
 from dataclasses import dataclass
 
 from tinygrad import Tensor, dtypes
+from tinygrad.dtype import DType
 
+from tinyvllm.layers.fp8 import decode_e4m3, encode_e4m3, is_fp8
 from tinyvllm.layers.scatter import gather_rows, scatter_rows
 
 
@@ -31,10 +33,14 @@ class AttentionMetadata:
 
 
 def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> tuple[Tensor, Tensor]:
-  """Scatter the new tokens' K/V ([N, kv_heads, head_dim]) into the [slots, kv_heads * head_dim] caches."""
+  """Scatter the new tokens' K/V ([N, kv_heads, head_dim]) into the [slots, kv_heads * head_dim] caches (as FP8 codes
+  into uint8 caches; k and v are in the activations' dtype, so FP8 rounds that, as the kernels do)."""
   n = k.shape[0]
-  k_rows, v_rows = k.reshape(n, -1).cast(k_cache.dtype), v.reshape(n, -1).cast(v_cache.dtype)
+  k_rows, v_rows = (_to_cache(x.reshape(n, -1), c) for x, c in ((k, k_cache), (v, v_cache)))
   return scatter_rows(k_cache, slot_mapping, k_rows), scatter_rows(v_cache, slot_mapping, v_rows)
+
+
+def _to_cache(rows: Tensor, cache: Tensor) -> Tensor: return encode_e4m3(rows) if is_fp8(cache) else rows.cast(cache.dtype)
 
 
 def context_slots(meta: AttentionMetadata) -> Tensor:
@@ -46,10 +52,13 @@ def context_slots(meta: AttentionMetadata) -> Tensor:
   return blocks * bs + offsets[:, :meta.context_len]
 
 
-def gather_context(cache: Tensor, slots: Tensor, kv_heads: int, head_dim: int) -> Tensor:
-  """[S, kv_heads, L, head_dim]: each sequence's first L cached tokens, read through its block table."""
+def gather_context(cache: Tensor, slots: Tensor, kv_heads: int, head_dim: int, dtype: DType) -> Tensor:
+  """[S, kv_heads, L, head_dim] in `dtype` (the cache's, or the activations' for FP8 codes): each sequence's first L
+  cached tokens, read through its block table."""
   s, length = slots.shape
-  return gather_rows(cache, slots).reshape(s, length, kv_heads, head_dim).permute(0, 2, 1, 3)
+  rows = gather_rows(cache, slots)
+  if is_fp8(cache): rows = decode_e4m3(rows, dtype)
+  return rows.reshape(s, length, kv_heads, head_dim).permute(0, 2, 1, 3)
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> Tensor:
@@ -61,7 +70,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
   qp = gather_rows(q.reshape(q.shape[0], heads * head_dim), meta.query_index)
   qp = qp.reshape(s, tq, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4).reshape(s, kv_heads, group * tq, head_dim)
   slots = context_slots(meta)
-  keys, values = gather_context(k_cache, slots, kv_heads, head_dim), gather_context(v_cache, slots, kv_heads, head_dim)
+  keys, values = (gather_context(c, slots, kv_heads, head_dim, q.dtype if is_fp8(c) else c.dtype) for c in (k_cache, v_cache))
   scores = qp.matmul(keys.transpose(-1, -2), dtype=dtypes.float32) * (1.0 / math.sqrt(head_dim))  # [S, KVH, G*Tq, L]
   visible = Tensor.arange(meta.context_len, dtype=dtypes.int32).reshape(1, 1, -1) <= meta.query_pos.unsqueeze(-1)
   visible = visible.unsqueeze(1).expand(s, group, tq, meta.context_len).reshape(s, 1, group * tq, meta.context_len)

@@ -1,0 +1,87 @@
+"""The FP8 E4M3 KV cache on the GPU, as part of bench/check_kernels.py (which runs these and records the results).
+
+- FP8_CASES: attention cases over FP8 caches (the fused kernels against the portable path on the same codes);
+- check_kv_write_fp8: the KV write kernel's codes (the hardware cvt.rn.satfinite on sm_89+) against the portable
+  encoder's, value for value, over magnitudes from E4M3's subnormals to beyond its largest finite value;
+- step_engine_fp8: greedy decoding of the Qwen3-0.6B shape (random weights) with an FP8 cache, hand-written kernels
+  against the portable path: the same tokens, except where the portable run's top two logprobs are a near-tie.
+Each function returns a record for $OUT/kernels.json and raises AssertionError on a failure.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+CTXS = [1000, 4000, 100, 1, 2, 15, 16, 17]
+MIXED = [(600, 250), (1500, 1), (300, 100), (17, 1), (16, 16), (2, 2), (100, 1)]
+FP8_CASES = [
+  dict(name="decode_bf16_d128_g2_kv8", seqs=[(c, 1) for c in CTXS], heads=4, kv_heads=2, head_dim=128, dtype="bfloat16",
+       share=2, kv_fp8=True),
+  dict(name="decode_bf16_d128_g2_kv8_nosplit", seqs=[(c, 1) for c in CTXS], heads=4, kv_heads=2, head_dim=128,
+       dtype="bfloat16", share=2, splits=1, kv_fp8=True),
+  dict(name="decode_bf16_qwen3_b128_kv8", seqs=[(int(c), 1) for c in np.random.default_rng(6).integers(1, 1025, 128)],
+       heads=16, kv_heads=8, head_dim=128, dtype="bfloat16", share=0, kv_fp8=True),
+  dict(name="mixed_bf16_d128_g2_kv8", seqs=MIXED, heads=4, kv_heads=2, head_dim=128, dtype="bfloat16", share=2, kv_fp8=True),
+  dict(name="mixed_f16_d64_g4_kv8", seqs=MIXED, heads=8, kv_heads=2, head_dim=64, dtype="float16", share=2, kv_fp8=True),
+]
+NEAR_TIE = 0.02   # logprob gap under which a different greedy token is accepted (accumulation order differs)
+
+
+def check_kv_write_fp8(dialect: str, device: str) -> dict:
+  from tinygrad import Tensor, dtypes
+
+  from tinyvllm.kernels.cases import FP8, round_to, to_bits
+  from tinyvllm.kernels.fused import FusedBackend
+  from tinyvllm.layers.attention import write_kv
+  rng = np.random.default_rng(12)
+  kvh, d, slots, n = 8, 128, 4096, 64
+  row = kvh * d
+  old = [to_bits(round_to(rng.standard_normal((slots, row)), FP8), FP8) for _ in range(2)]
+  new = [round_to(rng.standard_normal((n, row)) * np.exp(rng.uniform(-11, 7, (n, row))), "bfloat16") for _ in range(2)]
+  slot_mapping = rng.permutation(slots)[:n].astype(np.int32)
+  slot_mapping[::5] = -1
+  results = {}
+  for name, write in (("fused", FusedBackend(dialect, device).write_kv), ("portable", write_kv)):
+    caches = [Tensor(c, device=device).realize() for c in old]
+    kv = [Tensor(x.astype(np.float32), device=device).cast(dtypes.bfloat16).reshape(n, kvh, d) for x in new]
+    written = write(*caches, *kv, Tensor(slot_mapping, device=device).realize())
+    Tensor.realize(*written)
+    results[name] = [t.numpy() for t in written]
+  want = [c.copy() for c in old]
+  ok = slot_mapping >= 0
+  for w, x in zip(want, new, strict=True): w[slot_mapping[ok]] = to_bits(x[ok], FP8)
+  same = [np.array_equal(results["fused"][i], want[i]) and np.array_equal(results["portable"][i], want[i]) for i in range(2)]
+  record = {"name": "kv_write_fp8_bf16_kvh8_d128", "ok": all(same),
+            "codes_differing_fused": int(sum((results["fused"][i] != want[i]).sum() for i in range(2))),
+            "codes_differing_portable": int(sum((results["portable"][i] != want[i]).sum() for i in range(2)))}
+  assert record["ok"], f"FP8 codes differ from the expected encoding: {record}"
+  return record
+
+
+def _greedy(engine_kwargs: dict, prompts: list[list[int]], tokens: int, logprobs: int | None):
+  from tinyvllm import LLM, SamplingParams
+  llm = LLM(**engine_kwargs)
+  outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=logprobs),
+                      use_tqdm=False)
+  calls = dict(getattr(llm.engine.attention_backend, "calls", {}))
+  return [o.outputs[0] for o in outs], calls
+
+
+def step_engine_fp8(device: str, dialect: str) -> dict:
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(0, 10000, n).tolist() for n in (5, 60, 200, 700)]
+  base = dict(model="qwen3-0.6b", load_format="dummy", device=device, dtype="bfloat16", max_model_len=1024, max_num_seqs=8,
+              num_gpu_blocks=512, kv_cache_dtype="fp8", cuda_graph_sizes=[])
+  fused, calls = _greedy({**base, "attention_backend": dialect}, prompts, 48, None)
+  portable, _ = _greedy({**base, "attention_backend": "portable"}, prompts, 48, 2)
+  matched, problems = [], []
+  for i, (f, p) in enumerate(zip(fused, portable, strict=True)):
+    first = next((j for j, (a, b) in enumerate(zip(f.token_ids, p.token_ids, strict=True)) if a != b), None)
+    matched.append(len(f.token_ids) if first is None else first)
+    if first is not None:
+      top = sorted((e.logprob for e in p.logprobs[first].values()), reverse=True)
+      if top[0] - top[1] >= NEAR_TIE: problems.append(f"prompt {i} differs at token {first} (portable gap {top[0] - top[1]:.3f})")
+  record = {"name": "engine_fp8_qwen3_dummy", "ok": not problems, "tokens_matched": matched, "calls": calls,
+            "problems": problems}
+  assert not problems, "; ".join(problems)
+  assert calls.get("qkv-rope", 0) > 0 and calls.get("decode-split", 0) + calls.get("decode", 0) > 0, calls
+  return record

@@ -1,0 +1,66 @@
+"""How a Launch's dynamic shared memory reaches tinygrad's CUDA program (tinyvllm/kernels/tinygrad_program.py), on the
+CPU: tinygrad turns our PROGRAM into the ELF object its device's `runtime_t` is called with, and the wrapper must find
+the recorded bytes from that object alone, per binary and kernel name."""
+from __future__ import annotations
+
+import inspect
+
+from tinygrad import Tensor
+from tinygrad.device import Compiled
+from tinygrad.uop.ops import UOp
+
+from tinyvllm.kernels.plan import Launch, Param
+from tinyvllm.kernels.tinygrad_program import DynamicSharedRuntime, _program_fxn, enable_dynamic_shared, record_dynamic_shared
+
+
+class Built:
+  """Stands in for CUDAProgram (same constructor), keeping what it was built with."""
+
+  def __init__(self, dev, obj, smem: int = 0): self.dev, self.obj, self.smem = dev, obj, smem
+
+
+def _elf(kernel: str, binary: bytes):
+  """The object tinygrad's get_runtime hands the device for a kernel that run_kernel launches (Ops.PROGRAM.to_elf)."""
+  launch = Launch(kernel, (1, 1, 1), 32, (Param("y", "float", True, 4),))
+  return _program_fxn(launch, "// source", binary, "CPU")(UOp.placeholder_like(Tensor.empty(4).uop, slot=0)).to_elf()
+
+
+def test_programs_get_the_bytes_recorded_for_their_binary_and_kernel():
+  runtime = DynamicSharedRuntime(Built)
+  four_stages, two_stages = b"cubin of tv_gemm with 4 stages", b"cubin of tv_gemm with 2 stages"
+  record_dynamic_shared(four_stages, "tv_gemm", 82432)
+  record_dynamic_shared(two_stages, "tv_gemm", 41472)
+  assert runtime("dev", _elf("tv_gemm", four_stages)).smem == 82432
+  assert runtime("dev", _elf("tv_gemm", two_stages)).smem == 41472   # same kernel name, other specialisation
+  assert runtime("dev", _elf("tv_gemm_reduce", four_stages)).smem == 0   # another kernel of the same binary
+  assert runtime("dev", _elf("tv_gemm", b"never recorded")).smem == 0
+  record_dynamic_shared(two_stages, "tv_gemm", 1024)   # a smaller size never shrinks what a program launches with
+  assert runtime("dev", _elf("tv_gemm", two_stages)).smem == 41472
+
+
+def test_wrapping_a_device_once_keeps_its_programs_working():
+  class FakeDevice:
+    runtime = Compiled.runtime   # tinygrad's: runtime_t(self, elf)
+
+    def __init__(self): self.runtime_t = Built
+
+  dev = FakeDevice()
+  enable_dynamic_shared(dev)
+  enable_dynamic_shared(dev)
+  assert isinstance(dev.runtime_t, DynamicSharedRuntime) and dev.runtime_t.program_class is Built
+  record_dynamic_shared(b"wrapped", "tv_gemm", 4096)
+  prg = dev.runtime(_elf("tv_gemm", b"wrapped"))
+  assert (prg.dev, prg.smem) == (dev, 4096)
+
+
+def test_the_tinygrad_internals_the_wrapper_relies_on():
+  """tinygrad 0.14: programs are built as runtime_t(device, elf); CUDAProgram takes `smem` (the attribute and the
+  launch's bytes), and CUDA graph nodes launch with `runtime.smem`."""
+  from tinygrad.engine import realize
+  from tinygrad.runtime.graph import cuda as cuda_graph
+  from tinygrad.runtime.ops_cuda import CUDAProgram
+  assert "runtime_t" in inspect.getsource(Compiled.runtime)
+  assert ".runtime(ast.to_elf())" in inspect.getsource(realize.get_runtime)
+  assert "smem" in inspect.signature(CUDAProgram.__init__).parameters
+  assert "MAX_DYNAMIC_SHARED_SIZE_BYTES" in inspect.getsource(CUDAProgram.__init__)
+  assert "runtime.smem" in inspect.getsource(cuda_graph.CUDAGraph.__init__)
