@@ -35,10 +35,12 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
 
 
 
-def bench_batch(dialect: str, device: str, batch: int, iters: int, variants: dict | None = None, mixed: bool = False) -> dict:
+def bench_batch(dialect: str, device: str, batch: int, iters: int, variants: dict | None = None, mixed: bool = False,
+                kv_fp8: bool = False) -> dict:
   """Per-layer decode attention time, fused vs portable, for the Qwen3-0.6B shape. Each JIT call runs `layers`
   attention layers with their own caches (so the KV reads come from HBM, not L2) to keep the GPU busier than Python.
-  Contexts ~1,024 (bucket 1,024), or with `mixed` uniform in [100, 2048] (bucket 2,048) as in the throughput workload."""
+  Contexts ~1,024 (bucket 1,024), or with `mixed` uniform in [100, 2048] (bucket 2,048) as in the throughput workload.
+  `kv_fp8`: FP8 E4M3 caches (random finite codes)."""
   from tinygrad import Tensor, dtypes
 
   from tinyvllm.kernels.fused import FusedBackend
@@ -53,8 +55,9 @@ def bench_batch(dialect: str, device: str, batch: int, iters: int, variants: dic
   per_layer = []
   for _ in range(layers):
     table = rng.permutation(blocks).astype(np.int32).reshape(batch, L // bs)
-    kc = Tensor.rand(blocks * bs, kvh * d, dtype=dtypes.bfloat16, device=device).contiguous().realize()
-    vc = Tensor.rand(blocks * bs, kvh * d, dtype=dtypes.bfloat16, device=device).contiguous().realize()
+    kc, vc = (Tensor.randint(blocks * bs, kvh * d, low=0, high=0x7E, device=device).cast(dtypes.uint8).contiguous().realize()
+              if kv_fp8 else Tensor.rand(blocks * bs, kvh * d, dtype=dtypes.bfloat16, device=device).contiguous().realize()
+              for _ in range(2))
     q = Tensor.rand(batch, heads, d, dtype=dtypes.bfloat16, device=device).contiguous().realize()
     ints = {k: Tensor(v, device=device).realize() for k, v in
             {"bt": table, "ctx": ctx, "qs": qs, "qi": np.arange(batch, dtype=np.int32).reshape(batch, 1),
@@ -64,7 +67,8 @@ def bench_batch(dialect: str, device: str, batch: int, iters: int, variants: dic
   backend = FusedBackend(dialect, device)
   fns = {"fused": backend.attention, "portable": paged_attention} if variants is None else \
     {name: FusedBackend(dialect, device, **kw).attention for name, kw in variants.items()}
-  res: dict = {"batch": batch, "mixed": mixed, "layers": layers, "kv_bytes_per_layer": int(2 * ctx.sum() * kvh * d * 2)}
+  res: dict = {"batch": batch, "mixed": mixed, "kv_fp8": kv_fp8, "layers": layers,
+               "kv_bytes_per_layer": int(2 * ctx.sum() * kvh * d * (1 if kv_fp8 else 2))}
   outs = time_layers(fns, per_layer, device, iters, layers, res)
   if variants is not None:
     for name in variants: res[f"{name}_GBps"] = res["kv_bytes_per_layer"] / res[f"{name}_us_per_layer"] / 1e3
@@ -128,6 +132,12 @@ def explore(dialect: str, device: str, batches: list[int], splits: list[int], it
       results.append(r)
       print(f"batch {b:>3} {'mixed' if mixed else 'uniform'}: " +
             ", ".join(f"{k} {r[k + '_us_per_layer']:.1f} us ({r[k + '_GBps']:.0f} GB/s)" for k in variants), flush=True)
+  for b in batches:   # the planner's choice with bf16 against FP8 caches, mixed contexts (the throughput workload)
+    for kv_fp8 in (False, True):
+      r = bench_batch(dialect, device, b, iters, {"auto": {}}, mixed=True, kv_fp8=kv_fp8)
+      results.append(r)
+      print(f"batch {b:>3} mixed, {'fp8' if kv_fp8 else 'bf16'} cache: {r['auto_us_per_layer']:.1f} us/layer "
+            f"({r['auto_GBps']:.0f} GB/s of KV)", flush=True)
   return results
 
 

@@ -1,6 +1,6 @@
 """The FP8 E4M3 KV cache on the GPU, as part of bench/check_kernels.py (which runs these and records the results).
 
-- FP8_CASES: attention cases over FP8 caches (the fused kernels against the portable path on the same codes);
+- (bench/kernel_cases.py's FP8_CASES: attention cases over FP8 caches, checked with the others);
 - check_kv_write_fp8: the KV write kernel's codes (the hardware cvt.rn.satfinite on sm_89+) against the portable
   encoder's, value for value, over magnitudes from E4M3's subnormals to beyond its largest finite value;
 - step_engine_fp8: greedy decoding of the Qwen3-0.6B shape (random weights) with an FP8 cache, hand-written kernels
@@ -11,18 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 
-CTXS = [1000, 4000, 100, 1, 2, 15, 16, 17]
-MIXED = [(600, 250), (1500, 1), (300, 100), (17, 1), (16, 16), (2, 2), (100, 1)]
-FP8_CASES = [
-  dict(name="decode_bf16_d128_g2_kv8", seqs=[(c, 1) for c in CTXS], heads=4, kv_heads=2, head_dim=128, dtype="bfloat16",
-       share=2, kv_fp8=True),
-  dict(name="decode_bf16_d128_g2_kv8_nosplit", seqs=[(c, 1) for c in CTXS], heads=4, kv_heads=2, head_dim=128,
-       dtype="bfloat16", share=2, splits=1, kv_fp8=True),
-  dict(name="decode_bf16_qwen3_b128_kv8", seqs=[(int(c), 1) for c in np.random.default_rng(6).integers(1, 1025, 128)],
-       heads=16, kv_heads=8, head_dim=128, dtype="bfloat16", share=0, kv_fp8=True),
-  dict(name="mixed_bf16_d128_g2_kv8", seqs=MIXED, heads=4, kv_heads=2, head_dim=128, dtype="bfloat16", share=2, kv_fp8=True),
-  dict(name="mixed_f16_d64_g4_kv8", seqs=MIXED, heads=8, kv_heads=2, head_dim=64, dtype="float16", share=2, kv_fp8=True),
-]
 NEAR_TIE = 0.02   # logprob gap under which a different greedy token is accepted (accumulation order differs)
 
 

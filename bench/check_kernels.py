@@ -30,7 +30,8 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 from attention_bench import bench_batch, bench_prefill, dev_tensor, rel_err  # noqa: E402  (bench/ is on sys.path)
-from check_fp8 import FP8_CASES, check_kv_write_fp8, step_engine_fp8  # noqa: E402
+from check_fp8 import check_kv_write_fp8, step_engine_fp8  # noqa: E402
+from kernel_cases import build, case_list, plan_for  # noqa: E402
 
 T_START = time.perf_counter()
 RESULTS: dict = {"env": {}, "compile": [], "correctness": [], "jit": [], "engine": {}, "bench": [], "e2e": [], "failures": []}
@@ -78,51 +79,6 @@ def poisoned(numel: int, dtype: str, device: str):
 TOL = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 2.5e-2}   # max |a - b| / max |b|
 
 
-# ---------------------------------------------------------------- cases
-
-CTXS = [1000, 4000, 100, 1, 2, 15, 16, 17]             # the first three start with shared blocks (share=2)
-MIXED = [(600, 250), (1500, 1), (300, 100), (17, 1), (16, 16), (2, 2), (100, 1)]
-
-
-def case_list(quick: bool) -> list[dict]:
-  cases = []
-  for d in (64, 128):
-    for g in (1, 2, 4, 8):
-      cases.append(dict(name=f"decode_bf16_d{d}_g{g}", seqs=[(c, 1) for c in CTXS], heads=2 * g, kv_heads=2, head_dim=d,
-                        dtype="bfloat16", share=2))
-      if not quick or g == 2:
-        cases.append(dict(name=f"mixed_bf16_d{d}_g{g}", seqs=MIXED, heads=2 * g, kv_heads=2, head_dim=d, dtype="bfloat16", share=2))
-  cases += [
-    dict(name="decode_bf16_d128_g2_nosplit", seqs=[(c, 1) for c in CTXS], heads=4, kv_heads=2, head_dim=128, dtype="bfloat16",
-         share=2, splits=1),
-    dict(name="decode_bf16_qwen3_b128", seqs=[(int(c), 1) for c in np.random.default_rng(5).integers(1, 1025, 128)], heads=16,
-         kv_heads=8, head_dim=128, dtype="bfloat16", share=0),
-    dict(name="decode_f16_d128_g2", seqs=[(c, 1) for c in CTXS], heads=4, kv_heads=2, head_dim=128, dtype="float16", share=2),
-    dict(name="mixed_f16_d64_g4", seqs=MIXED, heads=8, kv_heads=2, head_dim=64, dtype="float16", share=2),
-    dict(name="decode_bf16_d64_g7", seqs=[(c, 1) for c in CTXS], heads=14, kv_heads=2, head_dim=64, dtype="bfloat16", share=2),
-    dict(name="mixed_bf16_d64_g7", seqs=MIXED, heads=14, kv_heads=2, head_dim=64, dtype="bfloat16", share=2),
-    dict(name="decode_f32_d8_g2_stories", seqs=[(c, 1) for c in (300, 512, 1, 2, 15, 16, 17, 100)], heads=8, kv_heads=4,
-         head_dim=8, dtype="float32", share=2),
-    dict(name="mixed_f32_d8_g2_stories", seqs=[(200, 200), (300, 40), (17, 1), (5, 5)], heads=8, kv_heads=4, head_dim=8,
-         dtype="float32", share=1),
-    *FP8_CASES,
-  ]
-  return cases
-
-
-def build(spec: dict, seed: int):
-  from tinyvllm.kernels.cases import make_case
-  rng = np.random.default_rng(seed)
-  return make_case(rng, spec["seqs"], heads=spec["heads"], kv_heads=spec["kv_heads"], head_dim=spec["head_dim"],
-                   dtype=spec["dtype"], share=spec["share"], pad_seqs=1, kv_fp8=spec.get("kv_fp8", False))
-
-
-def plan_for(case, dialect: str, splits=None):
-  from tinyvllm.kernels.plan import decode_plan, prefill_plan
-  if case.shape.query_len == 1: return "decode", decode_plan(case.shape, splits)
-  return "prefill", prefill_plan(case.shape, dialect)
-
-
 # ---------------------------------------------------------------- 1. compile
 
 def step_compile(dialect: str, device: str, cases: list[dict]) -> None:
@@ -132,7 +88,7 @@ def step_compile(dialect: str, device: str, cases: list[dict]) -> None:
   sources = {}
   for i, spec in enumerate(cases):
     case = build(spec, i)
-    algo, plan = plan_for(case, dialect, spec.get("splits"))
+    algo, plan = plan_for(case, dialect, spec.get("splits"), spec.get("fused_reduce", True))
     sources[spec["name"]] = kernel_source(dialect, algo, plan.defines)
   for name, (dt, row) in {"write_bf16_1024": ("bfloat16", 1024), "write_f32_32": ("float32", 32),
                           "write_f16_256": ("float16", 256)}.items():
@@ -147,27 +103,34 @@ def step_compile(dialect: str, device: str, cases: list[dict]) -> None:
 
 # ---------------------------------------------------------------- 2. correctness
 
-def run_fused_direct(dialect: str, device: str, case, splits=None) -> tuple[np.ndarray, dict]:
+def run_fused_direct(dialect: str, device: str, case, splits=None, fused_reduce: bool = True) -> tuple[np.ndarray, dict]:
   """Run the plan's launches directly on poisoned outputs (and poisoned split-K scratch)."""
   from tinygrad import Tensor, dtypes
 
   from tinyvllm.kernels.sources import kernel_source
   from tinyvllm.kernels.tinygrad_program import run_kernel
   sh, a = case.shape, case.arrays
-  algo, plan = plan_for(case, dialect, splits)
+  algo, plan = plan_for(case, dialect, splits, fused_reduce)
   src = kernel_source(dialect, algo, plan.defines)
   q = dev_tensor(case.q.reshape(sh.num_tokens, -1), sh.dtype, device)
   kc, vc = dev_tensor(case.k_cache, case.kv_dtype, device), dev_tensor(case.v_cache, case.kv_dtype, device)
   ints = [Tensor(np.ascontiguousarray(a[k]), device=device).realize() for k in ("block_tables", "context_lens", "query_start")]
   out = poisoned(sh.num_tokens * sh.num_heads * sh.head_dim, sh.dtype, device)
   info = {"kernel": algo, "splits": getattr(plan, "splits", None), "grid": [list(x.grid) for x in plan.launches]}
-  if len(plan.launches) == 1:
+  numel = {p.name: p.numel for p in plan.launches[0].params}
+  if "part_o" not in numel:
     out = run_kernel(plan.launches[0], src, [out, q, kc, vc, *ints])[0]
   else:
-    po = Tensor.full((plan.launches[0].params[0].numel,), float("nan"), dtype=dtypes.float32, device=device).contiguous().realize()
-    pm = Tensor.full((plan.launches[0].params[1].numel,), float("nan"), dtype=dtypes.float32, device=device).contiguous().realize()
-    po, pm = run_kernel(plan.launches[0], src, [po, pm, q, kc, vc, *ints])[:2]
-    out = run_kernel(plan.launches[1], src, [out, po, pm, ints[1], ints[2]])[0]
+    po = Tensor.full((numel["part_o"],), float("nan"), dtype=dtypes.float32, device=device).contiguous().realize()
+    pm = Tensor.full((numel["part_ml"],), float("nan"), dtype=dtypes.float32, device=device).contiguous().realize()
+    if len(plan.launches) == 1:   # the last split block merges
+      counters = Tensor.zeros(numel["counters"], dtype=dtypes.int32, device=device).contiguous().realize()
+      out = run_kernel(plan.launches[0], src, [out, po, pm, q, kc, vc, *ints, counters])[0].realize()
+      info["counters_reset"] = not counters.numpy().any()
+      assert info["counters_reset"], "split-K counters not back to zero after the launch"
+    else:
+      po, pm = run_kernel(plan.launches[0], src, [po, pm, q, kc, vc, *ints])[:2]
+      out = run_kernel(plan.launches[1], src, [out, po, pm, ints[1], ints[2]])[0]
   out.realize()
   return host(out, sh.dtype).reshape(sh.num_tokens, -1), info
 
@@ -186,7 +149,7 @@ def check_case(dialect: str, device: str, spec: dict, seed: int) -> None:
   case = build(spec, seed)
   sh, n = case.shape, case.total_tokens
   t = time.perf_counter()
-  got, info = run_fused_direct(dialect, device, case, spec.get("splits"))
+  got, info = run_fused_direct(dialect, device, case, spec.get("splits"), spec.get("fused_reduce", True))
   want = run_portable(device, case)
   rec = {"name": spec["name"], **info, "S": sh.num_seqs, "N": sh.num_tokens, "Tq": sh.query_len, "L": sh.context_len}
   problems = []
