@@ -111,10 +111,11 @@ class FusedBackend:
       if plan.splits == 1:
         out = run_kernel(plan.launches[0], source, [out, qf, k_cache, v_cache, *ints])[0]
       else:
-        part_o = Tensor.empty(plan.launches[0].params[0].numel, dtype=dtypes.float32, device=q.device)
-        part_ml = Tensor.empty(plan.launches[0].params[1].numel, dtype=dtypes.float32, device=q.device)
+        numel = {p.name: p.numel for p in plan.launches[0].params}
+        part_o = Tensor.empty(numel["part_o"], dtype=dtypes.float32, device=q.device)
+        part_ml = Tensor.empty(numel["part_ml"], dtype=dtypes.float32, device=q.device)
         if len(plan.launches) == 1:   # the fused reduce
-          counters = self._counters(plan.launches[0].params[-1].numel, q.device)
+          counters = self._counters(numel["counters"], q.device)
           out = run_kernel(plan.launches[0], source, [out, part_o, part_ml, qf, k_cache, v_cache, *ints, counters])[0]
         else:
           part_o, part_ml = run_kernel(plan.launches[0], source, [part_o, part_ml, qf, k_cache, v_cache, *ints])[:2]
