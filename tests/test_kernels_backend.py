@@ -156,3 +156,30 @@ def test_cuda_sources_compile_with_nvcc(tmp_path):
     assert "error" not in out.lower(), out
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", out)]
     assert spills and max(spills) <= 32, f"{name} spills: {out}"
+
+
+@pytest.mark.parametrize("dialect", ["cuda", "metal"])
+@pytest.mark.parametrize("kv_fp8", [False, True])
+def test_fused_backend_builds_every_attention_graph(dialect, kv_fp8):
+  """The backend's wiring of the kernels (buffers, their sizes and order for each plan: decode with and without split-K,
+  with the fused merge on CUDA, prefill, KV write) on the CPU: graphs are built with no binaries (collecting_sources
+  records the sources instead of compiling), so a wrong buffer is caught here rather than on a GPU."""
+  from tinygrad import Tensor, dtypes
+
+  from tinyvllm.kernels.tinygrad_program import collecting_sources
+  backend = FusedBackend(dialect, "CPU")
+  rng = np.random.default_rng(4)
+  shapes = {"decode-split": [(300, 1), (40, 1)], "decode": [(40, 1)] * 128, "prefill": [(50, 20), (9, 1)]}
+  with collecting_sources() as pending:
+    for seqs in shapes.values():
+      case = make_case(rng, seqs, heads=4, kv_heads=2, head_dim=128, dtype="bfloat16", kv_fp8=kv_fp8)
+      meta = metadata_tensors(case)
+      kv_dtype = dtypes.uint8 if kv_fp8 else dtypes.bfloat16
+      kc, vc = (Tensor.empty(*c.shape, dtype=kv_dtype) for c in (case.k_cache, case.v_cache))
+      q = Tensor.empty(*case.q.shape, dtype=dtypes.bfloat16)
+      backend.write_kv(kc, vc, q[:, :2], q[:, 2:], meta.slot_mapping)
+      backend.attention(q, kc, vc, meta)
+  assert dict(backend.calls) == {"write": 3, "decode-split": 1, "decode": 1, "prefill": 1}
+  assert len(pending) == 6 and all(device == "CPU" for device, _ in pending)
+  merged = [src for _, src in pending if "#define TV_FUSED_REDUCE 1" in src]
+  assert len(merged) == (1 if dialect == "cuda" else 0)
