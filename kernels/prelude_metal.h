@@ -30,7 +30,6 @@ using namespace metal;
 #define TV_LD8(p) (*((const device uint2*)(p)))
 #define TV_ST8(p, v) (*((device uint2*)(p)) = (v))
 #define TV_RINT(x) rint(x)
-#define TV_LDCG(p) (*(p))   // (no TV_FENCE / TV_ATOMIC_ADD: the fused split-K reduce is CUDA only)
 #define TV_AS_FLOAT(u) as_type<float>((uint)(u))
 #define TV_AS_UINT(f) as_type<uint>((float)(f))
 #define TV_EXP2(x) exp2(x)
