@@ -88,7 +88,7 @@ def step_compile(dialect: str, device: str, cases: list[dict]) -> None:
   sources = {}
   for i, spec in enumerate(cases):
     case = build(spec, i)
-    algo, plan = plan_for(case, dialect, spec.get("splits"), spec.get("fused_reduce", True))
+    algo, plan = plan_for(case, dialect, spec.get("splits"))
     sources[spec["name"]] = kernel_source(dialect, algo, plan.defines)
   for name, (dt, row) in {"write_bf16_1024": ("bfloat16", 1024), "write_f32_32": ("float32", 32),
                           "write_f16_256": ("float16", 256)}.items():
@@ -103,14 +103,14 @@ def step_compile(dialect: str, device: str, cases: list[dict]) -> None:
 
 # ---------------------------------------------------------------- 2. correctness
 
-def run_fused_direct(dialect: str, device: str, case, splits=None, fused_reduce: bool = True) -> tuple[np.ndarray, dict]:
+def run_fused_direct(dialect: str, device: str, case, splits=None) -> tuple[np.ndarray, dict]:
   """Run the plan's launches directly on poisoned outputs (and poisoned split-K scratch)."""
   from tinygrad import Tensor, dtypes
 
   from tinyvllm.kernels.sources import kernel_source
   from tinyvllm.kernels.tinygrad_program import run_kernel
   sh, a = case.shape, case.arrays
-  algo, plan = plan_for(case, dialect, splits, fused_reduce)
+  algo, plan = plan_for(case, dialect, splits)
   src = kernel_source(dialect, algo, plan.defines)
   q = dev_tensor(case.q.reshape(sh.num_tokens, -1), sh.dtype, device)
   kc, vc = dev_tensor(case.k_cache, case.kv_dtype, device), dev_tensor(case.v_cache, case.kv_dtype, device)
@@ -123,14 +123,8 @@ def run_fused_direct(dialect: str, device: str, case, splits=None, fused_reduce:
   else:
     po = Tensor.full((numel["part_o"],), float("nan"), dtype=dtypes.float32, device=device).contiguous().realize()
     pm = Tensor.full((numel["part_ml"],), float("nan"), dtype=dtypes.float32, device=device).contiguous().realize()
-    if len(plan.launches) == 1:   # the last split block merges
-      counters = Tensor.zeros(numel["counters"], dtype=dtypes.int32, device=device).contiguous().realize()
-      out = run_kernel(plan.launches[0], src, [out, po, pm, q, kc, vc, *ints, counters])[0].realize()
-      info["counters_reset"] = not counters.numpy().any()
-      assert info["counters_reset"], "split-K counters not back to zero after the launch"
-    else:
-      po, pm = run_kernel(plan.launches[0], src, [po, pm, q, kc, vc, *ints])[:2]
-      out = run_kernel(plan.launches[1], src, [out, po, pm, ints[1], ints[2]])[0]
+    po, pm = run_kernel(plan.launches[0], src, [po, pm, q, kc, vc, *ints])[:2]
+    out = run_kernel(plan.launches[1], src, [out, po, pm, ints[1], ints[2]])[0]
   out.realize()
   return host(out, sh.dtype).reshape(sh.num_tokens, -1), info
 
@@ -149,7 +143,7 @@ def check_case(dialect: str, device: str, spec: dict, seed: int) -> None:
   case = build(spec, seed)
   sh, n = case.shape, case.total_tokens
   t = time.perf_counter()
-  got, info = run_fused_direct(dialect, device, case, spec.get("splits"), spec.get("fused_reduce", True))
+  got, info = run_fused_direct(dialect, device, case, spec.get("splits"))
   want = run_portable(device, case)
   rec = {"name": spec["name"], **info, "S": sh.num_seqs, "N": sh.num_tokens, "Tq": sh.query_len, "L": sh.context_len}
   problems = []

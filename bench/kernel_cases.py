@@ -28,8 +28,6 @@ def case_list(quick: bool) -> list[dict]:
       if not quick or g == 2:
         cases.append(dict(name=f"mixed_bf16_d{d}_g{g}", seqs=MIXED, heads=2 * g, kv_heads=2, head_dim=d, dtype="bfloat16", share=2))
   cases += [
-    dict(name="decode_bf16_d128_g2_reduce_kernel", seqs=[(c, 1) for c in CTXS], heads=4, kv_heads=2, head_dim=128,
-         dtype="bfloat16", share=2, fused_reduce=False),
     dict(name="decode_bf16_d128_g2_nosplit", seqs=[(c, 1) for c in CTXS], heads=4, kv_heads=2, head_dim=128, dtype="bfloat16",
          share=2, splits=1),
     dict(name="decode_bf16_qwen3_b128", seqs=[(int(c), 1) for c in np.random.default_rng(5).integers(1, 1025, 128)], heads=16,
@@ -54,7 +52,7 @@ def build(spec: dict, seed: int):
                    dtype=spec["dtype"], share=spec["share"], pad_seqs=1, kv_fp8=spec.get("kv_fp8", False))
 
 
-def plan_for(case, dialect: str, splits=None, fused_reduce: bool = True):
+def plan_for(case, dialect: str, splits=None):
   from tinyvllm.kernels.plan import decode_plan, prefill_plan
-  if case.shape.query_len == 1: return "decode", decode_plan(case.shape, splits, fused_reduce=fused_reduce and dialect == "cuda")
+  if case.shape.query_len == 1: return "decode", decode_plan(case.shape, splits)
   return "prefill", prefill_plan(case.shape, dialect)

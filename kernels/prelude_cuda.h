@@ -35,10 +35,6 @@ typedef unsigned char uchar;
 #define TV_LD8(p) (*reinterpret_cast<const uint2*>(p))
 #define TV_ST8(p, v) (*reinterpret_cast<uint2*>(p) = (v))
 #define TV_RINT(x) rintf(x)
-// device-wide ordering for the last-block pattern (tv_paged_decode_split with TV_FUSED_REDUCE; CUDA only)
-#define TV_FENCE() __threadfence()
-#define TV_ATOMIC_ADD(p, v) atomicAdd((p), (v))
-#define TV_LDCG(p) __ldcg(p)
 #define TV_AS_FLOAT(u) __uint_as_float(u)
 #define TV_AS_UINT(f) __float_as_uint(f)
 #ifdef TV_EMULATOR

@@ -162,7 +162,7 @@ def test_cuda_sources_compile_with_nvcc(tmp_path):
 @pytest.mark.parametrize("kv_fp8", [False, True])
 def test_fused_backend_builds_every_attention_graph(dialect, kv_fp8):
   """The backend's wiring of the kernels (buffers, their sizes and order for each plan: decode with and without split-K,
-  with the fused merge on CUDA, prefill, KV write) on the CPU: graphs are built with no binaries (collecting_sources
+  prefill, KV write) on the CPU: graphs are built with no binaries (collecting_sources
   records the sources instead of compiling), so a wrong buffer is caught here rather than on a GPU."""
   from tinygrad import Tensor, dtypes
 
@@ -181,5 +181,3 @@ def test_fused_backend_builds_every_attention_graph(dialect, kv_fp8):
       backend.attention(q, kc, vc, meta)
   assert dict(backend.calls) == {"write": 3, "decode-split": 1, "decode": 1, "prefill": 1}
   assert len(pending) == 6 and all(device == "CPU" for device, _ in pending)
-  merged = [src for _, src in pending if "#define TV_FUSED_REDUCE 1" in src]
-  assert len(merged) == (1 if dialect == "cuda" else 0)

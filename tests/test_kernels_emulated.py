@@ -28,7 +28,6 @@ ATTENTION_CASES = {
   "dec_f32_g1": ([(1, 1), (2, 1), (15, 1), (16, 1), (17, 1), (100, 1)], 4, 4, 64, "float32", 0, None),
   "dec_f32_g2_shared": ([(60, 1), (45, 1), (33, 1), (7, 1), (130, 1)], 8, 4, 64, "float32", 2, None),
   "dec_f32_g2_nosplit": ([(60, 1), (45, 1), (33, 1), (7, 1), (130, 1)], 8, 4, 64, "float32", 2, {"splits": 1}),
-  "dec_f32_g2_reduce_kernel": ([(60, 1), (45, 1), (33, 1), (7, 1), (130, 1)], 8, 4, 64, "float32", 2, {"fused_reduce": False}),
   "dec_bf16_g2_kvtogether": ([(60, 1), (200, 1), (3, 1)], 4, 2, 128, "bfloat16", 1, {"kv_together": True}),
   "dec_bf16_g7": ([(70, 1), (1, 1), (129, 1)], 14, 2, 64, "bfloat16", 1, None),
   "dec_f16_g4": ([(1, 1), (16, 1), (17, 1), (100, 1), (250, 1)], 8, 2, 64, "float16", 1, None),
@@ -66,9 +65,7 @@ def _specs(dialect: str) -> list[Spec]:
   specs = []
   for name, case in CASES.items():
     overrides = ATTENTION_CASES[name][-1] or {}
-    # CUDA merges the splits in the last split block (fused_reduce), as the backend runs it; Metal has no fused form
-    fused = {"fused_reduce": dialect == "cuda" and overrides.get("fused_reduce", True)}
-    plan = decode_plan(case.shape, **{**overrides, **fused}) if case.shape.query_len == 1 else prefill_plan(case.shape, dialect)
+    plan = decode_plan(case.shape, **overrides) if case.shape.query_len == 1 else prefill_plan(case.shape, dialect)
     specs.append(Spec(name, "decode" if case.shape.query_len == 1 else "prefill", plan.defines, plan.launches))
   for name, (dtype, kv_heads, head_dim, kv_fp8) in WRITE_CASES.items():
     plan = write_plan(dtype, kv_heads * head_dim, 8, 40, kv_fp8)
@@ -152,13 +149,9 @@ def test_attention_matches_portable(emu, portable, name):
 
 
 def test_decode_cases_split(emu):
-  """The split-K path is what most decode cases exercise (CUDA: one launch, the last split block merging; Metal and
-  dec_f32_g2_reduce_kernel: the reduce kernel); the no-split one is covered too."""
+  """The split-K path (two kernels) is what most decode cases exercise; the no-split one is covered too."""
   splits = {name: emu.specs[name].defines["TV_NSPLIT"] for name in ATTENTION_CASES if name.startswith("dec_")}
   assert splits["dec_f32_g2_nosplit"] == 1 and sum(v > 1 for v in splits.values()) >= 4, splits
-  launches = {name: len(emu.specs[name].launches) for name in splits if splits[name] > 1}
-  assert launches.pop("dec_f32_g2_reduce_kernel") == 2
-  assert set(launches.values()) == ({1} if emu.dialect == "cuda" else {2}), launches
 
 
 @pytest.mark.parametrize("name", list(WRITE_CASES))

@@ -146,13 +146,8 @@ def run_attention(emu: EmulatedKernels, spec: str, case, order: str = "forward",
   else:
     numel = {p.name: p.numel for p in launches[0].params}
     part_o, part_ml = np.full(numel["part_o"], np.nan, np.float32), np.full(numel["part_ml"], np.nan, np.float32)
-    if len(launches) == 1:   # split-K with the merge in the last split block
-      counters = np.zeros(numel["counters"], np.int32)
-      emu.launch(spec, 0, [out, part_o, part_ml, q, kc, vc, *ints, counters], order, seed)
-      if counters.any(): raise EmulatorError(f"{spec}: split-K counters not reset to zero: {counters}")
-    else:
-      emu.launch(spec, 0, [part_o, part_ml, q, kc, vc, *ints], order, seed)
-      emu.launch(spec, 1, [out, part_o, part_ml, ints[1], ints[2]], order, seed)
+    emu.launch(spec, 0, [part_o, part_ml, q, kc, vc, *ints], order, seed)
+    emu.launch(spec, 1, [out, part_o, part_ml, ints[1], ints[2]], order, seed)
   return from_bits(out, sh.dtype).reshape(sh.num_tokens, sh.num_heads * sh.head_dim)
 
 

@@ -31,8 +31,7 @@ def _log(message: str) -> None: print(f"[tinyvllm] {message}", file=sys.stderr, 
 
 @functools.cache
 def _decode(dialect: str, shape: AttentionShape, splits: int | None = None, kv_together: bool = False):
-  # the last split block merges the splits itself where the dialect has device-wide atomics and fences (CUDA)
-  plan = decode_plan(shape, splits, kv_together, fused_reduce=dialect == "cuda")
+  plan = decode_plan(shape, splits, kv_together)
   return plan, kernel_source(dialect, "decode", plan.defines)
 
 
@@ -63,7 +62,6 @@ class FusedBackend:
     self.decode_splits, self.kv_together = decode_splits, kv_together
     self.calls: Counter[str] = Counter()     # which path each traced call took (decode, prefill, write, portable-*)
     self._reported: set[str] = set()
-    self._split_counters: dict[int, Tensor] = {}   # zeroed int32 buffers of the fused split-K reduce, by size
 
   def describe(self) -> str:
     return f"{self.name} (hand-written kernels: fused paged attention, KV write, qkv norm/RoPE/write, decode-batch matmuls; kernels/*.inc)"
@@ -114,22 +112,13 @@ class FusedBackend:
         numel = {p.name: p.numel for p in plan.launches[0].params}
         part_o = Tensor.empty(numel["part_o"], dtype=dtypes.float32, device=q.device)
         part_ml = Tensor.empty(numel["part_ml"], dtype=dtypes.float32, device=q.device)
-        if len(plan.launches) == 1:   # the fused reduce
-          counters = self._counters(numel["counters"], q.device)
-          out = run_kernel(plan.launches[0], source, [out, part_o, part_ml, qf, k_cache, v_cache, *ints, counters])[0]
-        else:
-          part_o, part_ml = run_kernel(plan.launches[0], source, [part_o, part_ml, qf, k_cache, v_cache, *ints])[:2]
-          out = run_kernel(plan.launches[1], source, [out, part_o, part_ml, meta.context_lens, meta.query_start])[0]
+        part_o, part_ml = run_kernel(plan.launches[0], source, [part_o, part_ml, qf, k_cache, v_cache, *ints])[:2]
+        out = run_kernel(plan.launches[1], source, [out, part_o, part_ml, meta.context_lens, meta.query_start])[0]
     else:
       plan, source = _prefill(self.name, shape)
       self.calls["prefill"] += 1
       out = run_kernel(plan.launches[0], source, [out, qf, k_cache, v_cache, *ints])[0]
     return out if out.dtype == q.dtype else out.cast(q.dtype)
-
-  def _counters(self, numel: int, device: str) -> Tensor:
-    if numel not in self._split_counters:
-      self._split_counters[numel] = Tensor.zeros(numel, dtype=dtypes.int32, device=device).contiguous().realize()
-    return self._split_counters[numel]
 
   def write_kv(self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> tuple[Tensor, Tensor]:
     n, row, kv_fp8 = k.shape[0], k_cache.shape[1], is_fp8(k_cache)

@@ -129,11 +129,9 @@ def split_chunks(context_len: int, splits: int, tile: int) -> tuple[int, int]:
   return cdiv(context_len, chunk), chunk
 
 
-def decode_plan(shape: AttentionShape, splits: int | None = None, kv_together: bool = False,
-                fused_reduce: bool = False) -> DecodePlan:
+def decode_plan(shape: AttentionShape, splits: int | None = None, kv_together: bool = False) -> DecodePlan:
   """`splits`: force the split count (None: decode_splits). `kv_together`: issue a tile's V loads with its K loads
-  rather than after the softmax (one latency per tile, but more registers: measured slower on an H200, so off).
-  `fused_reduce` (CUDA): with splits, the last split block of each (sequence, KV head) merges them, in one launch."""
+  rather than after the softmax (one latency per tile, but more registers: measured slower on an H200, so off)."""
   code = dtype_code(shape.dtype)
   vec = 16 // ELEM_BYTES[code]
   vpr = shape.head_dim // vec
@@ -149,8 +147,7 @@ def decode_plan(shape: AttentionShape, splits: int | None = None, kv_together: b
   kpt = -(-tile // njg)
   splits, chunk = decode_splits(shape, tile) if splits is None else split_chunks(shape.context_len, splits, tile)
   d = {**_common(shape), "TV_LPK": lpk, "TV_NVL": nvl, "TV_KPP": kpp, "TV_U": unroll, "TV_TILE": tile, "TV_VPR": vpr,
-       "TV_NJG": njg, "TV_KPT": kpt, "TV_NSPLIT": splits, "TV_CHUNK": chunk, "TV_KV_TOGETHER": int(kv_together),
-       "TV_FUSED_REDUCE": int(fused_reduce and splits > 1)}
+       "TV_NJG": njg, "TV_KPT": kpt, "TV_NSPLIT": splits, "TV_CHUNK": chunk, "TV_KV_TOGETHER": int(kv_together)}
   s, h, n, hd = shape.num_seqs, shape.num_heads, shape.num_tokens, shape.head_dim
   ins = (Param("q", "elem", False, n * h * hd), Param("k_cache", "kv", False, shape.num_slots * shape.num_kv_heads * hd),
          Param("v_cache", "kv", False, shape.num_slots * shape.num_kv_heads * hd),
@@ -160,11 +157,6 @@ def decode_plan(shape: AttentionShape, splits: int | None = None, kv_together: b
   part_o, part_ml = Param("part_o", "float", True, s * h * splits * hd), Param("part_ml", "float", True, s * h * splits * 2)
   if splits == 1:
     launches: tuple[Launch, ...] = (Launch("tv_paged_decode", (1, shape.num_kv_heads, s), THREADS, (out, *ins)),)
-  elif fused_reduce:
-    # the counters (zero between launches: the merging block resets its own) are declared read-only to tinygrad: no
-    # graph edge is needed for them, the attention calls of a step are ordered by the data they pass on anyway
-    counters = Param("counters", "int", False, s * shape.num_kv_heads)
-    launches = (Launch("tv_paged_decode_split", (splits, shape.num_kv_heads, s), THREADS, (out, part_o, part_ml, *ins, counters)),)
   else:
     launches = (Launch("tv_paged_decode_split", (splits, shape.num_kv_heads, s), THREADS, (part_o, part_ml, *ins)),
                 Launch("tv_paged_decode_reduce", (h, s, 1), THREADS,
