@@ -53,7 +53,7 @@ def test_bad_kv_cache_dtype_is_a_clear_error():
     EngineConfig(model="x", kv_cache_dtype="int4")
 
 
-def test_fp8_cache_holds_twice_the_tokens(stories_dir):
+def test_fp8_cache_holds_a_byte_a_value(stories_dir):
   sizes = {}
   for kind in ("auto", "fp8"):
     llm = LLM(str(stories_dir), kv_cache_dtype=kind, kv_cache_memory=0.01, cuda_graph_sizes=[])
