@@ -32,6 +32,8 @@ def case_list(quick: bool) -> list[dict]:
          share=2, splits=1),
     dict(name="decode_bf16_qwen3_b128", seqs=[(int(c), 1) for c in np.random.default_rng(5).integers(1, 1025, 128)], heads=16,
          kv_heads=8, head_dim=128, dtype="bfloat16", share=0),
+    dict(name="prefill_bf16_qwen3_long", seqs=[(2048, 2048), (1000, 600), (300, 1)], heads=16, kv_heads=8, head_dim=128,
+         dtype="bfloat16", share=0),
     dict(name="decode_f16_d128_g2", seqs=[(c, 1) for c in CTXS], heads=4, kv_heads=2, head_dim=128, dtype="float16", share=2),
     dict(name="mixed_f16_d64_g4", seqs=MIXED, heads=8, kv_heads=2, head_dim=64, dtype="float16", share=2),
     dict(name="decode_bf16_d64_g7", seqs=[(c, 1) for c in CTXS], heads=14, kv_heads=2, head_dim=64, dtype="bfloat16", share=2),
@@ -55,4 +57,5 @@ def build(spec: dict, seed: int):
 def plan_for(case, dialect: str, splits=None):
   from tinyvllm.kernels.plan import decode_plan, prefill_plan
   if case.shape.query_len == 1: return "decode", decode_plan(case.shape, splits)
-  return "prefill", prefill_plan(case.shape, dialect)
+  plan = prefill_plan(case.shape, dialect)
+  return plan.algorithm, plan

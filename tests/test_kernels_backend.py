@@ -114,15 +114,17 @@ def test_unsupported_reasons():
 
 @pytest.mark.parametrize("dialect", ["cuda", "metal"])
 def test_plans(dialect):
-  for dtype in ("float32", "float16", "bfloat16"):
+  for dtype, kv_fp8 in (("float32", False), ("float16", False), ("bfloat16", False), ("float16", True), ("bfloat16", True)):
     for head_dim in (8, 16, 32, 64, 128, 256):
       for group in (1, 2, 4, 7, 8, 16):
         for seqs, tq, ctx in ((1, 1, 16), (8, 1, 1024), (256, 1, 4096), (4, 64, 2048)):
-          s = AttentionShape(dtype, head_dim, 2 * group, 2, 16, seqs, seqs * tq, tq, ctx, 1 << 16)
+          s = AttentionShape(dtype, head_dim, 2 * group, 2, 16, seqs, seqs * tq, tq, ctx, 1 << 16, kv_fp8)
           if unsupported_reason(s, dialect) is not None: continue
           d = decode_plan(s)
           assert d.tile % 32 == 0 and d.chunk % d.tile == 0 and d.splits * d.chunk >= ctx > (d.splits - 1) * d.chunk
           assert d.lpk * d.nvl == d.vpr and d.kpp * d.lpk == 128 and d.shared_bytes <= SHARED_LIMITS[dialect]
+          assert d.vpr * d.vec == head_dim and d.kpp * d.unroll == d.tile and d.defines["TV_KVEC"] == d.vec
+          assert d.vec == (16 if kv_fp8 and head_dim % 16 == 0 and group <= 2 else 16 // (4 if dtype == "float32" else 2))
           assert seqs * 2 * (d.splits - 1) < 512   # split only while the blocks are too few
           p = prefill_plan(s, dialect)
           assert p.shared_bytes <= SHARED_LIMITS[dialect] and p.tokens >= 1 and p.tokens * p.q_tiles >= tq
@@ -135,7 +137,13 @@ SPECIMENS = {   # name -> (algorithm, plan): what the models of interest compile
   "decode_qwen3_b256": ("decode", decode_plan(AttentionShape("bfloat16", 128, 16, 8, 16, 256, 256, 1, 1024, 1 << 16))),
   "decode_llama1b_f16": ("decode", decode_plan(AttentionShape("float16", 64, 32, 8, 16, 32, 32, 1, 2048, 1 << 16))),
   "decode_stories_f32": ("decode", decode_plan(AttentionShape("float32", 8, 8, 4, 16, 8, 8, 1, 512, 4096))),
-  "prefill_qwen3": ("prefill", prefill_plan(AttentionShape("bfloat16", 128, 16, 8, 16, 4, 1024, 512, 2048, 1 << 16))),
+  "decode_qwen3_b1_kv8": ("decode", decode_plan(AttentionShape("bfloat16", 128, 16, 8, 16, 1, 1, 1, 1024, 1 << 16, True))),
+  "decode_qwen3_b256_kv8": ("decode", decode_plan(AttentionShape("bfloat16", 128, 16, 8, 16, 256, 256, 1, 1024, 1 << 16, True))),
+  "prefill_qwen3": ("prefill_tc", prefill_plan(AttentionShape("bfloat16", 128, 16, 8, 16, 4, 1024, 512, 2048, 1 << 16))),
+  "prefill_qwen3_kv8": ("prefill_tc", prefill_plan(AttentionShape("bfloat16", 128, 16, 8, 16, 4, 1024, 512, 2048, 1 << 16,
+                                                                  True))),
+  "prefill_qwen3_fma": ("prefill", prefill_plan(AttentionShape("bfloat16", 128, 16, 8, 16, 4, 1024, 512, 2048, 1 << 16),
+                                                tensor_cores=False)),
   "prefill_stories_f32": ("prefill", prefill_plan(AttentionShape("float32", 8, 8, 4, 16, 4, 64, 32, 512, 4096))),
   "kv_write_bf16": ("kv_write", write_plan("bfloat16", 1024, 256, 1 << 16)),
 }

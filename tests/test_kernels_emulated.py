@@ -23,7 +23,7 @@ from tinyvllm.kernels.plan import Launch, Param, decode_plan, prefill_plan, writ
 DIALECTS = ("cuda", "metal")
 TOLERANCE = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}   # max |kernel - portable| / max |portable|
 
-# name -> (seqs [(context, new tokens)], heads, kv_heads, head_dim, dtype, share, decode plan overrides)
+# name -> (seqs [(context, new tokens)], heads, kv_heads, head_dim, dtype, share, plan overrides)
 ATTENTION_CASES = {
   "dec_f32_g1": ([(1, 1), (2, 1), (15, 1), (16, 1), (17, 1), (100, 1)], 4, 4, 64, "float32", 0, None),
   "dec_f32_g2_shared": ([(60, 1), (45, 1), (33, 1), (7, 1), (130, 1)], 8, 4, 64, "float32", 2, None),
@@ -39,9 +39,20 @@ ATTENTION_CASES = {
   "pre_f32_g1_d8": ([(30, 30), (10, 1), (18, 3)], 4, 4, 8, "float32", 0, None),
   "pre_bf16_g1_d128": ([(70, 70), (2, 2)], 2, 2, 128, "bfloat16", 0, None),
   "pre_bf16_g7": ([(40, 21), (5, 1), (9, 9)], 14, 2, 64, "bfloat16", 0, None),
+  # 16-bit prefill takes the tensor-core kernel in the CUDA dialect; these keep the FMA one (Metal's) covered there too
+  "pre_bf16_g2_d128_fma": ([(70, 70), (50, 7), (20, 1)], 4, 2, 128, "bfloat16", 1, {"tensor_cores": False}),
+  "pre_f16_g4_fma": ([(100, 37), (3, 3), (70, 1)], 8, 2, 64, "float16", 2, {"tensor_cores": False}),
+  # the tensor-core kernel over several key tiles and query tiles (64 keys, 32 tokens a tile at G 2); head_dim 16
+  "pre_bf16_g2_d128_tiles": ([(200, 130), (150, 150), (64, 1)], 4, 2, 128, "bfloat16", 1, None),
+  "pre_f16_g1_d16": ([(90, 70), (33, 2)], 4, 4, 16, "float16", 0, None),
   # FP8 E4M3 caches (names with _kv8): Qwen3's head shape, with and without split-K, prefill with a cached prefix
   "dec_bf16_g2_d128_kv8": ([(60, 1), (300, 1), (3, 1), (17, 1)], 4, 2, 128, "bfloat16", 1, None),
   "dec_f16_g4_kv8_nosplit": ([(1, 1), (100, 1), (33, 1)], 8, 2, 64, "float16", 1, {"splits": 1}),
+  # decode's KV vector: 16 codes (G <= 2, head_dim a multiple of 16; d16: one lane a key) or 8 (G 8, head_dim 8)
+  "dec_f16_g1_d64_kv8": ([(1, 1), (129, 1), (40, 1)], 4, 4, 64, "float16", 0, None),
+  "dec_bf16_g8_d128_kv8": ([(15, 1), (200, 1), (33, 1)], 16, 2, 128, "bfloat16", 1, None),
+  "dec_bf16_g2_d16_kv8_kvtogether": ([(70, 1), (300, 1), (2, 1)], 4, 2, 16, "bfloat16", 1, {"kv_together": True}),
+  "dec_f16_g2_d8_kv8": ([(9, 1), (140, 1)], 4, 2, 8, "float16", 0, None),
   "pre_bf16_g2_d128_kv8": ([(70, 70), (50, 7), (20, 1)], 4, 2, 128, "bfloat16", 1, None),
   "pre_f16_g8_kv8": ([(33, 33), (20, 5), (15, 1)], 16, 2, 64, "float16", 0, None),
 }
@@ -65,8 +76,8 @@ def _specs(dialect: str) -> list[Spec]:
   specs = []
   for name, case in CASES.items():
     overrides = ATTENTION_CASES[name][-1] or {}
-    plan = decode_plan(case.shape, **overrides) if case.shape.query_len == 1 else prefill_plan(case.shape, dialect)
-    specs.append(Spec(name, "decode" if case.shape.query_len == 1 else "prefill", plan.defines, plan.launches))
+    plan = decode_plan(case.shape, **overrides) if case.shape.query_len == 1 else prefill_plan(case.shape, dialect, **overrides)
+    specs.append(Spec(name, plan.algorithm, plan.defines, plan.launches))
   for name, (dtype, kv_heads, head_dim, kv_fp8) in WRITE_CASES.items():
     plan = write_plan(dtype, kv_heads * head_dim, 8, 40, kv_fp8)
     specs.append(Spec(name, "kv_write", plan.defines, plan.launches))
@@ -152,6 +163,14 @@ def test_decode_cases_split(emu):
   """The split-K path (two kernels) is what most decode cases exercise; the no-split one is covered too."""
   splits = {name: emu.specs[name].defines["TV_NSPLIT"] for name in ATTENTION_CASES if name.startswith("dec_")}
   assert splits["dec_f32_g2_nosplit"] == 1 and sum(v > 1 for v in splits.values()) >= 4, splits
+
+
+def test_decode_kv8_vector_widths(emu):
+  """FP8 decode cases cover both KV vector widths (16 codes in 16 bytes, 8 in 8), split and not, and K/V loads together."""
+  d = {name: emu.specs[name].defines for name in ATTENTION_CASES if name.startswith("dec_") and "_kv8" in name}
+  wide = {name for name, v in d.items() if v["TV_KVEC"] == 16}
+  assert wide and len(wide) < len(d) and {v["TV_NSPLIT"] > 1 for v in d.values()} == {True, False}, d
+  assert any(d[name]["TV_KV_TOGETHER"] for name in wide) and any(d[name]["TV_LPK"] == 1 for name in wide)
 
 
 @pytest.mark.parametrize("name", list(WRITE_CASES))

@@ -22,7 +22,7 @@ inline ushort tv_emu_float_to_half(float f) { return emu::float_to_half_bits(f);
 // the tensor-core kernel's PTX (mma.sync, cp.async): the mma over the SIMD group's fragments, cp.async as a plain copy
 inline void tv_emu_mma_16816(float* c, const uint* a, const uint* b, bool bf16) { emu::mma_m16n8k16(c, a, b, bf16); }
 inline void tv_emu_cp_async16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
-inline void tv_emu_ldmatrix_x4(uint* r, const void* row) { emu::ldmatrix_x4(r, row); }
+inline void tv_emu_ldmatrix_x4(uint* r, const void* row, bool trans) { emu::ldmatrix_x4(r, row, trans); }
 // `extern __shared__` arrays (dynamic shared memory, sized by the launch): kernels take this pointer under TV_EMULATOR
 inline unsigned char* tv_emu_dynamic_shared() { return emu::dynamic_shared(); }
 

@@ -126,15 +126,22 @@ template <class T> inline unsigned simd_publish(T v) {
   return p;
 }
 
-// ldmatrix.sync.aligned.m8n8.x4.shared.b16: lanes 8j .. 8j + 7 give the row addresses of 8x8 matrix j (16-bit
-// elements, 16 bytes a row); lane l receives, for each j, the element pair at row l / 4, columns 2 (l % 4) and + 1
-inline void ldmatrix_x4(uint32_t* r, const void* row) {
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lanes 8j .. 8j + 7 give the row addresses of 8x8 matrix j (16-bit
+// elements, 16 bytes a row); lane l receives, for each j, the element pair at row l / 4, columns 2 (l % 4) and + 1 (with
+// trans: of the transposed matrix, i.e. rows 2 (l % 4) and + 1 of column l / 4)
+inline void ldmatrix_x4(uint32_t* r, const void* row, bool trans) {
   Group* g = current_group();
   const unsigned p = simd_publish(reinterpret_cast<uintptr_t>(row));
   const int tid = current_fiber()->tid, base = (tid / 32) * 32, lane = tid % 32;
+  auto at = [&](int j, int rr, int c) {
+    const char* addr = reinterpret_cast<const char*>(static_cast<uintptr_t>(g->slots[p][base + j * 8 + rr]));
+    uint16_t v;
+    std::memcpy(&v, addr + c * 2, 2);
+    return (uint32_t)v;
+  };
   for (int j = 0; j < 4; j++) {
-    const char* addr = reinterpret_cast<const char*>(static_cast<uintptr_t>(g->slots[p][base + j * 8 + lane / 4]));
-    std::memcpy(&r[j], addr + (lane % 4) * 4, 4);
+    const int a = lane / 4, b = (lane % 4) * 2;
+    r[j] = trans ? (at(j, b, a) | (at(j, b + 1, a) << 16)) : (at(j, a, b) | (at(j, a, b + 1) << 16));
   }
 }
 

@@ -38,7 +38,7 @@ def _decode(dialect: str, shape: AttentionShape, splits: int | None = None, kv_t
 @functools.cache
 def _prefill(dialect: str, shape: AttentionShape):
   plan = prefill_plan(shape, dialect)
-  return plan, kernel_source(dialect, "prefill", plan.defines)
+  return plan, kernel_source(dialect, plan.algorithm, plan.defines)
 
 
 @functools.cache

@@ -20,6 +20,8 @@ SHARED_LIMITS = {"cuda": 48 * 1024, "metal": 32 * 1024}   # static __shared__ / 
 TARGET_BLOCKS = 512           # decode: split the context until S * KVH * splits reaches this (~4 blocks per H100 SM)
 ROW_GROUPS, COL_GROUPS = 16, 8   # prefill thread layout: THREADS = ROW_GROUPS * COL_GROUPS
 PREFILL_TILES = ((64, 32), (32, 32), (32, 16), (16, 16), (16, 8))   # (rows M, keys BK) tried in order
+TC_PREFILL_ROWS, TC_PREFILL_KEYS = 64, 64   # tensor-core prefill: 4 warps of 16 query rows, keys per tile
+TC_PREFILL_MAX_HEAD_DIM = 128               # its O accumulators take head_dim / 2 registers a thread
 
 
 def cdiv(a: int, b: int) -> int: return -(-a // b)
@@ -96,10 +98,10 @@ def unsupported_reason(shape: AttentionShape, dialect: str = "cuda") -> str | No
 @dataclass(frozen=True)
 class DecodePlan:
   shape: AttentionShape
-  vec: int        # elements per 16-byte vector
-  vpr: int        # vectors per head row
+  vec: int        # elements per KV vector (TV_KVEC, decode_kv_vec): 16 bytes, or 8 bytes of FP8 codes
+  vpr: int        # KV vectors per head row
   lpk: int        # lanes per key in the score phase
-  nvl: int        # vectors per lane
+  nvl: int        # KV vectors per lane
   kpp: int        # keys per pass of the block
   unroll: int     # passes per tile (keys loaded per thread before use)
   tile: int       # keys per online-softmax tile
@@ -110,10 +112,37 @@ class DecodePlan:
   defines: dict[str, int | str] = field(compare=False)
   launches: tuple[Launch, ...] = field(compare=False)
 
+  algorithm = "decode"
+
   @property
-  def shared_bytes(self) -> int:
-    g, d = self.shape.group, self.shape.head_dim
-    return 4 * (2 * g * self.tile + 3 * g + self.njg * d)
+  def shared_bytes(self) -> int: return decode_shared_bytes(self.shape, self.tile, self.njg)
+
+
+def decode_shared_bytes(shape: AttentionShape, tile: int, njg: int) -> int:
+  return 4 * (2 * shape.group * tile + 3 * shape.group + njg * shape.head_dim)
+
+
+# FP8 decode: 16-code KV vectors up to this GQA group. Their q slices and V accumulators take 32 G registers a thread:
+# G 2 at head_dim 128 takes 158 (8-code vectors: 128), G 4 takes 229-241 (166), 2 blocks an SM instead of 3 (unmeasured)
+KV16_MAX_GROUP = 2
+
+
+def decode_kv_vec(shape: AttentionShape) -> int:
+  """Elements per KV vector of the decode kernel: a 16-byte vector of the activations' dtype; with an FP8 cache 16
+  codes (16 bytes) where head_dim is a multiple of 16 and the group at most KV16_MAX_GROUP, else 8 codes (8 bytes)."""
+  if shape.kv_fp8 and shape.head_dim % 16 == 0 and shape.group <= KV16_MAX_GROUP: return 16
+  return 16 // ELEM_BYTES[dtype_code(shape.dtype)]
+
+
+def decode_tile(shape: AttentionShape) -> int:
+  """Keys per tile. 16-bit caches: 8 (G > 4: 4) passes of 16-byte loads, tiles of 32 to 128 keys. FP8 caches: twice
+  the keys, as many bytes in flight (the loop is bound by bytes in flight over memory latency): with 16-code vectors
+  twice the keys a pass and as many passes, with 8-code ones twice the passes (with the 16-bit tile they ran only 5%
+  faster end to end)."""
+  lpk = min(shape.head_dim // (16 // ELEM_BYTES[dtype_code(shape.dtype)]), 32)
+  kpp = THREADS // lpk
+  tile = kpp * max(max(1, 32 // kpp), min(8 if shape.group <= 4 else 4, 64 // kpp))
+  return 2 * tile if shape.kv_fp8 else tile
 
 
 def decode_splits(shape: AttentionShape, tile: int, target_blocks: int = TARGET_BLOCKS) -> tuple[int, int]:
@@ -132,22 +161,20 @@ def split_chunks(context_len: int, splits: int, tile: int) -> tuple[int, int]:
 def decode_plan(shape: AttentionShape, splits: int | None = None, kv_together: bool = False) -> DecodePlan:
   """`splits`: force the split count (None: decode_splits). `kv_together`: issue a tile's V loads with its K loads
   rather than after the softmax (one latency per tile, but more registers: measured slower on an H200, so off)."""
-  code = dtype_code(shape.dtype)
-  vec = 16 // ELEM_BYTES[code]
+  vec = decode_kv_vec(shape)
   vpr = shape.head_dim // vec
   lpk = min(vpr, 32)
   nvl = vpr // lpk
   kpp = THREADS // lpk
-  unroll = max(max(1, 32 // kpp), min(8 if shape.group <= 4 else 4, 64 // kpp))   # tiles of 32 to 128 keys
-  # FP8 caches load 8-byte KV vectors: twice the keys per thread keep as many bytes in flight (the loop is bound by
-  # bytes in flight over memory latency; with the bf16 tile an FP8 cache ran only 5% faster end to end)
-  if shape.kv_fp8: unroll *= 2
-  tile = kpp * unroll
   njg = THREADS // vpr
+  tile = decode_tile(shape)
+  while tile > 32 and (tile // 2) % kpp == 0 and decode_shared_bytes(shape, tile, njg) > min(SHARED_LIMITS.values()):
+    tile //= 2   # FP8 with a large group and a small head: the scores would overflow shared memory
+  unroll = tile // kpp
   kpt = -(-tile // njg)
   splits, chunk = decode_splits(shape, tile) if splits is None else split_chunks(shape.context_len, splits, tile)
-  d = {**_common(shape), "TV_LPK": lpk, "TV_NVL": nvl, "TV_KPP": kpp, "TV_U": unroll, "TV_TILE": tile, "TV_VPR": vpr,
-       "TV_NJG": njg, "TV_KPT": kpt, "TV_NSPLIT": splits, "TV_CHUNK": chunk, "TV_KV_TOGETHER": int(kv_together)}
+  d = {**_common(shape), "TV_KVEC": vec, "TV_LPK": lpk, "TV_NVL": nvl, "TV_KPP": kpp, "TV_U": unroll, "TV_TILE": tile,
+       "TV_VPR": vpr, "TV_NJG": njg, "TV_KPT": kpt, "TV_NSPLIT": splits, "TV_CHUNK": chunk, "TV_KV_TOGETHER": int(kv_together)}
   s, h, n, hd = shape.num_seqs, shape.num_heads, shape.num_tokens, shape.head_dim
   ins = (Param("q", "elem", False, n * h * hd), Param("k_cache", "kv", False, shape.num_slots * shape.num_kv_heads * hd),
          Param("v_cache", "kv", False, shape.num_slots * shape.num_kv_heads * hd),
@@ -170,20 +197,23 @@ def decode_plan(shape: AttentionShape, splits: int | None = None, kv_together: b
 @dataclass(frozen=True)
 class PrefillPlan:
   shape: AttentionShape
+  algorithm: str  # "prefill" (FMA, both dialects) or "prefill_tc" (tensor cores, CUDA)
   rows: int       # query rows per block (tokens * group, padded)
   keys: int       # keys per tile
   tokens: int     # query tokens per block
   q_tiles: int    # blocks along the query run
-  epw: int        # elements per 32-bit word
-  words: int      # words per head row
-  rpt: int        # rows per thread
-  cpt: int        # keys per thread (scores)
-  wpt: int        # output words per thread
   defines: dict[str, int | str] = field(compare=False)
   launches: tuple[Launch, ...] = field(compare=False)
+  shared_bytes: int = 0   # static shared memory per block
 
-  @property
-  def shared_bytes(self) -> int: return prefill_shared_bytes(self.rows, self.keys, self.words)
+
+def _prefill_params(shape: AttentionShape) -> tuple[Param, ...]:
+  s, h, n, hd = shape.num_seqs, shape.num_heads, shape.num_tokens, shape.head_dim
+  return (Param("out", "elem", True, n * h * hd), Param("q", "elem", False, n * h * hd),
+          Param("k_cache", "kv", False, shape.num_slots * shape.num_kv_heads * hd),
+          Param("v_cache", "kv", False, shape.num_slots * shape.num_kv_heads * hd),
+          Param("block_tables", "int", False, s * shape.max_blocks), Param("context_lens", "int", False, s),
+          Param("query_start", "int", False, s + 1))
 
 
 def prefill_shared_bytes(rows: int, keys: int, words: int) -> int:
@@ -199,7 +229,10 @@ def prefill_tile(shape: AttentionShape, dialect: str = "cuda") -> tuple[int, int
   return None
 
 
-def prefill_plan(shape: AttentionShape, dialect: str = "cuda") -> PrefillPlan:
+def prefill_plan(shape: AttentionShape, dialect: str = "cuda", tensor_cores: bool = True) -> PrefillPlan:
+  """The tensor-core kernel (paged_prefill_tc.inc) where it runs (CUDA, 16-bit, head_dim a multiple of 16 up to 128),
+  unless `tensor_cores` is False; else the FMA one (paged_prefill.inc)."""
+  if tensor_cores and dialect == "cuda" and tc_prefill_unsupported_reason(shape) is None: return tc_prefill_plan(shape)
   tile = prefill_tile(shape, dialect)
   assert tile is not None, unsupported_reason(shape, dialect)
   rows, keys = tile
@@ -210,14 +243,26 @@ def prefill_plan(shape: AttentionShape, dialect: str = "cuda") -> PrefillPlan:
   rpt, cpt, wpt = rows // ROW_GROUPS, keys // COL_GROUPS, -(-words // COL_GROUPS)
   d = {**_common(shape), "TV_M": rows, "TV_BK": keys, "TV_BQ": tokens, "TV_NQT": q_tiles, "TV_RG": ROW_GROUPS,
        "TV_CG": COL_GROUPS, "TV_RPT": rpt, "TV_CPT": cpt, "TV_WPT": wpt, "TV_DW": words, "TV_QSTR": words + 1}
-  s, h, n, hd = shape.num_seqs, shape.num_heads, shape.num_tokens, shape.head_dim
-  params = (Param("out", "elem", True, n * h * hd), Param("q", "elem", False, n * h * hd),
-            Param("k_cache", "kv", False, shape.num_slots * shape.num_kv_heads * hd),
-            Param("v_cache", "kv", False, shape.num_slots * shape.num_kv_heads * hd),
-            Param("block_tables", "int", False, s * shape.max_blocks), Param("context_lens", "int", False, s),
-            Param("query_start", "int", False, s + 1))
-  launch = Launch("tv_paged_prefill", (q_tiles, shape.num_kv_heads, s), THREADS, params)
-  return PrefillPlan(shape, rows, keys, tokens, q_tiles, epw, words, rpt, cpt, wpt, d, (launch,))
+  launch = Launch("tv_paged_prefill", (q_tiles, shape.num_kv_heads, shape.num_seqs), THREADS, _prefill_params(shape))
+  return PrefillPlan(shape, "prefill", rows, keys, tokens, q_tiles, d, (launch,), prefill_shared_bytes(rows, keys, words))
+
+
+def tc_prefill_unsupported_reason(shape: AttentionShape) -> str | None:
+  if dtype_code(shape.dtype) == 0: return "float32 activations"
+  if shape.head_dim % 16 or shape.head_dim > TC_PREFILL_MAX_HEAD_DIM:
+    return f"head_dim {shape.head_dim} (a multiple of 16 up to {TC_PREFILL_MAX_HEAD_DIM})"
+  if shape.group > TC_PREFILL_ROWS // 4: return f"GQA group {shape.group} > {TC_PREFILL_ROWS // 4}"
+  return None
+
+
+def tc_prefill_plan(shape: AttentionShape) -> PrefillPlan:
+  rows, keys = TC_PREFILL_ROWS, TC_PREFILL_KEYS
+  tokens = rows // shape.group
+  q_tiles = cdiv(shape.query_len, tokens)
+  d = {**_common(shape), "TV_BK": keys, "TV_BQ": tokens, "TV_NQT": q_tiles}
+  launch = Launch("tv_paged_prefill_tc", (q_tiles, shape.num_kv_heads, shape.num_seqs), THREADS, _prefill_params(shape))
+  shared = 2 * keys * (shape.head_dim + 8) * ELEM_BYTES[dtype_code(shape.dtype)]   # K and V tiles, padded rows
+  return PrefillPlan(shape, "prefill_tc", rows, keys, tokens, q_tiles, d, (launch,), shared)
 
 
 # ---------------------------------------------------------------- KV write
