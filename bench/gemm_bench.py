@@ -1,7 +1,7 @@
 """The model's matrix products on the GPU, one kernel at a time: correctness of the tensor-core GEMM and the skinny
 decode kernel against tinygrad's own ops on the device, then time per call, achieved GB/s and TFLOP/s of every variant
-(planner's choice, other tiles, other splits, other shared-memory stage counts, cuBLAS through torch as the ceiling) for
-Qwen3-0.6B's projections.
+(planner's choice, other tiles, splits, shared-memory stage counts and K slice depths, cuBLAS through torch as the
+ceiling) for Qwen3-0.6B's projections.
 
 Usage (GPU machine): DEV=CUDA python bench/gemm_bench.py [--quick]; writes $OUT/gemm_bench.json when OUT is set.
 Timing: each variant is captured with TinyJit as R calls on R different weight copies (so weights come from HBM, not
@@ -66,11 +66,15 @@ def check(device: str) -> None:
   for m, o, k, opts in cases:
     x, ws, extra = inputs(m, o, k, opts, device, seed=m)
     ref = call(x, ws[0], extra, opts, {"kind": "portable"}).float().numpy()
-    # the 128x128 tile with the planner's stages (82-93 KB of dynamic shared memory) and with 5 (103-154 KB)
+    # the 128x128 tile with the planner's stages (82-93 KB of dynamic shared memory) and with 5 (103-154 KB), and
+    # with 64-wide K slices: 2 stages (74 KB; not with SwiGLU's two halves in the loop) and 3 (111-166 KB)
     variants = [{"kind": "gemm"}, {"kind": "gemm", "tiles": GemmTiles(128, 128, 2, 4, 1)},
                 {"kind": "gemm", "tiles": GemmTiles(128, 128, 2, 4, 1, ring=5)},
-                {"kind": "gemm", "tiles": GemmTiles(16, 64, 1, 4, 2)}] + ([{"kind": "skinny"}] if m <= 16 else [])
-    for v in variants:
+                {"kind": "gemm", "tiles": GemmTiles(16, 64, 1, 4, 2)},
+                {"kind": "gemm", "tiles": GemmTiles(128, 128, 2, 4, 1, bk=64)},
+                {"kind": "gemm", "tiles": GemmTiles(128, 128, 2, 4, 1, ring=3, bk=64)}]
+    variants += [{"kind": "skinny"}] if m <= 16 else []
+    for v in (v for v in variants if plannable(m, o, k, opts, v)):
       got = call(x, ws[0], extra, opts, v).float().numpy()
       err = float(np.abs(got - ref).max() / np.abs(ref).max())
       jit_ok = v["kind"] != "gemm" or replays_match(x, ws[0], extra, opts, v, got)
@@ -79,6 +83,18 @@ def check(device: str) -> None:
                                      "ok": ok})
       log(f"check m={m} o={o} k={k} {opts} {v}: rel err {err:.2e}{'' if jit_ok else ', JIT replay differs'} "
           f"{'ok' if ok else 'FAIL'}")
+
+
+def plannable(m: int, o: int, k: int, opts: dict, variant: dict) -> bool:
+  """The planner accepts the variant's tiles for this product (K in whole slices, at least two stages fit)."""
+  from tinyvllm.kernels.gemm import gemm_plan
+  from tinyvllm.kernels.linear import LinearShape
+  if variant.get("tiles") is None: return True
+  shape = LinearShape("bfloat16", m, k, o, bool(opts.get("bias")), 1e-6 if opts.get("norm") else None,
+                      bool(opts.get("silu_mul")), bool(opts.get("residual")), bool(opts.get("out_float32")))
+  try: gemm_plan(shape, variant["tiles"])
+  except ValueError: return False
+  return True
 
 
 def replays_match(x, w, extra: dict, opts: dict, variant: dict, want: np.ndarray) -> bool:
@@ -126,19 +142,25 @@ def time_torch(m: int, o: int, k: int, copies: int, replays: int) -> float | Non
   return (time.perf_counter() - t) / (replays * copies)
 
 
-TILE_CANDIDATES = ((16, 64, 1, 4), (32, 64, 2, 2), (64, 64, 2, 2), (64, 128, 2, 2), (128, 128, 2, 4))
+TILE_CANDIDATES = ((16, 64, 1, 4), (32, 64, 2, 2), (64, 64, 2, 2), (64, 128, 2, 2), (128, 128, 2, 4), (128, 128, 2, 2))
 # stage counts tried besides the planner's (2 is what 48 KB of static shared memory gave the 128x128 tile)
 RINGS = {(64, 128, 2, 2): (3,), (128, 128, 2, 4): (2, 3, 5)}
+# tiles also tried with 64-wide K slices (one barrier per 4 k16 steps instead of 2): the planner's stages (2 for the
+# 128x128 tile in 99 KB) and these
+BK64_RINGS = {(64, 64, 2, 2): (), (64, 128, 2, 2): (), (128, 128, 2, 4): (3,)}
 
 
-def variants_for(m: int, o: int, k: int) -> list[dict]:
+def variants_for(m: int, o: int, k: int, opts: dict) -> list[dict]:
   from tinyvllm.kernels.gemm import GemmTiles
   out = [{"kind": "gemm"}]
   for bm, bn, wm, wn in TILE_CANDIDATES:
     if bm >= 2 * max(m, 16) or (m > 256 and bm < 64): continue
-    for splits in (1, 2, 4) if m <= 64 else (1,):
+    for splits in (1, 2, 4) if m <= 256 else (1,):
       if k % (32 * splits) == 0: out.append({"kind": "gemm", "tiles": GemmTiles(bm, bn, wm, wn, splits)})
     out += [{"kind": "gemm", "tiles": GemmTiles(bm, bn, wm, wn, 1, ring)} for ring in RINGS.get((bm, bn, wm, wn), ())]
+    for ring in (0, *BK64_RINGS[bm, bn, wm, wn]) if (bm, bn, wm, wn) in BK64_RINGS else ():
+      out.append({"kind": "gemm", "tiles": GemmTiles(bm, bn, wm, wn, 1, ring, bk=64)})
+  out = [v for v in out if plannable(m, o, k, opts, v)]
   if m <= 16: out += [{"kind": "skinny"}, {"kind": "skinny", "rpw": 1}, {"kind": "skinny", "rpw": 4 if m <= 2 else 2}]
   return out
 
@@ -151,7 +173,7 @@ def bench(device: str, rows: list[int], replays: int) -> None:
       if name == "lm_head" and m > 256: continue
       x, ws, extra = inputs(m, o, k, opts, device, copies)
       entries = []
-      for v in variants_for(m, o, k):
+      for v in variants_for(m, o, k, opts):
         try: s = time_variant(x, ws, extra, opts, v, device, replays)
         except Exception as e:
           RESULTS["errors"].append({"proj": name, "m": m, "variant": str(v), "error": repr(e)[:300]})

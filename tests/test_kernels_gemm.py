@@ -2,8 +2,8 @@
 whose mma.sync follows PTX's documented m16n8k16 fragment layout, and compared with the portable form
 (tinyvllm/layers/linear.py, tinygrad ops) on the same rounded inputs: every tile shape the planner picks, row counts
 and output counts that are not multiples of the tile, split-K with its reduce kernel, the RMSNorm / SwiGLU prologues,
-bias, residual, float32 logits, bfloat16 and float16, stage rings in more than 48 KB of dynamic shared memory; every
-output written (outputs start as NaN)."""
+bias, residual, float32 logits, bfloat16 and float16, stage rings in more than 48 KB of dynamic shared memory, K
+slices of 32 and 64; every output written (outputs start as NaN)."""
 from __future__ import annotations
 
 import numpy as np
@@ -33,6 +33,17 @@ CASES = {
   "bf16_m130_big_4stages_residual": ("bfloat16", 130, 320, 136, False, False, False, True, False, GemmTiles(128, 128, 2, 4, 1)),
   "f16_m129_big_silu_3stages": ("float16", 129, 256, 72, False, False, True, False, False, GemmTiles(128, 128, 2, 4, 1)),
   "bf16_m40_big_norm_5stages_split2": ("bfloat16", 40, 512, 130, True, True, False, False, False, GemmTiles(128, 128, 2, 4, 2, ring=5)),
+  # 64-wide K slices (8 chunks a staged row, 144-byte rows), K long enough for each ring to wrap
+  "bf16_m70_plain_bk64": ("bfloat16", 70, 320, 136, False, False, False, False, False, GemmTiles(64, 128, 2, 2, 1, bk=64)),
+  "bf16_m33_norm_bk64": ("bfloat16", 33, 384, 72, False, True, False, False, False, GemmTiles(32, 64, 2, 2, 1, bk=64)),
+  "f16_m40_silu_residual_bk64": ("float16", 40, 256, 72, False, False, True, True, False, GemmTiles(64, 64, 2, 2, 1, bk=64)),
+  "bf16_m20_bias_residual_split2_bk64": ("bfloat16", 20, 768, 72, True, False, False, True, False,
+                                         GemmTiles(16, 64, 1, 4, 2, bk=64)),
+  "bf16_m130_norm_xprime_bk64": ("bfloat16", 130, 320, 330, False, True, False, False, False, GemmTiles(64, 64, 2, 2, 1, bk=64)),
+  "f16_m129_big_norm_2stages_bk64": ("float16", 129, 192, 136, False, True, False, False, False,
+                                     GemmTiles(128, 128, 2, 4, 1, bk=64)),
+  "bf16_m130_big_residual_3stages_bk64": ("bfloat16", 130, 384, 136, False, False, False, True, False,
+                                          GemmTiles(128, 128, 2, 4, 1, ring=3, bk=64)),
 }
 # emulator self-tests of dynamic shared memory: each thread writes its slot (TV_SHIFT slots further on: past the end
 # for a shift of 1), then reads its neighbour's
@@ -102,6 +113,8 @@ def test_planner_fills_the_gpu_and_splits_only_whole_slices():
   assert choose_tiles(2048, 3072, 1024, silu_mul=True) == GemmTiles(64, 128, 2, 2, 1)   # room for 4 stages of both halves
   assert choose_tiles(256, 1024, 4096) == GemmTiles(64, 64, 2, 2, 1)     # the largest tile that still makes 256 blocks
   assert choose_tiles(32, 3072, 1024) == GemmTiles(32, 64, 2, 2, 8)
+  assert choose_tiles(256, 2048, 1024) == GemmTiles(64, 64, 2, 2, 4)    # long K at decode rows: split rather than thin tiles
+  assert choose_tiles(128, 3072, 1024, silu_mul=True) == GemmTiles(64, 64, 2, 2, 4)
   for rows, k, o in ((1, 96, 8), (300, 1024, 1024), (48, 4864, 896)):
     t = choose_tiles(rows, k, o)
     assert k % (32 * t.splits) == 0 and (t.splits == 1 or k // (32 * t.splits) >= 4)
@@ -124,6 +137,23 @@ def test_stage_rings_in_dynamic_shared_memory():
     gemm_plan(LinearShape("bfloat16", 64, 1024, 64, False, None, True, False, False), GemmTiles(128, 128, 2, 4, 1, 9))
 
 
+def test_64_wide_k_slices():
+  big, big3 = GemmTiles(128, 128, 2, 4, 1, bk=64), GemmTiles(128, 128, 2, 4, 1, ring=3, bk=64)
+  assert (big.stage_bytes(), big.stages(), big.min_blocks()) == (36864, 2, 2)   # 144-byte rows: 2 stages in 99 KB
+  assert (big3.stages(), big3.shared_bytes(), big3.min_blocks()) == (3, 111104, 2)   # 2 x (108.5 + 1) KB in 228 KB
+  assert GemmTiles(64, 64, 2, 2, 1, bk=64).stages() == 4 and GemmTiles(64, 128, 2, 2, 1, bk=64).min_blocks() == 2
+  plain = LinearShape("bfloat16", 256, 1024, 4096, False, None, False, False, False)
+  assert gemm_plan(plain, big3)[0]["TV_BK"] == 64 and gemm_plan(plain)[0]["TV_BK"] == 32
+  shape = LinearShape("bfloat16", 64, 96, 64, False, None, False, False, False)
+  with pytest.raises(ValueError, match="64-wide slices"): gemm_plan(shape, GemmTiles(64, 64, 2, 2, 1, bk=64))
+  with pytest.raises(ValueError, match="2 runs of 64-wide"):
+    gemm_plan(LinearShape("bfloat16", 64, 192, 64, False, None, False, False, False), GemmTiles(64, 64, 2, 2, 2, bk=64))
+  with pytest.raises(ValueError, match="32 or 64"): gemm_plan(shape, GemmTiles(64, 64, 2, 2, 1, bk=48))
+  with pytest.raises(ValueError, match="at least 2"):   # SwiGLU's two halves in the loop: one 55 KB stage
+    gemm_plan(LinearShape("bfloat16", 64, 1024, 64, False, None, True, False, False), big)
+  assert "multiple of 64" in unsupported_reason("bfloat16", 4, 96, 8, bk=64) and unsupported_reason("bfloat16", 4, 96, 8) is None
+
+
 def test_emulated_dynamic_shared_memory(emu):
   out = np.full(4 * DYNAMIC_NT, 7.0, np.float32)
   emu.launch("dynamic_ok", 0, [out], order="random")
@@ -138,6 +168,7 @@ def test_prologue_runs_once_for_wide_products():
   kernels = lambda name: [launch.kernel for launch in gemm_plan(_shape(name), CASES[name][-1])[1]]
   assert kernels("bf16_m130_norm_xprime") == ["tv_gemm_xprime", "tv_gemm"]
   assert kernels("f16_m140_silu_residual_xprime_split2") == ["tv_gemm_xprime", "tv_gemm", "tv_gemm_reduce"]
+  assert kernels("bf16_m130_norm_xprime_bk64") == ["tv_gemm_xprime", "tv_gemm"]
   assert kernels("bf16_m130_norm_logits")[0] == "tv_gemm"   # two column blocks: the prologue stays in the loop
   assert kernels("f16_m33_silu_residual")[0] == "tv_gemm"   # few rows: likewise
 

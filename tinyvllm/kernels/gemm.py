@@ -21,7 +21,7 @@ TARGET_BLOCKS = 256        # ~2 blocks per H100 SM
 SHARED_BYTES = 99 * 1024
 SHARED_LIMIT = 227 * 1024
 MAX_STAGES = 4             # K slices in the shared-memory ring (3 in flight while one is multiplied)
-ROW_BYTES = 80             # a staged row: a 32-wide K slice of 16-bit elements padded to 40 (conflict-free fragments)
+BK = 32                    # the K slice the planner's tiles step in (a tile may ask for 64: half the barriers)
 # an H100 SM: shared memory (each resident block takes 1 KB more than it asks) and registers, of which the kernel's
 # __launch_bounds__ leaves each thread at least MIN_REGISTERS (the 128x128 tile's warps hold 64 accumulators each)
 SM_SHARED_BYTES, SM_REGISTERS, MIN_REGISTERS = 228 * 1024, 65536, 128
@@ -31,7 +31,7 @@ SM_SHARED_BYTES, SM_REGISTERS, MIN_REGISTERS = 228 * 1024, 65536, 128
 XPRIME_ROWS = 128
 XPRIME_COLUMN_BLOCKS = 4
 MAX_SPLITS = 8
-MIN_KTILES_PER_SPLIT = 4   # 32-wide K slices each split keeps (fewer leave the double buffer nothing to overlap)
+MIN_KTILES_PER_SPLIT = 4   # K slices each split keeps (fewer leave the double buffer nothing to overlap)
 # (BM, BN, warps along M, warps along N) tried in order: the first that makes TARGET_BLOCKS blocks without splitting K
 WIDE_TILES = ((64, 128, 2, 2), (64, 64, 2, 2), (32, 64, 2, 2), (16, 64, 1, 4))
 # else by rows M, with K split
@@ -41,6 +41,16 @@ FALLBACK_TILE = (64, 64, 2, 2)   # four stages even with SwiGLU's two halves of 
 # 186 -> 156 us) and for the logits at 256 rows (731 -> 510 us), then with two stages only (48 KB of static shared
 # memory); now 4 (3 with SwiGLU's two halves of x)
 BIG_TILE, BIG_TILE_BLOCKS = (128, 128, 2, 4), 2 * TARGET_BLOCKS
+# products with a long K (the o and down projections) at decode-batch rows: a 64x64 tile with K split until the grid
+# covers the GPU beats thinner row tiles with K whole (H100, 256 rows: o 21.9 -> 16.0 us, down 36.0 -> 23.5 us, with the
+# reduce launch; cuBLAS 16.8 / 15.7; gemm_bench_h100_splits_256.json)
+LONG_K, LONG_K_ROWS, LONG_K_TILE, LONG_K_MAX_SPLITS = 2048, (128, 256), (64, 64, 2, 2), 4
+
+
+def row_bytes(bk: int) -> int:
+  """A staged row: a bk-wide K slice of 16-bit elements padded by 8 (80 or 144 bytes, 16 mod 128: conflict-free
+  fragments)."""
+  return (bk + 8) * 2
 
 
 @dataclass(frozen=True)
@@ -51,13 +61,14 @@ class GemmTiles:
   wn: int
   splits: int
   ring: int = 0   # shared-memory stages; 0: as many as fit SHARED_BYTES, up to MAX_STAGES (others: timing experiments)
+  bk: int = BK    # K slice depth: 32 or 64 (K must split into whole slices)
 
   @property
   def threads(self) -> int: return 32 * self.wm * self.wn
 
   def stage_bytes(self, silu_mul: bool = False) -> int:
-    """One stage: a 32-wide K slice of x (both halves for SwiGLU) and of w."""
-    return (self.bm * (2 if silu_mul else 1) + self.bn) * ROW_BYTES
+    """One stage: a K slice of x (both halves for SwiGLU) and of w."""
+    return (self.bm * (2 if silu_mul else 1) + self.bn) * row_bytes(self.bk)
 
   def stages(self, silu_mul: bool = False) -> int:
     return self.ring or min(MAX_STAGES, (SHARED_BYTES - 4 * self.bm) // self.stage_bytes(silu_mul))
@@ -73,10 +84,10 @@ class GemmTiles:
     return max(1, min(by_registers, SM_SHARED_BYTES // (self.shared_bytes(silu_mul) + 1024)))
 
 
-def unsupported_reason(dtype: str, rows: int, in_features: int, out_features: int) -> str | None:
+def unsupported_reason(dtype: str, rows: int, in_features: int, out_features: int, bk: int = BK) -> str | None:
   if dtype not in ("float16", "bfloat16"): return f"dtype {dtype} (the tensor-core kernel takes float16 and bfloat16)"
   if rows < 1: return "no rows"
-  if in_features % 32: return f"in_features {in_features} not a multiple of 32"
+  if in_features % bk: return f"in_features {in_features} not a multiple of {bk}"
   return None
 
 
@@ -85,6 +96,10 @@ def choose_tiles(rows: int, in_features: int, out_features: int, silu_mul: bool 
   the weights dominate, and splitting K only pays when even the smallest tiles leave the GPU idle. Tiles that leave
   room for fewer than three shared-memory stages are skipped where a smaller one will do."""
   fits = lambda t: GemmTiles(*t, 1).stages(silu_mul) >= 3
+  if in_features >= LONG_K and LONG_K_ROWS[0] <= rows <= LONG_K_ROWS[1] and fits(LONG_K_TILE):
+    blocks, splits = cdiv(rows, LONG_K_TILE[0]) * cdiv(out_features, LONG_K_TILE[1]), 1
+    while splits < LONG_K_MAX_SPLITS and blocks * splits < TARGET_BLOCKS and in_features % (64 * splits) == 0: splits *= 2
+    return GemmTiles(*LONG_K_TILE, splits)
   if fits(BIG_TILE) and rows >= BIG_TILE[0] and cdiv(rows, BIG_TILE[0]) * cdiv(out_features, BIG_TILE[1]) >= BIG_TILE_BLOCKS:
     return GemmTiles(*BIG_TILE, 1)
   for bm, bn, wm, wn in WIDE_TILES:
@@ -94,8 +109,8 @@ def choose_tiles(rows: int, in_features: int, out_features: int, silu_mul: bool 
   blocks = cdiv(rows, bm) * cdiv(out_features, bn)
   splits = 1
   # the float32 partials (written and read: 8 bytes per split, row and output) must stay below the weight bytes
-  while (splits * 2 <= MAX_SPLITS and blocks * splits < TARGET_BLOCKS and in_features % (32 * splits * 2) == 0
-         and in_features // (32 * splits * 2) >= MIN_KTILES_PER_SPLIT and 4 * rows * splits * 2 <= in_features):
+  while (splits * 2 <= MAX_SPLITS and blocks * splits < TARGET_BLOCKS and in_features % (BK * splits * 2) == 0
+         and in_features // (BK * splits * 2) >= MIN_KTILES_PER_SPLIT and 4 * rows * splits * 2 <= in_features):
     splits *= 2
   return GemmTiles(bm, bn, wm, wn, splits)
 
@@ -109,12 +124,14 @@ def gemm_plan(shape, tiles: GemmTiles | None = None) -> tuple[dict[str, int | st
   xprime = prologue and m >= XPRIME_ROWS and cdiv(o, t.bn) > XPRIME_COLUMN_BLOCKS
   staged_silu = shape.silu_mul and not xprime
   stages, smem = t.stages(staged_silu), t.shared_bytes(staged_silu)
-  if k % (32 * t.splits): raise ValueError(f"tiles {t}: K = {k} does not split into {t.splits} runs of 32-wide slices")
+  if t.bk not in (32, 64): raise ValueError(f"tiles {t}: K slices of {t.bk} (the kernel steps in 32 or 64)")
+  if k % (t.bk * t.splits): raise ValueError(f"tiles {t}: K = {k} does not split into {t.splits} runs of {t.bk}-wide slices")
   if stages < 2: raise ValueError(f"tiles {t} leave room for {stages} shared-memory stage(s); at least 2 are needed")
   if smem > SHARED_LIMIT: raise ValueError(f"tiles {t} need {smem} bytes of shared memory (a block gets {SHARED_LIMIT})")
   defines: dict[str, int | str] = {"TV_DTYPE": dtype_code(shape.dtype), "TV_M": m, "TV_K": k, "TV_NOUT": o, "TV_BM": t.bm,
-                                   "TV_BN": t.bn, "TV_WM": t.wm, "TV_WN": t.wn, "TV_NT": t.threads, "TV_SPLITS": t.splits,
-                                   "TV_STAGES": stages, "TV_SMEM_BYTES": smem, "TV_MIN_BLOCKS": t.min_blocks(staged_silu)}
+                                   "TV_BN": t.bn, "TV_BK": t.bk, "TV_WM": t.wm, "TV_WN": t.wn, "TV_NT": t.threads,
+                                   "TV_SPLITS": t.splits, "TV_STAGES": stages, "TV_SMEM_BYTES": smem,
+                                   "TV_MIN_BLOCKS": t.min_blocks(staged_silu)}
   y = Param("y", "float" if shape.out_float32 else "elem", True, m * o)
   part = Param("part", "float", True, t.splits * m * o)
   x = Param("x", "elem", False, m * k * (2 if shape.silu_mul else 1))
