@@ -62,6 +62,7 @@ def check(device: str) -> None:
   cases = [(1, 4096, 1024, {"norm": True}), (17, 1024, 2048, {"residual": True, "bias": True}),
            (33, 1000, 3072, {"silu_mul": True, "residual": True}), (100, 6144, 1024, {"norm": True}),
            (256, 4096, 1024, {}), (1000, 1024, 3072, {"silu_mul": True, "residual": True}),
+           (256, 1024, 2048, {"residual": True}), (200, 1024, 3072, {"silu_mul": True, "residual": True}),
            (77, 151936, 1024, {"norm": True, "out_float32": True})]
   for m, o, k, opts in cases:
     x, ws, extra = inputs(m, o, k, opts, device, seed=m)

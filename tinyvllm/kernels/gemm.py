@@ -45,6 +45,11 @@ BIG_TILE, BIG_TILE_BLOCKS = (128, 128, 2, 4), 2 * TARGET_BLOCKS
 # covers the GPU beats thinner row tiles with K whole (H100, 256 rows: o 21.9 -> 16.0 us, down 36.0 -> 23.5 us, with the
 # reduce launch; cuBLAS 16.8 / 15.7; gemm_bench_h100_splits_256.json)
 LONG_K, LONG_K_ROWS, LONG_K_TILE, LONG_K_MAX_SPLITS = 2048, (128, 256), (64, 64, 2, 2), 4
+# 64-wide K slices (half the barriers per K) where K is not split, measured faster on an H100 (gemm_bench_h100_bk64.json):
+# the 128x128 tile with 3 stages at 2,048 rows (qkv 94.9 -> 92.6 us, gate_up 149.6 -> 143.2; o 54.8 -> 45.6 and down
+# 92.4 -> 76.6, where it also beats the 64x128 tile the block count would pick) and for the logits at 256 rows
+# (450 -> 371 us); the 64-row tiles at 256 rows with K 1,024 (qkv 23.1 -> 21.4, gate_up 35.3 -> 31.8)
+DEEP_BK, DEEP_BIG_RING, DEEP_WIDE_ROWS, DEEP_BIG_ROWS = 64, 3, 256, 2048
 
 
 def row_bytes(bk: int) -> int:
@@ -100,11 +105,14 @@ def choose_tiles(rows: int, in_features: int, out_features: int, silu_mul: bool 
     blocks, splits = cdiv(rows, LONG_K_TILE[0]) * cdiv(out_features, LONG_K_TILE[1]), 1
     while splits < LONG_K_MAX_SPLITS and blocks * splits < TARGET_BLOCKS and in_features % (64 * splits) == 0: splits *= 2
     return GemmTiles(*LONG_K_TILE, splits)
+  big_deep = _deep_slices(BIG_TILE, rows, in_features, out_features, silu_mul, DEEP_BIG_RING)
+  if big_deep and rows >= DEEP_BIG_ROWS and in_features >= LONG_K: return big_deep
   if fits(BIG_TILE) and rows >= BIG_TILE[0] and cdiv(rows, BIG_TILE[0]) * cdiv(out_features, BIG_TILE[1]) >= BIG_TILE_BLOCKS:
-    return GemmTiles(*BIG_TILE, 1)
+    return big_deep or GemmTiles(*BIG_TILE, 1)
   for bm, bn, wm, wn in WIDE_TILES:
     if bm <= rows and cdiv(rows, bm) * cdiv(out_features, bn) >= TARGET_BLOCKS and fits((bm, bn, wm, wn)):
-      return GemmTiles(bm, bn, wm, wn, 1)
+      deep = rows >= DEEP_WIDE_ROWS and in_features < LONG_K and _deep_slices((bm, bn, wm, wn), rows, in_features, out_features, silu_mul)
+      return deep or GemmTiles(bm, bn, wm, wn, 1)
   bm, bn, wm, wn = next((t for limit, t in TILES if rows <= limit and fits(t)), FALLBACK_TILE)
   blocks = cdiv(rows, bm) * cdiv(out_features, bn)
   splits = 1
@@ -113,6 +121,15 @@ def choose_tiles(rows: int, in_features: int, out_features: int, silu_mul: bool 
          and in_features // (BK * splits * 2) >= MIN_KTILES_PER_SPLIT and 4 * rows * splits * 2 <= in_features):
     splits *= 2
   return GemmTiles(bm, bn, wm, wn, splits)
+
+
+def _deep_slices(tile: tuple[int, int, int, int], rows: int, k: int, o: int, silu_mul: bool, ring: int = 0) -> GemmTiles | None:
+  """The tile with 64-wide K slices, or None where K is not a multiple of 64 or the SwiGLU halves would be staged in
+  the loop (no x' pass: three stages of both halves do not fit)."""
+  staged_silu = silu_mul and not (rows >= XPRIME_ROWS and cdiv(o, tile[1]) > XPRIME_COLUMN_BLOCKS)
+  if k % DEEP_BK or staged_silu: return None
+  tiles = GemmTiles(*tile, 1, ring, DEEP_BK)
+  return tiles if tiles.stages() >= 3 else None
 
 
 def gemm_plan(shape, tiles: GemmTiles | None = None) -> tuple[dict[str, int | str], tuple[Launch, ...]]:
