@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 from attention_bench import bench_batch, bench_prefill, dev_tensor, rel_err  # noqa: E402  (bench/ is on sys.path)
 from check_fp8 import check_kv_write_fp8, step_engine_fp8  # noqa: E402
+from check_sample import check_sample  # noqa: E402
 from kernel_cases import build, case_list, plan_for  # noqa: E402
 
 T_START = time.perf_counter()
@@ -344,7 +345,8 @@ def main() -> int:
   p.add_argument("--batches", default="1,8,32,128,256", help="decode batch sizes to time")
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--no-e2e", action="store_true", help="skip the whole-model decode timing")
-  p.add_argument("--skip", default="", help="comma list of steps to skip: compile,correctness,engine,engine-fp8,bench,prefill-bench,e2e")
+  p.add_argument("--skip", default="",
+                 help="comma list of steps to skip: compile,correctness,engine,engine-fp8,sample,bench,prefill-bench,e2e")
   args = p.parse_args()
   skip = set(filter(None, args.skip.split(","))) | ({"e2e"} if args.no_e2e else set())
 
@@ -369,6 +371,7 @@ def main() -> int:
              ("correctness", lambda: step_correctness(dialect, device, cases)),
              ("engine", lambda: step_engine(args.model, device, dialect)),
              ("engine-fp8", lambda: step_fp8_engine(device, dialect)),
+             ("sample", lambda: log(f"ok   sampling kernel: {RESULTS.setdefault('sample', check_sample(dialect, device))}")),
              ("bench", lambda: step_bench(dialect, device, [int(b) for b in args.batches.split(",") if b], args.iters)),
              ("prefill-bench", lambda: step_prefill_bench(dialect, device, args.iters)),
              ("e2e", lambda: step_e2e(device, dialect))]

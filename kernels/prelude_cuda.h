@@ -37,6 +37,7 @@ typedef unsigned char uchar;
 #define TV_RINT(x) rintf(x)
 #define TV_AS_FLOAT(u) __uint_as_float(u)
 #define TV_AS_UINT(f) __float_as_uint(f)
+#define TV_LOG2(x) log2f(x)
 #ifdef TV_EMULATOR
 #define TV_EXP2(x) exp2f(x)
 #else

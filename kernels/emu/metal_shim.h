@@ -38,6 +38,7 @@ template <class T> inline T simd_shuffle_xor(T v, ushort mask) { return emu::sim
 inline float simd_sum(float v) { return emu::simd_reduce(v, [](float a, float b) { return a + b; }); }
 inline float simd_max(float v) { return emu::simd_reduce(v, [](float a, float b) { return a > b ? a : b; }); }
 inline float exp2(float x) { return std::exp2(x); }
+inline float log2(float x) { return std::log2(x); }
 inline float rint(float x) { return std::rint(x); }
 template <class T, class F> inline T as_type(F f) {
   static_assert(sizeof(T) == sizeof(F), "as_type needs equal sizes");

@@ -95,7 +95,7 @@ class LLMEngine:
         f"{', asynchronous scheduling' if self.async_scheduling else ''}")
     self.runner = ModelRunner(self.model, self.kv_cache, min(backend.min_context_bucket, bucket(self.max_model_len, 16)),
                               bucket(config.max_num_seqs) if backend.pads_prefill_rows else 1, backend.builds_kernels,
-                              chain_rows=bucket(config.max_num_seqs))
+                              chain_rows=bucket(config.max_num_seqs), sample_fn=backend.sample)
     self._in_flight: InFlightStep | None = None
     eos = frozenset(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
     self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)

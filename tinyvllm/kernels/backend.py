@@ -6,6 +6,7 @@ from typing import Protocol
 from tinygrad import Tensor
 
 from tinyvllm.layers.attention import AttentionMetadata
+from tinyvllm.layers.sampler import SamplerVariant
 
 
 class AttentionBackend(Protocol):
@@ -31,6 +32,12 @@ class AttentionBackend(Protocol):
 
   def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None, **fused) -> Tensor:
     """[residual +] op(x) @ w.T [+ bias] with op an RMSNorm, the SwiGLU product or nothing (see layers/linear.py)."""
+    ...
+
+  def sample(self, logits: Tensor, params_bits: Tensor, rng_bits: Tensor, variant: SamplerVariant,
+             penalties: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """One token id per row ([B] int32) from logits [B, V]: layers/sampler.py's `sample_packed` contract (params and
+    rng as the int32 bits of the step's packed input)."""
     ...
 
   def describe(self) -> str:

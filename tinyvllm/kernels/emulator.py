@@ -54,6 +54,7 @@ def _macro_names(text: str) -> set[str]: return set(re.findall(r"^\s*#\s*define\
 
 def _ctype(kind: str, dtype: int, kv_fp8: bool) -> str:
   if kind == "int": return "int"
+  if kind == "uint": return "unsigned int"
   if kind == "float": return "float"
   if kind == "kv" and kv_fp8: return "unsigned char"
   return "float" if dtype == 0 else "unsigned short"
@@ -110,7 +111,7 @@ class EmulatedKernels:
     kv_fp8 = bool(self.specs[spec].defines.get("TV_KV_FP8"))
     if len(buffers) != len(launch.params): raise ValueError(f"{launch.kernel} takes {len(launch.params)} buffers")
     for p, b in zip(launch.params, buffers, strict=True):
-      want = {"int": np.int32, "float": np.float32, "kv": np.uint8 if kv_fp8 else None}.get(p.kind) \
+      want = {"int": np.int32, "uint": np.uint32, "float": np.float32, "kv": np.uint8 if kv_fp8 else None}.get(p.kind) \
         or (np.float32 if code == 0 else np.uint16)
       if b.dtype != want or not b.flags.c_contiguous or b.size != p.numel:
         raise ValueError(f"{launch.kernel}: buffer {p.name} must be {p.numel} contiguous {np.dtype(want).name}, "

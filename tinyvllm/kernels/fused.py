@@ -17,11 +17,13 @@ from tinyvllm.kernels.linear import fused_linear
 from tinyvllm.kernels.plan import AttentionShape, decode_plan, prefill_plan, unsupported_reason, write_plan, write_unsupported_reason
 from tinyvllm.kernels.portable import qkv_rope_write
 from tinyvllm.kernels.qkv_rope import qkv_rope_shape, run_qkv_rope_write
+from tinyvllm.kernels.sample import fused_sample, takes
 from tinyvllm.kernels.sources import kernel_source
 from tinyvllm.kernels.tinygrad_program import has_buffer_identity, run_kernel
 from tinyvllm.layers.attention import AttentionMetadata, paged_attention, write_kv
 from tinyvllm.layers.fp8 import is_fp8
 from tinyvllm.layers.linear import portable_linear
+from tinyvllm.layers.sampler import SamplerVariant
 
 DTYPE_NAMES = {dtypes.float32: "float32", dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}
 
@@ -64,13 +66,20 @@ class FusedBackend:
     self._reported: set[str] = set()
 
   def describe(self) -> str:
-    return f"{self.name} (hand-written kernels: fused paged attention, KV write, qkv norm/RoPE/write, decode-batch matmuls; kernels/*.inc)"
+    return (f"{self.name} (hand-written kernels: fused paged attention, KV write, qkv norm/RoPE/write, decode-batch matmuls, "
+            "sampling; kernels/*.inc)")
 
   def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None, **fused) -> Tensor:
     """Decode-sized products (and the norm, SwiGLU or residual fused with them) in one kernel; others in tinygrad ops."""
     y = fused_linear(self.name, x, w, bias, **fused)
     self.calls["linear" if y is not None else "portable-linear"] += 1
     return y if y is not None else portable_linear(x, w, bias, **fused)
+
+  def sample(self, logits: Tensor, params_bits: Tensor, rng_bits: Tensor, variant: SamplerVariant,
+             penalties: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """Greedy and temperature-only steps in one kernel (kernels/sample.inc); filters and penalties in tinygrad ops."""
+    self.calls["sample" if takes(logits, variant) and penalties is None else "portable-sample"] += 1
+    return fused_sample(self.name, logits, params_bits, rng_bits, variant, penalties)
 
   def _fallback(self, what: str, reason: str) -> None:
     self.calls[f"portable-{what}"] += 1

@@ -35,7 +35,8 @@ def dtype_code(name: str) -> int:
 @dataclass(frozen=True)
 class Param:
   name: str
-  kind: str        # "elem" (the activation dtype), "kv" (the cache's: elem or FP8 codes), "float" (float32), "int" (int32)
+  kind: str        # "elem" (the activation dtype), "kv" (the cache's: elem or FP8 codes), "float" (float32), "int" (int32),
+                   # "uint" (uint32)
   written: bool
   numel: int
 

@@ -7,6 +7,7 @@ from tinyvllm.layers.attention import paged_attention, write_kv
 from tinyvllm.layers.linear import portable_linear
 from tinyvllm.layers.norm import rms_norm
 from tinyvllm.layers.rotary import apply_rope
+from tinyvllm.layers.sampler import sample_packed
 
 
 def split_qkv_rope(qkv: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, cos: Tensor, sin: Tensor, num_kv_heads: int,
@@ -44,5 +45,6 @@ class PortableBackend:
     self.write_kv = write_kv
     self.linear = portable_linear
     self.qkv_rope_write = qkv_rope_write
+    self.sample = sample_packed
 
   def describe(self) -> str: return "portable (tinygrad ops)" + (f": {self.reason}" if self.reason else "")

@@ -252,6 +252,13 @@ def sample(logits: Tensor, params: Tensor, rng: Tensor, variant: SamplerVariant,
   return argmax_rows(scaled + gumbel).cast(dtypes.int32)
 
 
+def sample_packed(logits: Tensor, params_bits: Tensor, rng_bits: Tensor, variant: SamplerVariant,
+                  penalties: tuple[Tensor, Tensor] | None = None) -> Tensor:
+  """sample() with params and rng as the int32 bits the step's packed input carries them in (an attention backend's
+  `sample` contract: a kernel takes those slices as they are)."""
+  return sample(logits, params_bits.bitcast(dtypes.float32), rng_bits.bitcast(dtypes.uint32), variant, penalties)
+
+
 def compute_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
   """From the raw logits (vLLM's default): logprob of token_ids [B], top-k ids [B, k] int32 and logprobs [B, k].
 

@@ -23,7 +23,7 @@ from tinyvllm.core.sequence import Sequence
 from tinyvllm.device import is_cpu
 from tinyvllm.kernels.tinygrad_program import collecting_sources, compile_parallel
 from tinyvllm.layers.attention import AttentionMetadata
-from tinyvllm.layers.sampler import SamplerVariant, SamplingBatch, compute_logprobs, sample
+from tinyvllm.layers.sampler import SamplerVariant, SamplingBatch, compute_logprobs, sample_packed
 from tinyvllm.model.llama import StepInputs, TransformerLM
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.host_io import Download, StepIO
@@ -126,11 +126,12 @@ def covers(captured: SamplerVariant, wanted: SamplerVariant) -> bool:
 
 class ModelRunner:
   def __init__(self, model: TransformerLM, kv_cache: KVCache, min_context: int = 16, min_prefill_rows: int = 1,
-               builds_kernels: bool = False, chain_rows: int = 256):
+               builds_kernels: bool = False, chain_rows: int = 256, sample_fn=sample_packed):
     """`min_context`, `min_prefill_rows`: the coarsest buckets the attention backend allows (prepare_batch);
     `builds_kernels`: new layouts compile hand-written kernels (collected and compiled in parallel before a capture);
-    `chain_rows`: how many sampled tokens each step keeps on the device for the next one (asynchronous scheduling)."""
-    self.model, self.kv_cache, self.chain_rows = model, kv_cache, chain_rows
+    `chain_rows`: how many sampled tokens each step keeps on the device for the next one (asynchronous scheduling);
+    `sample_fn`: the attention backend's sampler (layers/sampler.py's `sample_packed` contract)."""
+    self.model, self.kv_cache, self.chain_rows, self.sample_fn = model, kv_cache, chain_rows, sample_fn
     self.last_tokens = Tensor.zeros(chain_rows, dtype=dtypes.int32, device=model.device).contiguous().realize()
     self.min_context, self.min_prefill_rows, self._kernels = min_context, min_prefill_rows, builds_kernels
     self.vocab_size = model.config.vocab_size
@@ -240,7 +241,7 @@ class ModelRunner:
     logits, caches = self.model(self._step_inputs(f, layout.context_len, token_ids), self.kv_cache.layers)
     penalties = None
     if "penalty_index" in f: penalties = (f["penalty_index"], f["penalty_value"].bitcast(dtypes.float32))
-    tokens = sample(logits, f["params"].bitcast(dtypes.float32), f["rng"].bitcast(dtypes.uint32), layout.variant, penalties)
+    tokens = self.sample_fn(logits, f["params"], f["rng"], layout.variant, penalties)
     outputs: tuple[Tensor, ...] = (tokens,)
     if layout.logprobs >= 0:
       chosen, top_ids, top_lps = compute_logprobs(logits, tokens, layout.logprobs)
