@@ -1,7 +1,7 @@
 """Sampling in one kernel (kernels/sample.inc) for the steps whose rows use no filters and no penalties: greedy and
 temperature-only rows, the common case. The portable sampler (tinyvllm/layers/sampler.py) makes several passes over
-the [B, V] logits for these (the noise, two logs, a two-stage argmax: ~0.9 ms a step at batch 256 on an H100); the
-kernel reads them once and draws the same tokens from the same hashed noise.
+the [B, V] logits for these (the noise, two logs, a two-stage argmax: 0.46 ms at batch 256 over 151,936 tokens on an
+H100); the kernel reads them once (0.135 ms) and draws the same tokens from the same hashed noise.
 """
 from __future__ import annotations
 
