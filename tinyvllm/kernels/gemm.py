@@ -103,7 +103,7 @@ def choose_tiles(rows: int, in_features: int, out_features: int, silu_mul: bool 
   fits = lambda t: GemmTiles(*t, 1).stages(silu_mul) >= 3
   if in_features >= LONG_K and LONG_K_ROWS[0] <= rows <= LONG_K_ROWS[1] and fits(LONG_K_TILE):
     blocks, splits = cdiv(rows, LONG_K_TILE[0]) * cdiv(out_features, LONG_K_TILE[1]), 1
-    while splits < LONG_K_MAX_SPLITS and blocks * splits < TARGET_BLOCKS and in_features % (64 * splits) == 0: splits *= 2
+    while splits < LONG_K_MAX_SPLITS and blocks * splits < TARGET_BLOCKS and _whole_splits(in_features, 2 * splits): splits *= 2
     return GemmTiles(*LONG_K_TILE, splits)
   big_deep = _deep_slices(BIG_TILE, rows, in_features, out_features, silu_mul, DEEP_BIG_RING)
   if big_deep and rows >= DEEP_BIG_ROWS and in_features >= LONG_K: return big_deep
@@ -117,17 +117,26 @@ def choose_tiles(rows: int, in_features: int, out_features: int, silu_mul: bool 
   blocks = cdiv(rows, bm) * cdiv(out_features, bn)
   splits = 1
   # the float32 partials (written and read: 8 bytes per split, row and output) must stay below the weight bytes
-  while (splits * 2 <= MAX_SPLITS and blocks * splits < TARGET_BLOCKS and in_features % (BK * splits * 2) == 0
-         and in_features // (BK * splits * 2) >= MIN_KTILES_PER_SPLIT and 4 * rows * splits * 2 <= in_features):
+  while (splits * 2 <= MAX_SPLITS and blocks * splits < TARGET_BLOCKS and _whole_splits(in_features, 2 * splits)
+         and 4 * rows * splits * 2 <= in_features):
     splits *= 2
   return GemmTiles(bm, bn, wm, wn, splits)
+
+
+def _whole_splits(k: int, splits: int) -> bool:
+  """Whether K splits into `splits` runs of whole 32-wide slices, MIN_KTILES_PER_SPLIT or more each."""
+  return k % (BK * splits) == 0 and k // (BK * splits) >= MIN_KTILES_PER_SPLIT
+
+
+def x_prime_pass(rows: int, out_features: int, bn: int) -> bool:
+  """Whether a product with a prologue runs it as its own pass (tv_gemm_xprime) rather than in the loop."""
+  return rows >= XPRIME_ROWS and cdiv(out_features, bn) > XPRIME_COLUMN_BLOCKS
 
 
 def _deep_slices(tile: tuple[int, int, int, int], rows: int, k: int, o: int, silu_mul: bool, ring: int = 0) -> GemmTiles | None:
   """The tile with 64-wide K slices, or None where K is not a multiple of 64 or the SwiGLU halves would be staged in
   the loop (no x' pass: three stages of both halves do not fit)."""
-  staged_silu = silu_mul and not (rows >= XPRIME_ROWS and cdiv(o, tile[1]) > XPRIME_COLUMN_BLOCKS)
-  if k % DEEP_BK or staged_silu: return None
+  if k % DEEP_BK or (silu_mul and not x_prime_pass(rows, o, tile[1])): return None
   tiles = GemmTiles(*tile, 1, ring, DEEP_BK)
   return tiles if tiles.stages() >= 3 else None
 
@@ -138,7 +147,7 @@ def gemm_plan(shape, tiles: GemmTiles | None = None) -> tuple[dict[str, int | st
   m, k, o = shape.rows, shape.in_features, shape.out_features
   t = tiles or choose_tiles(m, k, o, shape.silu_mul)
   prologue = shape.norm_eps is not None or shape.silu_mul
-  xprime = prologue and m >= XPRIME_ROWS and cdiv(o, t.bn) > XPRIME_COLUMN_BLOCKS
+  xprime = prologue and x_prime_pass(m, o, t.bn)
   staged_silu = shape.silu_mul and not xprime
   stages, smem = t.stages(staged_silu), t.shared_bytes(staged_silu)
   if t.bk not in (32, 64): raise ValueError(f"tiles {t}: K slices of {t.bk} (the kernel steps in 32 or 64)")
