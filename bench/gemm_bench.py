@@ -74,6 +74,7 @@ def check(device: str) -> None:
                 {"kind": "gemm", "tiles": GemmTiles(16, 64, 1, 4, 2)},
                 {"kind": "gemm", "tiles": GemmTiles(128, 128, 2, 4, 1, bk=64)},
                 {"kind": "gemm", "tiles": GemmTiles(128, 128, 2, 4, 1, ring=3, bk=64)}]
+    variants += [{"kind": "gemm", "tiles": GemmTiles.warpgroup(*t)} for t in WGMMA_CHECKS]
     variants += [{"kind": "skinny"}] if m <= 16 else []
     for v in (v for v in variants if plannable(m, o, k, opts, v)):
       got = call(x, ws[0], extra, opts, v).float().numpy()
@@ -151,9 +152,29 @@ RINGS = {(64, 128, 2, 2): (3,), (128, 128, 2, 4): (2, 3, 5)}
 BK64_RINGS = {(64, 64, 2, 2): (), (64, 128, 2, 2): (), (128, 128, 2, 4): (3,)}
 
 
-def variants_for(m: int, o: int, k: int, opts: dict) -> list[dict]:
+# Hopper's wgmma tiles (bm, bn) tried with the planner's ring (as many stages as fit, up to 4), with these rings and
+# with split K at decode rows
+WGMMA_TILES = {(64, 64): (), (128, 64): (), (128, 128): (3,), (128, 256): (3,)}
+# (bm, bn, splits, ring) checked for correctness: every instruction width, split K, a ring of 2
+WGMMA_CHECKS = ((128, 128, 1, 0), (128, 256, 1, 3), (64, 64, 2, 0), (64, 128, 1, 2), (128, 64, 2, 3))
+
+
+def wgmma_variants(m: int, k: int) -> list[dict]:
   from tinyvllm.kernels.gemm import GemmTiles
-  out = [{"kind": "gemm"}]
+  out = []
+  for (bm, bn), rings in WGMMA_TILES.items():
+    if bm >= 2 * max(m, 64): continue
+    for splits in (1, 2, 4) if m <= 256 else (1,):
+      if k % (64 * splits) == 0: out.append({"kind": "gemm", "tiles": GemmTiles.warpgroup(bm, bn, splits)})
+    out += [{"kind": "gemm", "tiles": GemmTiles.warpgroup(bm, bn, 1, ring)} for ring in rings]
+  return out
+
+
+def variants_for(m: int, o: int, k: int, opts: dict) -> list[dict]:
+  from tinyvllm.kernels.gemm import GemmTiles, choose_tiles
+  mma = {"kind": "gemm", "planner": "mma.sync", "tiles": choose_tiles(m, k, o, bool(opts.get("silu_mul")))}
+  out = [{"kind": "gemm"}, mma] + (wgmma_variants(m, k) if os.environ.get("GEMM_WGMMA") != "0" else [])
+  if os.environ.get("GEMM_ONLY_WGMMA"): return [v for v in out if plannable(m, o, k, opts, v)]
   for bm, bn, wm, wn in TILE_CANDIDATES:
     if bm >= 2 * max(m, 16) or (m > 256 and bm < 64): continue
     for splits in (1, 2, 4) if m <= 256 else (1,):

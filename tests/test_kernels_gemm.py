@@ -3,7 +3,8 @@ whose mma.sync follows PTX's documented m16n8k16 fragment layout, and compared w
 (tinyvllm/layers/linear.py, tinygrad ops) on the same rounded inputs: every tile shape the planner picks, row counts
 and output counts that are not multiples of the tile, split-K with its reduce kernel, the RMSNorm / SwiGLU prologues,
 bias, residual, float32 logits, bfloat16 and float16, stage rings in more than 48 KB of dynamic shared memory, K
-slices of 32 and 64; every output written (outputs start as NaN)."""
+slices of 32 and 64, Hopper's wgmma from swizzled stages (emulated from the PTX ISA's layouts); every output written
+(outputs start as NaN)."""
 from __future__ import annotations
 
 import numpy as np
@@ -44,6 +45,14 @@ CASES = {
                                      GemmTiles(128, 128, 2, 4, 1, bk=64)),
   "bf16_m130_big_residual_3stages_bk64": ("bfloat16", 130, 384, 136, False, False, False, True, False,
                                           GemmTiles(128, 128, 2, 4, 1, ring=3, bk=64)),
+  # Hopper's wgmma from 128-byte-swizzled stages (the emulator reads them through the swizzle), rows and outputs
+  # that are not multiples of the tile, the ring wrapping, split K, the prologue in the loop and as its own pass
+  "bf16_m70_wgmma_64x64_residual": ("bfloat16", 70, 384, 72, False, False, False, True, False, GemmTiles.warpgroup(64, 64, ring=3)),
+  "f16_m130_wgmma_128x128_norm": ("float16", 130, 320, 136, False, True, False, False, False, GemmTiles.warpgroup(128, 128)),
+  "bf16_m65_wgmma_64x256_silu_split2": ("bfloat16", 65, 512, 260, True, False, True, True, False,
+                                        GemmTiles.warpgroup(64, 256, 2, ring=2)),
+  "bf16_m130_wgmma_64x64_norm_xprime_logits": ("bfloat16", 130, 128, 330, False, True, False, False, True,
+                                               GemmTiles.warpgroup(64, 64)),
 }
 # emulator self-tests of dynamic shared memory: each thread writes its slot (TV_SHIFT slots further on: past the end
 # for a shift of 1), then reads its neighbour's
@@ -117,6 +126,12 @@ def test_planner_fills_the_gpu_and_splits_only_whole_slices():
   assert choose_tiles(32, 3072, 1024) == GemmTiles(32, 64, 2, 2, 8)
   assert choose_tiles(256, 2048, 1024) == GemmTiles(64, 64, 2, 2, 4)    # long K at decode rows: split rather than thin tiles
   assert choose_tiles(128, 3072, 1024, silu_mul=True) == GemmTiles(64, 64, 2, 2, 4)
+  # on Hopper (wgmma), from 128 rows: the measured tiles; below, and for long K below 256 rows, mma.sync's
+  hopper = lambda rows, k, o, silu=False: choose_tiles(rows, k, o, silu, wgmma=True)
+  assert hopper(8192, 3072, 1024, True) == hopper(256, 1024, 151936) == GemmTiles.warpgroup(128, 128, ring=3)
+  assert hopper(256, 1024, 6144) == GemmTiles.warpgroup(64, 64) and hopper(256, 2048, 1024) == GemmTiles.warpgroup(128, 64, 4)
+  assert hopper(128, 2048, 1024) == choose_tiles(128, 2048, 1024) and hopper(64, 1024, 4096) == choose_tiles(64, 1024, 4096)
+  assert hopper(256, 1000, 4096) == choose_tiles(256, 1000, 4096)   # K not in whole 64-wide slices
   for rows, k, o in ((1, 96, 8), (300, 1024, 1024), (48, 4864, 896)):
     t = choose_tiles(rows, k, o)
     assert k % (32 * t.splits) == 0 and (t.splits == 1 or k // (32 * t.splits) >= 4)
@@ -190,3 +205,17 @@ def test_kernel_choice_by_rows_dialect_and_dtype():
   assert pick_kernel("cuda", shape("float32", 16)) == "skinny"       # nor for float32
   assert pick_kernel("cuda", shape("float32", 17)) is None
   assert pick_kernel("metal", shape("float16", 17)) is None
+
+
+def test_wgmma_tiles_and_target():
+  from tinyvllm.kernels.tinygrad_program import cuda_target
+  wide = GemmTiles.warpgroup(128, 128, ring=3)
+  assert (wide.wm, wide.wn, wide.threads, wide.stage_bytes()) == (8, 1, 256, 32768)   # unpadded 128-byte rows
+  assert (wide.shared_bytes(), wide.min_blocks()) == (3 * 32768 + 512 + 1024, 2)      # + the 1,024-byte alignment slack
+  assert GemmTiles.warpgroup(128, 256).stages() == 4 and GemmTiles.warpgroup(128, 256).min_blocks() == 1   # 227 KB limit
+  assert gemm_plan(_shape("f16_m130_wgmma_128x128_norm"), CASES["f16_m130_wgmma_128x128_norm"][-1])[0]["TV_WGMMA"] == 128
+  shape = _shape("bf16_m70_wgmma_64x64_residual")
+  for bad in (GemmTiles(128, 128, 8, 1, 1, bk=32, wgmma=True), GemmTiles(96, 64, 6, 1, 1, bk=64, wgmma=True),
+              GemmTiles(64, 96, 4, 1, 1, bk=64, wgmma=True), GemmTiles(64, 64, 2, 2, 1, bk=64, wgmma=True)):
+    with pytest.raises(ValueError, match="wgmma takes"): gemm_plan(shape, bad)
+  assert (cuda_target("sm_90"), cuda_target("sm_89"), cuda_target("sm_100")) == ("sm_90a", "sm_89", "sm_100")

@@ -23,6 +23,7 @@ inline ushort tv_emu_float_to_half(float f) { return emu::float_to_half_bits(f);
 inline void tv_emu_mma_16816(float* c, const uint* a, const uint* b, bool bf16) { emu::mma_m16n8k16(c, a, b, bf16); }
 inline void tv_emu_cp_async16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
 inline void tv_emu_ldmatrix_x4(uint* r, const void* row, bool trans) { emu::ldmatrix_x4(r, row, trans); }
+inline void tv_emu_wgmma(float* d, int n, const void* a, const void* b, bool bf16) { emu::wgmma_m64k16(d, n, a, b, bf16); }
 // `extern __shared__` arrays (dynamic shared memory, sized by the launch): kernels take this pointer under TV_EMULATOR
 inline unsigned char* tv_emu_dynamic_shared() { return emu::dynamic_shared(); }
 

@@ -173,6 +173,29 @@ inline void mma_m16n8k16(float* c, const uint32_t* a, const uint32_t* b, bool bf
   }
 }
 
+// wgmma.mma_async.m64nNk16 from shared memory (kernels/wgmma.inc): both operands K-major, 128 bytes a row in 128-byte
+// swizzled 8-row atoms (the 16-byte chunk bits 4-6 of an address XOR its row bits 7-9). Each thread sums its own
+// accumulators, d[4j + i] = D[16 w + g + 8 (i / 2)][8 j + 2 t + i % 2] for warp w of the warpgroup: the operands sit in
+// shared memory, written before the barrier that precedes the product, so no exchange is needed.
+inline void wgmma_m64k16(float* d, int n, const void* a, const void* b, bool bf16) {
+  const int tid = current_fiber()->tid, w = (tid / 32) % 4, lane = tid % 32, g = lane / 4, t = lane % 4;
+  auto at = [&](const void* tile, int r, int k) {
+    const uintptr_t u = reinterpret_cast<uintptr_t>(tile) + (uintptr_t)(r * 128 + k * 2);
+    uint16_t bits;
+    std::memcpy(&bits, reinterpret_cast<const void*>(u ^ (((u >> 7) & 7u) << 4)), 2);
+    if (bf16) { const uint32_t x = (uint32_t)bits << 16; float v; std::memcpy(&v, &x, 4); return v; }
+    return half_bits_to_float(bits);
+  };
+  for (int j = 0; j < n / 8; j++) {
+    for (int i = 0; i < 4; i++) {
+      const int r = 16 * w + g + 8 * (i / 2), c = 8 * j + 2 * t + i % 2;
+      float s = d[4 * j + i];
+      for (int k = 0; k < 16; k++) s += at(a, r, k) * at(b, c, k);
+      d[4 * j + i] = s;
+    }
+  }
+}
+
 // value of lane (lane ^ mask) of this SIMD group (mask < 32; a partner outside a partial group returns v)
 template <class T> inline T simd_xor(T v, unsigned mask) {
   Group* g = current_group();

@@ -50,12 +50,20 @@ LONG_K, LONG_K_ROWS, LONG_K_TILE, LONG_K_MAX_SPLITS = 2048, (128, 256), (64, 64,
 # 92.4 -> 76.6, where it also beats the 64x128 tile the block count would pick) and for the logits at 256 rows
 # (450 -> 371 us); the 64-row tiles at 256 rows with K 1,024 (qkv 23.1 -> 21.4, gate_up 35.3 -> 31.8)
 DEEP_BK, DEEP_BIG_RING, DEEP_WIDE_ROWS, DEEP_BIG_ROWS = 64, 3, 256, 2048
+# where wgmma_tiles applies: from WGMMA_MIN_ROWS rows (long K from WGMMA_LONG_K_ROWS), prompt-chunk tiles from
+# WGMMA_PROMPT_ROWS, the logits' tile for WGMMA_WIDE_OUT outputs or more
+WGMMA_MIN_ROWS, WGMMA_LONG_K_ROWS, WGMMA_PROMPT_ROWS, WGMMA_WIDE_OUT = 128, 256, 1024, 32768
 
 
-def row_bytes(bk: int) -> int:
+# wgmma tiles (Hopper, kernels/wgmma.inc): N of the instruction, stage rows unpadded in 1,024-byte swizzle atoms (the
+# ring's start is aligned at run time: ALIGN_SLACK more bytes), up to the whole SHARED_LIMIT
+WGMMA_N, ALIGN_SLACK = (64, 128, 256), 1024
+
+
+def row_bytes(bk: int, wgmma: bool = False) -> int:
   """A staged row: a bk-wide K slice of 16-bit elements padded by 8 (80 or 144 bytes, 16 mod 128: conflict-free
-  fragments)."""
-  return (bk + 8) * 2
+  fragments); unpadded for wgmma, whose 128-byte swizzle spreads the rows over the banks instead."""
+  return bk * 2 if wgmma else (bk + 8) * 2
 
 
 @dataclass(frozen=True)
@@ -67,26 +75,39 @@ class GemmTiles:
   splits: int
   ring: int = 0   # shared-memory stages; 0: as many as fit SHARED_BYTES, up to MAX_STAGES (others: timing experiments)
   bk: int = BK    # K slice depth: 32 or 64 (K must split into whole slices)
+  wgmma: bool = False   # Hopper's warpgroup MMA (sm_90a): bk 64, wm = bm / 16, wn 1, bn in WGMMA_N
+
+  @classmethod
+  def warpgroup(cls, bm: int, bn: int, splits: int = 1, ring: int = 0) -> GemmTiles:
+    """wgmma tiles: a warpgroup per 64 rows, a warp per 16, each across all bn columns."""
+    return cls(bm, bn, bm // 16, 1, splits, ring, 64, True)
 
   @property
   def threads(self) -> int: return 32 * self.wm * self.wn
 
   def stage_bytes(self, silu_mul: bool = False) -> int:
     """One stage: a K slice of x (both halves for SwiGLU) and of w."""
-    return (self.bm * (2 if silu_mul else 1) + self.bn) * row_bytes(self.bk)
+    return (self.bm * (2 if silu_mul else 1) + self.bn) * row_bytes(self.bk, self.wgmma)
 
   def stages(self, silu_mul: bool = False) -> int:
-    return self.ring or min(MAX_STAGES, (SHARED_BYTES - 4 * self.bm) // self.stage_bytes(silu_mul))
+    limit = SHARED_LIMIT - ALIGN_SLACK if self.wgmma else SHARED_BYTES
+    return self.ring or min(MAX_STAGES, (limit - 4 * self.bm) // self.stage_bytes(silu_mul))
 
   def shared_bytes(self, silu_mul: bool = False) -> int:
     """tv_gemm's dynamic shared memory: the stage ring and a float per row (kernels/gemm_tc.inc's TV_SMEM_NEEDED)."""
-    return self.stages(silu_mul) * self.stage_bytes(silu_mul) + 4 * self.bm
+    return self.stages(silu_mul) * self.stage_bytes(silu_mul) + 4 * self.bm + (ALIGN_SLACK if self.wgmma else 0)
 
   def min_blocks(self, silu_mul: bool = False) -> int:
     """The kernel's __launch_bounds__ minimum of blocks per SM: as many as the shared memory allows, while each
-    thread keeps MIN_REGISTERS."""
-    by_registers = SM_REGISTERS // (MIN_REGISTERS * self.threads)
+    thread keeps MIN_REGISTERS (with wgmma: its bn / 2 accumulators and 64 more)."""
+    by_registers = SM_REGISTERS // (max(MIN_REGISTERS, self.bn // 2 + 64 if self.wgmma else 0) * self.threads)
     return max(1, min(by_registers, SM_SHARED_BYTES // (self.shared_bytes(silu_mul) + 1024)))
+
+  def wgmma_error(self) -> str | None:
+    if not self.wgmma: return None
+    if self.bk != 64 or self.wn != 1 or self.bm != 16 * self.wm or self.bm % 64 or self.bn not in WGMMA_N:
+      return f"tiles {self}: wgmma takes bk 64, wn 1, wm = bm / 16, bm a multiple of 64 and bn in {WGMMA_N}"
+    return None
 
 
 def unsupported_reason(dtype: str, rows: int, in_features: int, out_features: int, bk: int = BK) -> str | None:
@@ -96,10 +117,28 @@ def unsupported_reason(dtype: str, rows: int, in_features: int, out_features: in
   return None
 
 
-def choose_tiles(rows: int, in_features: int, out_features: int, silu_mul: bool = False) -> GemmTiles:
+def wgmma_tiles(rows: int, in_features: int, out_features: int) -> GemmTiles | None:
+  """Hopper's wgmma tiles where they beat mma.sync's on an H100 (gemm_bench_h100_wgmma*.json), None elsewhere: the
+  128x128 tile with 3 stages (two blocks an SM) for prompt chunks and the logits, a 64x64 tile for the other
+  decode-batch products and, for long K from 256 rows, a 128x64 tile with K split until the grid fills (below 256 rows
+  mma.sync's 64x64 split tile is as fast)."""
+  if in_features % 64 or rows < WGMMA_MIN_ROWS: return None
+  if rows >= WGMMA_PROMPT_ROWS or out_features >= WGMMA_WIDE_OUT: return GemmTiles.warpgroup(128, 128, ring=3)
+  if in_features < LONG_K: return GemmTiles.warpgroup(64, 64)
+  if rows < WGMMA_LONG_K_ROWS: return None
+  blocks, splits = cdiv(rows, 128) * cdiv(out_features, 64), 1
+  while splits < LONG_K_MAX_SPLITS and blocks * splits < TARGET_BLOCKS and in_features % (128 * splits) == 0 \
+      and in_features // (128 * splits) >= MIN_KTILES_PER_SPLIT:
+    splits *= 2
+  return GemmTiles.warpgroup(128, 64, splits)
+
+
+def choose_tiles(rows: int, in_features: int, out_features: int, silu_mul: bool = False, wgmma: bool = False) -> GemmTiles:
   """Measured on an H100/H200 (bench/gemm_bench.py, docs/benchmarks.md): many small tiles beat fewer large ones while
   the weights dominate, and splitting K only pays when even the smallest tiles leave the GPU idle. Tiles that leave
-  room for fewer than three shared-memory stages are skipped where a smaller one will do."""
+  room for fewer than three shared-memory stages are skipped where a smaller one will do. `wgmma`: the device runs
+  Hopper's warpgroup MMA (wgmma_tiles first)."""
+  if wgmma and (tiles := wgmma_tiles(rows, in_features, out_features)) is not None: return tiles
   fits = lambda t: GemmTiles(*t, 1).stages(silu_mul) >= 3
   if in_features >= LONG_K and LONG_K_ROWS[0] <= rows <= LONG_K_ROWS[1] and fits(LONG_K_TILE):
     blocks, splits = cdiv(rows, LONG_K_TILE[0]) * cdiv(out_features, LONG_K_TILE[1]), 1
@@ -141,16 +180,17 @@ def _deep_slices(tile: tuple[int, int, int, int], rows: int, k: int, o: int, sil
   return tiles if tiles.stages() >= 3 else None
 
 
-def gemm_plan(shape, tiles: GemmTiles | None = None) -> tuple[dict[str, int | str], tuple[Launch, ...]]:
+def gemm_plan(shape, tiles: GemmTiles | None = None, wgmma: bool = False) -> tuple[dict[str, int | str], tuple[Launch, ...]]:
   """Defines and launches (tv_gemm_xprime when the prologue runs as its own pass, tv_gemm, then tv_gemm_reduce when K
-  is split) for a LinearShape."""
+  is split) for a LinearShape; `wgmma`: the planner may pick Hopper's warpgroup MMA."""
   m, k, o = shape.rows, shape.in_features, shape.out_features
-  t = tiles or choose_tiles(m, k, o, shape.silu_mul)
+  t = tiles or choose_tiles(m, k, o, shape.silu_mul, wgmma)
   prologue = shape.norm_eps is not None or shape.silu_mul
   xprime = prologue and x_prime_pass(m, o, t.bn)
   staged_silu = shape.silu_mul and not xprime
   stages, smem = t.stages(staged_silu), t.shared_bytes(staged_silu)
   if t.bk not in (32, 64): raise ValueError(f"tiles {t}: K slices of {t.bk} (the kernel steps in 32 or 64)")
+  if (reason := t.wgmma_error()) is not None: raise ValueError(reason)
   if k % (t.bk * t.splits): raise ValueError(f"tiles {t}: K = {k} does not split into {t.splits} runs of {t.bk}-wide slices")
   if stages < 2: raise ValueError(f"tiles {t} leave room for {stages} shared-memory stage(s); at least 2 are needed")
   if smem > SHARED_LIMIT: raise ValueError(f"tiles {t} need {smem} bytes of shared memory (a block gets {SHARED_LIMIT})")
@@ -168,6 +208,7 @@ def gemm_plan(shape, tiles: GemmTiles | None = None) -> tuple[dict[str, int | st
     defines["TV_PRO_NORM"], defines["TV_EPS"] = len(pre if xprime else gemm), f"{shape.norm_eps!r}f"
     (pre if xprime else gemm).append(Param("g", "elem", False, k))
   if shape.silu_mul: defines["TV_PRO_SILU"] = 1
+  if t.wgmma: defines["TV_WGMMA"] = t.bn
   if xprime: defines["TV_XPRIME_PASS"] = 1
   if shape.out_float32: defines["TV_OUT_F32"] = 1
   for flag, name, numel, wanted in (("TV_BIAS", "bias", o, shape.bias), ("TV_RESIDUAL", "residual", m * o, shape.residual)):
@@ -181,7 +222,7 @@ def gemm_plan(shape, tiles: GemmTiles | None = None) -> tuple[dict[str, int | st
 
 
 @functools.cache
-def gemm_source(shape, tiles: GemmTiles | None = None) -> tuple[tuple[Launch, ...], str]:
+def gemm_source(shape, tiles: GemmTiles | None = None, wgmma: bool = False) -> tuple[tuple[Launch, ...], str]:
   from tinyvllm.kernels.sources import kernel_source
-  defines, launches = gemm_plan(shape, tiles)
+  defines, launches = gemm_plan(shape, tiles, wgmma)
   return launches, kernel_source("cuda", "gemm_tc", defines)

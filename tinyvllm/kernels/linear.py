@@ -17,7 +17,7 @@ from tinyvllm.kernels.gemm import GemmTiles, gemm_source
 from tinyvllm.kernels.gemm import unsupported_reason as gemm_unsupported_reason
 from tinyvllm.kernels.plan import DTYPE_CODES, ELEM_BYTES, Launch, Param, dtype_code
 from tinyvllm.kernels.sources import kernel_source
-from tinyvllm.kernels.tinygrad_program import run_kernel
+from tinyvllm.kernels.tinygrad_program import has_wgmma, run_kernel
 
 MAX_ROWS = 16
 SKINNY_ROWS = 4    # above this the tensor-core kernel is faster on an H100 (bench/gemm_bench.py)
@@ -114,7 +114,7 @@ def fused_linear(dialect: str, x: Tensor, w: Tensor, bias: Tensor | None = None,
 
 def _run_gemm(shape: LinearShape, tiles: GemmTiles | None, y: Tensor, x: Tensor, w: Tensor, extras: dict[str, Tensor]) -> Tensor:
   """The plan's launches in order, each buffer found by its parameter's name (scratch ones made when first written)."""
-  launches, source = gemm_source(shape, tiles)
+  launches, source = gemm_source(shape, tiles, has_wgmma(x.device))
   buffers = {"y": y, "x": x, "w": w, **({"g": extras["norm"]} if "norm" in extras else {}),
              **{n: extras[n] for n in ("bias", "residual") if n in extras}}
   for launch in launches:

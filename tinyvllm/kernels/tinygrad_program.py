@@ -46,12 +46,24 @@ def _compiler(device: str):
   dialect = native_dialect(dev.device)
   if dialect == "cuda":
     from tinygrad.runtime.support.compiler_cuda import NVRTCCompiler
-    # a cubin for this GPU's exact architecture (PTX from a newer NVRTC than the driver knows would not load)
-    return NVRTCCompiler(dev.arch, ptx=False, cache_key="tinyvllm_cuda")
+    # a cubin for this GPU's exact architecture (PTX from a newer NVRTC than the driver knows would not load); on
+    # Hopper its architecture-specific target, sm_90a, which wgmma needs (kernels/wgmma.inc)
+    return NVRTCCompiler(cuda_target(dev.arch), ptx=False, cache_key="tinyvllm_cuda")
   if dialect == "metal":
     from tinygrad.runtime.ops_metal import MetalCompiler
     return MetalCompiler()
   raise KernelBuildError(f"no hand-written kernels for device {device}")
+
+
+def cuda_target(arch: str) -> str:
+  """The NVRTC target for a CUDA device's `sm_XY`: Hopper's `sm_90a` (a cubin for exactly that GPU, with wgmma)."""
+  return arch + "a" if arch == "sm_90" else arch
+
+
+@functools.cache
+def has_wgmma(device: str) -> bool:
+  """Whether the device runs Hopper's warpgroup MMA (an sm_90 GPU under tinygrad's CUDA backend)."""
+  return native_dialect(device) == "cuda" and cuda_target(Device[device].arch) == "sm_90a"
 
 
 _binaries: dict[tuple[str, str], bytes] = {}
