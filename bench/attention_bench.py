@@ -122,17 +122,24 @@ def bench_prefill(dialect: str, device: str, name: str, seqs: list[tuple[int, in
 
 
 
-def explore(dialect: str, device: str, batches: list[int], splits: list[int], iters: int) -> list[dict]:
-  """The automatic split count against forced ones, on uniform and on mixed contexts."""
+def explore(dialect: str, device: str, batches: list[int], splits: list[int], iters: int, fp8_only: bool = False) -> list[dict]:
+  """The automatic split count against forced ones, on uniform and on mixed contexts; FP8 variants (`fp8_only`: those
+  alone)."""
   results = []
-  for mixed in (False, True):
+  for mixed in () if fp8_only else (False, True):
     for b in batches:
       variants = {"auto": {}, **{f"splits {sp}": {"decode_splits": sp} for sp in splits}}
       r = bench_batch(dialect, device, b, iters, variants, mixed=mixed)
       results.append(r)
       print(f"batch {b:>3} {'mixed' if mixed else 'uniform'}: " +
             ", ".join(f"{k} {r[k + '_us_per_layer']:.1f} us ({r[k + '_GBps']:.0f} GB/s)" for k in variants), flush=True)
-  for b in batches:   # the planner's choice with bf16 against FP8 caches, mixed contexts (the throughput workload)
+  for b, kv_fp8 in ((b, kv_fp8) for kv_fp8 in (True, False) for b in batches):   # mixed contexts: load order, splits
+    variants = {"auto": {}, "kv_together": {"kv_together": True}, "splits 2": {"decode_splits": 2}}
+    r = bench_batch(dialect, device, b, iters, variants, mixed=True, kv_fp8=kv_fp8)
+    results.append(r)
+    print(f"batch {b:>3} mixed {'fp8' if kv_fp8 else 'bf16'}: " +
+          ", ".join(f"{k} {r[k + '_us_per_layer']:.1f} us ({r[k + '_GBps']:.0f} GB/s)" for k in variants), flush=True)
+  for b in () if fp8_only else batches:   # the planner's choice, bf16 against FP8 caches, mixed contexts (workload 2)
     for kv_fp8 in (False, True):
       r = bench_batch(dialect, device, b, iters, {"auto": {}}, mixed=True, kv_fp8=kv_fp8)
       results.append(r)
@@ -146,13 +153,14 @@ def main() -> None:
   p.add_argument("--batches", default="64,128,256")
   p.add_argument("--splits", default="1,2,4,8,16")
   p.add_argument("--iters", type=int, default=10)
+  p.add_argument("--fp8-only", action="store_true", help="only the FP8 cache variants")
   args = p.parse_args()
   from tinyvllm.device import select_device
   from tinyvllm.kernels.selection import native_dialect
   device = select_device(os.environ.get("DEV", "CUDA"))
   t = time.perf_counter()
   results = explore(native_dialect(device), device, [int(b) for b in args.batches.split(",")],
-                    [int(s) for s in args.splits.split(",")], args.iters)
+                    [int(s) for s in args.splits.split(",")], args.iters, args.fp8_only)
   print(f"explored in {time.perf_counter() - t:.0f} s", flush=True)
   if out := os.environ.get("OUT"): Path(out, "attention_explore.json").write_text(json.dumps(results, indent=1))
 

@@ -10,6 +10,7 @@ L2, as in a decode step), replayed; time per call = wall time / (replays * R).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -172,8 +173,14 @@ def wgmma_variants(m: int, k: int) -> list[dict]:
 
 def variants_for(m: int, o: int, k: int, opts: dict) -> list[dict]:
   from tinyvllm.kernels.gemm import GemmTiles, choose_tiles
-  mma = {"kind": "gemm", "planner": "mma.sync", "tiles": choose_tiles(m, k, o, bool(opts.get("silu_mul")))}
+  silu, planned = bool(opts.get("silu_mul")), choose_tiles(m, k, o, bool(opts.get("silu_mul")), wgmma=True)
+  mma = {"kind": "gemm", "planner": "mma.sync", "tiles": choose_tiles(m, k, o, silu)}
   out = [{"kind": "gemm"}, mma] + (wgmma_variants(m, k) if os.environ.get("GEMM_WGMMA") != "0" else [])
+  # the planner's tiles with the prologue in the loop and as its own pass
+  xprime = [{"kind": "gemm", "tiles": dataclasses.replace(planned, xprime=flag)} for flag in (False, True)] \
+    if opts.get("norm") or silu else []
+  if os.environ.get("GEMM_ONLY_PLANNED"): return [v for v in [{"kind": "gemm"}, *xprime] if plannable(m, o, k, opts, v)]
+  out += xprime
   if os.environ.get("GEMM_ONLY_WGMMA"): return [v for v in out if plannable(m, o, k, opts, v)]
   for bm, bn, wm, wn in TILE_CANDIDATES:
     if bm >= 2 * max(m, 16) or (m > 256 and bm < 64): continue

@@ -188,7 +188,7 @@ def test_prologue_runs_once_for_wide_products():
   assert kernels("f16_m140_silu_residual_xprime_split2") == ["tv_gemm_xprime", "tv_gemm", "tv_gemm_reduce"]
   assert kernels("bf16_m130_norm_xprime_bk64") == ["tv_gemm_xprime", "tv_gemm"]
   assert kernels("bf16_m130_norm_logits")[0] == "tv_gemm"   # two column blocks: the prologue stays in the loop
-  assert kernels("f16_m33_silu_residual")[0] == "tv_gemm"   # few rows: likewise
+  assert kernels("f16_m33_silu_residual")[0] == "tv_gemm"   # one column block: likewise
 
 
 def test_shapes_the_kernel_refuses():

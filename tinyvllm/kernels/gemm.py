@@ -25,10 +25,10 @@ BK = 32                    # the K slice the planner's tiles step in (a tile may
 # an H100 SM: shared memory (each resident block takes 1 KB more than it asks) and registers, of which the kernel's
 # __launch_bounds__ leaves each thread at least MIN_REGISTERS (the 128x128 tile's warps hold 64 accumulators each)
 SM_SHARED_BYTES, SM_REGISTERS, MIN_REGISTERS = 228 * 1024, 65536, 128
-# the RMSNorm / SwiGLU prologue runs once, as its own pass, for products of at least XPRIME_ROWS rows and more than
-# XPRIME_COLUMN_BLOCKS column blocks (each would redo it on its copy of every slice: at 2,048 rows the SwiGLU product
-# ran at a third of the plain one's speed); below that its launch costs more than the repeats
-XPRIME_ROWS = 128
+# the RMSNorm / SwiGLU prologue runs once, as its own pass, for products of more than XPRIME_COLUMN_BLOCKS column
+# blocks (each would redo it on its copy of every slice: at 2,048 rows the SwiGLU product ran at a third of the plain
+# one's speed; at 8-64 rows the pass and the product take 0.6-0.9 of the time of the loop's prologue on an H100,
+# gemm_bench_h100_xprime_small.json)
 XPRIME_COLUMN_BLOCKS = 4
 MAX_SPLITS = 8
 MIN_KTILES_PER_SPLIT = 4   # K slices each split keeps (fewer leave the double buffer nothing to overlap)
@@ -76,6 +76,7 @@ class GemmTiles:
   ring: int = 0   # shared-memory stages; 0: as many as fit SHARED_BYTES, up to MAX_STAGES (others: timing experiments)
   bk: int = BK    # K slice depth: 32 or 64 (K must split into whole slices)
   wgmma: bool = False   # Hopper's warpgroup MMA (sm_90a): bk 64, wm = bm / 16, wn 1, bn in WGMMA_N
+  xprime: bool | None = None   # the RMSNorm / SwiGLU prologue as its own pass (None: x_prime_pass decides)
 
   @classmethod
   def warpgroup(cls, bm: int, bn: int, splits: int = 1, ring: int = 0) -> GemmTiles:
@@ -144,13 +145,13 @@ def choose_tiles(rows: int, in_features: int, out_features: int, silu_mul: bool 
     blocks, splits = cdiv(rows, LONG_K_TILE[0]) * cdiv(out_features, LONG_K_TILE[1]), 1
     while splits < LONG_K_MAX_SPLITS and blocks * splits < TARGET_BLOCKS and _whole_splits(in_features, 2 * splits): splits *= 2
     return GemmTiles(*LONG_K_TILE, splits)
-  big_deep = _deep_slices(BIG_TILE, rows, in_features, out_features, silu_mul, DEEP_BIG_RING)
+  big_deep = _deep_slices(BIG_TILE, in_features, out_features, silu_mul, DEEP_BIG_RING)
   if big_deep and rows >= DEEP_BIG_ROWS and in_features >= LONG_K: return big_deep
   if fits(BIG_TILE) and rows >= BIG_TILE[0] and cdiv(rows, BIG_TILE[0]) * cdiv(out_features, BIG_TILE[1]) >= BIG_TILE_BLOCKS:
     return big_deep or GemmTiles(*BIG_TILE, 1)
   for bm, bn, wm, wn in WIDE_TILES:
     if bm <= rows and cdiv(rows, bm) * cdiv(out_features, bn) >= TARGET_BLOCKS and fits((bm, bn, wm, wn)):
-      deep = rows >= DEEP_WIDE_ROWS and in_features < LONG_K and _deep_slices((bm, bn, wm, wn), rows, in_features, out_features, silu_mul)
+      deep = rows >= DEEP_WIDE_ROWS and in_features < LONG_K and _deep_slices((bm, bn, wm, wn), in_features, out_features, silu_mul)
       return deep or GemmTiles(bm, bn, wm, wn, 1)
   bm, bn, wm, wn = next((t for limit, t in TILES if rows <= limit and fits(t)), FALLBACK_TILE)
   blocks = cdiv(rows, bm) * cdiv(out_features, bn)
@@ -167,15 +168,15 @@ def _whole_splits(k: int, splits: int) -> bool:
   return k % (BK * splits) == 0 and k // (BK * splits) >= MIN_KTILES_PER_SPLIT
 
 
-def x_prime_pass(rows: int, out_features: int, bn: int) -> bool:
+def x_prime_pass(out_features: int, bn: int) -> bool:
   """Whether a product with a prologue runs it as its own pass (tv_gemm_xprime) rather than in the loop."""
-  return rows >= XPRIME_ROWS and cdiv(out_features, bn) > XPRIME_COLUMN_BLOCKS
+  return cdiv(out_features, bn) > XPRIME_COLUMN_BLOCKS
 
 
-def _deep_slices(tile: tuple[int, int, int, int], rows: int, k: int, o: int, silu_mul: bool, ring: int = 0) -> GemmTiles | None:
+def _deep_slices(tile: tuple[int, int, int, int], k: int, o: int, silu_mul: bool, ring: int = 0) -> GemmTiles | None:
   """The tile with 64-wide K slices, or None where K is not a multiple of 64 or the SwiGLU halves would be staged in
   the loop (no x' pass: three stages of both halves do not fit)."""
-  if k % DEEP_BK or (silu_mul and not x_prime_pass(rows, o, tile[1])): return None
+  if k % DEEP_BK or (silu_mul and not x_prime_pass(o, tile[1])): return None
   tiles = GemmTiles(*tile, 1, ring, DEEP_BK)
   return tiles if tiles.stages() >= 3 else None
 
@@ -186,7 +187,7 @@ def gemm_plan(shape, tiles: GemmTiles | None = None, wgmma: bool = False) -> tup
   m, k, o = shape.rows, shape.in_features, shape.out_features
   t = tiles or choose_tiles(m, k, o, shape.silu_mul, wgmma)
   prologue = shape.norm_eps is not None or shape.silu_mul
-  xprime = prologue and x_prime_pass(m, o, t.bn)
+  xprime = prologue and (x_prime_pass(o, t.bn) if t.xprime is None else t.xprime)
   staged_silu = shape.silu_mul and not xprime
   stages, smem = t.stages(staged_silu), t.shared_bytes(staged_silu)
   if t.bk not in (32, 64): raise ValueError(f"tiles {t}: K slices of {t.bk} (the kernel steps in 32 or 64)")
