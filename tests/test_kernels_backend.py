@@ -15,6 +15,8 @@ from tinyvllm.config import ConfigError, EngineConfig
 from tinyvllm.kernels import native_dialect, select_attention_backend
 from tinyvllm.kernels.cases import make_case, metadata_tensors, portable_attention
 from tinyvllm.kernels.fused import FusedBackend
+from tinyvllm.kernels.gemm import gemm_plan
+from tinyvllm.kernels.linear import LinearShape
 from tinyvllm.kernels.plan import (
   SHARED_LIMITS,
   AttentionShape,
@@ -147,16 +149,26 @@ SPECIMENS = {   # name -> (algorithm, plan): what the models of interest compile
   "prefill_stories_f32": ("prefill", prefill_plan(AttentionShape("float32", 8, 8, 4, 16, 4, 64, 32, 512, 4096))),
   "kv_write_bf16": ("kv_write", write_plan("bfloat16", 1024, 256, 1 << 16)),
 }
+# Qwen3-0.6B's projections as an H100 plans them (wgmma from 128 rows), compiled for sm_90a as NVRTC does there
+GEMM_SPECIMENS = {f"gemm_{name}_{rows}": LinearShape("bfloat16", rows, k, o, False, 1e-6 if norm else None, silu, silu, o > 100000)
+                  for rows in (64, 256, 8192) for name, k, o, norm, silu in
+                  (("qkv", 1024, 4096, True, False), ("down", 3072, 1024, False, True), ("logits", 1024, 151936, True, False))
+                  if not (name == "logits" and rows > 256)}
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed (the CUDA compile check needs it)")
 def test_cuda_sources_compile_with_nvcc(tmp_path):
-  """The CUDA dialect through the real CUDA compiler (sm_90): no errors, no register spills, shared memory in budget."""
+  """The CUDA dialect through the real CUDA compiler (sm_90; the matmuls for sm_90a, with wgmma): no errors, no
+  register spills, shared memory in budget."""
+  sources = {name: (kernel_source("cuda", algo, plan.defines), "-arch=sm_90") for name, (algo, plan) in SPECIMENS.items()}
+  sources |= {name: (kernel_source("cuda", "gemm_tc", gemm_plan(shape, wgmma=True)[0]), "-gencode=arch=compute_90a,code=sm_90a")
+              for name, shape in GEMM_SPECIMENS.items()}
+  assert sum("#define TV_WGMMA" in src for src, _ in sources.values()) >= 5
   procs = {}
-  for name, (algo, plan) in SPECIMENS.items():
+  for name, (source, arch) in sources.items():
     path = tmp_path / f"{name}.cu"
-    path.write_text(kernel_source("cuda", algo, plan.defines))
-    procs[name] = subprocess.Popen(["nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / f"{name}.cubin"), "-Xptxas", "-v",
+    path.write_text(source)
+    procs[name] = subprocess.Popen(["nvcc", arch, "-cubin", "-o", str(tmp_path / f"{name}.cubin"), "-Xptxas", "-v",
                                     str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   for name, proc in procs.items():
     out = proc.communicate(timeout=300)[0]
