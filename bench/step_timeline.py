@@ -6,6 +6,7 @@ and KV tokens read, a least-squares fit over the decode-only steps splits their 
 row and a part per KV token (the attention's bandwidth).
 
 Usage (on the GPU machine, from the repo root): DEV=CUDA python bench/step_timeline.py  ->  $OUT/step_timeline.json
+(BENCH_KV_CACHE_DTYPE=fp8: with the FP8 KV cache, -> $OUT/step_timeline_fp8.json)
 """
 from __future__ import annotations
 
@@ -118,8 +119,9 @@ def main() -> None:
 
   from tinyvllm import LLM
   from tinyvllm.bench.throughput import run_throughput, workload
+  kv_cache_dtype = os.environ.get("BENCH_KV_CACHE_DTYPE", "auto")   # fp8: the E4M3 KV cache
   llm = LLM("qwen3-0.6b", load_format="dummy", dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory=40,
-            max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192)
+            max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192, kv_cache_dtype=kv_cache_dtype)
   run_throughput(llm, num_requests=48, warmup_requests=0)   # captures and compiles outside the timed run
   clock = EventClock(Device[llm.engine.model.device])
   steps = record_steps(llm, clock)
@@ -133,7 +135,8 @@ def main() -> None:
   result["output_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
   result["probe"] = probed
   print(json.dumps({k: v for k, v in result.items() if k != "per_step"}, indent=1), flush=True)
-  if out := os.environ.get("OUT"): Path(out, "step_timeline.json").write_text(json.dumps(result))
+  name = "step_timeline_fp8.json" if kv_cache_dtype.startswith("fp8") else "step_timeline.json"
+  if out := os.environ.get("OUT"): Path(out, name).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
