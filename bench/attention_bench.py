@@ -134,7 +134,7 @@ def explore(dialect: str, device: str, batches: list[int], splits: list[int], it
       print(f"batch {b:>3} {'mixed' if mixed else 'uniform'}: " +
             ", ".join(f"{k} {r[k + '_us_per_layer']:.1f} us ({r[k + '_GBps']:.0f} GB/s)" for k in variants), flush=True)
   for b, kv_fp8 in ((b, kv_fp8) for kv_fp8 in (True, False) for b in batches):   # mixed contexts: load order, splits
-    variants = {"auto": {}, "kv_together": {"kv_together": True}, "splits 2": {"decode_splits": 2}}
+    variants = {"auto": {}, "registers": {"decode_stages": 0}, "2 stages": {"decode_stages": 2}, "3 stages": {"decode_stages": 3}}
     r = bench_batch(dialect, device, b, iters, variants, mixed=True, kv_fp8=kv_fp8)
     results.append(r)
     print(f"batch {b:>3} mixed {'fp8' if kv_fp8 else 'bf16'}: " +

@@ -54,6 +54,11 @@ ATTENTION_CASES = {
   "dec_bf16_g2_d16_kv8_kvtogether": ([(70, 1), (300, 1), (2, 1)], 4, 2, 16, "bfloat16", 1, {"kv_together": True}),
   "dec_f16_g2_d8_kv8": ([(9, 1), (140, 1)], 4, 2, 8, "float16", 0, None),
   "pre_bf16_g2_d128_kv8": ([(70, 70), (50, 7), (20, 1)], 4, 2, 128, "bfloat16", 1, None),
+  # CUDA only (_staged): K/V tiles through a cp.async ring in dynamic shared memory, the ring wrapping several times,
+  # contexts ending inside a tile, split and not
+  "dec_bf16_g2_d128_kv8_staged": ([(60, 1), (700, 1), (3, 1), (129, 1)], 4, 2, 128, "bfloat16", 1, {"stages": 2, "splits": 2}),
+  "dec_f16_g4_staged_nosplit": ([(1, 1), (300, 1), (33, 1)], 8, 2, 64, "float16", 1, {"stages": 3, "splits": 1}),
+  "dec_bf16_g1_d64_staged": ([(500, 1), (17, 1)], 2, 2, 64, "bfloat16", 0, {"stages": 4, "splits": 1}),
   "pre_f16_g8_kv8": ([(33, 33), (20, 5), (15, 1)], 16, 2, 64, "float16", 0, None),
 }
 # name -> (dtype, kv_heads, head_dim, FP8 caches)
@@ -76,6 +81,7 @@ def _specs(dialect: str) -> list[Spec]:
   specs = []
   for name, case in CASES.items():
     overrides = ATTENTION_CASES[name][-1] or {}
+    if "_staged" in name and dialect != "cuda": continue
     plan = decode_plan(case.shape, **overrides) if case.shape.query_len == 1 else prefill_plan(case.shape, dialect, **overrides)
     specs.append(Spec(name, plan.algorithm, plan.defines, plan.launches))
   for name, (dtype, kv_heads, head_dim, kv_fp8) in WRITE_CASES.items():
@@ -147,6 +153,7 @@ def test_portable_matches_float64_reference(portable):
 
 @pytest.mark.parametrize("name", list(ATTENTION_CASES))
 def test_attention_matches_portable(emu, portable, name):
+  if name not in emu.specs: pytest.skip(f"{name}: CUDA only (cp.async)")
   case = CASES[name]
   n = case.total_tokens
   want = portable[name][:n]
@@ -161,13 +168,23 @@ def test_attention_matches_portable(emu, portable, name):
 
 def test_decode_cases_split(emu):
   """The split-K path (two kernels) is what most decode cases exercise; the no-split one is covered too."""
-  splits = {name: emu.specs[name].defines["TV_NSPLIT"] for name in ATTENTION_CASES if name.startswith("dec_")}
+  splits = {name: emu.specs[name].defines["TV_NSPLIT"] for name in emu.specs if name.startswith("dec_")}
   assert splits["dec_f32_g2_nosplit"] == 1 and sum(v > 1 for v in splits.values()) >= 4, splits
+
+
+def test_decode_staged_ring(emu):
+  """The cp.async ring (CUDA) wraps: each split's keys span more tiles than the ring has stages (2 to 4), split and not."""
+  if emu.dialect != "cuda": pytest.skip("the staged decode is CUDA only")
+  staged = {name: emu.specs[name].defines for name in emu.specs if "_staged" in name}
+  assert {d["TV_KV_STAGES"] for d in staged.values()} == {2, 3, 4} and {d["TV_NSPLIT"] > 1 for d in staged.values()} == {True, False}
+  for name, d in staged.items():
+    longest = max(s for s, _ in ATTENTION_CASES[name][0])
+    assert min(longest, d["TV_CHUNK"]) > d["TV_KV_STAGES"] * d["TV_TILE"], name
 
 
 def test_decode_kv8_vector_widths(emu):
   """FP8 decode cases cover both KV vector widths (16 codes in 16 bytes, 8 in 8), split and not, and K/V loads together."""
-  d = {name: emu.specs[name].defines for name in ATTENTION_CASES if name.startswith("dec_") and "_kv8" in name}
+  d = {name: emu.specs[name].defines for name in emu.specs if name.startswith("dec_") and "_kv8" in name}
   wide = {name for name, v in d.items() if v["TV_KVEC"] == 16}
   assert wide and len(wide) < len(d) and {v["TV_NSPLIT"] > 1 for v in d.values()} == {True, False}, d
   assert any(d[name]["TV_KV_TOGETHER"] for name in wide) and any(d[name]["TV_LPK"] == 1 for name in wide)

@@ -14,7 +14,15 @@ from collections import Counter
 from tinygrad import Tensor, dtypes
 
 from tinyvllm.kernels.linear import fused_linear
-from tinyvllm.kernels.plan import AttentionShape, decode_plan, prefill_plan, unsupported_reason, write_plan, write_unsupported_reason
+from tinyvllm.kernels.plan import (
+  AttentionShape,
+  decode_plan,
+  default_decode_stages,
+  prefill_plan,
+  unsupported_reason,
+  write_plan,
+  write_unsupported_reason,
+)
 from tinyvllm.kernels.portable import qkv_rope_write
 from tinyvllm.kernels.qkv_rope import qkv_rope_shape, run_qkv_rope_write
 from tinyvllm.kernels.sample import fused_sample, takes
@@ -32,9 +40,10 @@ def _log(message: str) -> None: print(f"[tinyvllm] {message}", file=sys.stderr, 
 
 
 @functools.cache
-def _decode(dialect: str, shape: AttentionShape, splits: int | None = None, kv_together: bool = False):
-  plan = decode_plan(shape, splits, kv_together)
-  return plan, kernel_source(dialect, "decode", plan.defines)
+def _decode(dialect: str, shape: AttentionShape, splits: int | None = None, kv_together: bool = False,
+            stages: int | None = None):
+  plan = decode_plan(shape, splits, kv_together, default_decode_stages(shape, dialect) if stages is None else stages)
+  return plan, kernel_source(dialect, plan.algorithm, plan.defines)
 
 
 @functools.cache
@@ -58,10 +67,12 @@ class FusedBackend:
   pads_prefill_rows = True
   builds_kernels = True      # a new step layout compiles kernel sources: collect and compile them in parallel first
 
-  def __init__(self, dialect: str, device: str, log=_log, decode_splits: int | None = None, kv_together: bool = False):
-    """decode_splits / kv_together: override the decode plan (for timing experiments; the defaults are the tuned ones)."""
+  def __init__(self, dialect: str, device: str, log=_log, decode_splits: int | None = None, kv_together: bool = False,
+               decode_stages: int | None = None):
+    """decode_splits / kv_together / decode_stages: override the decode plan (for timing experiments; the defaults
+    are the tuned ones)."""
     self.name, self.device, self._log = dialect, device, log
-    self.decode_splits, self.kv_together = decode_splits, kv_together
+    self.decode_splits, self.kv_together, self.decode_stages = decode_splits, kv_together, decode_stages
     self.calls: Counter[str] = Counter()     # which path each traced call took (decode, prefill, write, portable-*)
     self._reported: set[str] = set()
 
@@ -113,7 +124,7 @@ class FusedBackend:
     ints = [meta.block_tables, meta.context_lens, meta.query_start]
     out = Tensor.empty(n, shape.num_heads * shape.head_dim, dtype=elem, device=q.device)
     if shape.query_len == 1:
-      plan, source = _decode(self.name, shape, self.decode_splits, self.kv_together)
+      plan, source = _decode(self.name, shape, self.decode_splits, self.kv_together, self.decode_stages)
       self.calls["decode" if plan.splits == 1 else "decode-split"] += 1
       if plan.splits == 1:
         out = run_kernel(plan.launches[0], source, [out, qf, k_cache, v_cache, *ints])[0]
