@@ -18,9 +18,12 @@ from tinyvllm.kernels.fused import FusedBackend
 from tinyvllm.kernels.gemm import gemm_plan
 from tinyvllm.kernels.linear import LinearShape
 from tinyvllm.kernels.plan import (
+  DECODE_RING_LIMIT,
   SHARED_LIMITS,
   AttentionShape,
   decode_plan,
+  decode_ring_bytes,
+  default_decode_stages,
   prefill_plan,
   unsupported_reason,
   write_plan,
@@ -130,8 +133,18 @@ def test_plans(dialect):
           assert seqs * 2 * (d.splits - 1) < 512   # split only while the blocks are too few
           p = prefill_plan(s, dialect)
           assert p.shared_bytes <= SHARED_LIMITS[dialect] and p.tokens >= 1 and p.tokens * p.q_tiles >= tq
+          if (stages := default_decode_stages(s, dialect)):   # the staged decode: FP8 on CUDA, 16-byte rows, ring in budget
+            staged = decode_plan(s, stages=stages)
+            assert dialect == "cuda" and kv_fp8 and head_dim % 16 == 0 and staged.algorithm == "decode_staged"
+            assert staged.launches[0].shared_bytes == 2 * 2 * staged.tile * head_dim <= DECODE_RING_LIMIT
+          else:
+            assert dialect == "metal" or not kv_fp8 or head_dim % 16 or decode_ring_bytes(s, d.tile, 2) > DECODE_RING_LIMIT
   w = write_plan("bfloat16", 1024, 64, 4096)
   assert w.launches[0].grid == (64, 1, 1) and w.threads == 128
+  with pytest.raises(ValueError, match="16 bytes"):   # FP8 rows of 8 codes cannot be copied in 16-byte pieces
+    decode_plan(AttentionShape("float16", 8, 4, 2, 16, 2, 2, 1, 64, 1024, True), stages=2)
+  with pytest.raises(ValueError, match="2 or more"):
+    decode_plan(AttentionShape("bfloat16", 128, 4, 2, 16, 2, 2, 1, 64, 1024, True), stages=1)
 
 
 SPECIMENS = {   # name -> (algorithm, plan): what the models of interest compile

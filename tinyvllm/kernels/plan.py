@@ -18,9 +18,11 @@ ELEM_BYTES = {0: 4, 1: 2, 2: 2}
 THREADS = 128                 # threads per block of the attention kernels (4 SIMD groups of 32)
 SHARED_LIMITS = {"cuda": 48 * 1024, "metal": 32 * 1024}   # static __shared__ / threadgroup memory per block
 TARGET_BLOCKS = 512           # decode: split the context until S * KVH * splits reaches this (~4 blocks per H100 SM)
-# CUDA decode: K/V tiles through a ring of 2 shared-memory stages (cp.async) where the ring takes at most
-# DECODE_RING_LIMIT bytes (H100, contexts in [100, 2048]: FP8 260.9 -> 229.7 us a layer at batch 256, 50.2 -> 45.9 at 32;
-# bf16 426.6 -> 423.2 and 76.2 -> 70.0; 3 and 4 stages slower: attention_staged.json)
+# CUDA decode over FP8 caches: K/V tiles through a ring of 2 shared-memory stages (cp.async) where the ring takes at
+# most DECODE_RING_LIMIT bytes (H100, contexts in [100, 2048]: 260.9 -> 229.7 us a layer at batch 256, 50.2 -> 45.9 at
+# 32; 3 and 4 stages slower: attention_staged.json). Not for 16-bit caches: their 64 KB ring leaves three blocks an SM
+# where the register path (120 registers) has four, 2.5-20% slower with contexts of ~1,000 at batch 8-256 though 1-8%
+# faster with mixed contexts (check_kernels_staged.json)
 DECODE_STAGES, DECODE_RING_LIMIT = 2, 96 * 1024
 ROW_GROUPS, COL_GROUPS = 16, 8   # prefill thread layout: THREADS = ROW_GROUPS * COL_GROUPS
 PREFILL_TILES = ((64, 32), (32, 32), (32, 16), (16, 16), (16, 8))   # (rows M, keys BK) tried in order
@@ -172,9 +174,9 @@ def decode_ring_bytes(shape: AttentionShape, tile: int, stages: int) -> int:
 
 
 def default_decode_stages(shape: AttentionShape, dialect: str) -> int:
-  """DECODE_STAGES on CUDA where rows copy in 16-byte pieces and the ring fits DECODE_RING_LIMIT, else 0 (the
-  register path; Metal has no cp.async)."""
-  staged = dialect == "cuda" and kv_row_bytes(shape) % 16 == 0 and \
+  """DECODE_STAGES for FP8 caches on CUDA where rows copy in 16-byte pieces and the ring fits DECODE_RING_LIMIT, else
+  0 (the register path; Metal has no cp.async)."""
+  staged = dialect == "cuda" and shape.kv_fp8 and kv_row_bytes(shape) % 16 == 0 and \
     decode_ring_bytes(shape, decode_plan(shape).tile, DECODE_STAGES) <= DECODE_RING_LIMIT
   return DECODE_STAGES if staged else 0
 
