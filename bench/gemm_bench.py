@@ -3,7 +3,9 @@ decode kernel against tinygrad's own ops on the device, then time per call, achi
 (planner's choice, other tiles, splits, shared-memory stage counts and K slice depths, cuBLAS through torch as the
 ceiling) for Qwen3-0.6B's projections.
 
-Usage (GPU machine): DEV=CUDA python bench/gemm_bench.py [--quick]; writes $OUT/gemm_bench.json when OUT is set.
+Usage (GPU machine): DEV=CUDA python bench/gemm_bench.py [--quick] [--rows 1,32,256]; writes $OUT/gemm_bench.json when
+OUT is set. Environment: GEMM_ONLY_PLANNED=1 times the planner's tiles alone (with the prologue in the loop and as its
+own pass), GEMM_ONLY_WGMMA=1 the planner's and the wgmma tiles, GEMM_WGMMA=0 leaves the wgmma tiles out.
 Timing: each variant is captured with TinyJit as R calls on R different weight copies (so weights come from HBM, not
 L2, as in a decode step), replayed; time per call = wall time / (replays * R).
 """

@@ -12,7 +12,8 @@ DIALECTS = ("cuda", "metal")
 # algorithm -> the files after common.inc (any other name: `<name>.inc`); tensor_core.inc and wgmma.inc are CUDA only
 ALGORITHMS = {"decode": ("paged_decode.inc",), "decode_staged": ("tensor_core.inc", "paged_decode.inc"),
               "prefill": ("paged_prefill.inc",), "kv_write": ("kv_write.inc",),
-              "prefill_tc": ("tensor_core.inc", "paged_prefill_tc.inc"), "gemm_tc": ("tensor_core.inc", "wgmma.inc", "gemm_tc.inc")}
+              "prefill_tc": ("tensor_core.inc", "paged_prefill_tc.inc"),
+              "gemm_tc": ("tensor_core.inc", "wgmma.inc", "gemm_tc.inc", "gemm_xprime.inc")}
 
 
 def kernel_dir() -> Path:
