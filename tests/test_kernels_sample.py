@@ -89,3 +89,4 @@ def test_steps_with_filters_or_penalties_stay_portable():
   assert takes(logits, SamplerVariant(True, False, False)) and takes(logits, SamplerVariant(False, False, False))
   assert not takes(logits, SamplerVariant(True, True, False)) and not takes(logits, SamplerVariant(True, False, True))
   assert not takes(logits.cast(dtypes.float16), SamplerVariant(True, False, False))
+  assert not takes(logits, SamplerVariant(True, False, False), penalties=(logits, logits))   # penalty tensors given

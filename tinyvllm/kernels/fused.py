@@ -89,7 +89,7 @@ class FusedBackend:
   def sample(self, logits: Tensor, params_bits: Tensor, rng_bits: Tensor, variant: SamplerVariant,
              penalties: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Greedy and temperature-only steps in one kernel (kernels/sample.inc); filters and penalties in tinygrad ops."""
-    self.calls["sample" if takes(logits, variant) and penalties is None else "portable-sample"] += 1
+    self.calls["sample" if takes(logits, variant, penalties) else "portable-sample"] += 1
     return fused_sample(self.name, logits, params_bits, rng_bits, variant, penalties)
 
   def _fallback(self, what: str, reason: str) -> None:

@@ -12,14 +12,14 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from tinyvllm.kernels.plan import Launch, Param, cdiv, dtype_code
+from tinyvllm.kernels.plan import CUDA_SHARED_OPT_IN, Launch, Param, cdiv, dtype_code
 
 TARGET_BLOCKS = 256        # ~2 blocks per H100 SM
 # the stage ring is dynamic shared memory (a block may opt into up to SHARED_LIMIT on an H100/H200); the planner keeps
 # each block within SHARED_BYTES, the opt-in limit of sm_86/89/120 GPUs, which also leaves room for two blocks in an
 # H100 SM's 228 KB
 SHARED_BYTES = 99 * 1024
-SHARED_LIMIT = 227 * 1024
+SHARED_LIMIT = CUDA_SHARED_OPT_IN
 MAX_STAGES = 4             # K slices in the shared-memory ring (3 in flight while one is multiplied)
 BK = 32                    # the K slice the planner's tiles step in (a tile may ask for 64: half the barriers)
 # an H100 SM: shared memory (each resident block takes 1 KB more than it asks) and registers, of which the kernel's

@@ -17,6 +17,7 @@ DTYPE_CODES = {"float": 0, "float32": 0, "half": 1, "float16": 1, "bfloat16": 2}
 ELEM_BYTES = {0: 4, 1: 2, 2: 2}
 THREADS = 128                 # threads per block of the attention kernels (4 SIMD groups of 32)
 SHARED_LIMITS = {"cuda": 48 * 1024, "metal": 32 * 1024}   # static __shared__ / threadgroup memory per block
+CUDA_SHARED_OPT_IN = 227 * 1024   # static + dynamic shared memory a block may opt into on an H100/H200
 TARGET_BLOCKS = 512           # decode: split the context until S * KVH * splits reaches this (~4 blocks per H100 SM)
 # CUDA decode over FP8 caches: K/V tiles through a ring of 2 shared-memory stages (cp.async) where the ring takes at
 # most DECODE_RING_LIMIT bytes (H100, contexts in [100, 2048]: 260.9 -> 229.7 us a layer at batch 256, 50.2 -> 45.9 at
@@ -201,15 +202,11 @@ def decode_plan(shape: AttentionShape, splits: int | None = None, kv_together: b
        "TV_VPR": vpr, "TV_NJG": njg, "TV_KPT": kpt, "TV_NSPLIT": splits, "TV_CHUNK": chunk,
        "TV_KV_TOGETHER": int(kv_together and not stages), "TV_KV_STAGES": stages}
   ring = decode_ring_bytes(shape, tile, stages)
-  if stages and (stages == 1 or kv_row_bytes(shape) % 16 or ring + decode_shared_bytes(shape, tile, njg) > 227 * 1024):
+  if stages and (stages == 1 or kv_row_bytes(shape) % 16 or ring + decode_shared_bytes(shape, tile, njg) > CUDA_SHARED_OPT_IN):
     raise ValueError(f"a decode ring of {stages} stages ({ring} bytes) needs 2 or more stages, KV rows of a multiple of "
                      f"16 bytes ({kv_row_bytes(shape)}) and at most 227 KB with the static shared memory")
-  s, h, n, hd = shape.num_seqs, shape.num_heads, shape.num_tokens, shape.head_dim
-  ins = (Param("q", "elem", False, n * h * hd), Param("k_cache", "kv", False, shape.num_slots * shape.num_kv_heads * hd),
-         Param("v_cache", "kv", False, shape.num_slots * shape.num_kv_heads * hd),
-         Param("block_tables", "int", False, s * shape.max_blocks), Param("context_lens", "int", False, s),
-         Param("query_start", "int", False, s + 1))
-  out = Param("out", "elem", True, n * h * hd)
+  s, h, hd = shape.num_seqs, shape.num_heads, shape.head_dim
+  out, *ins = _attention_params(shape)
   part_o, part_ml = Param("part_o", "float", True, s * h * splits * hd), Param("part_ml", "float", True, s * h * splits * 2)
   if splits == 1:
     launches: tuple[Launch, ...] = (Launch("tv_paged_decode", (1, shape.num_kv_heads, s), THREADS, (out, *ins), ring),)
@@ -237,7 +234,8 @@ class PrefillPlan:
   shared_bytes: int = 0   # static shared memory per block
 
 
-def _prefill_params(shape: AttentionShape) -> tuple[Param, ...]:
+def _attention_params(shape: AttentionShape) -> tuple[Param, ...]:
+  """out, q, the caches and the int32 metadata: the decode and prefill kernels' shared argument list."""
   s, h, n, hd = shape.num_seqs, shape.num_heads, shape.num_tokens, shape.head_dim
   return (Param("out", "elem", True, n * h * hd), Param("q", "elem", False, n * h * hd),
           Param("k_cache", "kv", False, shape.num_slots * shape.num_kv_heads * hd),
@@ -273,7 +271,7 @@ def prefill_plan(shape: AttentionShape, dialect: str = "cuda", tensor_cores: boo
   rpt, cpt, wpt = rows // ROW_GROUPS, keys // COL_GROUPS, -(-words // COL_GROUPS)
   d = {**_common(shape), "TV_M": rows, "TV_BK": keys, "TV_BQ": tokens, "TV_NQT": q_tiles, "TV_RG": ROW_GROUPS,
        "TV_CG": COL_GROUPS, "TV_RPT": rpt, "TV_CPT": cpt, "TV_WPT": wpt, "TV_DW": words, "TV_QSTR": words + 1}
-  launch = Launch("tv_paged_prefill", (q_tiles, shape.num_kv_heads, shape.num_seqs), THREADS, _prefill_params(shape))
+  launch = Launch("tv_paged_prefill", (q_tiles, shape.num_kv_heads, shape.num_seqs), THREADS, _attention_params(shape))
   return PrefillPlan(shape, "prefill", rows, keys, tokens, q_tiles, d, (launch,), prefill_shared_bytes(rows, keys, words))
 
 
@@ -290,7 +288,7 @@ def tc_prefill_plan(shape: AttentionShape) -> PrefillPlan:
   tokens = rows // shape.group
   q_tiles = cdiv(shape.query_len, tokens)
   d = {**_common(shape), "TV_BK": keys, "TV_BQ": tokens, "TV_NQT": q_tiles}
-  launch = Launch("tv_paged_prefill_tc", (q_tiles, shape.num_kv_heads, shape.num_seqs), THREADS, _prefill_params(shape))
+  launch = Launch("tv_paged_prefill_tc", (q_tiles, shape.num_kv_heads, shape.num_seqs), THREADS, _attention_params(shape))
   shared = 2 * keys * (shape.head_dim + 8) * ELEM_BYTES[dtype_code(shape.dtype)]   # K and V tiles, padded rows
   return PrefillPlan(shape, "prefill_tc", rows, keys, tokens, q_tiles, d, (launch,), shared)
 

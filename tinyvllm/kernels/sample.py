@@ -40,16 +40,17 @@ def _compiled(dialect: str, rows: int, vocab_size: int) -> tuple[SamplePlan, str
   return plan, kernel_source(dialect, "sample", plan.defines)
 
 
-def takes(logits: Tensor, variant: SamplerVariant) -> bool:
+def takes(logits: Tensor, variant: SamplerVariant, penalties: tuple[Tensor, Tensor] | None = None) -> bool:
   """Whether the kernel samples this step: no filters, no penalties, float32 logits [B, V]."""
-  return not variant.filters and not variant.penalties and logits.ndim == 2 and logits.dtype == dtypes.float32
+  return (not variant.filters and not variant.penalties and penalties is None and logits.ndim == 2
+          and logits.dtype == dtypes.float32)
 
 
 def fused_sample(dialect: str, logits: Tensor, params_bits: Tensor, rng_bits: Tensor, variant: SamplerVariant,
                  penalties: tuple[Tensor, Tensor] | None = None) -> Tensor:
   """sample_packed()'s contract (params and rng as int32 bits; [B] int32 token ids); steps the kernel does not take go
   to the portable sampler."""
-  if not takes(logits, variant) or penalties is not None: return sample_packed(logits, params_bits, rng_bits, variant, penalties)
+  if not takes(logits, variant, penalties): return sample_packed(logits, params_bits, rng_bits, variant, penalties)
   rows, vocab = logits.shape
   plan, source = _compiled(dialect, rows, vocab)
   tokens = Tensor.empty(rows, dtype=dtypes.int32, device=logits.device)
