@@ -236,3 +236,93 @@ def test_emulator_barriers_and_simd(emu):
 def test_emulator_reports_divergent_barrier(emu):
   with pytest.raises(EmulatorError):
     emu.launch("divergent", 0, [np.zeros(64, np.float32)])
+
+
+# ---- cooperative launches (persistent kernels, CUDA dialect): every block resident at once, grid barriers
+# two grid barriers: each block publishes values, reads another block's, publishes again, reads a third block's
+COOP = """
+TV_KERNEL(tv_coop) TV_ARG(float, scratch, 0), TV_ARG(float, out, 1) TV_KERNEL_END
+{
+  const int b = TV_BID_X, t = TV_TID;
+  scratch[b * TV_NT + t] = (float)(b * 100 + t);
+  tv_emu_grid_sync();
+  scratch[(TV_NB + b) * TV_NT + t] = 2.0f * scratch[((b + 1) % TV_NB) * TV_NT + (t + 1) % TV_NT];
+  tv_emu_grid_sync();
+  out[b * TV_NT + t] = scratch[(TV_NB + (b + 2) % TV_NB) * TV_NT + t] + (float)b;
+}
+"""
+# dynamic shared memory is each block's own and lives across a grid barrier (first half of out: the fresh memory)
+COOP_SHARED = """
+TV_KERNEL(tv_coop_shared) TV_ARG(float, out, 0) TV_KERNEL_END
+{
+  TV_TPTR(float) s = (TV_TPTR(float))tv_emu_dynamic_shared();
+  out[TV_BID_X * 2 * TV_NT + TV_TID] = s[TV_TID];
+  s[TV_TID] = (float)(TV_BID_X * TV_NT + TV_TID);
+  tv_emu_grid_sync();
+  out[(TV_BID_X * 2 + 1) * TV_NT + TV_TID] = s[(TV_TID + 1) % TV_NT];
+}
+"""
+# block 0 leaves before the grid barrier the others wait at: a GPU would hang
+COOP_EARLY = """
+TV_KERNEL(tv_coop_early) TV_ARG(float, out, 0) TV_KERNEL_END
+{
+  if (TV_BID_X == 0) return;
+  tv_emu_grid_sync();
+  out[TV_BID_X * TV_NT + TV_TID] = 1.0f;
+}
+"""
+COOP_NT, COOP_NB = 64, 4
+
+
+def _cooperative_specs() -> list[Spec]:
+  nt, nb, base = COOP_NT, COOP_NB, {"TV_DTYPE": 0, "TV_NT": COOP_NT, "TV_NB": COOP_NB}
+  def launch(name, params, cooperative=True, shared=0):
+    return (Launch(name, (nb, 1, 1), nt, tuple(Param(p, "float", True, n) for p, n in params), shared, cooperative),)
+  coop_params = (("scratch", 2 * nb * nt), ("out", nb * nt))
+  return [Spec("coop", "coop", base, launch("tv_coop", coop_params), COOP),
+          Spec("coop_plain", "coop", base, launch("tv_coop", coop_params, cooperative=False), COOP),
+          Spec("coop_block_barrier", "coop", base, launch("tv_coop", coop_params),   # the bug: __syncthreads for grid.sync
+               "#define tv_emu_grid_sync() TV_BARRIER()\n" + COOP),
+          Spec("coop_shared", "coop_shared", base, launch("tv_coop_shared", (("out", 2 * nb * nt),), shared=4 * nt),
+               COOP_SHARED),
+          Spec("coop_early", "coop_early", base, launch("tv_coop_early", (("out", nb * nt),)), COOP_EARLY)]
+
+
+@pytest.fixture(scope="module")
+def cuda_emu() -> EmulatedKernels:
+  find_compiler()
+  return EmulatedKernels("cuda", _cooperative_specs())
+
+
+def test_cooperative_grid_barrier(cuda_emu):
+  nt, nb = COOP_NT, COOP_NB
+  expect = np.array([[2 * ((b + 3) % nb * 100 + (t + 1) % nt) + b for t in range(nt)] for b in range(nb)],
+                    np.float32).reshape(-1)
+  for order, seed in (("forward", 0), ("reverse", 0), ("random", 5), ("random", 11)):
+    scratch, out = np.full(2 * nb * nt, np.nan, np.float32), np.full(nb * nt, np.nan, np.float32)
+    cuda_emu.launch("coop", 0, [scratch, out], order, seed)
+    np.testing.assert_array_equal(out, expect, err_msg=order)
+    # with a threadgroup barrier in place of the grid barrier, a block runs ahead and reads what is not written yet
+    scratch, out = np.full(2 * nb * nt, np.nan, np.float32), np.full(nb * nt, np.nan, np.float32)
+    cuda_emu.launch("coop_block_barrier", 0, [scratch, out], order, seed)
+    assert not np.array_equal(out, expect), order
+  # the same kernel launched block after block: its grid barrier never releases
+  with pytest.raises(EmulatorError):
+    cuda_emu.launch("coop_plain", 0, [np.full(2 * nb * nt, np.nan, np.float32), np.full(nb * nt, np.nan, np.float32)])
+
+
+def test_cooperative_dynamic_shared_is_per_block(cuda_emu):
+  nt, nb = COOP_NT, COOP_NB
+  for order in ("forward", "reverse", "random"):
+    out = np.full(2 * nb * nt, 7.0, np.float32)
+    cuda_emu.launch("coop_shared", 0, [out], order, seed=2)
+    fresh, after = out.reshape(nb, 2, nt)[:, 0], out.reshape(nb, 2, nt)[:, 1]
+    assert np.isnan(fresh).all(), order   # each block's buffer starts poisoned
+    np.testing.assert_array_equal(after, np.arange(nb * nt).reshape(nb, nt)[:, np.r_[1:nt, 0]], err_msg=order)
+
+
+def test_cooperative_reports_early_exit_before_grid_barrier(cuda_emu, capfd):
+  with pytest.raises(EmulatorError):
+    cuda_emu.launch("coop_early", 0, [np.zeros(COOP_NB * COOP_NT, np.float32)])
+  err = capfd.readouterr().err
+  assert f"{COOP_NT} threads exited" in err and f"{(COOP_NB - 1) * COOP_NT} at the grid barrier" in err, err

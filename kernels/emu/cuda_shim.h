@@ -26,6 +26,8 @@ inline void tv_emu_ldmatrix_x4(uint* r, const void* row, bool trans) { emu::ldma
 inline void tv_emu_wgmma(float* d, int n, const void* a, const void* b, bool bf16) { emu::wgmma_m64k16(d, n, a, b, bf16); }
 // `extern __shared__` arrays (dynamic shared memory, sized by the launch): kernels take this pointer under TV_EMULATOR
 inline unsigned char* tv_emu_dynamic_shared() { return emu::dynamic_shared(); }
+// a persistent kernel's grid barrier (cooperative launches only: Launch.cooperative); kernels call it under TV_EMULATOR
+inline void tv_emu_grid_sync() { emu::grid_barrier(); }
 
 #define TV_EMULATOR 1
 #define TV_LINKAGE

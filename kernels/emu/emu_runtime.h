@@ -11,6 +11,13 @@
 // one instance shared by the fibers; that is exact because only one threadgroup runs at a time. Dynamic shared memory
 // (CUDA `extern __shared__`, the launch's size) is one buffer, filled with 0xff bytes (NaN in every float type) before
 // each threadgroup, so a read of memory the group never wrote shows; a write past its end is reported.
+//
+// Cooperative launches (launch_cooperative; CUDA's for persistent kernels) keep every block of the grid alive at once,
+// each with its own fibers, barrier state and dynamic shared memory (poisoned once, at the start), and add a grid
+// barrier (grid_barrier) that waits for every thread of every block; rounds visit the blocks in the launch's order and
+// run each as far as it goes.
+// Static shared arrays are still one instance for all blocks, which now run interleaved: a cooperative kernel must keep
+// all its shared memory in dynamic shared memory. A grid barrier outside a cooperative launch is reported as a deadlock.
 #pragma once
 #if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
 #define _XOPEN_SOURCE 700   // macOS declares the (deprecated) ucontext functions only with it
@@ -31,7 +38,7 @@ struct Dim3 { unsigned x, y, z; };
 struct alignas(16) Bytes16 { unsigned char b[16]; };
 constexpr size_t SHARED_GUARD = 256;   // bytes past the dynamic shared memory that must stay untouched
 
-enum State { READY, WAIT_GROUP, WAIT_SIMD, DONE };
+enum State { READY, WAIT_GROUP, WAIT_SIMD, WAIT_GRID, DONE };
 
 struct Fiber {
   ucontext_t ctx;
@@ -43,8 +50,10 @@ struct Fiber {
 };
 
 struct Group;
+struct GridSync { int nt = 0, arrived = 0; unsigned gen = 0; };   // the grid barrier of a cooperative launch
 inline Group*& current_group() { static Group* g = nullptr; return g; }
 inline Fiber*& current_fiber() { static Fiber* f = nullptr; return f; }
+inline GridSync*& current_grid() { static GridSync* s = nullptr; return s; }   // null outside a cooperative launch
 
 struct Group {
   int nt = 0;
@@ -103,6 +112,16 @@ inline void simd_barrier() {
   f->state = WAIT_SIMD;
   f->wait_gen = g->simd_gen[sg];
   if (++g->simd_arrived[sg] == g->simd_size(sg)) { g->simd_arrived[sg] = 0; g->simd_gen[sg]++; }
+  yield();
+}
+
+// every thread of every block of a cooperative launch (CUDA's grid.sync()); elsewhere it never releases (a deadlock)
+inline void grid_barrier() {
+  GridSync* s = current_grid();
+  Fiber* f = current_fiber();
+  f->state = WAIT_GRID;
+  f->wait_gen = s ? s->gen : 0;
+  if (s && ++s->arrived == s->nt) { s->arrived = 0; s->gen++; }
   yield();
 }
 
@@ -220,11 +239,8 @@ template <class T, class Op> inline T simd_reduce(T v, Op op) {
 inline Dim3& thread_pos() { static thread_local Dim3 d; return d; }
 inline Dim3& group_pos() { static thread_local Dim3 d; return d; }
 
-// order: 0 forward, 1 reverse, 2 random permutation every round (seeded); shared_bytes: dynamic shared memory
-inline int launch(Dim3 grid, int nt, int order, unsigned seed, const std::function<void()>& body, size_t shared_bytes = 0,
-                  size_t stack_bytes = 256 * 1024) {
-  if (nt < 1 || nt > 1024) { std::fprintf(stderr, "emu: bad block size %d\n", nt); return 2; }
-  Group g;
+inline void init_group(Group& g, Dim3 grid, int nt, size_t shared_bytes, size_t stack_bytes,
+                       const std::function<void()>& body) {
   g.nt = nt;
   g.grid = grid;
   g.dynamic_shared_bytes = shared_bytes;
@@ -232,64 +248,135 @@ inline int launch(Dim3 grid, int nt, int order, unsigned seed, const std::functi
   g.fibers.resize(nt);
   for (auto& f : g.fibers) f.stack.resize(stack_bytes);
   g.body = &body;
-  current_group() = &g;
+}
+
+// block `block` from its start: every fiber at the kernel's entry, no barrier arrivals, dynamic shared memory poisoned
+inline void start_group(Group& g, Dim3 block, const ucontext_t& tmpl) {
+  g.block = block;
+  g.arrived = 0;
+  reset_dynamic_shared(g);
+  for (int i = 0; i < 32; i++) g.simd_arrived[i] = 0;
+  for (int t = 0; t < g.nt; t++) {
+    Fiber& f = g.fibers[t];
+    f.tid = t;
+    f.state = READY;
+    f.simd_parity = 0;
+    f.ctx = tmpl;
+    f.ctx.uc_stack.ss_sp = f.stack.data();
+    f.ctx.uc_stack.ss_size = f.stack.size();
+    f.ctx.uc_link = nullptr;
+    makecontext(&f.ctx, fiber_entry, 0);
+  }
+}
+
+inline bool runnable(const Group& g, const Fiber& f) {
+  switch (f.state) {
+    case READY: return true;
+    case WAIT_GROUP: return g.gen != f.wait_gen;
+    case WAIT_SIMD: return g.simd_gen[f.tid / 32] != f.wait_gen;
+    case WAIT_GRID: return current_grid() && current_grid()->gen != f.wait_gen;
+    default: return false;
+  }
+}
+
+// one round over a block: each runnable fiber runs to its next barrier or its exit, in `order` (0 forward, 1 reverse,
+// 2 a random permutation); counts the exits in `done`; false when no fiber could run
+inline bool run_round(Group& g, int order, std::mt19937& rng, std::vector<int>& perm, int& done) {
+  for (int t = 0; t < g.nt; t++) perm[t] = order == 1 ? g.nt - 1 - t : t;
+  if (order == 2) std::shuffle(perm.begin(), perm.end(), rng);
+  bool progress = false;
+  for (int k = 0; k < g.nt; k++) {
+    Fiber& f = g.fibers[perm[k]];
+    if (!runnable(g, f)) continue;
+    f.state = READY;
+    current_group() = &g;
+    current_fiber() = &f;
+    group_pos() = g.block;
+    thread_pos() = {(unsigned)f.tid, 0, 0};
+    swapcontext(&g.sched, &f.ctx);
+    progress = true;
+    if (f.state == DONE) done++;
+  }
+  return progress;
+}
+
+inline int finish(int rc) { current_group() = nullptr; current_grid() = nullptr; return rc; }
+
+// no fiber can run yet not all have exited: a barrier some threads never reach (e.g. after a non-uniform early exit)
+inline int report_deadlock(const Group* groups, size_t n, const char* where) {
+  int count[DONE + 1] = {0};
+  for (size_t i = 0; i < n; i++) for (const auto& f : groups[i].fibers) count[f.state]++;
+  std::fprintf(stderr, "emu: deadlock in %s: %d threads exited, %d wait at a threadgroup barrier, %d at a SIMD operation, "
+               "%d at the grid barrier (barrier or shuffle not reached by every thread)\n", where, count[DONE],
+               count[WAIT_GROUP], count[WAIT_SIMD], count[WAIT_GRID]);
+  return finish(1);
+}
+
+inline int report_overrun(const Group& g) {
+  std::fprintf(stderr, "emu: block (%u,%u,%u) wrote past its %zu bytes of dynamic shared memory\n", g.block.x, g.block.y,
+               g.block.z, g.dynamic_shared_bytes);
+  return finish(3);
+}
+
+// order: 0 forward, 1 reverse, 2 random permutation every round (seeded); shared_bytes: dynamic shared memory
+inline int launch(Dim3 grid, int nt, int order, unsigned seed, const std::function<void()>& body, size_t shared_bytes = 0,
+                  size_t stack_bytes = 256 * 1024) {
+  if (nt < 1 || nt > 1024) { std::fprintf(stderr, "emu: bad block size %d\n", nt); return 2; }
+  Group g;
+  init_group(g, grid, nt, shared_bytes, stack_bytes, body);
   std::mt19937 rng(seed);
   std::vector<int> perm(nt);
   ucontext_t tmpl;
   getcontext(&tmpl);
   for (unsigned bz = 0; bz < grid.z; bz++) for (unsigned by = 0; by < grid.y; by++) for (unsigned bx = 0; bx < grid.x; bx++) {
-    g.block = {bx, by, bz};
-    g.arrived = 0;
-    reset_dynamic_shared(g);
-    for (int i = 0; i < 32; i++) g.simd_arrived[i] = 0;
-    for (int t = 0; t < nt; t++) {
-      Fiber& f = g.fibers[t];
-      f.tid = t;
-      f.state = READY;
-      f.simd_parity = 0;
-      f.ctx = tmpl;
-      f.ctx.uc_stack.ss_sp = f.stack.data();
-      f.ctx.uc_stack.ss_size = f.stack.size();
-      f.ctx.uc_link = nullptr;
-      makecontext(&f.ctx, fiber_entry, 0);
-    }
+    start_group(g, {bx, by, bz}, tmpl);
     int done = 0;
     while (done < nt) {
-      for (int t = 0; t < nt; t++) perm[t] = order == 1 ? nt - 1 - t : t;
-      if (order == 2) std::shuffle(perm.begin(), perm.end(), rng);
-      bool progress = false;
-      for (int k = 0; k < nt; k++) {
-        Fiber& f = g.fibers[perm[k]];
-        bool runnable = f.state == READY || (f.state == WAIT_GROUP && g.gen != f.wait_gen) ||
-                        (f.state == WAIT_SIMD && g.simd_gen[f.tid / 32] != f.wait_gen);
-        if (!runnable) continue;
-        f.state = READY;
-        current_fiber() = &f;
-        group_pos() = g.block;
-        thread_pos() = {(unsigned)f.tid, 0, 0};
-        swapcontext(&g.sched, &f.ctx);
-        progress = true;
-        if (f.state == DONE) done++;
-      }
-      if (!progress) {
-        int waiting_group = 0, waiting_simd = 0;
-        for (auto& f : g.fibers) { waiting_group += f.state == WAIT_GROUP; waiting_simd += f.state == WAIT_SIMD; }
-        std::fprintf(stderr, "emu: deadlock in block (%u,%u,%u): %d threads exited, %d wait at a threadgroup barrier, "
-                     "%d at a SIMD operation (barrier or shuffle not reached by every thread)\n",
-                     bx, by, bz, done, waiting_group, waiting_simd);
-        current_group() = nullptr;
-        return 1;
+      if (!run_round(g, order, rng, perm, done)) {
+        char where[64];
+        std::snprintf(where, sizeof where, "block (%u,%u,%u)", bx, by, bz);
+        return report_deadlock(&g, 1, where);
       }
     }
-    if (!dynamic_shared_intact(g)) {
-      std::fprintf(stderr, "emu: block (%u,%u,%u) wrote past its %zu bytes of dynamic shared memory\n", bx, by, bz,
-                   shared_bytes);
-      current_group() = nullptr;
-      return 3;
+    if (!dynamic_shared_intact(g)) return report_overrun(g);
+  }
+  return finish(0);
+}
+
+// a cooperative launch (a persistent kernel): every block resident at once, each with its own fibers, barriers and
+// dynamic shared memory. Each round visits the blocks in `order` (a fresh permutation per round for 2) and runs each
+// until all its threads wait at the grid barrier or have exited, so a block runs ahead of the others as far as the
+// kernel lets it: a threadgroup barrier where a grid barrier is needed shows up
+inline int launch_cooperative(Dim3 grid, int nt, int order, unsigned seed, const std::function<void()>& body,
+                              size_t shared_bytes, size_t stack_bytes = 128 * 1024) {
+  if (nt < 1 || nt > 1024) { std::fprintf(stderr, "emu: bad block size %d\n", nt); return 2; }
+  const size_t nb = (size_t)grid.x * grid.y * grid.z;
+  std::vector<Group> groups(nb);
+  GridSync sync;
+  sync.nt = (int)(nb * nt);
+  current_grid() = &sync;
+  ucontext_t tmpl;
+  getcontext(&tmpl);
+  for (size_t b = 0; b < nb; b++) {
+    init_group(groups[b], grid, nt, shared_bytes, stack_bytes, body);
+    start_group(groups[b], {(unsigned)(b % grid.x), (unsigned)(b / grid.x % grid.y), (unsigned)(b / grid.x / grid.y)}, tmpl);
+  }
+  std::mt19937 rng(seed);
+  std::vector<int> perm(nt), blocks(nb);
+  int done = 0;
+  while (done < sync.nt) {
+    for (size_t b = 0; b < nb; b++) blocks[b] = (int)(order == 1 ? nb - 1 - b : b);
+    if (order == 2) std::shuffle(blocks.begin(), blocks.end(), rng);
+    bool progress = false;
+    for (int b : blocks) while (run_round(groups[b], order, rng, perm, done)) progress = true;
+    if (!progress) {
+      char where[80];
+      std::snprintf(where, sizeof where, "the cooperative grid (%u,%u,%u)", grid.x, grid.y, grid.z);
+      return report_deadlock(groups.data(), nb, where);
     }
   }
-  current_group() = nullptr;
-  return 0;
+  for (const auto& g : groups) if (!dynamic_shared_intact(g)) return report_overrun(g);
+  return finish(0);
 }
 
 // IEEE half <-> float, round to nearest even (what the GPUs' conversion instructions do)

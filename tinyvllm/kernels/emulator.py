@@ -70,13 +70,14 @@ def translation_unit(dialect: str, specs: list[Spec]) -> str:
     out += [f"namespace {spec.name} {{", text, *[f"#undef {n}" for n in names], f"}}  // namespace {spec.name}"]
     code, kv_fp8 = int(spec.defines["TV_DTYPE"]), bool(spec.defines.get("TV_KV_FP8"))
     for launch in spec.launches:
+      run = "launch_cooperative" if launch.cooperative else "launch"
       args = ", ".join(f"({_ctype(p.kind, code, kv_fp8)}*)b[{i}]" for i, p in enumerate(launch.params))
       pos = ", uint3{::emu::group_pos().x, ::emu::group_pos().y, ::emu::group_pos().z}, uint3{::emu::thread_pos().x, 0u, 0u}" \
         if dialect == "metal" else ""
       out.append(f'extern "C" int {spec.name}__{launch.kernel}(void** b, unsigned gx, unsigned gy, unsigned gz, int nt, '
                  f'int order, unsigned seed) {{\n'
                  f'  std::function<void()> body = [&]() {{ {spec.name}::{launch.kernel}({args}{pos}); }};\n'
-                 f'  return ::emu::launch(::emu::Dim3{{gx, gy, gz}}, nt, order, seed, body, {launch.shared_bytes});\n}}')
+                 f'  return ::emu::{run}(::emu::Dim3{{gx, gy, gz}}, nt, order, seed, body, {launch.shared_bytes});\n}}')
   return "\n".join(out) + "\n"
 
 

@@ -55,6 +55,8 @@ class Launch:
   threads: int                     # threads per block (1-D)
   params: tuple[Param, ...]        # in the kernel's argument order
   shared_bytes: int = 0            # dynamic shared memory per block (CUDA `extern __shared__`), set at launch
+  cooperative: bool = False        # all blocks resident at once (a persistent kernel with grid barriers); the grid must
+                                   # not exceed what the GPU holds at once
 
 
 @dataclass(frozen=True)
