@@ -2,7 +2,7 @@
 # One device call (see docs/benchmarks.md): install the carried wheels, then run the named steps in order, each one's
 # output appended to $OUT/log.txt and its JSON written under $OUT.
 #   bash bench/run_on_device.sh check throughput decode profile256 ...
-# Steps: check (bench/check_kernels.py), capture (bench/capture_profile.py), profile1 / profile256
+# Steps: check (bench/check_kernels.py), layer (bench/check_decode_layer.py), capture (bench/capture_profile.py), profile1 / profile256
 # (bench/gpu_profile.py), gemm (bench/gemm_bench.py), timeline (bench/step_timeline.py), explore
 # (bench/attention_bench.py), and any part of
 # bench/gpu_benchmarks.py (with the suffix _fp8: the same part with --kv-cache-dtype fp8, e.g. throughput_fp8).
@@ -14,6 +14,8 @@ for step in "$@"; do
   echo "=== $step $(date -u +%FT%TZ)" | tee -a "$OUT/log.txt"
   case $step in
     check) cmd=(python3 bench/check_kernels.py --model .data/stories260K-hf --no-e2e) ;;
+    layer) cmd=(python3 bench/check_decode_layer.py) ;;
+    layer_bench) cmd=(python3 bench/decode_layer_bench.py) ;;
     capture) cmd=(python3 bench/capture_profile.py) ;;
     profile1) cmd=(python3 bench/gpu_profile.py --batch 1 --tag b1) ;;
     profile256) cmd=(python3 bench/gpu_profile.py --batch 256 --tag b256) ;;

@@ -1,6 +1,7 @@
 """The attention-backend interface the model calls: attention over the paged cache and the KV write."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from tinygrad import Tensor
@@ -39,6 +40,10 @@ class AttentionBackend(Protocol):
     """One token id per row ([B] int32) from logits [B, V]: layers/sampler.py's `sample_packed` contract (params and
     rng as the int32 bits of the step's packed input)."""
     ...
+
+  # a small decode step's whole layer in one kernel ((layer, h, cos, sin, k_cache, v_cache, metadata, eps) -> (h, k_cache,
+  # v_cache), or None where it does not take the step; see model/llama.py's DecodeLayerFn); None: the backend has none
+  decode_layer: Callable[..., tuple[Tensor, Tensor, Tensor] | None] | None
 
   def describe(self) -> str:
     """One line for the start-up log."""

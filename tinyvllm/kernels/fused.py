@@ -8,11 +8,15 @@ path, and the first time each reason occurs it is printed to stderr, so a fallba
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections import Counter
 
 from tinygrad import Tensor, dtypes
 
+from tinyvllm.kernels.decode_layer import MAX_ROWS as LAYER_MAX_ROWS
+from tinyvllm.kernels.decode_layer import DecodeLayerShape, run_decode_layer
+from tinyvllm.kernels.decode_layer import unsupported_reason as layer_unsupported_reason
 from tinyvllm.kernels.linear import fused_linear
 from tinyvllm.kernels.plan import (
   AttentionShape,
@@ -27,11 +31,19 @@ from tinyvllm.kernels.portable import qkv_rope_write
 from tinyvllm.kernels.qkv_rope import qkv_rope_shape, run_qkv_rope_write
 from tinyvllm.kernels.sample import fused_sample, takes
 from tinyvllm.kernels.sources import kernel_source
-from tinyvllm.kernels.tinygrad_program import has_buffer_identity, run_kernel
+from tinyvllm.kernels.tinygrad_program import has_buffer_identity, multiprocessor_count, run_kernel
 from tinyvllm.layers.attention import AttentionMetadata, paged_attention, write_kv
 from tinyvllm.layers.fp8 import is_fp8
 from tinyvllm.layers.linear import portable_linear
 from tinyvllm.layers.sampler import SamplerVariant
+from tinyvllm.model.llama import DecoderLayer
+
+# TINYVLLM_DECODE_LAYER=0 turns the persistent layer kernel off (decode steps then run the per-op kernels)
+DECODE_LAYER = os.environ.get("TINYVLLM_DECODE_LAYER", "1") != "0"
+# the fewest rows it takes (decode rows come in powers of two): on an H100 it gains 44% at batch 4 (1.80 against 2.59 ms
+# a step), is level at batch 2 (1.43 against 1.44) and not better at batch 1, where back-to-back runs of either path
+# spread over 771-840 tok/s at 128 tokens of context and it was slower at 2,048 (docs/benchmarks.md, session 8)
+DECODE_LAYER_MIN_ROWS = 4
 
 DTYPE_NAMES = {dtypes.float32: "float32", dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}
 
@@ -74,11 +86,19 @@ class FusedBackend:
     self.name, self.device, self._log = dialect, device, log
     self.decode_splits, self.kv_together, self.decode_stages = decode_splits, kv_together, decode_stages
     self.calls: Counter[str] = Counter()     # which path each traced call took (decode, prefill, write, portable-*)
-    self._reported: set[str] = set()
+    self._reported: set[tuple[str, str]] = set()
+    # the layer kernel's grid (0: no layer kernel here) and its barrier counters: zeros the kernel leaves zero, one
+    # buffer written by every layer of a step in turn (chained through each launch's result, restarted per step)
+    self.layer_blocks = multiprocessor_count(device) if dialect == "cuda" and DECODE_LAYER else 0
+    self.layer_rows = (DECODE_LAYER_MIN_ROWS, LAYER_MAX_ROWS)   # decode rows the layer kernel takes (checks widen it)
+    self._sync_base = Tensor.zeros(2, dtype=dtypes.uint32, device=device).contiguous().realize() if self.layer_blocks else None
+    self._sync, self._sync_step = self._sync_base, None
 
   def describe(self) -> str:
+    low, high = self.layer_rows
+    layers = f", whole decode layers of {low}-{high} sequences in one kernel on {self.layer_blocks} SMs" if self.layer_blocks else ""
     return (f"{self.name} (hand-written kernels: fused paged attention, KV write, qkv norm/RoPE/write, decode-batch matmuls, "
-            "sampling; kernels/*.inc)")
+            f"sampling{layers}; kernels/*.inc)")
 
   def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None, **fused) -> Tensor:
     """Decode-sized products (and the norm, SwiGLU or residual fused with them) in one kernel; others in tinygrad ops."""
@@ -91,6 +111,51 @@ class FusedBackend:
     """Greedy and temperature-only steps in one kernel (kernels/sample.inc); filters and penalties in tinygrad ops."""
     self.calls["sample" if takes(logits, variant, penalties) else "portable-sample"] += 1
     return fused_sample(self.name, logits, params_bits, rng_bits, variant, penalties)
+
+  def decode_layer(self, layer: DecoderLayer, h: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                   meta: AttentionMetadata, eps: float) -> tuple[Tensor, Tensor, Tensor] | None:
+    """A small decode step's whole layer in one persistent kernel (kernels/decode_layer.inc); None where it does not
+    take the step (the model then runs the layer op by op)."""
+    shape = self._decode_layer_shape(layer, h, cos, k_cache, v_cache, meta, eps)
+    if shape is None: return None
+    self.calls["decode-layer"] += 1
+    if self._sync_step is not meta: self._sync, self._sync_step = self._sync_base, meta   # a new step's first layer
+    named = {"h_in": h, "k_cache": k_cache, "v_cache": v_cache, "sync": self._sync, "input_norm": layer.input_norm,
+             "w_qkv": layer.qkv_proj, "w_o": layer.o_proj, "post_norm": layer.post_attention_norm, "w_gu": layer.gate_up_proj,
+             "w_down": layer.down_proj, "rope_cos": cos, "rope_sin": sin, "slot_mapping": meta.slot_mapping,
+             "block_tables": meta.block_tables, "context_lens": meta.context_lens, "query_start": meta.query_start}
+    named.update({k: t for k, t in (("q_norm", layer.q_norm), ("k_norm", layer.k_norm), ("qkv_bias", layer.qkv_bias))
+                  if t is not None})
+    out = run_decode_layer(shape, {k: t if k in ("k_cache", "v_cache", "sync") else t.contiguous() for k, t in named.items()})
+    self._sync = out["sync"]
+    return out["h_out"].reshape(h.shape), out["k_cache"], out["v_cache"]
+
+  def _decode_layer_shape(self, layer: DecoderLayer, h: Tensor, cos: Tensor, k_cache: Tensor, v_cache: Tensor,
+                          meta: AttentionMetadata, eps: float) -> DecodeLayerShape | None:
+    rows = h.shape[0]
+    if (not self.layer_blocks or meta.query_index.shape[1] != 1 or rows != meta.block_tables.shape[0]
+        or not self.layer_rows[0] <= rows <= self.layer_rows[1]):
+      return None   # not a small decode step: the per-op kernels are the design there, nothing to report
+    head_dim, kv_fp8 = 2 * cos.shape[1], is_fp8(k_cache)
+    dtype = DTYPE_NAMES.get(h.dtype)
+    reason = next((r for bad, r in (
+      (any(b is not None for b in (layer.o_bias, layer.gate_up_bias, layer.down_bias)), "o / MLP biases"),
+      (dtype is None or layer.qkv_proj.dtype != h.dtype, f"activations {h.dtype.name}, weights {layer.qkv_proj.dtype.name}"),
+      (v_cache.dtype != k_cache.dtype or (not kv_fp8 and k_cache.dtype != h.dtype), "cache dtype"),
+      (cos.dtype != dtypes.float32, "RoPE tables not float32"),
+      (any(t.dtype != dtypes.int32 for t in (meta.slot_mapping, meta.block_tables, meta.context_lens)), "metadata not int32"),
+      (k_cache.shape[1] % head_dim, "cache row is not a whole number of heads")) if bad), None)
+    shape = None
+    if reason is None:
+      shape = DecodeLayerShape(dtype, rows, h.shape[1], layer.o_proj.shape[1] // head_dim, k_cache.shape[1] // head_dim, head_dim,
+                               layer.down_proj.shape[1], layer.q_norm is not None, layer.qkv_bias is not None, eps,
+                               meta.block_size, meta.block_tables.shape[1], k_cache.shape[0], kv_fp8, self.layer_blocks)
+      reason = layer_unsupported_reason(shape)
+    if reason is None: return shape
+    if ("decode-layer", reason) not in self._reported:
+      self._reported.add(("decode-layer", reason))
+      self._log(f"the {self.name} layer kernel does not take this model's decode steps ({reason}): per-op kernels run them")
+    return None
 
   def _fallback(self, what: str, reason: str) -> None:
     self.calls[f"portable-{what}"] += 1

@@ -13,7 +13,8 @@ DIALECTS = ("cuda", "metal")
 ALGORITHMS = {"decode": ("paged_decode.inc",), "decode_staged": ("tensor_core.inc", "paged_decode.inc"),
               "prefill": ("paged_prefill.inc",), "kv_write": ("kv_write.inc",),
               "prefill_tc": ("tensor_core.inc", "paged_prefill_tc.inc"),
-              "gemm_tc": ("tensor_core.inc", "wgmma.inc", "gemm_tc.inc", "gemm_xprime.inc")}
+              "gemm_tc": ("tensor_core.inc", "wgmma.inc", "gemm_tc.inc", "gemm_xprime.inc"),
+              "decode_layer": ("tensor_core.inc", "decode_layer.inc")}
 
 
 def kernel_dir() -> Path:

@@ -115,6 +115,18 @@ def compile_parallel(sources: Iterable[tuple[str, str]], workers: int | None = N
 def device_arch(device: str) -> str: return str(getattr(Device[device], "arch", ""))
 
 
+@functools.cache
+def multiprocessor_count(device: str) -> int:
+  """The SM count of a CUDA device (0 for any other): the grid of a kernel whose blocks must all be resident at once."""
+  if native_dialect(device) != "cuda": return 0
+  import ctypes
+
+  from tinygrad.runtime.autogen import cuda
+  count = ctypes.c_int32()
+  status = cuda.cuDeviceGetAttribute(ctypes.byref(count), cuda.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, Device[device].cu_device)
+  return count.value if status == 0 else 0
+
+
 def dynamic_shared_bytes(binary: bytes, kernel: str) -> int:
   """Dynamic shared memory recorded for `kernel` of `binary` (0: none)."""
   return _dynamic_shared.get((binary, kernel), 0)

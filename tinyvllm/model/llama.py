@@ -43,6 +43,12 @@ class DecoderLayer:
   down_bias: Tensor | None
 
 
+# A whole decode layer in one kernel: (layer, h, cos, sin, k_cache, v_cache, metadata, eps) -> (h, k_cache, v_cache), or
+# None for a step or shape it does not take.
+DecodeLayerFn = Callable[[DecoderLayer, Tensor, Tensor, Tensor, Tensor, Tensor, AttentionMetadata, float],
+                         tuple[Tensor, Tensor, Tensor] | None]
+
+
 @dataclass
 class StepInputs:
   """One forward pass: N flat tokens, their positions, attention metadata and which rows to return logits for."""
@@ -62,6 +68,8 @@ class TransformerLM:
     self.linear_fn: LinearFn = portable_linear
     # default: the portable ops, writing K/V with whatever write_kv_fn is set (a backend replaces the whole step)
     self.qkv_rope_write_fn: QkvRopeWriteFn = self._qkv_rope_write_ops
+    # a whole layer in one kernel, where the backend has one for the step (None from it: the per-op layer runs)
+    self.decode_layer_fn: DecodeLayerFn | None = None
 
   @property
   def dtype(self): return self.embed_tokens.dtype
@@ -81,14 +89,22 @@ class TransformerLM:
     cos, sin = gather_rows(self.rope_cos, inputs.positions), gather_rows(self.rope_sin, inputs.positions)
     new_caches = []
     for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-      qkv = self.linear_fn(h, layer.qkv_proj, layer.qkv_bias, norm=layer.input_norm, eps=eps)
-      attn, k_cache, v_cache = self._attention(layer, qkv, cos, sin, k_cache, v_cache, inputs.attention)
-      h = self.linear_fn(attn, layer.o_proj, layer.o_bias, residual=h)
-      gate_up = self.linear_fn(h, layer.gate_up_proj, layer.gate_up_bias, norm=layer.post_attention_norm, eps=eps)
-      h = self.linear_fn(gate_up, layer.down_proj, layer.down_bias, silu_mul=True, residual=h)
+      fused = self.decode_layer_fn(layer, h, cos, sin, k_cache, v_cache, inputs.attention, eps) if self.decode_layer_fn else None
+      h, k_cache, v_cache = fused or self.decoder_layer(layer, h, cos, sin, k_cache, v_cache, inputs.attention)
       new_caches.append((k_cache, v_cache))
     last = gather_rows(h, inputs.logits_index)
     return self.linear_fn(last, self.lm_head, norm=self.norm, eps=eps, out_float32=True), new_caches
+
+  def decoder_layer(self, layer: DecoderLayer, h: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                    meta: AttentionMetadata) -> tuple[Tensor, Tensor, Tensor]:
+    """One layer op by op: the hidden states after it and the caches after its KV write."""
+    eps = self.config.rms_norm_eps
+    qkv = self.linear_fn(h, layer.qkv_proj, layer.qkv_bias, norm=layer.input_norm, eps=eps)
+    attn, k_cache, v_cache = self._attention(layer, qkv, cos, sin, k_cache, v_cache, meta)
+    h = self.linear_fn(attn, layer.o_proj, layer.o_bias, residual=h)
+    gate_up = self.linear_fn(h, layer.gate_up_proj, layer.gate_up_bias, norm=layer.post_attention_norm, eps=eps)
+    h = self.linear_fn(gate_up, layer.down_proj, layer.down_bias, silu_mul=True, residual=h)
+    return h, k_cache, v_cache
 
   def _attention(self, layer: DecoderLayer, qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
                  meta: AttentionMetadata) -> tuple[Tensor, Tensor, Tensor]:

@@ -1,0 +1,114 @@
+"""The persistent decode-layer kernel (kernels/decode_layer.inc) in the CPU emulator, against the model's own per-op
+layer (TransformerLM.decoder_layer on the portable path: tinygrad ops, float32, on the CPU).
+
+The emulator runs every block of the grid at once with a real grid barrier (emu::launch_cooperative), so a phase that
+read another block's results before the barrier would show. Grids are small (a few blocks of 64-128 threads) and
+chosen so that the last blocks own no rows of some products, as the H100's 132 blocks do for Qwen3-0.6B's 1,024
+hidden rows. The GPU check (bench/check_kernels.py) runs the real kernel against the same reference on an H100.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tinyvllm.kernels.cases import FP8, LayerCase, from_bits, layer_outputs, layer_tensors, make_layer_case, to_bits
+from tinyvllm.kernels.decode_layer import DecodeLayerShape, decode_layer_plan, shared_bytes, unsupported_reason
+from tinyvllm.kernels.emulator import EmulatedKernels, Spec, find_compiler
+
+MODELS = {
+  "qwen3": dict(hidden=48, intermediate=80, heads=4, kv_heads=2, head_dim=16, qk_norm=True, qkv_bias=False),
+  "qwen2": dict(hidden=64, intermediate=96, heads=8, kv_heads=2, head_dim=8, qk_norm=False, qkv_bias=True),
+}
+# name: (model, decode contexts, kv_fp8, dtype, blocks, threads)
+CASES = {
+  "qwen3_b1_splits": ("qwen3", [300], False, "bfloat16", 9, 64),   # 3 of 4 splits see keys: the merge
+  "qwen3_b3_fp8": ("qwen3", [5, 70, 1], True, "bfloat16", 9, 64),
+  "qwen2_long_f16": ("qwen2", [300, 17], False, "float16", 5, 128),
+}
+
+
+def make(name: str) -> tuple[LayerCase, DecodeLayerShape]:
+  model, contexts, kv_fp8, dtype, blocks, threads = CASES[name]
+  case = make_layer_case(np.random.default_rng(len(name)), contexts, **MODELS[model], dtype=dtype, kv_fp8=kv_fp8)
+  d, p = case.dims, case.paged
+  shape = DecodeLayerShape(dtype, case.rows, d["hidden"], d["heads"], d["kv_heads"], d["head_dim"], d["intermediate"], d["qk_norm"],
+                           d["qkv_bias"], case.eps, p.shape.block_size, p.arrays["block_tables"].shape[1], p.k_cache.shape[0],
+                           kv_fp8, blocks, threads)
+  return case, shape
+
+
+def run_emulated(emu: EmulatedKernels, name: str, case: LayerCase, shape: DecodeLayerShape, order: str, seed: int = 0):
+  plan = decode_layer_plan(shape)
+  kv = FP8 if shape.kv_fp8 else case.dtype
+  given = {k: to_bits(v, case.dtype) for k, v in case.weights.items()}
+  given.update(k_cache=to_bits(case.paged.k_cache, kv), v_cache=to_bits(case.paged.v_cache, kv), rope_cos=case.cos,
+               rope_sin=case.sin, **{k: case.paged.arrays[k] for k in ("slot_mapping", "block_tables", "context_lens", "query_start")})
+  poison = {"float": np.float32(np.nan), "uint": 0, "elem": 0x7FC0 if case.dtype == "bfloat16" else 0x7E00}
+  buffers = []
+  for p in plan.launch.params:
+    if p.name in given: buffers.append(np.ascontiguousarray(given[p.name]).reshape(-1).copy())
+    else: buffers.append(np.full(p.numel, poison[p.kind], {"float": np.float32, "uint": np.uint32}.get(p.kind, np.uint16)))
+  emu.launch(name, 0, buffers, order, seed)
+  out = dict(zip((p.name for p in plan.launch.params), buffers, strict=True))
+  slots, width = case.paged.k_cache.shape
+  return (from_bits(out["h_out"], case.dtype).reshape(case.rows, -1)[:case.paged.total_tokens],
+          from_bits(out["k_cache"], kv).reshape(slots, width), from_bits(out["v_cache"], kv).reshape(slots, width), out["sync"])
+
+
+def run_reference(case: LayerCase):
+  """TransformerLM.decoder_layer on the portable path, float32 on the CPU (FP8 caches as codes, as the engine has them).
+  The kernel rounds the new k and v to the activations' dtype before FP8, as the engine's bf16 path does; float32 goes
+  to FP8 directly, so a value may land one FP8 step away (12.5%), and the attention output of a short context with it."""
+  model, layer, inputs = layer_tensors(case)
+  return layer_outputs(case, *model.decoder_layer(layer, *inputs))
+
+
+@pytest.fixture(scope="module")
+def emu() -> EmulatedKernels:
+  try: find_compiler()
+  except Exception as e: pytest.skip(str(e))
+  specs = []
+  for name in CASES:
+    plan = decode_layer_plan(make(name)[1])
+    specs.append(Spec(name, "decode_layer", plan.defines, (plan.launch,)))
+  return EmulatedKernels("cuda", specs)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_decode_layer_matches_per_op_layer(emu, name):
+  case, shape = make(name)
+  want_h, want_k, want_v = run_reference(case)
+  written = case.paged.arrays["slot_mapping"][case.paged.arrays["slot_mapping"] >= 0]
+  others = np.setdiff1d(np.arange(case.paged.k_cache.shape[0]), written)
+  cache_tol = dict(rtol=0.13, atol=0.02) if shape.kv_fp8 else dict(rtol=0.02, atol=0.02)
+  for order, seed in (("forward", 0), ("reverse", 0), ("random", 3)):
+    h, k, v, sync = run_emulated(emu, name, case, shape, order, seed)   # padding rows (no sequence) are not compared
+    np.testing.assert_allclose(h, want_h, rtol=0.03, atol=0.1 if shape.kv_fp8 else 0.03, err_msg=f"{name} {order}")
+    np.testing.assert_allclose(k[written], want_k[written], **cache_tol, err_msg=f"{name} {order}: new keys")
+    np.testing.assert_allclose(v[written], want_v[written], **cache_tol, err_msg=f"{name} {order}: new values")
+    np.testing.assert_array_equal(k[others], want_k[others])   # nothing else written
+    np.testing.assert_array_equal(v[others], want_v[others])
+    np.testing.assert_array_equal(sync, [0, 0])
+
+
+def test_plan_fits_qwen3_06b_on_h100():
+  """Qwen3-0.6B on 132 SMs: rows 1-4 fit an SM's shared memory; the last blocks own no o/down rows (1,024 = 128 x 8)."""
+  for rows in (1, 2, 4):
+    shape = DecodeLayerShape("bfloat16", rows, 1024, 16, 8, 128, 3072, True, False, 1e-6, 16, 128, 1 << 20, False, 132)
+    assert unsupported_reason(shape) is None
+    plan = decode_layer_plan(shape)
+    assert plan.launch.grid == (132, 1, 1) and plan.launch.cooperative and shared_bytes(shape) <= 227 * 1024
+    d = plan.defines
+    assert (d["TV_R_O"], d["TV_R_GU"]) == (8, 47) and d["TV_NSPLIT"] * d["TV_CHUNK"] == 2048
+    assert d["TV_CHUNK"] == 128 * rows   # about one attention item per block at full context
+
+
+def test_unsupported_shapes_say_why():
+  base = dict(dtype="bfloat16", rows=1, hidden=1024, heads=16, kv_heads=8, head_dim=128, intermediate=3072, qk_norm=True,
+              qkv_bias=False, eps=1e-6, block_size=16, max_blocks=128, num_slots=4096, kv_fp8=False, blocks=132)
+  assert "rows" in unsupported_reason(DecodeLayerShape(**{**base, "rows": 8}))
+  assert "dtype" in unsupported_reason(DecodeLayerShape(**{**base, "dtype": "float32"}))
+  assert "group" in unsupported_reason(DecodeLayerShape(**{**base, "heads": 64}))
+  # Llama-3.2-1B's gate_up slice alone (16,384 rows over 132 blocks, 4 KB each) is past an SM's shared memory
+  assert "shared memory" in unsupported_reason(DecodeLayerShape(**{**base, "hidden": 2048, "intermediate": 8192, "heads": 32}))
+  with pytest.raises(ValueError, match="rows"): decode_layer_plan(DecodeLayerShape(**{**base, "rows": 8}))
