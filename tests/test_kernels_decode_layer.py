@@ -8,11 +8,21 @@ hidden rows. The GPU check (bench/check_kernels.py) runs the real kernel against
 """
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
+
 import numpy as np
 import pytest
 
 from tinyvllm.kernels.cases import FP8, LayerCase, from_bits, layer_outputs, layer_tensors, make_layer_case, to_bits
-from tinyvllm.kernels.decode_layer import DecodeLayerShape, decode_layer_plan, shared_bytes, unsupported_reason
+from tinyvllm.kernels.decode_layer import (
+  DecodeLayerShape,
+  decode_layer_plan,
+  decode_layer_source,
+  shared_bytes,
+  unsupported_reason,
+)
 from tinyvllm.kernels.emulator import EmulatedKernels, Spec, find_compiler
 
 MODELS = {
@@ -112,3 +122,18 @@ def test_unsupported_shapes_say_why():
   # Llama-3.2-1B's gate_up slice alone (16,384 rows over 132 blocks, 4 KB each) is past an SM's shared memory
   assert "shared memory" in unsupported_reason(DecodeLayerShape(**{**base, "hidden": 2048, "intermediate": 8192, "heads": 32}))
   with pytest.raises(ValueError, match="rows"): decode_layer_plan(DecodeLayerShape(**{**base, "rows": 8}))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed (the CUDA compile check needs it)")
+@pytest.mark.parametrize("rows,kv_fp8", [(1, False), (4, True)])
+def test_cuda_source_compiles_without_spills(tmp_path, rows, kv_fp8):
+  """Qwen3-0.6B's layer as an H100 plans it, through nvcc (sm_90a): no errors, no spills within the 512 threads' 128
+  registers."""
+  shape = DecodeLayerShape("bfloat16", rows, 1024, 16, 8, 128, 3072, True, False, 1e-6, 16, 128, 1 << 16, kv_fp8, 132)
+  path = tmp_path / "layer.cu"
+  path.write_text(decode_layer_source(shape)[1])
+  run = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-o", str(tmp_path / "layer.cubin"),
+                        "-Xptxas", "-v", str(path)], capture_output=True, text=True, timeout=300)
+  out = run.stdout + run.stderr
+  assert run.returncode == 0 and "error" not in out.lower(), out
+  assert re.findall(r"(\d+) bytes spill stores", out) == ["0"], out

@@ -14,7 +14,7 @@ ALGORITHMS = {"decode": ("paged_decode.inc",), "decode_staged": ("tensor_core.in
               "prefill": ("paged_prefill.inc",), "kv_write": ("kv_write.inc",),
               "prefill_tc": ("tensor_core.inc", "paged_prefill_tc.inc"),
               "gemm_tc": ("tensor_core.inc", "wgmma.inc", "gemm_tc.inc", "gemm_xprime.inc"),
-              "decode_layer": ("tensor_core.inc", "decode_layer.inc")}
+              "decode_layer": ("tensor_core.inc", "decode_layer_ops.inc", "decode_layer_attend.inc", "decode_layer.inc")}
 
 
 def kernel_dir() -> Path:
