@@ -40,7 +40,7 @@ def main() -> None:
 
   from tinyvllm.device import select_device
   from tinyvllm.kernels.cases import layer_tensors, make_layer_case
-  from tinyvllm.kernels.decode_layer import run_decode_layer
+  from tinyvllm.kernels.decode_layer import layer_arguments, run_decode_layer
   from tinyvllm.kernels.fused import FusedBackend
   device = select_device(os.environ.get("DEV", "CUDA"))
   case = make_layer_case(np.random.default_rng(0), [300], **QWEN3, dtype="bfloat16")
@@ -54,12 +54,7 @@ def main() -> None:
     def step(h, cos, sin):
       sync, k, v = backend._sync_base, kc, vc
       for _ in range(LAYERS):
-        out = run_decode_layer(shape, {"h_in": h, "k_cache": k, "v_cache": v, "sync": sync, "input_norm": layer.input_norm,
-                                       "w_qkv": layer.qkv_proj, "w_o": layer.o_proj, "post_norm": layer.post_attention_norm,
-                                       "w_gu": layer.gate_up_proj, "w_down": layer.down_proj, "rope_cos": cos, "rope_sin": sin,
-                                       "slot_mapping": meta.slot_mapping, "block_tables": meta.block_tables,
-                                       "context_lens": meta.context_lens, "query_start": meta.query_start,
-                                       "q_norm": layer.q_norm, "k_norm": layer.k_norm})
+        out = run_decode_layer(shape, layer_arguments(layer, h, cos, sin, k, v, meta, sync))
         h, sync, k, v = out["h_out"].reshape(h.shape), out["sync"], out["k_cache"], out["v_cache"]
       return h.realize()
     return TinyJit(step)

@@ -12,11 +12,16 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tinygrad import Tensor, dtypes
 
 from tinyvllm.kernels.plan import CUDA_SHARED_OPT_IN, Launch, Param, cdiv, dtype_code
 from tinyvllm.kernels.sources import kernel_source
+
+if TYPE_CHECKING:
+  from tinyvllm.layers.attention import AttentionMetadata
+  from tinyvllm.model.llama import DecoderLayer
 
 MAX_ROWS = 4          # decode rows (sequences) it takes: x' of 4 rows of the widest input fits beside the weight slices
 MAX_GROUP = 4         # query heads per KV head (the attention phase holds G x 8 q values and accumulators a thread)
@@ -80,7 +85,7 @@ def _align(n: int) -> int: return cdiv(n, 16) * 16
 
 
 def shared_layout(shape: DecodeLayerShape) -> dict[str, int]:
-  """Bytes of the shared-memory regions (kernels/decode_layer.inc): A, B (weight slices), X (x'), S, Y."""
+  """Bytes of the shared-memory regions (kernels/decode_layer_ops.inc): A, B (weight slices), X (x'), S, Y."""
   s, r, nw = shape, _slices(shape), shape.threads // 32
   tile = _tiles(shape)[1]
   g, d = s.group, s.head_dim
@@ -150,6 +155,17 @@ def decode_layer_plan(shape: DecodeLayerShape) -> DecodeLayerPlan:
 def decode_layer_source(shape: DecodeLayerShape) -> tuple[DecodeLayerPlan, str]:
   plan = decode_layer_plan(shape)
   return plan, kernel_source("cuda", "decode_layer", plan.defines)
+
+
+def layer_arguments(layer: DecoderLayer, h: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                    meta: AttentionMetadata, sync: Tensor) -> dict[str, Tensor]:
+  """The kernel's inputs and written buffers by parameter name (the scratch ones are left to run_decode_layer)."""
+  named = {"h_in": h, "k_cache": k_cache, "v_cache": v_cache, "sync": sync, "input_norm": layer.input_norm,
+           "w_qkv": layer.qkv_proj, "w_o": layer.o_proj, "post_norm": layer.post_attention_norm, "w_gu": layer.gate_up_proj,
+           "w_down": layer.down_proj, "rope_cos": cos, "rope_sin": sin, "slot_mapping": meta.slot_mapping,
+           "block_tables": meta.block_tables, "context_lens": meta.context_lens, "query_start": meta.query_start,
+           "q_norm": layer.q_norm, "k_norm": layer.k_norm, "qkv_bias": layer.qkv_bias}
+  return {k: t if k in ("k_cache", "v_cache", "sync") else t.contiguous() for k, t in named.items() if t is not None}
 
 
 def run_decode_layer(shape: DecodeLayerShape, tensors: dict[str, Tensor]) -> dict[str, Tensor]:

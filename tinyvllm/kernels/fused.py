@@ -15,7 +15,7 @@ from collections import Counter
 from tinygrad import Tensor, dtypes
 
 from tinyvllm.kernels.decode_layer import MAX_ROWS as LAYER_MAX_ROWS
-from tinyvllm.kernels.decode_layer import DecodeLayerShape, run_decode_layer
+from tinyvllm.kernels.decode_layer import DecodeLayerShape, layer_arguments, run_decode_layer
 from tinyvllm.kernels.decode_layer import unsupported_reason as layer_unsupported_reason
 from tinyvllm.kernels.linear import fused_linear
 from tinyvllm.kernels.plan import (
@@ -120,13 +120,7 @@ class FusedBackend:
     if shape is None: return None
     self.calls["decode-layer"] += 1
     if self._sync_step is not meta: self._sync, self._sync_step = self._sync_base, meta   # a new step's first layer
-    named = {"h_in": h, "k_cache": k_cache, "v_cache": v_cache, "sync": self._sync, "input_norm": layer.input_norm,
-             "w_qkv": layer.qkv_proj, "w_o": layer.o_proj, "post_norm": layer.post_attention_norm, "w_gu": layer.gate_up_proj,
-             "w_down": layer.down_proj, "rope_cos": cos, "rope_sin": sin, "slot_mapping": meta.slot_mapping,
-             "block_tables": meta.block_tables, "context_lens": meta.context_lens, "query_start": meta.query_start}
-    named.update({k: t for k, t in (("q_norm", layer.q_norm), ("k_norm", layer.k_norm), ("qkv_bias", layer.qkv_bias))
-                  if t is not None})
-    out = run_decode_layer(shape, {k: t if k in ("k_cache", "v_cache", "sync") else t.contiguous() for k, t in named.items()})
+    out = run_decode_layer(shape, layer_arguments(layer, h, cos, sin, k_cache, v_cache, meta, self._sync))
     self._sync = out["sync"]
     return out["h_out"].reshape(h.shape), out["k_cache"], out["v_cache"]
 
