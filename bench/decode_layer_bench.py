@@ -1,6 +1,7 @@
-"""Where the persistent decode-layer kernel's time goes: 28 chained launches (Qwen3-0.6B's layer, batch 1, 300 tokens of
-context) under TinyJit, replayed and timed, with phases left out (TV_PHASES) or the grid barriers removed
-(TV_GRID_SYNCS=0; results then wrong, timing only); and the same 28 layers op by op on the per-op kernels.
+"""Where the persistent decode-layer kernel's time goes: Qwen3-0.6B's 28 layers (distinct random weights, batch 1, 300
+tokens of context) in one launch under TinyJit, replayed and timed, with phases left out (TV_PHASES) or the grid
+barriers removed (TV_GRID_SYNCS=0; results then wrong, timing only); and the same 28 layers op by op on the per-op
+kernels.
 
   DEV=CUDA python3 bench/decode_layer_bench.py      (bash bench/run_on_device.sh layer_bench)
 Writes $OUT/decode_layer_bench.json.
@@ -33,6 +34,24 @@ def timed(fn, *args) -> float:
   return (time.perf_counter() - t) / ITERS
 
 
+def device_layers(device: str, count: int):
+  """`count` Qwen3-0.6B layers of random bf16 weights made on the device (distinct, so the weights stream from HBM
+  as in the engine, not from L2) and a bf16 cache each."""
+  from tinygrad import Tensor, dtypes
+
+  from tinyvllm.model.llama import DecoderLayer
+  d = QWEN3
+  qkv, hd = (d["heads"] + 2 * d["kv_heads"]) * d["head_dim"], d["heads"] * d["head_dim"]
+  w = lambda *shape: (Tensor.randn(*shape, device=device) * shape[-1] ** -0.5).cast(dtypes.bfloat16).contiguous().realize()
+  norm = lambda n: (1 + 0.1 * Tensor.randn(n, device=device)).cast(dtypes.bfloat16).contiguous().realize()
+  layers = [DecoderLayer(norm(d["hidden"]), w(qkv, d["hidden"]), None, norm(d["head_dim"]), norm(d["head_dim"]),
+                         w(d["hidden"], hd), None, norm(d["hidden"]), w(2 * d["intermediate"], d["hidden"]), None,
+                         w(d["hidden"], d["intermediate"]), None) for _ in range(count)]
+  caches = [tuple(Tensor.randn(4096 * 16, d["kv_heads"] * d["head_dim"], device=device).cast(dtypes.bfloat16).contiguous().realize()
+                  for _ in range(2)) for _ in range(count)]
+  return layers, caches
+
+
 def main() -> None:
   from dataclasses import replace
 
@@ -45,18 +64,16 @@ def main() -> None:
   device = select_device(os.environ.get("DEV", "CUDA"))
   case = make_layer_case(np.random.default_rng(0), [300], **QWEN3, dtype="bfloat16")
   backend = FusedBackend("cuda", device)
-  backend.layer_rows = (1, backend.layer_rows[1])   # batch 1 (the engine's default starts at 2)
-  model, layer, (h, cos, sin, kc, vc, meta) = layer_tensors(case, device, "bfloat16")
-  base = backend._decode_layer_shape(layer, h, cos, kc, vc, meta, case.eps)
+  backend.layer_rows = (1, backend.layer_rows[1])   # batch 1 (the engine's default may start higher)
+  model, _, (h, cos, sin, _, meta) = layer_tensors(case, device, "bfloat16")
+  layers, caches = device_layers(device, LAYERS)
+  base = backend._decode_layer_shape(layers, h, cos, *caches[0], meta, case.eps)
   results = {}
 
   def chain(shape):
     def step(h, cos, sin):
-      sync, k, v = backend._sync_base, kc, vc
-      for _ in range(LAYERS):
-        out = run_decode_layer(shape, layer_arguments(layer, h, cos, sin, k, v, meta, sync))
-        h, sync, k, v = out["h_out"].reshape(h.shape), out["sync"], out["k_cache"], out["v_cache"]
-      return h.realize()
+      out = run_decode_layer(shape, layer_arguments(layers, h, cos, sin, caches, meta, backend._sync_base))
+      return out["h_out"].realize()
     return TinyJit(step)
 
   for name, extra in VARIANTS.items():
@@ -67,9 +84,7 @@ def main() -> None:
 
   @TinyJit
   def per_op(h, cos, sin):
-    k, v = kc, vc
-    for _ in range(LAYERS): h, k, v = model.decoder_layer(layer, h, cos, sin, k, v, meta)
-    return h.realize()
+    return model.decoder_layers(h, cos, sin, caches, meta, layers)[0].realize()
   us = timed(per_op, h, cos, sin) * 1e6
   results["per-op kernels"] = us
   print(f"{'per-op kernels':>28}: {us:8.1f} us for {LAYERS} layers ({us / LAYERS:6.2f} us a layer)", flush=True)

@@ -80,7 +80,7 @@ class LLMEngine:
     self.model = load_model(mc, located.folder, config.load_format, self.dtype, self.device, self.max_model_len, config.seed)
     backend = self.attention_backend
     self.model.attention_fn, self.model.write_kv_fn, self.model.linear_fn = backend.attention, backend.write_kv, backend.linear
-    self.model.qkv_rope_write_fn, self.model.decode_layer_fn = backend.qkv_rope_write, backend.decode_layer
+    self.model.qkv_rope_write_fn, self.model.decode_layers_fn = backend.qkv_rope_write, backend.decode_layers
     self.allocator = self._allocator()
     self.kv_cache = KVCache(mc, self.allocator.num_blocks, self.allocator.block_size, self.kv_dtype, self.device)
     sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens or 0, config.enable_chunked_prefill,

@@ -41,9 +41,9 @@ class AttentionBackend(Protocol):
     rng as the int32 bits of the step's packed input)."""
     ...
 
-  # a small decode step's whole layer in one kernel ((layer, h, cos, sin, k_cache, v_cache, metadata, eps) -> (h, k_cache,
-  # v_cache), or None where it does not take the step; see model/llama.py's DecodeLayerFn); None: the backend has none
-  decode_layer: Callable[..., tuple[Tensor, Tensor, Tensor] | None] | None
+  # a small decode step's layers in persistent kernels ((layers, h, cos, sin, kv_caches, metadata, eps) -> (h, kv_caches),
+  # or None where it does not take the step; see model/llama.py's DecodeLayersFn); None: the backend has none
+  decode_layers: Callable[..., tuple[Tensor, list[tuple[Tensor, Tensor]]] | None] | None
 
   def describe(self) -> str:
     """One line for the start-up log."""

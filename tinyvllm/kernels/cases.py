@@ -203,11 +203,14 @@ def portable_linear_reference(a: dict[str, np.ndarray], shape) -> np.ndarray:
 
 @dataclass
 class LayerCase:
-  """One decoder layer's inputs for a decode step (one new token per sequence): weights and activations rounded to
-  `dtype`, RoPE tables of the tokens' positions, the paged cache and metadata of `paged`."""
+  """Decoder layers' inputs for a decode step (one new token per sequence): weights and activations rounded to `dtype`,
+  RoPE tables of the tokens' positions, the paged metadata of `paged` and each layer's own caches (layer 0's are
+  `paged`'s)."""
   paged: PagedCase
   dims: dict[str, int | bool]   # hidden, intermediate, heads, kv_heads, head_dim, qk_norm, qkv_bias
-  weights: dict[str, np.ndarray]   # h_in, input_norm, w_qkv, w_o, post_norm, w_gu, w_down (+ q_norm, k_norm, qkv_bias)
+  h_in: np.ndarray              # [N, hidden]
+  weights: list[dict[str, np.ndarray]]   # per layer: input_norm, w_qkv, w_o, post_norm, w_gu, w_down (+ q_norm, k_norm, qkv_bias)
+  caches: list[tuple[np.ndarray, np.ndarray]]   # per layer: k_cache, v_cache [slots, KVH * D] (representable in kv_dtype)
   cos: np.ndarray               # [N, head_dim / 2] float32
   sin: np.ndarray
   dtype: str
@@ -219,47 +222,57 @@ class LayerCase:
 
 def make_layer_case(rng: np.random.Generator, contexts: list[int], *, hidden: int, intermediate: int, heads: int, kv_heads: int,
                     head_dim: int, qk_norm: bool, qkv_bias: bool, dtype: str = "bfloat16", kv_fp8: bool = False,
-                    block_size: int = 16, theta: float = 10000.0) -> LayerCase:
+                    block_size: int = 16, theta: float = 10000.0, layers: int = 1) -> LayerCase:
   paged = make_case(rng, [(c, 1) for c in contexts], heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
                     dtype=dtype, kv_fp8=kv_fp8)
   n, qkv_width = len(paged.arrays["slot_mapping"]), (heads + 2 * kv_heads) * head_dim
-  r = lambda *shape, scale=1.0, offset=0.0: round_to(offset + rng.standard_normal(shape).astype(np.float32) * scale, dtype)
-  w = {"h_in": r(n, hidden), "input_norm": r(hidden, scale=0.3, offset=1), "w_qkv": r(qkv_width, hidden, scale=hidden ** -0.5),
-       "w_o": r(hidden, heads * head_dim, scale=(heads * head_dim) ** -0.5), "post_norm": r(hidden, scale=0.3, offset=1),
-       "w_gu": r(2 * intermediate, hidden, scale=hidden ** -0.5), "w_down": r(hidden, intermediate, scale=intermediate ** -0.5)}
-  if qk_norm: w.update(q_norm=r(head_dim, scale=0.3, offset=1), k_norm=r(head_dim, scale=0.3, offset=1))
-  if qkv_bias: w["qkv_bias"] = r(qkv_width, scale=0.3)
+  r = lambda *shape, scale=1.0, offset=0.0, to=dtype: round_to(offset + rng.standard_normal(shape).astype(np.float32) * scale, to)
+
+  def layer_weights() -> dict[str, np.ndarray]:
+    w = {"input_norm": r(hidden, scale=0.3, offset=1), "w_qkv": r(qkv_width, hidden, scale=hidden ** -0.5),
+         "w_o": r(hidden, heads * head_dim, scale=(heads * head_dim) ** -0.5), "post_norm": r(hidden, scale=0.3, offset=1),
+         "w_gu": r(2 * intermediate, hidden, scale=hidden ** -0.5), "w_down": r(hidden, intermediate, scale=intermediate ** -0.5)}
+    if qk_norm: w.update(q_norm=r(head_dim, scale=0.3, offset=1), k_norm=r(head_dim, scale=0.3, offset=1))
+    if qkv_bias: w["qkv_bias"] = r(qkv_width, scale=0.3)
+    return w
+  caches = [(paged.k_cache, paged.v_cache)] + [(r(*paged.k_cache.shape, to=paged.kv_dtype), r(*paged.v_cache.shape, to=paged.kv_dtype))
+                                               for _ in range(layers - 1)]
   angles = paged.arrays["positions"][:, None].astype(np.float64) * theta ** (-np.arange(0, head_dim, 2) / head_dim)
   dims = dict(hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads, head_dim=head_dim, qk_norm=qk_norm,
               qkv_bias=qkv_bias)
-  return LayerCase(paged, dims, w, np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32), dtype)
+  return LayerCase(paged, dims, r(n, hidden), [layer_weights() for _ in range(layers)], caches,
+                   np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32), dtype)
 
 
 def layer_tensors(case: LayerCase, device: str | None = None, dtype: str = "float32"):
-  """(model, layer, inputs) for TransformerLM.decoder_layer: the weights in `dtype` on `device`, the caches as the engine
-  keeps them (the activations' dtype, or FP8 codes), h_in, cos, sin and the metadata."""
+  """(model, layers, inputs) for TransformerLM.decoder_layers: the weights in `dtype` on `device`, the caches as the
+  engine keeps them (the activations' dtype, or FP8 codes), h_in, cos, sin, the caches [(k, v) a layer], the metadata."""
   from tinygrad import Tensor, dtypes
 
   from tinyvllm.config import ModelConfig
   from tinyvllm.model.llama import DecoderLayer, TransformerLM
   tdtype = {"float32": dtypes.float32, "float16": dtypes.float16, "bfloat16": dtypes.bfloat16}[dtype]
-  d, w = case.dims, {k: Tensor(np.ascontiguousarray(v), device=device).cast(tdtype).contiguous().realize() for k, v in case.weights.items()}
-  config = ModelConfig("Qwen3ForCausalLM", d["hidden"], d["intermediate"], 1, d["heads"], d["kv_heads"], d["head_dim"], 8, 1 << 16,
-                       case.eps, 10000.0, False, qkv_bias=d["qkv_bias"], qk_norm=d["qk_norm"])
-  layer = DecoderLayer(w["input_norm"], w["w_qkv"], w.get("qkv_bias"), w.get("q_norm"), w.get("k_norm"), w["w_o"], None,
-                       w["post_norm"], w["w_gu"], None, w["w_down"], None)
+  put = lambda v: Tensor(np.ascontiguousarray(v), device=device).cast(tdtype).contiguous().realize()
+  layers = []
+  for weights in case.weights:
+    w = {k: put(v) for k, v in weights.items()}
+    layers.append(DecoderLayer(w["input_norm"], w["w_qkv"], w.get("qkv_bias"), w.get("q_norm"), w.get("k_norm"), w["w_o"], None,
+                               w["post_norm"], w["w_gu"], None, w["w_down"], None))
+  d = case.dims
+  config = ModelConfig("Qwen3ForCausalLM", d["hidden"], d["intermediate"], len(layers), d["heads"], d["kv_heads"], d["head_dim"],
+                       8, 1 << 16, case.eps, 10000.0, False, qkv_bias=d["qkv_bias"], qk_norm=d["qk_norm"])
   dummy = Tensor.zeros(1, 1, device=device).contiguous()
-  model = TransformerLM(config, dummy, [layer], dummy, dummy, dummy, dummy)
+  model = TransformerLM(config, dummy, layers, dummy, dummy, dummy, dummy)
   fp8 = case.paged.shape.kv_fp8
-  caches = [Tensor(to_bits(c, FP8), device=device) if fp8 else Tensor(np.ascontiguousarray(c), device=device).cast(tdtype)
-            for c in (case.paged.k_cache, case.paged.v_cache)]
-  inputs = (w["h_in"], Tensor(case.cos, device=device), Tensor(case.sin, device=device),
-            *[c.contiguous().realize() for c in caches], metadata_tensors(case.paged, device))
-  return model, layer, inputs
+  cache = lambda c: (Tensor(to_bits(c, FP8), device=device) if fp8 else put(c)).contiguous().realize()
+  caches = [(cache(k), cache(v)) for k, v in case.caches]
+  inputs = (put(case.h_in), Tensor(case.cos, device=device), Tensor(case.sin, device=device), caches,
+            metadata_tensors(case.paged, device))
+  return model, layers, inputs
 
 
-def layer_outputs(case: LayerCase, h, k_cache, v_cache) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """A layer's results as float32 numpy: h of the real tokens, the caches (FP8 codes decoded)."""
+def layer_outputs(case: LayerCase, h, caches) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+  """The layers' results as float32 numpy: h of the real tokens, each layer's caches (FP8 codes decoded)."""
   from tinygrad import dtypes
   decode = (lambda t: from_bits(t.numpy(), FP8)) if case.paged.shape.kv_fp8 else (lambda t: t.cast(dtypes.float32).numpy())
-  return h.cast(dtypes.float32).numpy()[:case.paged.total_tokens], decode(k_cache), decode(v_cache)
+  return h.cast(dtypes.float32).numpy()[:case.paged.total_tokens], [(decode(k), decode(v)) for k, v in caches]

@@ -1,17 +1,19 @@
-"""A whole decoder layer of a small decode step in one persistent kernel (kernels/decode_layer.inc, CUDA only).
+"""The decoder layers of a small decode step in one persistent kernel (kernels/decode_layer.inc, CUDA only).
 
 At batch 1 a step of per-op kernels is ~7 dependent launches a layer, and each small kernel's launch, ramp-up and tail
-cost more than its bytes (docs/benchmarks.md, "Batch 1"). This kernel runs one block per SM through the layer's five
+cost more than its bytes (docs/benchmarks.md, "Batch 1"). This kernel runs one block per SM through every layer's five
 phases (qkv, attention, o, gate_up, down) with grid barriers between them, streaming each block's slice of the next
-phase's weights into shared memory one phase ahead. Every block must be resident at once (the barriers spin), so the
-grid is the GPU's SM count and a block takes the shared memory of a whole SM; shapes whose slices do not fit use the
-per-op kernels. Metal has no grid barrier with a forward-progress guarantee, so there the per-op kernels run.
+phase's weights into shared memory one phase ahead (the next layer's qkv slice during this layer's down phase). Every
+block must be resident at once (the barriers spin), so the grid is the GPU's SM count and a block takes the shared
+memory of a whole SM; shapes whose slices do not fit use the per-op kernels. A launch takes up to MAX_LAYERS layers
+(each layer's buffers are kernel arguments: CUDA's 4 KB of them bound the count). Metal has no grid barrier with a
+forward-progress guarantee, so there the per-op kernels run.
 """
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from tinygrad import Tensor, dtypes
@@ -24,9 +26,13 @@ if TYPE_CHECKING:
   from tinyvllm.model.llama import DecoderLayer
 
 MAX_ROWS = 4          # decode rows (sequences) it takes: x' of 4 rows of the widest input fits beside the weight slices
+MAX_LAYERS = 32       # layers a launch takes: (14 + 11 x 32) pointers stay inside CUDA's 4 KB of kernel arguments
 MAX_GROUP = 4         # query heads per KV head (the attention phase holds G x 8 q values and accumulators a thread)
 THREADS = 512
 TILE_KEYS = 128       # keys an attention tile covers at least
+
+
+LAYER_PARAMS = ("k_cache", "v_cache", "input_norm", "w_qkv", "w_o", "post_norm", "w_gu", "w_down")
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,12 @@ class DecodeLayerShape:
   blocks: int         # the grid: the GPU's SM count
   threads: int = THREADS   # a block's (smaller in the CPU emulator's tests)
   experiment: tuple[tuple[str, int], ...] = ()   # extra defines (TV_PHASES, TV_GRID_SYNCS: bench/decode_layer_bench.py)
+  layers: int = 1          # decoder layers a launch runs, one after the other
+
+  @property
+  def layer_params(self) -> tuple[str, ...]:
+    """Each layer's buffers, in the kernel's table order (kernels/decode_layer.inc's TV_P_* slots)."""
+    return (LAYER_PARAMS + (("q_norm", "k_norm") if self.qk_norm else ()) + (("qkv_bias",) if self.qkv_bias else ()))
 
   @property
   def group(self) -> int: return self.heads // self.kv_heads
@@ -95,7 +107,8 @@ def shared_layout(shape: DecodeLayerShape) -> dict[str, int]:
           "TV_B_BYTES": _align(2 * max(r["TV_R_O"] * s.heads * d, r["TV_R_DN"] * s.intermediate)),
           "TV_X_BYTES": _align(4 * s.rows * max(s.hidden, s.heads * d, s.intermediate)),
           "TV_S_BYTES": _align(4 * max(attention, s.rows * s.hidden // 8)),
-          "TV_Y_BYTES": _align(4 * (s.rows * red_rows + s.rows)), "TV_RED_ROWS": red_rows}
+          "TV_Y_BYTES": _align(4 * (s.rows * red_rows + s.rows)), "TV_T_BYTES": _align(8 * s.layers * len(s.layer_params)),
+          "TV_RED_ROWS": red_rows}
 
 
 def shared_bytes(shape: DecodeLayerShape) -> int:
@@ -107,6 +120,7 @@ def unsupported_reason(shape: DecodeLayerShape) -> str | None:
   s = shape
   if s.dtype not in ("float16", "bfloat16"): return f"dtype {s.dtype} (the layer kernel takes float16 and bfloat16)"
   if not 1 <= s.rows <= MAX_ROWS: return f"{s.rows} rows (the layer kernel takes 1 to {MAX_ROWS})"
+  if not 1 <= s.layers <= MAX_LAYERS: return f"{s.layers} layers in one launch (it takes 1 to {MAX_LAYERS})"
   if s.heads % s.kv_heads or s.group > MAX_GROUP: return f"{s.heads} query heads over {s.kv_heads} KV heads (group above {MAX_GROUP})"
   dv = s.head_dim // 8
   if s.head_dim % 8 or dv > 32 or dv & (dv - 1): return f"head_dim {s.head_dim} (8 times a power of two up to 32)"
@@ -115,6 +129,26 @@ def unsupported_reason(shape: DecodeLayerShape) -> str | None:
   if (need := shared_bytes(s)) > CUDA_SHARED_OPT_IN:
     return f"the layer's weight slices need {need} bytes of shared memory a block (an SM gives {CUDA_SHARED_OPT_IN})"
   return None
+
+
+def _layer_param(shape: DecodeLayerShape, name: str) -> Param:
+  s, hd = shape, shape.heads * shape.head_dim
+  numel = {"k_cache": s.num_slots * s.kv_heads * s.head_dim, "v_cache": s.num_slots * s.kv_heads * s.head_dim,
+           "input_norm": s.hidden, "w_qkv": s.qkv_width * s.hidden, "w_o": s.hidden * hd, "post_norm": s.hidden,
+           "w_gu": 2 * s.intermediate * s.hidden, "w_down": s.hidden * s.intermediate, "q_norm": s.head_dim,
+           "k_norm": s.head_dim, "qkv_bias": s.qkv_width}[name]
+  return Param(name, "kv" if name.endswith("cache") else "elem", name.endswith("cache"), numel)
+
+
+def _layer_defines(shape: DecodeLayerShape, first_index: int) -> dict[str, int | str]:
+  """The generated kernel text for the per-layer arguments (`name_l`, in table order) and the table's fill."""
+  names = [f"{name}_{li}" for li in range(shape.layers) for name in shape.layer_params]
+  args = "".join(f", {'TV_ARG' if p.written else 'TV_ARG_RO'}({'TV_KV_ELEM' if p.kind == 'kv' else 'TV_ELEM'}, {n}, {first_index + i})"
+                 for i, (n, p) in enumerate(zip(names, (_layer_param(shape, n.rsplit("_", 1)[0]) for n in names), strict=True)))
+  defines: dict[str, int | str] = {"TV_L": shape.layers, "TV_LP": len(shape.layer_params), "TV_LAYER_ARGS": args,
+                                   "TV_FILL_TABLE": " ".join(f"tv_tab[{i}] = (void*){n};" for i, n in enumerate(names))}
+  if shape.qkv_bias: defines["TV_P_QKV_BIAS"] = shape.layer_params.index("qkv_bias")
+  return defines
 
 
 def decode_layer_plan(shape: DecodeLayerShape) -> DecodeLayerPlan:
@@ -128,25 +162,19 @@ def decode_layer_plan(shape: DecodeLayerShape) -> DecodeLayerPlan:
     "TV_EPS": f"{s.eps!r}f", "TV_KV_FP8": int(s.kv_fp8), "TV_BS": s.block_size, "TV_MAXB": s.max_blocks,
     "TV_NSLOTS": s.num_slots, "TV_KPASS": kpass, "TV_TILE": tile, "TV_CHUNK": chunk, "TV_NSPLIT": splits,
     "TV_SCALE_LOG2": f"{(1.0 / math.sqrt(s.head_dim)) * math.log2(math.e)!r}f", **_slices(s), **layout, **dict(s.experiment)}
-  m, hd = s.rows, s.heads * s.head_dim
-  params = [Param("h_out", "elem", True, m * s.hidden), Param("k_cache", "kv", True, s.num_slots * s.kv_heads * s.head_dim),
-            Param("v_cache", "kv", True, s.num_slots * s.kv_heads * s.head_dim), Param("qkv", "elem", True, m * s.qkv_width),
+  if s.qk_norm: defines["TV_QK_NORM"] = 1
+  m = s.rows
+  params = [Param("h_out", "elem", True, m * s.hidden), Param("qkv", "elem", True, m * s.qkv_width),
             Param("part_o", "float", True, m * s.heads * splits * s.head_dim),
             Param("part_ml", "float", True, 2 * m * s.heads * splits), Param("h_mid", "elem", True, m * s.hidden),
             Param("gu", "elem", True, 2 * m * s.intermediate), Param("sync", "uint", True, 2),
-            Param("h_in", "elem", False, m * s.hidden), Param("input_norm", "elem", False, s.hidden),
-            Param("w_qkv", "elem", False, s.qkv_width * s.hidden), Param("w_o", "elem", False, s.hidden * hd),
-            Param("post_norm", "elem", False, s.hidden), Param("w_gu", "elem", False, 2 * s.intermediate * s.hidden),
-            Param("w_down", "elem", False, s.hidden * s.intermediate),
-            Param("rope_cos", "float", False, m * s.head_dim // 2), Param("rope_sin", "float", False, m * s.head_dim // 2),
-            Param("slot_mapping", "int", False, m), Param("block_tables", "int", False, m * s.max_blocks),
-            Param("context_lens", "int", False, m), Param("query_start", "int", False, m + 1)]
-  if s.qk_norm:
-    defines["TV_QK_NORM"] = len(params)
-    params += [Param("q_norm", "elem", False, s.head_dim), Param("k_norm", "elem", False, s.head_dim)]
-  if s.qkv_bias:
-    defines["TV_QKV_BIAS"] = len(params)
-    params.append(Param("qkv_bias", "elem", False, s.qkv_width))
+            Param("h_in", "elem", False, m * s.hidden), Param("rope_cos", "float", False, m * s.head_dim // 2),
+            Param("rope_sin", "float", False, m * s.head_dim // 2), Param("slot_mapping", "int", False, m),
+            Param("block_tables", "int", False, m * s.max_blocks), Param("context_lens", "int", False, m),
+            Param("query_start", "int", False, m + 1)]
+  defines.update(_layer_defines(s, len(params)))
+  for li in range(s.layers):
+    params += [replace(_layer_param(s, name), name=f"{name}_{li}") for name in s.layer_params]
   launch = Launch("tv_decode_layer", (s.blocks, 1, 1), s.threads, tuple(params), shared_bytes(s), cooperative=True)
   return DecodeLayerPlan(defines, launch)
 
@@ -157,15 +185,18 @@ def decode_layer_source(shape: DecodeLayerShape) -> tuple[DecodeLayerPlan, str]:
   return plan, kernel_source("cuda", "decode_layer", plan.defines)
 
 
-def layer_arguments(layer: DecoderLayer, h: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+def layer_arguments(layers: list[DecoderLayer], h: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
                     meta: AttentionMetadata, sync: Tensor) -> dict[str, Tensor]:
   """The kernel's inputs and written buffers by parameter name (the scratch ones are left to run_decode_layer)."""
-  named = {"h_in": h, "k_cache": k_cache, "v_cache": v_cache, "sync": sync, "input_norm": layer.input_norm,
-           "w_qkv": layer.qkv_proj, "w_o": layer.o_proj, "post_norm": layer.post_attention_norm, "w_gu": layer.gate_up_proj,
-           "w_down": layer.down_proj, "rope_cos": cos, "rope_sin": sin, "slot_mapping": meta.slot_mapping,
-           "block_tables": meta.block_tables, "context_lens": meta.context_lens, "query_start": meta.query_start,
-           "q_norm": layer.q_norm, "k_norm": layer.k_norm, "qkv_bias": layer.qkv_bias}
-  return {k: t if k in ("k_cache", "v_cache", "sync") else t.contiguous() for k, t in named.items() if t is not None}
+  named = {"h_in": h, "sync": sync, "rope_cos": cos, "rope_sin": sin, "slot_mapping": meta.slot_mapping,
+           "block_tables": meta.block_tables, "context_lens": meta.context_lens, "query_start": meta.query_start}
+  for li, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
+    named.update({f"k_cache_{li}": k_cache, f"v_cache_{li}": v_cache, f"input_norm_{li}": layer.input_norm,
+                  f"w_qkv_{li}": layer.qkv_proj, f"w_o_{li}": layer.o_proj, f"post_norm_{li}": layer.post_attention_norm,
+                  f"w_gu_{li}": layer.gate_up_proj, f"w_down_{li}": layer.down_proj, f"q_norm_{li}": layer.q_norm,
+                  f"k_norm_{li}": layer.k_norm, f"qkv_bias_{li}": layer.qkv_bias})
+  written = {"sync", *(f"{c}_cache_{li}" for li in range(len(layers)) for c in "kv")}
+  return {k: t if k in written else t.contiguous() for k, t in named.items() if t is not None}
 
 
 def run_decode_layer(shape: DecodeLayerShape, tensors: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -11,11 +11,12 @@ import functools
 import os
 import sys
 from collections import Counter
+from dataclasses import replace
 
 from tinygrad import Tensor, dtypes
 
+from tinyvllm.kernels.decode_layer import MAX_LAYERS, DecodeLayerShape, layer_arguments, run_decode_layer
 from tinyvllm.kernels.decode_layer import MAX_ROWS as LAYER_MAX_ROWS
-from tinyvllm.kernels.decode_layer import DecodeLayerShape, layer_arguments, run_decode_layer
 from tinyvllm.kernels.decode_layer import unsupported_reason as layer_unsupported_reason
 from tinyvllm.kernels.linear import fused_linear
 from tinyvllm.kernels.plan import (
@@ -70,6 +71,11 @@ def _write(dialect: str, dtype: str, row: int, num_tokens: int, num_slots: int, 
   return plan, kernel_source(dialect, "kv_write", plan.defines)
 
 
+def _layer_signature(layer: DecoderLayer) -> tuple:
+  """What the layer kernel is specialised on: each weight's shape and dtype (None for an absent one)."""
+  return tuple(None if t is None else (t.shape, t.dtype) for t in vars(layer).values())
+
+
 class FusedBackend:
   # The smallest context bucket L: the kernels read each context's own length, so L only sizes the block tables and the
   # decode split; a coarse one keeps the number of step layouts (captures) small for contexts up to 2,048.
@@ -88,11 +94,10 @@ class FusedBackend:
     self.calls: Counter[str] = Counter()     # which path each traced call took (decode, prefill, write, portable-*)
     self._reported: set[tuple[str, str]] = set()
     # the layer kernel's grid (0: no layer kernel here) and its barrier counters: zeros the kernel leaves zero, one
-    # buffer written by every layer of a step in turn (chained through each launch's result, restarted per step)
+    # buffer written by every launch of a step in turn (chained through each launch's result)
     self.layer_blocks = multiprocessor_count(device) if dialect == "cuda" and DECODE_LAYER else 0
     self.layer_rows = (DECODE_LAYER_MIN_ROWS, LAYER_MAX_ROWS)   # decode rows the layer kernel takes (checks widen it)
     self._sync_base = Tensor.zeros(2, dtype=dtypes.uint32, device=device).contiguous().realize() if self.layer_blocks else None
-    self._sync, self._sync_step = self._sync_base, None
 
   def describe(self) -> str:
     low, high = self.layer_rows
@@ -112,27 +117,33 @@ class FusedBackend:
     self.calls["sample" if takes(logits, variant, penalties) else "portable-sample"] += 1
     return fused_sample(self.name, logits, params_bits, rng_bits, variant, penalties)
 
-  def decode_layer(self, layer: DecoderLayer, h: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                   meta: AttentionMetadata, eps: float) -> tuple[Tensor, Tensor, Tensor] | None:
-    """A small decode step's whole layer in one persistent kernel (kernels/decode_layer.inc); None where it does not
-    take the step (the model then runs the layer op by op)."""
-    shape = self._decode_layer_shape(layer, h, cos, k_cache, v_cache, meta, eps)
+  def decode_layers(self, layers: list[DecoderLayer], h: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+                    meta: AttentionMetadata, eps: float) -> tuple[Tensor, list[tuple[Tensor, Tensor]]] | None:
+    """A small decode step's layers in persistent kernels (kernels/decode_layer.inc), up to MAX_LAYERS a launch; None
+    where they do not take the step (the model then runs each layer op by op)."""
+    k0, v0 = kv_caches[0]
+    shape = self._decode_layer_shape(layers, h, cos, k0, v0, meta, eps)
     if shape is None: return None
-    self.calls["decode-layer"] += 1
-    if self._sync_step is not meta: self._sync, self._sync_step = self._sync_base, meta   # a new step's first layer
-    out = run_decode_layer(shape, layer_arguments(layer, h, cos, sin, k_cache, v_cache, meta, self._sync))
-    self._sync = out["sync"]
-    return out["h_out"].reshape(h.shape), out["k_cache"], out["v_cache"]
+    self.calls["decode-layers"] += 1
+    sync, new_caches = self._sync_base, []
+    for first in range(0, len(layers), MAX_LAYERS):
+      chunk, caches = layers[first:first + MAX_LAYERS], kv_caches[first:first + MAX_LAYERS]
+      out = run_decode_layer(replace(shape, layers=len(chunk)), layer_arguments(chunk, h, cos, sin, caches, meta, sync))
+      h, sync = out["h_out"].reshape(h.shape), out["sync"]
+      new_caches += [(out[f"k_cache_{li}"], out[f"v_cache_{li}"]) for li in range(len(chunk))]
+    return h, new_caches
 
-  def _decode_layer_shape(self, layer: DecoderLayer, h: Tensor, cos: Tensor, k_cache: Tensor, v_cache: Tensor,
+  def _decode_layer_shape(self, layers: list[DecoderLayer], h: Tensor, cos: Tensor, k_cache: Tensor, v_cache: Tensor,
                           meta: AttentionMetadata, eps: float) -> DecodeLayerShape | None:
+    """The kernel's shape for this step (its first launch's number of layers), or None."""
     rows = h.shape[0]
     if (not self.layer_blocks or meta.query_index.shape[1] != 1 or rows != meta.block_tables.shape[0]
         or not self.layer_rows[0] <= rows <= self.layer_rows[1]):
       return None   # not a small decode step: the per-op kernels are the design there, nothing to report
-    head_dim, kv_fp8 = 2 * cos.shape[1], is_fp8(k_cache)
+    head_dim, kv_fp8, layer = 2 * cos.shape[1], is_fp8(k_cache), layers[0]
     dtype = DTYPE_NAMES.get(h.dtype)
     reason = next((r for bad, r in (
+      (any(_layer_signature(x) != _layer_signature(layer) for x in layers), "layers of different shapes"),
       (any(b is not None for b in (layer.o_bias, layer.gate_up_bias, layer.down_bias)), "o / MLP biases"),
       (dtype is None or layer.qkv_proj.dtype != h.dtype, f"activations {h.dtype.name}, weights {layer.qkv_proj.dtype.name}"),
       (v_cache.dtype != k_cache.dtype or (not kv_fp8 and k_cache.dtype != h.dtype), "cache dtype"),
@@ -143,7 +154,8 @@ class FusedBackend:
     if reason is None:
       shape = DecodeLayerShape(dtype, rows, h.shape[1], layer.o_proj.shape[1] // head_dim, k_cache.shape[1] // head_dim, head_dim,
                                layer.down_proj.shape[1], layer.q_norm is not None, layer.qkv_bias is not None, eps,
-                               meta.block_size, meta.block_tables.shape[1], k_cache.shape[0], kv_fp8, self.layer_blocks)
+                               meta.block_size, meta.block_tables.shape[1], k_cache.shape[0], kv_fp8, self.layer_blocks,
+                               layers=min(len(layers), MAX_LAYERS))
       reason = layer_unsupported_reason(shape)
     if reason is None: return shape
     if ("decode-layer", reason) not in self._reported:

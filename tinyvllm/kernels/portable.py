@@ -46,6 +46,6 @@ class PortableBackend:
     self.linear = portable_linear
     self.qkv_rope_write = qkv_rope_write
     self.sample = sample_packed
-    self.decode_layer = None    # no whole-layer kernel: the model runs each layer op by op
+    self.decode_layers = None    # no persistent layer kernel: the model runs each layer op by op
 
   def describe(self) -> str: return "portable (tinygrad ops)" + (f": {self.reason}" if self.reason else "")

@@ -43,10 +43,11 @@ class DecoderLayer:
   down_bias: Tensor | None
 
 
-# A whole decode layer in one kernel: (layer, h, cos, sin, k_cache, v_cache, metadata, eps) -> (h, k_cache, v_cache), or
-# None for a step or shape it does not take.
-DecodeLayerFn = Callable[[DecoderLayer, Tensor, Tensor, Tensor, Tensor, Tensor, AttentionMetadata, float],
-                         tuple[Tensor, Tensor, Tensor] | None]
+KVCaches = list[tuple[Tensor, Tensor]]
+# Every decoder layer of a decode step in persistent kernels: (layers, h, cos, sin, kv_caches, metadata, eps) -> (h,
+# kv_caches after the step's writes), or None for a step or shape it does not take.
+DecodeLayersFn = Callable[[list[DecoderLayer], Tensor, Tensor, Tensor, KVCaches, AttentionMetadata, float],
+                          tuple[Tensor, KVCaches] | None]
 
 
 @dataclass
@@ -68,8 +69,8 @@ class TransformerLM:
     self.linear_fn: LinearFn = portable_linear
     # default: the portable ops, writing K/V with whatever write_kv_fn is set (a backend replaces the whole step)
     self.qkv_rope_write_fn: QkvRopeWriteFn = self._qkv_rope_write_ops
-    # a whole layer in one kernel, where the backend has one for the step (None from it: the per-op layer runs)
-    self.decode_layer_fn: DecodeLayerFn | None = None
+    # all layers in persistent kernels, where the backend has them for the step (None from it: each layer op by op)
+    self.decode_layers_fn: DecodeLayersFn | None = None
 
   @property
   def dtype(self): return self.embed_tokens.dtype
@@ -82,18 +83,25 @@ class TransformerLM:
     for layer in self.layers: tensors += [t for t in vars(layer).values() if t is not None]
     return tensors
 
-  def __call__(self, inputs: StepInputs, kv_caches: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+  def __call__(self, inputs: StepInputs, kv_caches: KVCaches) -> tuple[Tensor, KVCaches]:
     """Returns float32 logits [S, vocab] and the KV caches after this step's writes."""
     eps = self.config.rms_norm_eps
     h = gather_rows(self.embed_tokens, inputs.token_ids)
     cos, sin = gather_rows(self.rope_cos, inputs.positions), gather_rows(self.rope_sin, inputs.positions)
-    new_caches = []
-    for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-      fused = self.decode_layer_fn(layer, h, cos, sin, k_cache, v_cache, inputs.attention, eps) if self.decode_layer_fn else None
-      h, k_cache, v_cache = fused or self.decoder_layer(layer, h, cos, sin, k_cache, v_cache, inputs.attention)
-      new_caches.append((k_cache, v_cache))
+    fused = self.decode_layers_fn(self.layers, h, cos, sin, kv_caches, inputs.attention, eps) if self.decode_layers_fn else None
+    if fused is not None: h, new_caches = fused
+    else: h, new_caches = self.decoder_layers(h, cos, sin, kv_caches, inputs.attention)
     last = gather_rows(h, inputs.logits_index)
     return self.linear_fn(last, self.lm_head, norm=self.norm, eps=eps, out_float32=True), new_caches
+
+  def decoder_layers(self, h: Tensor, cos: Tensor, sin: Tensor, kv_caches: KVCaches, meta: AttentionMetadata,
+                     layers: list[DecoderLayer] | None = None) -> tuple[Tensor, KVCaches]:
+    """The layers (default: all) op by op: the hidden states after them and the caches after their KV writes."""
+    new_caches = []
+    for layer, (k_cache, v_cache) in zip(self.layers if layers is None else layers, kv_caches, strict=True):
+      h, k_cache, v_cache = self.decoder_layer(layer, h, cos, sin, k_cache, v_cache, meta)
+      new_caches.append((k_cache, v_cache))
+    return h, new_caches
 
   def decoder_layer(self, layer: DecoderLayer, h: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
                     meta: AttentionMetadata) -> tuple[Tensor, Tensor, Tensor]:
