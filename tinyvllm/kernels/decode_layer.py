@@ -107,7 +107,7 @@ def shared_layout(shape: DecodeLayerShape) -> dict[str, int]:
           "TV_B_BYTES": _align(2 * max(r["TV_R_O"] * s.heads * d, r["TV_R_DN"] * s.intermediate)),
           "TV_X_BYTES": _align(4 * s.rows * max(s.hidden, s.heads * d, s.intermediate)),
           "TV_S_BYTES": _align(4 * max(attention, s.rows * s.hidden // 8)),
-          "TV_Y_BYTES": _align(4 * (s.rows * red_rows + s.rows)), "TV_T_BYTES": _align(8 * s.layers * len(s.layer_params)),
+          "TV_Y_BYTES": _align(4 * (s.rows * red_rows + s.rows)), "TV_T_BYTES": _align(16 + 8 * s.layers * len(s.layer_params)),
           "TV_RED_ROWS": red_rows}
 
 
