@@ -153,25 +153,26 @@ def test_cuda_source_compiles_without_spills(tmp_path, rows, kv_fp8):
 
 
 def test_backend_takes_only_small_decode_steps_it_supports():
-  """FusedBackend's choice, on CPU tensors with a pretend 132-SM grid: 4-row decode steps of a supported layer get a
-  shape (the H100 plan), 1-row steps and prompt steps do not (the per-op kernels run them), and a layer the kernel
-  cannot take is refused with one log line naming the reason."""
-  from tinyvllm.kernels.fused import DECODE_LAYER_MIN_ROWS, FusedBackend
+  """FusedBackend's choice, on CPU tensors with a pretend 132-SM grid: decode steps of 1-4 rows of a supported model get
+  a shape (the H100 plan, every layer in one launch), 8-row steps do not (the per-op kernels run them), and a model the
+  kernel cannot take is refused with one log line naming the reason."""
+  from tinyvllm.kernels.fused import FusedBackend
   messages: list[str] = []
   backend = FusedBackend("cuda", "CPU", log=messages.append)
   backend.layer_blocks = 132
   qwen3 = dict(hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=128, qk_norm=True, qkv_bias=False)
 
-  def shape_for(contexts: list[int], **change):
-    case = make_layer_case(np.random.default_rng(0), contexts, **{**qwen3, **change}, dtype="float16")   # (no CPU bf16 here)
-    _, layers, (h, cos, _, caches, meta) = layer_tensors(case, dtype="float16")
-    return backend._decode_layer_shape(layers, h, cos, *caches[0], meta, case.eps)
+  def shape_for(contexts: list[int], layers: int = 2, **change):
+    case = make_layer_case(np.random.default_rng(0), contexts, **{**qwen3, **change}, dtype="float16", layers=layers)   # (no CPU bf16)
+    _, stack, (h, cos, _, caches, meta) = layer_tensors(case, dtype="float16")
+    return backend._decode_layer_shape(stack, h, cos, *caches[0], meta, case.eps)
 
   shape = shape_for([5, 900, 17, 40])
-  assert DECODE_LAYER_MIN_ROWS == 4 and shape is not None
+  assert shape is not None
   assert (shape.dtype, shape.rows, shape.blocks, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate,
-          shape.qk_norm) == ("float16", 4, 132, 16, 8, 128, 3072, True)
+          shape.qk_norm, shape.layers) == ("float16", 4, 132, 16, 8, 128, 3072, True, 2)
   assert unsupported_reason(shape) is None and not messages
-  assert shape_for([300]) is None and not messages   # batch 1: per-op kernels, by design (nothing to report)
+  assert shape_for([300], layers=1).rows == 1   # batch 1 too
+  assert shape_for([300] * 8, layers=1) is None and not messages   # 8 rows: per-op kernels, by design (nothing to report)
   assert shape_for([5, 900, 17, 40], heads=64, kv_heads=8) is None   # G 8
   assert len(messages) == 1 and "group above 4" in messages[0] and "per-op kernels" in messages[0]

@@ -41,10 +41,9 @@ from tinyvllm.model.llama import DecoderLayer
 
 # TINYVLLM_DECODE_LAYER=0 turns the persistent layer kernel off (decode steps then run the per-op kernels)
 DECODE_LAYER = os.environ.get("TINYVLLM_DECODE_LAYER", "1") != "0"
-# the fewest rows it takes (decode rows come in powers of two): on an H100 it gains 44% at batch 4 (1.80 against 2.59 ms
-# a step), is level at batch 2 (1.43 against 1.44) and not better at batch 1, where back-to-back runs of either path
-# spread over 771-840 tok/s at 128 tokens of context and it was slower at 2,048 (docs/benchmarks.md, session 8)
-DECODE_LAYER_MIN_ROWS = 4
+# the fewest rows it takes (decode rows come in powers of two): with every layer in one launch and the weights streamed
+# by bulk copies it is faster at batch 1 too (965 against 825 tok/s on an H100; docs/benchmarks.md, session 9)
+DECODE_LAYER_MIN_ROWS = 1
 
 DTYPE_NAMES = {dtypes.float32: "float32", dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}
 
