@@ -71,6 +71,6 @@ def step_engine_fp8(device: str, dialect: str) -> dict:
   record = {"name": "engine_fp8_qwen3_dummy", "ok": not problems, "tokens_matched": matched, "calls": calls,
             "problems": problems}
   assert not problems, "; ".join(problems)
-  decodes = sum(calls.get(k, 0) for k in ("decode", "decode-split", "decode-layer"))   # per-op or whole-layer kernels
+  decodes = sum(calls.get(k, 0) for k in ("decode", "decode-split", "decode-layers"))   # per-op or layer kernels
   assert calls.get("qkv-rope", 0) > 0 and decodes > 0, calls
   return record
