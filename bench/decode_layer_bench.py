@@ -91,9 +91,37 @@ def main() -> None:
   def per_op(h, cos, sin):
     return model.decoder_layers(h, cos, sin, caches, meta, layers)[0].realize()
   record("per-op kernels", timed(per_op, h, cos, sin) * 1e6)
+  timeline(replace(base, experiment=(("TV_TIMING", 1),)), layers, caches, h, cos, sin, meta, backend._sync_base, out)
   # the full kernel again at the end: drift between the first and last rows says how far apart rows can be trusted
   for name, extra in [*VARIANTS.items(), ("full (again)", ())]:
     record(name, timed(chain(replace(base, experiment=extra)), h, cos, sin) * 1e6)
+
+
+SEGMENTS = ["norm", "qkv wait", "qkv gemv", "sync 1", "attention", "sync 2", "merge", "o wait", "o gemv", "sync 3", "norm 2",
+            "gu wait", "gu gemv", "sync 4", "swiglu", "down wait", "down gemv", "sync 5 + next"]
+
+
+def timeline(shape, layers, caches, h, cos, sin, meta, sync, out: Path) -> None:
+  """The TV_TIMING experiment: each block's SM clock at 18 points of every layer; the mean cycles of each segment (layers
+  1 .. L-2, so no launch edges) for block 0 and over all blocks, and the segments' share of a layer."""
+  from tinygrad import Device
+
+  from tinyvllm.kernels.decode_layer import TIMING_STAMPS, layer_arguments, run_decode_layer
+  for _ in range(3):
+    stamps = run_decode_layer(shape, layer_arguments(layers, h, cos, sin, caches, meta, sync))["timing"].numpy()
+  Device[h.device].synchronize()
+  t = stamps.astype(np.int64).reshape(shape.blocks, shape.layers, TIMING_STAMPS)
+  nxt = np.concatenate([t[:, 1:, :1], t[:, -1:, -1:]], axis=1)   # each layer's end: the next layer's first stamp
+  seg = np.diff(np.concatenate([t, nxt], axis=2), axis=2) % (1 << 32)
+  mid = seg[:, 1:-1]
+  rows = {name: {"block0": float(mid[0, :, i].mean()), "all_blocks": float(mid[:, :, i].mean()),
+                 "max_block": float(mid[:, :, i].mean(1).max())} for i, name in enumerate(SEGMENTS)}
+  layer = float(mid[0].sum(1).mean())
+  print(f"timeline: {layer:.0f} cycles a layer (block 0)", flush=True)
+  for name, r in rows.items():
+    print(f"  {name:>14}: block 0 {r['block0']:7.0f} cycles ({100 * r['block0'] / layer:4.1f}%), mean over blocks "
+          f"{r['all_blocks']:7.0f}, slowest block {r['max_block']:7.0f}", flush=True)
+  (out / "decode_layer_timeline.json").write_text(json.dumps({"cycles_per_layer_block0": layer, "segments": rows}, indent=1))
 
 
 if __name__ == "__main__":

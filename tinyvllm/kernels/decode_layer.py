@@ -30,6 +30,7 @@ MAX_LAYERS = 32       # layers a launch takes: (14 + 11 x 32) pointers stay insi
 MAX_GROUP = 4         # query heads per KV head (the attention phase holds G x 8 q values and accumulators a thread)
 THREADS = 512
 TILE_KEYS = 128       # keys an attention tile covers at least
+TIMING_STAMPS = 18    # clock stamps a layer records under the TV_TIMING experiment (kernels/decode_layer.inc)
 
 
 LAYER_PARAMS = ("k_cache", "v_cache", "input_norm", "w_qkv", "w_o", "post_norm", "w_gu", "w_down")
@@ -175,6 +176,9 @@ def decode_layer_plan(shape: DecodeLayerShape) -> DecodeLayerPlan:
   defines.update(_layer_defines(s, len(params)))
   for li in range(s.layers):
     params += [replace(_layer_param(s, name), name=f"{name}_{li}") for name in s.layer_params]
+  if "TV_TIMING" in defines:   # the timing experiment's clock stamps (kernels/decode_layer.inc)
+    defines["TV_LAYER_ARGS"] = f"{defines['TV_LAYER_ARGS']}, TV_ARG(uint, timing, {len(params)})"
+    params.append(Param("timing", "uint", True, s.blocks * s.layers * TIMING_STAMPS))
   launch = Launch("tv_decode_layer", (s.blocks, 1, 1), s.threads, tuple(params), shared_bytes(s), cooperative=True)
   return DecodeLayerPlan(defines, launch)
 
@@ -204,7 +208,7 @@ def run_decode_layer(shape: DecodeLayerShape, tensors: dict[str, Tensor]) -> dic
   from tinyvllm.kernels.tinygrad_program import run_kernel
   plan, source = decode_layer_source(shape)
   device = tensors["h_in"].device
-  kinds = {"float": dtypes.float32, "elem": tensors["h_in"].dtype}
+  kinds = {"float": dtypes.float32, "uint": dtypes.uint32, "elem": tensors["h_in"].dtype}
   args = [tensors[p.name] if p.name in tensors else Tensor.empty(p.numel, dtype=kinds[p.kind], device=device)
           for p in plan.launch.params]
   return dict(zip((p.name for p in plan.launch.params), run_kernel(plan.launch, source, args), strict=True))
