@@ -127,7 +127,6 @@ def unsupported_reason(shape: DecodeLayerShape) -> str | None:
   if s.head_dim % 8 or dv > 32 or dv & (dv - 1): return f"head_dim {s.head_dim} (8 times a power of two up to 32)"
   if s.hidden % 8 or s.intermediate % 8: return f"hidden {s.hidden} / intermediate {s.intermediate} not multiples of 8"
   if s.blocks < 1: return "no multiprocessors"
-  if (stored := s.rows * cdiv(s.hidden, s.blocks)) > s.threads: return f"{stored} o / down outputs a block (above {s.threads} threads)"
   if (need := shared_bytes(s)) > CUDA_SHARED_OPT_IN:
     return f"the layer's weight slices need {need} bytes of shared memory a block (an SM gives {CUDA_SHARED_OPT_IN})"
   return None
