@@ -29,7 +29,7 @@ MODELS = {
   "qwen3": dict(hidden=48, intermediate=80, heads=4, kv_heads=2, head_dim=16, qk_norm=True, qkv_bias=False),
   "qwen2": dict(hidden=64, intermediate=96, heads=8, kv_heads=2, head_dim=8, qk_norm=False, qkv_bias=True),
 }
-# name: (model, decode contexts, kv_fp8, dtype, blocks, threads, layers)
+# name: (model, decode contexts, kv_fp8, dtype, blocks, threads, layers[, experiment defines])
 CASES = {
   "qwen3_b1_splits": ("qwen3", [300], False, "bfloat16", 9, 64, 1),   # 3 of 4 splits see keys: the merge
   "qwen3_b3_fp8": ("qwen3", [5, 70, 1], True, "bfloat16", 9, 64, 1),
@@ -37,16 +37,18 @@ CASES = {
   # several layers in one launch: h through h_out, the next layer's slices prefetched during the down phase
   "qwen3_3_layers": ("qwen3", [300, 40], False, "bfloat16", 9, 64, 3),
   "qwen2_2_layers_fp8": ("qwen2", [33], True, "float16", 5, 128, 2),
+  # block tables read from global memory (as for long contexts, whose tables do not fit the shared-memory copy)
+  "qwen3_global_tables": ("qwen3", [300, 7], False, "bfloat16", 9, 64, 2, (("TV_CACHE_TABLES", 0),)),
 }
 
 
 def make(name: str) -> tuple[LayerCase, DecodeLayerShape]:
-  model, contexts, kv_fp8, dtype, blocks, threads, layers = CASES[name]
+  model, contexts, kv_fp8, dtype, blocks, threads, layers, *experiment = CASES[name]
   case = make_layer_case(np.random.default_rng(len(name)), contexts, **MODELS[model], dtype=dtype, kv_fp8=kv_fp8, layers=layers)
   d, p = case.dims, case.paged
   shape = DecodeLayerShape(dtype, case.rows, d["hidden"], d["heads"], d["kv_heads"], d["head_dim"], d["intermediate"], d["qk_norm"],
                            d["qkv_bias"], case.eps, p.shape.block_size, p.arrays["block_tables"].shape[1], p.k_cache.shape[0],
-                           kv_fp8, blocks, threads, layers=layers)
+                           kv_fp8, blocks, threads, layers=layers, experiment=experiment[0] if experiment else ())
   return case, shape
 
 

@@ -97,19 +97,30 @@ def _tiles(shape: DecodeLayerShape) -> tuple[int, int, int, int]:
 def _align(n: int) -> int: return cdiv(n, 16) * 16
 
 
+META_TABLE_BYTES = 8192   # block tables up to this size are copied into shared memory once for all layers
+
+
+def _caches_tables(shape: DecodeLayerShape) -> bool: return 4 * shape.rows * shape.max_blocks <= META_TABLE_BYTES
+
+
+def _meta_ints(shape: DecodeLayerShape) -> int:
+  """The step's metadata kept in shared memory: context lengths, query starts, slots (and the block tables if small)."""
+  return 3 * shape.rows + 1 + (shape.rows * shape.max_blocks if _caches_tables(shape) else 0)
+
+
 def shared_layout(shape: DecodeLayerShape) -> dict[str, int]:
   """Bytes of the shared-memory regions (kernels/decode_layer_ops.inc): A, B (weight slices), X (x'), S, Y."""
   s, r, nw = shape, _slices(shape), shape.threads // 32
   tile = _tiles(shape)[1]
   g, d = s.group, s.head_dim
-  attention = (g + 1) * d + g * tile + cdiv(4 * (g + 1), 4) * 4 + 8 * (d // 8) + nw * g * d
+  attention = (g + 1) * d + g * tile + cdiv(4 * (g + 1), 4) * 4 + 8 * (d // 8) + max(nw * g, 3) * d
   red_rows = max(*r.values(), nw)
   return {"TV_A_BYTES": _align(2 * max(r["TV_R_QKV"], r["TV_R_GU"]) * s.hidden),
           "TV_B_BYTES": _align(2 * max(r["TV_R_O"] * s.heads * d, r["TV_R_DN"] * s.intermediate)),
           "TV_X_BYTES": _align(4 * s.rows * max(s.hidden, s.heads * d, s.intermediate)),
           "TV_S_BYTES": _align(4 * max(attention, s.rows * s.hidden // 8)),
-          "TV_Y_BYTES": _align(4 * (s.rows * red_rows + s.rows)), "TV_T_BYTES": _align(16 + 8 * s.layers * len(s.layer_params)),
-          "TV_RED_ROWS": red_rows}
+          "TV_Y_BYTES": _align(4 * (s.rows * red_rows + s.rows)),
+          "TV_T_BYTES": _align(16 + 8 * s.layers * len(s.layer_params) + 4 * _meta_ints(s)), "TV_RED_ROWS": red_rows}
 
 
 def shared_bytes(shape: DecodeLayerShape) -> int:
@@ -162,7 +173,8 @@ def decode_layer_plan(shape: DecodeLayerShape) -> DecodeLayerPlan:
     "TV_H": s.heads, "TV_KVH": s.kv_heads, "TV_D": s.head_dim, "TV_G": s.group, "TV_INTER": s.intermediate,
     "TV_EPS": f"{s.eps!r}f", "TV_KV_FP8": int(s.kv_fp8), "TV_BS": s.block_size, "TV_MAXB": s.max_blocks,
     "TV_NSLOTS": s.num_slots, "TV_KPASS": kpass, "TV_TILE": tile, "TV_CHUNK": chunk, "TV_NSPLIT": splits,
-    "TV_SCALE_LOG2": f"{(1.0 / math.sqrt(s.head_dim)) * math.log2(math.e)!r}f", **_slices(s), **layout, **dict(s.experiment)}
+    "TV_SCALE_LOG2": f"{(1.0 / math.sqrt(s.head_dim)) * math.log2(math.e)!r}f", **_slices(s), **layout,
+    "TV_META_INTS": _meta_ints(s), "TV_CACHE_TABLES": int(_caches_tables(s)), **dict(s.experiment)}
   if s.qk_norm: defines["TV_QK_NORM"] = 1
   m = s.rows
   params = [Param("h_out", "elem", True, m * s.hidden), Param("qkv", "elem", True, m * s.qkv_width),
