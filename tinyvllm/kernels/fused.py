@@ -44,6 +44,10 @@ DECODE_LAYER = os.environ.get("TINYVLLM_DECODE_LAYER", "1") != "0"
 # the fewest rows it takes (decode rows come in powers of two): with every layer in one launch and the weights streamed
 # by bulk copies it is faster at batch 1 too (965 against 825 tok/s on an H100; docs/benchmarks.md, session 9)
 DECODE_LAYER_MIN_ROWS = 1
+# the longest context bucket it takes: beyond it the attention phase (a few 128-key tiles an item, one after another) is
+# slower than the split decode kernel (batch 1 on an H100: 671 against 698 tok/s at 4,096 tokens, 547 against 602 at
+# 8,192; 776 against 751 at 2,048; docs/benchmarks.md, session 9)
+DECODE_LAYER_MAX_CONTEXT = 2048
 
 DTYPE_NAMES = {dtypes.float32: "float32", dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}
 
@@ -137,8 +141,9 @@ class FusedBackend:
     """The kernel's shape for this step (its first launch's number of layers), or None."""
     rows = h.shape[0]
     if (not self.layer_blocks or meta.query_index.shape[1] != 1 or rows != meta.block_tables.shape[0]
-        or not self.layer_rows[0] <= rows <= self.layer_rows[1]):
-      return None   # not a small decode step: the per-op kernels are the design there, nothing to report
+        or not self.layer_rows[0] <= rows <= self.layer_rows[1]
+        or meta.block_tables.shape[1] * meta.block_size > DECODE_LAYER_MAX_CONTEXT):
+      return None   # not a small, short decode step: the per-op kernels are the design there, nothing to report
     head_dim, kv_fp8, layer = 2 * cos.shape[1], is_fp8(k_cache), layers[0]
     dtype = DTYPE_NAMES.get(h.dtype)
     reason = next((r for bad, r in (
