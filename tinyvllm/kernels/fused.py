@@ -45,9 +45,9 @@ DECODE_LAYER = os.environ.get("TINYVLLM_DECODE_LAYER", "1") != "0"
 # by bulk copies it is faster at batch 1 too (965 against 825 tok/s on an H100; docs/benchmarks.md, session 9)
 DECODE_LAYER_MIN_ROWS = 1
 # the longest context bucket it takes: beyond it the attention phase (a few 128-key tiles an item, one after another) is
-# slower than the split decode kernel (batch 1 on an H100: 671 against 698 tok/s at 4,096 tokens, 547 against 602 at
-# 8,192; 776 against 751 at 2,048; docs/benchmarks.md, session 9)
-DECODE_LAYER_MAX_CONTEXT = 2048
+# slower than the split decode kernel (batch 1 on an H100, contexts 4,096+ (bucket 8,192): 671 against 698 tok/s,
+# 8,192+: 547 against 602; contexts 2,048+ (bucket 4,096): 776 against 751; docs/benchmarks.md, session 9)
+DECODE_LAYER_MAX_CONTEXT = 4096
 
 DTYPE_NAMES = {dtypes.float32: "float32", dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}
 
