@@ -69,7 +69,6 @@ def engines(device: str) -> None:
   PRESETS["qwen3-0.6b-1layer"] = {**PRESETS["qwen3-0.6b"], "num_hidden_layers": 1}
   for layer_kernel in (False, True):
     fused.DECODE_LAYER = layer_kernel
-    fused.DECODE_LAYER_MIN_ROWS = 1
     for model in ("qwen3-0.6b-1layer", "qwen3-0.6b"):
       engine = LLMEngine(EngineConfig(model=model, load_format="dummy", device=device, max_model_len=2048,
                                       max_num_seqs=8, num_gpu_blocks=1024))

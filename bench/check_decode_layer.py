@@ -44,7 +44,6 @@ def check_case(name: str, dims: dict, contexts: list[int], dtype: str, fp8: bool
   from tinyvllm.kernels.fused import FusedBackend
   case = make_layer_case(np.random.default_rng(len(name)), contexts, **dims, dtype=dtype, kv_fp8=fp8, layers=layers)
   backend = FusedBackend("cuda", device)
-  backend.layer_rows = (1, backend.layer_rows[1])   # the kernel at every row count it takes, batch 1 included
   model, stack, (h, cos, sin, caches, meta) = layer_tensors(case, device, dtype)
   fused = backend.decode_layers(stack, h, cos, sin, caches, meta, case.eps)
   if fused is None: raise RuntimeError(f"the layer kernel did not take the case: {backend.calls}")
@@ -90,7 +89,6 @@ def check_jit(device: str) -> None:
   from tinyvllm.kernels.cases import layer_tensors, make_layer_case
   from tinyvllm.kernels.fused import FusedBackend
   backend = FusedBackend("cuda", device)
-  backend.layer_rows = (1, backend.layer_rows[1])
   steps = [[40], [700], [1999], [3]]
   cases = [make_layer_case(np.random.default_rng(i), c, **QWEN3, dtype="bfloat16", layers=3) for i, c in enumerate(steps)]
   model, stack, _ = layer_tensors(cases[0], device, "bfloat16")
@@ -132,10 +130,8 @@ def engine_ab(device: str) -> None:
   from tinyvllm.engine.llm_engine import LLMEngine
   from tinyvllm.sampling_params import SamplingParams
   tokens = {}
-  saved = fused.DECODE_LAYER_MIN_ROWS
   for on in (True, False):
     fused.DECODE_LAYER = on   # read when the engine makes its backend (its start-up captures the decode steps)
-    fused.DECODE_LAYER_MIN_ROWS = 1
     engine = LLMEngine(EngineConfig(model="qwen3-0.6b", load_format="dummy", device=device, max_model_len=2048,
                                     max_num_seqs=8, num_gpu_blocks=1024))
     runs = {b: run_decode_bench(engine, batch=b, prompt_len=128, new_tokens=128, no_kv_cache=False)[0] for b in (1, 2, 4)}
@@ -151,7 +147,6 @@ def engine_ab(device: str) -> None:
                               "calls": dict(engine.attention_backend.calls)}
     print(f"engine {key}: " + " | ".join(r.line() for r in runs.values()), flush=True)
     del engine
-  fused.DECODE_LAYER_MIN_ROWS = saved
   a, b = tokens[True], tokens[False]
   RESULTS["engine"]["greedy_first_difference"] = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
   print(f"greedy 64 tokens, layer kernel vs per-op: first difference at {RESULTS['engine']['greedy_first_difference']}", flush=True)

@@ -65,7 +65,6 @@ def main() -> None:
   device = select_device(os.environ.get("DEV", "CUDA"))
   case = make_layer_case(np.random.default_rng(0), [300], **QWEN3, dtype="bfloat16")
   backend = FusedBackend("cuda", device)
-  backend.layer_rows = (1, backend.layer_rows[1])   # batch 1 (the engine's default may start higher)
   model, _, (h, cos, sin, _, meta) = layer_tensors(case, device, "bfloat16")
   layers, caches = device_layers(device, LAYERS)
   base = backend._decode_layer_shape(layers, h, cos, *caches[0], meta, case.eps)

@@ -41,9 +41,6 @@ from tinyvllm.model.llama import DecoderLayer
 
 # TINYVLLM_DECODE_LAYER=0 turns the persistent layer kernel off (decode steps then run the per-op kernels)
 DECODE_LAYER = os.environ.get("TINYVLLM_DECODE_LAYER", "1") != "0"
-# the fewest rows it takes (decode rows come in powers of two): with every layer in one launch and the weights streamed
-# by bulk copies it is faster at batch 1 too (965 against 825 tok/s on an H100; docs/benchmarks.md, session 9)
-DECODE_LAYER_MIN_ROWS = 1
 # the longest context bucket it takes: beyond it the attention phase (a few 128-key tiles an item, one after another) is
 # slower than the split decode kernel (batch 1 on an H100, contexts 4,096+ (bucket 8,192): 671 against 698 tok/s,
 # 8,192+: 547 against 602; contexts 2,048+ (bucket 4,096): 776 against 751; docs/benchmarks.md, session 9)
@@ -99,12 +96,15 @@ class FusedBackend:
     # the layer kernel's grid (0: no layer kernel here) and its barrier counters: zeros the kernel leaves zero, one
     # buffer written by every launch of a step in turn (chained through each launch's result)
     self.layer_blocks = multiprocessor_count(device) if dialect == "cuda" and DECODE_LAYER else 0
-    self.layer_rows = (DECODE_LAYER_MIN_ROWS, LAYER_MAX_ROWS)   # decode rows the layer kernel takes (checks widen it)
+    # decode rows it takes: at each of 1, 2 and 4 it is faster than the per-op kernels (on an H100 968 against 823 tok/s
+    # at batch 1, 2,455 against 1,579 at batch 4; docs/benchmarks.md, session 9)
+    self.layer_rows = (1, LAYER_MAX_ROWS)
     self._sync_base = Tensor.zeros(2, dtype=dtypes.uint32, device=device).contiguous().realize() if self.layer_blocks else None
 
   def describe(self) -> str:
     low, high = self.layer_rows
-    layers = f", whole decode layers of {low}-{high} sequences in one kernel on {self.layer_blocks} SMs" if self.layer_blocks else ""
+    layers = (f", every layer of {low}-{high}-sequence decode steps up to {DECODE_LAYER_MAX_CONTEXT} tokens in one persistent kernel "
+              f"on {self.layer_blocks} SMs") if self.layer_blocks else ""
     return (f"{self.name} (hand-written kernels: fused paged attention, KV write, qkv norm/RoPE/write, decode-batch matmuls, "
             f"sampling{layers}; kernels/*.inc)")
 
