@@ -96,8 +96,8 @@ class FusedBackend:
     # the layer kernel's grid (0: no layer kernel here) and its barrier counters: zeros the kernel leaves zero, one
     # buffer written by every launch of a step in turn (chained through each launch's result)
     self.layer_blocks = multiprocessor_count(device) if dialect == "cuda" and DECODE_LAYER else 0
-    # decode rows it takes: at each of 1, 2 and 4 it is faster than the per-op kernels (on an H100 968 against 823 tok/s
-    # at batch 1, 2,455 against 1,579 at batch 4; docs/benchmarks.md, session 9)
+    # decode rows it takes: at each of 1, 2 and 4 it is faster than the per-op kernels (on an H100 987 against 824 tok/s
+    # at batch 1, 2,480 against 1,583 at batch 4; docs/benchmarks.md, session 9)
     self.layer_rows = (1, LAYER_MAX_ROWS)
     self._sync_base = Tensor.zeros(2, dtype=dtypes.uint32, device=device).contiguous().realize() if self.layer_blocks else None
 
