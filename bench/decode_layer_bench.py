@@ -19,7 +19,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 LAYERS, ITERS = 28, 50
 QWEN3 = dict(hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=128, qk_norm=True, qkv_bias=False)
-VARIANTS = {"full": (), "full, no K/V L2 warm-up": (("TV_WARM", 0),), "full, cp.async copies": (("TV_BULK", 0),), "weights + barriers only, cp.async": (("TV_PHASES", 0), ("TV_BULK", 0)),
+VARIANTS = {"full": (), "full, no K/V L2 warm-up": (("TV_WARM", 0),), "full, cp.async copies": (("TV_BULK", 0),),
+            "weights + barriers only, cp.async": (("TV_PHASES", 0), ("TV_BULK", 0)),
             "no grid barriers": (("TV_GRID_SYNCS", 0),), "weights + barriers only": (("TV_PHASES", 0),),
             "qkv": (("TV_PHASES", 1),), "qkv + attention": (("TV_PHASES", 3),), "qkv + attention + o": (("TV_PHASES", 7),),
             "all but down": (("TV_PHASES", 15),), "no barriers, weights only": (("TV_PHASES", 0), ("TV_GRID_SYNCS", 0))}
