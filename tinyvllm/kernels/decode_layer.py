@@ -109,7 +109,8 @@ def _meta_ints(shape: DecodeLayerShape) -> int:
 
 
 def shared_layout(shape: DecodeLayerShape) -> dict[str, int]:
-  """Bytes of the shared-memory regions (kernels/decode_layer_ops.inc): A, B (weight slices), X (x'), S, Y."""
+  """Bytes of the shared-memory regions (kernels/decode_layer_ops.inc): A, B (weight slices), X (x'), S, Y, T (the
+  buffers' mbarriers, the layers' pointers, the step's metadata)."""
   s, r, nw = shape, _slices(shape), shape.threads // 32
   tile = _tiles(shape)[1]
   g, d = s.group, s.head_dim
