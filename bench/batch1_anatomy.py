@@ -1,6 +1,6 @@
 """Where a batch-1 decode step's time goes: the layers against everything around them (embedding gathers, the final
-norm and logits product, sampling), each part timed alone under TinyJit, and the engine's captured step replayed with
-1 and 28 layers of Qwen3-0.6B's shape (the difference over 27 is a layer; what is left of the 1-layer step is the rest).
+norm and logits product, sampling): the engine's captured step replayed with 1 and 28 layers of Qwen3-0.6B's shape,
+per-op and with the layer kernel (the difference over 27 is a layer; what is left of the 1-layer step is the rest).
 
   DEV=CUDA python3 bench/batch1_anatomy.py      (bash bench/run_on_device.sh anatomy)
 Writes $OUT/batch1_anatomy.json.
@@ -10,52 +10,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-ITERS = 200
 RESULTS: dict = {}
-
-
-def timed_us(fn, *args) -> float:
-  from tinygrad import Device
-  for _ in range(5): fn(*args)
-  Device[args[0].device].synchronize()
-  t = time.perf_counter()
-  for _ in range(ITERS): fn(*args)
-  Device[args[0].device].synchronize()
-  return (time.perf_counter() - t) / ITERS * 1e6
-
-
-def parts(device: str) -> None:
-  """The pieces outside the layers, alone: the sampler (greedy and random rows) and the logits product."""
-  from tinygrad import Tensor, TinyJit, dtypes
-
-  from tinyvllm.kernels.fused import FusedBackend
-  from tinyvllm.layers.sampler import NUM_PARAMS, SamplerVariant
-  backend = FusedBackend("cuda", device)
-  vocab, hidden = 151936, 1024
-  rng = np.random.default_rng(0)
-  logits = Tensor(rng.standard_normal((1, vocab), dtype=np.float32), device=device).realize()
-  for name, temp in (("sample greedy", 0.0), ("sample random", 1.0)):
-    params = np.zeros((1, NUM_PARAMS), np.float32)
-    params[0, 0] = temp
-    p = Tensor(params.view(np.int32), device=device).realize()
-    r = Tensor(np.array([[7, 3]], np.int32), device=device).realize()
-    variant = SamplerVariant(random=temp > 0, filters=False, penalties=False)
-    jit = TinyJit(lambda lg, p, r, variant=variant: backend.sample(lg, p, r, variant).realize())
-    RESULTS[f"{name} us"] = round(timed_us(jit, logits, p, r), 2)
-  x = Tensor(rng.standard_normal((1, hidden), dtype=np.float32), device=device).cast(dtypes.bfloat16).realize()
-  w = (Tensor.randn(vocab, hidden, device=device) * 0.02).cast(dtypes.bfloat16).realize()
-  g = Tensor.ones(hidden, device=device).cast(dtypes.bfloat16).realize()
-  jit = TinyJit(lambda x: backend.linear(x, w, norm=g, eps=1e-6, out_float32=True).realize())
-  us = timed_us(jit, x)
-  RESULTS["logits product us"] = round(us, 2)
-  RESULTS["logits product GB/s"] = round(vocab * hidden * 2 / us / 1e3, 1)
-  print({k: v for k, v in RESULTS.items()}, flush=True)
 
 
 def engines(device: str) -> None:
@@ -81,12 +39,10 @@ def engines(device: str) -> None:
 
 def main() -> None:
   from tinyvllm.device import select_device
-  device = select_device(os.environ.get("DEV", "CUDA"))
-  for fn in (parts, engines):
-    try: fn(device)
-    except Exception as e:
-      RESULTS[f"{fn.__name__} failed"] = f"{type(e).__name__}: {e}"
-      print(f"FAIL {fn.__name__}: {type(e).__name__}: {e}", flush=True)
+  try: engines(select_device(os.environ.get("DEV", "CUDA")))
+  except Exception as e:
+    RESULTS["failed"] = f"{type(e).__name__}: {e}"
+    print(f"FAIL: {type(e).__name__}: {e}", flush=True)
   out = Path(os.environ.get("OUT", "/tmp/out"))
   out.mkdir(parents=True, exist_ok=True)
   (out / "batch1_anatomy.json").write_text(json.dumps(RESULTS, indent=1))

@@ -54,7 +54,8 @@ class DecodeLayerShape:
   kv_fp8: bool
   blocks: int         # the grid: the GPU's SM count
   threads: int = THREADS   # a block's (smaller in the CPU emulator's tests)
-  experiment: tuple[tuple[str, int], ...] = ()   # extra defines (TV_PHASES, TV_GRID_SYNCS: bench/decode_layer_bench.py)
+  # extra defines for timing experiments and tests (TV_PHASES, TV_GRID_SYNCS, TV_BULK, TV_WARM, TV_TIMING, TV_CACHE_TABLES)
+  experiment: tuple[tuple[str, int], ...] = ()
   layers: int = 1          # decoder layers a launch runs, one after the other
 
   @property

@@ -96,14 +96,10 @@ class FusedBackend:
     # the layer kernel's grid (0: no layer kernel here) and its barrier counters: zeros the kernel leaves zero, one
     # buffer written by every launch of a step in turn (chained through each launch's result)
     self.layer_blocks = multiprocessor_count(device) if dialect == "cuda" and DECODE_LAYER else 0
-    # decode rows it takes: at each of 1, 2 and 4 it is faster than the per-op kernels (on an H100 987 against 824 tok/s
-    # at batch 1, 2,480 against 1,583 at batch 4; docs/benchmarks.md, session 9)
-    self.layer_rows = (1, LAYER_MAX_ROWS)
     self._sync_base = Tensor.zeros(2, dtype=dtypes.uint32, device=device).contiguous().realize() if self.layer_blocks else None
 
   def describe(self) -> str:
-    low, high = self.layer_rows
-    layers = (f", every layer of {low}-{high}-sequence decode steps up to {DECODE_LAYER_MAX_CONTEXT} tokens in one persistent kernel "
+    layers = (f", every layer of 1-{LAYER_MAX_ROWS}-sequence decode steps up to {DECODE_LAYER_MAX_CONTEXT} tokens in one persistent kernel "
               f"on {self.layer_blocks} SMs") if self.layer_blocks else ""
     return (f"{self.name} (hand-written kernels: fused paged attention, KV write, qkv norm/RoPE/write, decode-batch matmuls, "
             f"sampling{layers}; kernels/*.inc)")
@@ -141,9 +137,11 @@ class FusedBackend:
     """The kernel's shape for this step (its first launch's number of layers), or None."""
     rows = h.shape[0]
     if (not self.layer_blocks or meta.query_index.shape[1] != 1 or rows != meta.block_tables.shape[0]
-        or not self.layer_rows[0] <= rows <= self.layer_rows[1]
+        or rows > LAYER_MAX_ROWS
         or meta.block_tables.shape[1] * meta.block_size > DECODE_LAYER_MAX_CONTEXT):
-      return None   # not a small, short decode step: the per-op kernels are the design there, nothing to report
+      # not a small, short decode step: the per-op kernels are the design there, nothing to report (at every row count
+      # it takes, 1-4, the layer kernel is faster: on an H100 987 against 824 tok/s at batch 1, 2,480 against 1,583 at 4)
+      return None
     head_dim, kv_fp8, layer = 2 * cos.shape[1], is_fp8(k_cache), layers[0]
     dtype = DTYPE_NAMES.get(h.dtype)
     reason = next((r for bad, r in (
