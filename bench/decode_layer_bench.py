@@ -19,11 +19,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 LAYERS, ITERS = 28, 50
 QWEN3 = dict(hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=128, qk_norm=True, qkv_bias=False)
-VARIANTS = {"full": (), "full, no K/V L2 warm-up": (("TV_WARM", 0),), "full, cp.async copies": (("TV_BULK", 0),),
-            "weights + barriers only, cp.async": (("TV_PHASES", 0), ("TV_BULK", 0)),
-            "no grid barriers": (("TV_GRID_SYNCS", 0),), "weights + barriers only": (("TV_PHASES", 0),),
-            "qkv": (("TV_PHASES", 1),), "qkv + attention": (("TV_PHASES", 3),), "qkv + attention + o": (("TV_PHASES", 7),),
-            "all but down": (("TV_PHASES", 15),), "no barriers, weights only": (("TV_PHASES", 0), ("TV_GRID_SYNCS", 0))}
+VARIANTS = {"full": (), "copies issued early": (("TV_LATE_COPIES", 0),), "no grid barriers": (("TV_GRID_SYNCS", 0),),
+            "weights + barriers only": (("TV_PHASES", 0),), "qkv + attention": (("TV_PHASES", 3),)}
 
 
 def timed(fn, *args) -> float:
@@ -91,19 +88,29 @@ def main() -> None:
   def per_op(h, cos, sin):
     return model.decoder_layers(h, cos, sin, caches, meta, layers)[0].realize()
   record("per-op kernels", timed(per_op, h, cos, sin) * 1e6)
-  timeline(replace(base, experiment=(("TV_TIMING", 1),)), layers, caches, h, cos, sin, meta, backend._sync_base, out)
+  timelines = {}
+  for name, extra in TIMELINES.items():
+    timelines[name] = timeline(replace(base, experiment=(("TV_TIMING", 1), *extra)), layers, caches, h, cos, sin, meta,
+                               backend._sync_base, name)
+    (out / "decode_layer_timeline.json").write_text(json.dumps(timelines, indent=1))
   # the full kernel again at the end: drift between the first and last rows says how far apart rows can be trusted
   for name, extra in [*VARIANTS.items(), ("full (again)", ())]:
     record(name, timed(chain(replace(base, experiment=extra)), h, cos, sin) * 1e6)
 
 
+# clock timelines taken: the kernel as built, then with timing experiments
+TIMELINES = {"as built": (), "copies issued early": (("TV_LATE_COPIES", 0),)}
 SEGMENTS = ["norm", "qkv wait", "qkv gemv", "sync 1", "attention", "sync 2", "merge", "o wait", "o gemv", "sync 3", "norm 2",
             "gu wait", "gu gemv", "sync 4", "swiglu", "down wait", "down gemv", "sync 5 + next"]
+# inside block 0's attention item (kernels/decode_layer_attend.inc's TV_ATT_STAMP points)
+ATTENTION_SEGMENTS = ["q, k, v, RoPE row read", "QK norm, RoPE, K/V write", "scores", "softmax", "P V", "warp sums",
+                      "part_o write"]
 
 
-def timeline(shape, layers, caches, h, cos, sin, meta, sync, out: Path) -> None:
-  """The TV_TIMING experiment: each block's SM clock at 18 points of every layer; the mean cycles of each segment (layers
-  1 .. L-2, so no launch edges) for block 0 and over all blocks, and the segments' share of a layer."""
+def timeline(shape, layers, caches, h, cos, sin, meta, sync, name: str) -> dict:
+  """The TV_TIMING experiment: each block's SM clock at 18 points of every layer (and 8 inside block 0's attention
+  item); the mean cycles of each segment (layers 1 .. L-2, so no launch edges) for block 0 and over all blocks, and the
+  segments' share of a layer."""
   from tinygrad import Device
 
   from tinyvllm.kernels.decode_layer import TIMING_STAMPS, layer_arguments, run_decode_layer
@@ -111,17 +118,21 @@ def timeline(shape, layers, caches, h, cos, sin, meta, sync, out: Path) -> None:
     stamps = run_decode_layer(shape, layer_arguments(layers, h, cos, sin, caches, meta, sync))["timing"].numpy()
   Device[h.device].synchronize()
   t = stamps.astype(np.int64).reshape(shape.blocks, shape.layers, TIMING_STAMPS)
-  nxt = np.concatenate([t[:, 1:, :1], t[:, -1:, -1:]], axis=1)   # each layer's end: the next layer's first stamp
-  seg = np.diff(np.concatenate([t, nxt], axis=2), axis=2) % (1 << 32)
+  phases = t[:, :, :len(SEGMENTS)]
+  nxt = np.concatenate([phases[:, 1:, :1], phases[:, -1:, -1:]], axis=1)   # each layer's end: the next layer's first stamp
+  seg = np.diff(np.concatenate([phases, nxt], axis=2), axis=2) % (1 << 32)
   mid = seg[:, 1:-1]
   rows = {name: {"block0": float(mid[0, :, i].mean()), "all_blocks": float(mid[:, :, i].mean()),
                  "max_block": float(mid[:, :, i].mean(1).max())} for i, name in enumerate(SEGMENTS)}
+  inside = np.diff(t[0, 1:-1, len(SEGMENTS):], axis=1) % (1 << 32)
+  attention = {name: float(inside[:, i].mean()) for i, name in enumerate(ATTENTION_SEGMENTS)}
   layer = float(mid[0].sum(1).mean())
-  print(f"timeline: {layer:.0f} cycles a layer (block 0)", flush=True)
-  for name, r in rows.items():
-    print(f"  {name:>14}: block 0 {r['block0']:7.0f} cycles ({100 * r['block0'] / layer:4.1f}%), mean over blocks "
+  print(f"timeline ({name}): {layer:.0f} cycles a layer (block 0)", flush=True)
+  for seg_name, r in rows.items():
+    print(f"  {seg_name:>14}: block 0 {r['block0']:7.0f} cycles ({100 * r['block0'] / layer:4.1f}%), mean over blocks "
           f"{r['all_blocks']:7.0f}, slowest block {r['max_block']:7.0f}", flush=True)
-  (out / "decode_layer_timeline.json").write_text(json.dumps({"cycles_per_layer_block0": layer, "segments": rows}, indent=1))
+  print("  inside block 0's attention item: " + ", ".join(f"{k} {v:.0f}" for k, v in attention.items()), flush=True)
+  return {"cycles_per_layer_block0": layer, "segments": rows, "attention_item_block0": attention}
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ MAX_LAYERS = 32       # layers a launch takes: (14 + 11 x 32) pointers stay insi
 MAX_GROUP = 4         # query heads per KV head (the attention phase holds G x 8 q values and accumulators a thread)
 THREADS = 512
 TILE_KEYS = 128       # keys an attention tile covers at least
-TIMING_STAMPS = 18    # clock stamps a layer records under the TV_TIMING experiment (kernels/decode_layer.inc)
+TIMING_STAMPS = 26    # clock stamps a layer records under the TV_TIMING experiment: 18 of the phases, 8 in an attention item
 
 
 LAYER_PARAMS = ("k_cache", "v_cache", "input_norm", "w_qkv", "w_o", "post_norm", "w_gu", "w_down")
@@ -119,7 +119,7 @@ def shared_layout(shape: DecodeLayerShape) -> dict[str, int]:
   red_rows = max(*r.values(), nw)
   return {"TV_A_BYTES": _align(2 * max(r["TV_R_QKV"], r["TV_R_GU"]) * s.hidden),
           "TV_B_BYTES": _align(2 * max(r["TV_R_O"] * s.heads * d, r["TV_R_DN"] * s.intermediate)),
-          "TV_X_BYTES": _align(4 * s.rows * max(s.hidden, s.heads * d, s.intermediate)),
+          "TV_X_BYTES": _align(2 * s.rows * max(s.hidden, s.heads * d, s.intermediate)),
           "TV_S_BYTES": _align(4 * max(attention, s.rows * s.hidden // 8)),
           "TV_Y_BYTES": _align(4 * (s.rows * red_rows + s.rows)),
           "TV_T_BYTES": _align(16 + 8 * s.layers * len(s.layer_params) + 4 * _meta_ints(s)), "TV_RED_ROWS": red_rows}
