@@ -99,7 +99,7 @@ def main() -> None:
 
 
 # clock timelines taken: the kernel as built, then with timing experiments
-TIMELINES = {"as built": (), "copies issued early": (("TV_LATE_COPIES", 0),)}
+TIMELINES = {"as built": (), "copies issued early": (("TV_LATE_COPIES", 0),), "K/V tile read after q": (("TV_TILE_FIRST", 0),)}
 SEGMENTS = ["norm", "qkv wait", "qkv gemv", "sync 1", "attention", "sync 2", "merge", "o wait", "o gemv", "sync 3", "norm 2",
             "gu wait", "gu gemv", "sync 4", "swiglu", "down wait", "down gemv", "sync 5 + next"]
 # inside block 0's attention item (kernels/decode_layer_attend.inc's TV_ATT_STAMP points)

@@ -116,13 +116,14 @@ def shared_layout(shape: DecodeLayerShape) -> dict[str, int]:
   tile = _tiles(shape)[1]
   g, d = s.group, s.head_dim
   attention = (g + 1) * d + g * tile + cdiv(4 * (g + 1), 4) * 4 + 8 * (d // 8) + max(nw * g, 3) * d
-  red_rows = max(*r.values(), nw)
+  red_rows, keep_rows = max(*r.values(), nw), max(r["TV_R_O"], r["TV_R_DN"])
   return {"TV_A_BYTES": _align(2 * max(r["TV_R_QKV"], r["TV_R_GU"]) * s.hidden),
           "TV_B_BYTES": _align(2 * max(r["TV_R_O"] * s.heads * d, r["TV_R_DN"] * s.intermediate)),
           "TV_X_BYTES": _align(2 * s.rows * max(s.hidden, s.heads * d, s.intermediate)),
           "TV_S_BYTES": _align(4 * max(attention, s.rows * s.hidden // 8)),
-          "TV_Y_BYTES": _align(4 * (s.rows * red_rows + s.rows)),
-          "TV_T_BYTES": _align(16 + 8 * s.layers * len(s.layer_params) + 4 * _meta_ints(s)), "TV_RED_ROWS": red_rows}
+          "TV_Y_BYTES": _align(4 * (s.rows * red_rows + s.rows + s.rows * keep_rows)),
+          "TV_T_BYTES": _align(16 + 8 * s.layers * len(s.layer_params) + 4 * _meta_ints(s)), "TV_RED_ROWS": red_rows,
+          "TV_R_KEEP": keep_rows}
 
 
 def shared_bytes(shape: DecodeLayerShape) -> int:
