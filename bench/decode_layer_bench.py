@@ -19,8 +19,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 LAYERS, ITERS = 28, 50
 QWEN3 = dict(hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=128, qk_norm=True, qkv_bias=False)
-VARIANTS = {"full": (), "copies issued early": (("TV_LATE_COPIES", 0),), "no grid barriers": (("TV_GRID_SYNCS", 0),),
-            "weights + barriers only": (("TV_PHASES", 0),), "qkv + attention": (("TV_PHASES", 3),)}
+VARIANTS = {"full": ()}
 
 
 def timed(fn, *args) -> float:
@@ -99,7 +98,7 @@ def main() -> None:
 
 
 # clock timelines taken: the kernel as built, then with timing experiments
-TIMELINES = {"as built": (), "copies issued early": (("TV_LATE_COPIES", 0),), "K/V tile read after q": (("TV_TILE_FIRST", 0),)}
+TIMELINES = {"as built": ()}
 SEGMENTS = ["norm", "qkv wait", "qkv gemv", "sync 1", "attention", "sync 2", "merge", "o wait", "o gemv", "sync 3", "norm 2",
             "gu wait", "gu gemv", "sync 4", "swiglu", "down wait", "down gemv", "sync 5 + next"]
 # inside block 0's attention item (kernels/decode_layer_attend.inc's TV_ATT_STAMP points)

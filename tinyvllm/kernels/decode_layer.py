@@ -30,6 +30,10 @@ MAX_LAYERS = 32       # layers a launch takes: (14 + 11 x 32) pointers stay insi
 MAX_GROUP = 4         # query heads per KV head (the attention phase holds G x 8 q values and accumulators a thread)
 THREADS = 512
 TILE_KEYS = 128       # keys an attention tile covers at least
+# one SM's share of HBM bandwidth in bytes a cycle (H100 SXM: 3.35 TB/s over 132 SMs at ~1.6-2 GHz): the pace of the
+# copies that blocks without an attention item make during the attention phase (kernels/decode_layer_ops.inc)
+HBM_BYTES_PER_SM_CYCLE = 16
+PACE_CHUNK = 8192
 TIMING_STAMPS = 26    # clock stamps a layer records under the TV_TIMING experiment: 18 of the phases, 8 in an attention item
 
 
@@ -176,6 +180,7 @@ def decode_layer_plan(shape: DecodeLayerShape) -> DecodeLayerPlan:
     "TV_H": s.heads, "TV_KVH": s.kv_heads, "TV_D": s.head_dim, "TV_G": s.group, "TV_INTER": s.intermediate,
     "TV_EPS": f"{s.eps!r}f", "TV_KV_FP8": int(s.kv_fp8), "TV_BS": s.block_size, "TV_MAXB": s.max_blocks,
     "TV_NSLOTS": s.num_slots, "TV_KPASS": kpass, "TV_TILE": tile, "TV_CHUNK": chunk, "TV_NSPLIT": splits,
+    "TV_PACE_CHUNK": PACE_CHUNK, "TV_PACE_GAP": PACE_CHUNK // HBM_BYTES_PER_SM_CYCLE,
     "TV_SCALE_LOG2": f"{(1.0 / math.sqrt(s.head_dim)) * math.log2(math.e)!r}f", **_slices(s), **layout,
     "TV_META_INTS": _meta_ints(s), "TV_CACHE_TABLES": int(_caches_tables(s)), **dict(s.experiment)}
   if s.qk_norm: defines["TV_QK_NORM"] = 1
