@@ -1,10 +1,10 @@
 """Where the persistent decode-layer kernel's time goes: Qwen3-0.6B's 28 layers (distinct random weights, batch 1, 300
 tokens of context) in one launch under TinyJit, replayed and timed, with phases left out (TV_PHASES) or the grid
 barriers removed (TV_GRID_SYNCS=0; results then wrong, timing only); and the same 28 layers op by op on the per-op
-kernels.
+kernels; and the TV_TIMING clock timeline of each entry of TIMELINES (the kernel as built, or with timing experiments).
 
   DEV=CUDA python3 bench/decode_layer_bench.py      (bash bench/run_on_device.sh layer_bench)
-Writes $OUT/decode_layer_bench.json.
+Writes $OUT/decode_layer_bench.json and $OUT/decode_layer_timeline.json.
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 LAYERS, ITERS = 28, 50
 QWEN3 = dict(hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=128, qk_norm=True, qkv_bias=False)
-VARIANTS = {"full": ()}
+VARIANTS = {"full": (), "no grid barriers": (("TV_GRID_SYNCS", 0),), "weights + barriers only": (("TV_PHASES", 0),),
+            "qkv + attention": (("TV_PHASES", 3),)}
 
 
 def timed(fn, *args) -> float:
