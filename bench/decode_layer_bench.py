@@ -1,7 +1,8 @@
 """Where the persistent decode-layer kernel's time goes: Qwen3-0.6B's 28 layers (distinct random weights, batch 1, 300
-tokens of context) in one launch under TinyJit, replayed and timed, with phases left out (TV_PHASES) or the grid
-barriers removed (TV_GRID_SYNCS=0; results then wrong, timing only); and the same 28 layers op by op on the per-op
-kernels; and the TV_TIMING clock timeline of each entry of TIMELINES (the kernel as built, or with timing experiments).
+tokens of context in the engine's smallest context bucket) in one launch under TinyJit, replayed and timed, with phases
+left out (TV_PHASES) or the grid barriers removed (TV_GRID_SYNCS=0; results then wrong, timing only); and the same 28
+layers op by op on the per-op kernels; and the TV_TIMING clock timeline of each entry of TIMELINES (the kernel as built,
+or with timing experiments).
 
   DEV=CUDA python3 bench/decode_layer_bench.py      (bash bench/run_on_device.sh layer_bench)
 Writes $OUT/decode_layer_bench.json and $OUT/decode_layer_timeline.json.
@@ -61,8 +62,9 @@ def main() -> None:
   from tinyvllm.kernels.decode_layer import layer_arguments, run_decode_layer
   from tinyvllm.kernels.fused import FusedBackend
   device = select_device(os.environ.get("DEV", "CUDA"))
-  case = make_layer_case(np.random.default_rng(0), [300], **QWEN3, dtype="bfloat16")
   backend = FusedBackend("cuda", device)
+  # the engine's block-table width (its smallest context bucket), which sets the splits and attention items
+  case = make_layer_case(np.random.default_rng(0), [300], **QWEN3, dtype="bfloat16", min_bucket=backend.min_context_bucket)
   model, _, (h, cos, sin, _, meta) = layer_tensors(case, device, "bfloat16")
   layers, caches = device_layers(device, LAYERS)
   base = backend._decode_layer_shape(layers, h, cos, *caches[0], meta, case.eps)
@@ -80,7 +82,8 @@ def main() -> None:
   def record(name: str, us: float) -> None:
     results[name] = us
     print(f"{name:>36}: {us:8.1f} us for {LAYERS} layers ({us / LAYERS:6.2f} us a layer)", flush=True)
-    (out / "decode_layer_bench.json").write_text(json.dumps({"us_for_28_layers": results, "context": 300, "batch": 1}, indent=1))
+    summary = {"us_for_28_layers": results, "context": 300, "context_bucket": backend.min_context_bucket, "batch": 1}
+    (out / "decode_layer_bench.json").write_text(json.dumps(summary, indent=1))
 
   model.linear_fn, model.attention_fn, model.qkv_rope_write_fn = backend.linear, backend.attention, backend.qkv_rope_write
 

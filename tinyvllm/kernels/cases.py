@@ -90,16 +90,17 @@ class PagedCase:
 
 def make_case(rng: np.random.Generator, seqs: list[tuple[int, int]], *, heads: int, kv_heads: int, head_dim: int,
               block_size: int = 16, dtype: str = "float32", share: int = 0, pad_seqs: int = 0, extra_blocks: int = 7,
-              scale: float = 1.0, kv_fp8: bool = False) -> PagedCase:
+              scale: float = 1.0, kv_fp8: bool = False, min_bucket: int = 16) -> PagedCase:
   """`share`: sequences 1..share start with sequence 0's physical blocks (as many as both fill completely).
-  `pad_seqs`: extra padding sequences beyond the power-of-two bucket's own padding. `kv_fp8`: FP8 caches."""
+  `pad_seqs`: extra padding sequences beyond the power-of-two bucket's own padding. `kv_fp8`: FP8 caches.
+  `min_bucket`: the smallest context bucket (block-table width times block size), as a backend's min_context_bucket."""
   assert all(1 <= new <= ctx for ctx, new in seqs), seqs
   s_real = len(seqs)
   s_pad = bucket(s_real + pad_seqs)
   n_real = sum(new for _, new in seqs)
   n = bucket(n_real)
   tq = bucket(max(new for _, new in seqs))
-  L = bucket(max(ctx for ctx, _ in seqs), 16)
+  L = bucket(max(ctx for ctx, _ in seqs), min_bucket)
   L = -(-L // block_size) * block_size
   max_blocks = L // block_size
   need = [-(-ctx // block_size) for ctx, _ in seqs]
@@ -222,9 +223,9 @@ class LayerCase:
 
 def make_layer_case(rng: np.random.Generator, contexts: list[int], *, hidden: int, intermediate: int, heads: int, kv_heads: int,
                     head_dim: int, qk_norm: bool, qkv_bias: bool, dtype: str = "bfloat16", kv_fp8: bool = False,
-                    block_size: int = 16, theta: float = 10000.0, layers: int = 1) -> LayerCase:
+                    block_size: int = 16, theta: float = 10000.0, layers: int = 1, min_bucket: int = 16) -> LayerCase:
   paged = make_case(rng, [(c, 1) for c in contexts], heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
-                    dtype=dtype, kv_fp8=kv_fp8)
+                    dtype=dtype, kv_fp8=kv_fp8, min_bucket=min_bucket)
   n, qkv_width = len(paged.arrays["slot_mapping"]), (heads + 2 * kv_heads) * head_dim
   r = lambda *shape, scale=1.0, offset=0.0, to=dtype: round_to(offset + rng.standard_normal(shape).astype(np.float32) * scale, to)
 

@@ -58,7 +58,7 @@ class DecodeLayerShape:
   kv_fp8: bool
   blocks: int         # the grid: the GPU's SM count
   threads: int = THREADS   # a block's (smaller in the CPU emulator's tests)
-  # extra defines for timing experiments and tests (TV_PHASES, TV_GRID_SYNCS, TV_BULK, TV_WARM, TV_TIMING, TV_CACHE_TABLES)
+  # extra defines for timing experiments and tests (TV_PHASES, TV_GRID_SYNCS, TV_WARM, TV_TIMING, TV_CACHE_TABLES)
   experiment: tuple[tuple[str, int], ...] = ()
   layers: int = 1          # decoder layers a launch runs, one after the other
 
@@ -115,7 +115,7 @@ def _meta_ints(shape: DecodeLayerShape) -> int:
 
 def shared_layout(shape: DecodeLayerShape) -> dict[str, int]:
   """Bytes of the shared-memory regions (kernels/decode_layer_ops.inc): A, B (weight slices), X (x'), S, Y, T (the
-  buffers' mbarriers, the layers' pointers, the step's metadata)."""
+  buffers' mbarriers and a flag, the layers' pointers, the step's metadata)."""
   s, r, nw = shape, _slices(shape), shape.threads // 32
   tile = _tiles(shape)[1]
   g, d = s.group, s.head_dim
@@ -126,7 +126,7 @@ def shared_layout(shape: DecodeLayerShape) -> dict[str, int]:
           "TV_X_BYTES": _align(2 * s.rows * max(s.hidden, s.heads * d, s.intermediate)),
           "TV_S_BYTES": _align(4 * max(attention, s.rows * s.hidden // 8)),
           "TV_Y_BYTES": _align(4 * (s.rows * red_rows + s.rows + s.rows * keep_rows)),
-          "TV_T_BYTES": _align(16 + 8 * s.layers * len(s.layer_params) + 4 * _meta_ints(s)), "TV_RED_ROWS": red_rows,
+          "TV_T_BYTES": _align(24 + 8 * s.layers * len(s.layer_params) + 4 * _meta_ints(s)), "TV_RED_ROWS": red_rows,
           "TV_R_KEEP": keep_rows}
 
 
