@@ -66,8 +66,10 @@ def part_decode() -> dict:
     step_s = r.decode_s / (r.new_tokens - 1)
     rows.append({"prompt_len": prompt_len, "new_tokens": 256, "decode_tok_s": r.decode_tok_s, "step_ms": step_s * 1e3,
                  "prefill_ms": r.prefill_s * 1e3, "gb_s": (wbytes + avg_context * kv_per_token) / step_s / 1e9,
+                 "median_step_ms": r.median_step_ms, "slowest_step_ms": max(r.step_s) * 1e3, "slow_steps": r.slow_steps,
                  "bench_wall_s": time.perf_counter() - t0})
-    print(r.line(), f"{rows[-1]['gb_s']:.0f} GB/s", flush=True)
+    print(r.line(), f"{rows[-1]['gb_s']:.0f} GB/s; median step {r.median_step_ms:.3f} ms, slowest {max(r.step_s) * 1e3:.2f} ms, "
+          f"{r.slow_steps} over twice the median", flush=True)
   return {"load_s": load_s, "start_up_captures_s": llm.engine.warm_up_seconds, "weight_bytes": wbytes, "kv_bytes_per_token": kv_per_token,
           "attention_backend": llm.engine.attention_backend.describe(), "rows": rows}
 

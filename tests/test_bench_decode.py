@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tinyvllm import LLM
 from tinyvllm.bench.decode import run_decode_bench
 
@@ -16,6 +18,9 @@ def test_both_modes_decode_the_same_tokens(stories_dir):
   cached, recomputed = run_decode_bench(llm.engine, batch=2, prompt_len=20, new_tokens=12, no_kv_cache=True)
   assert cached.token_ids == recomputed.token_ids and len(cached.token_ids[0]) == 12
   assert cached.decode_tok_s > 0 and recomputed.decode_tok_s > 0
+  # the decode phase's steps, timed one by one, add up to its time
+  assert len(cached.step_s) >= 11 and sum(cached.step_s) == pytest.approx(cached.decode_s)
+  assert 0 < cached.median_step_ms <= max(cached.step_s) * 1e3 and 0 <= cached.slow_steps < len(cached.step_s)
   assert llm.engine.allocator.num_used_blocks == 0  # everything freed (cached blocks stay, unreferenced)
 
 

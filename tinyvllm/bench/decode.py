@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -21,9 +21,18 @@ class DecodeResult:
   prefill_s: float
   decode_s: float
   token_ids: list[list[int]]
+  step_s: list[float] = field(default_factory=list)   # each decode step's wall time, where it was taken one by one
 
   @property
   def decode_tok_s(self) -> float: return self.batch_size * (self.new_tokens - 1) / self.decode_s
+
+  @property
+  def median_step_ms(self) -> float: return float(np.median(self.step_s)) * 1e3 if self.step_s else float("nan")
+
+  @property
+  def slow_steps(self) -> int:
+    """Steps over twice the median: a pause (garbage collection, another process) rather than a slower GPU step."""
+    return sum(t > 2 * self.median_step_ms / 1e3 for t in self.step_s)
 
   def line(self) -> str:
     return (f"{self.mode:>14}: batch {self.batch_size}, prompt {self.prompt_len}, {self.new_tokens} new tokens: "
@@ -44,12 +53,15 @@ def with_kv_cache(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) 
   t0 = time.perf_counter()
   while not finals:   # until the prompt step's tokens are read (a step later, with asynchronous scheduling)
     for out in engine.step(): finals[out.request_id] = out
-  t1 = time.perf_counter()
+  t1 = last = time.perf_counter()
+  steps = []
   while engine.has_unfinished_requests():
     for out in engine.step(): finals[out.request_id] = out
-  t2 = time.perf_counter()
+    now = time.perf_counter()
+    steps.append(now - last)
+    last = now
   tokens = [finals[rid].outputs[0].token_ids for rid in ids]
-  return DecodeResult("kv cache", len(prompts), len(prompts[0]), new_tokens, t1 - t0, t2 - t1, tokens)
+  return DecodeResult("kv cache", len(prompts), len(prompts[0]), new_tokens, t1 - t0, last - t1, tokens, steps)
 
 
 def without_kv_cache(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> DecodeResult:
