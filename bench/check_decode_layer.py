@@ -30,6 +30,7 @@ GQA4 = dict(hidden=1024, intermediate=2816, heads=16, kv_heads=4, head_dim=64, q
 # (name, shape, contexts, dtype, FP8 cache, layers)
 CASES = [("qwen3 b1 ctx 300 4 layers", QWEN3, [300], "bfloat16", False, 4),
          ("qwen3 b1 ctx 2000 fp8", QWEN3, [2000], "bfloat16", True, 1),
+         ("qwen3 b1 ctx 6000 (bucket 8192)", QWEN3, [6000], "bfloat16", False, 2),
          ("qwen3 b3 2 layers", QWEN3, [5, 900, 1500], "bfloat16", False, 2),
          ("qwen3 b4 fp8 3 layers", QWEN3, [1, 17, 400, 2048], "bfloat16", True, 3),
          ("gqa4 bias b2 f16 2 layers", GQA4, [33, 1200], "float16", False, 2)]

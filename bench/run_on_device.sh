@@ -17,6 +17,7 @@ for step in "$@"; do
     layer) cmd=(python3 bench/check_decode_layer.py) ;;
     layer_bench) cmd=(python3 bench/decode_layer_bench.py) ;;
     anatomy) cmd=(python3 bench/batch1_anatomy.py) ;;
+    bound) cmd=(python3 bench/layer_bound.py) ;;
     capture) cmd=(python3 bench/capture_profile.py) ;;
     profile1) cmd=(python3 bench/gpu_profile.py --batch 1 --tag b1) ;;
     profile256) cmd=(python3 bench/gpu_profile.py --batch 256 --tag b256) ;;

@@ -160,7 +160,7 @@ def test_cuda_source_compiles_without_spills(tmp_path, rows, kv_fp8):
 
 def test_backend_takes_only_small_decode_steps_it_supports():
   """FusedBackend's choice, on CPU tensors with a pretend 132-SM grid: decode steps of 1-4 rows of a supported model
-  with context buckets up to 4,096 get a shape (the H100 plan, every layer in one launch), 8-row steps and longer
+  with context buckets up to 8,192 at batch 1 and 4,096 at 2-4 rows get a shape (the H100 plan, every layer in one launch), 8-row steps and longer
   contexts do not (the per-op kernels run them), and a model the kernel cannot take is refused with one log line naming
   the reason."""
   from tinyvllm.kernels.fused import FusedBackend
@@ -181,6 +181,8 @@ def test_backend_takes_only_small_decode_steps_it_supports():
   assert unsupported_reason(shape) is None and not messages
   assert shape_for([300], layers=1).rows == 1   # batch 1 too
   assert shape_for([300] * 8, layers=1) is None and not messages   # 8 rows: per-op kernels, by design (nothing to report)
-  assert shape_for([4096], layers=1) is not None and shape_for([4097], layers=1) is None and not messages   # bucket 8,192
+  # context buckets up to 8,192 at batch 1, 4,096 at 2-4 rows (beyond: the split decode kernel, nothing to report)
+  assert shape_for([8192], layers=1) is not None and shape_for([8193], layers=1) is None and not messages
+  assert shape_for([4096, 5], layers=1) is not None and shape_for([4097, 5], layers=1) is None and not messages
   assert shape_for([5, 900, 17, 40], heads=64, kv_heads=8) is None   # G 8
   assert len(messages) == 1 and "group above 4" in messages[0] and "per-op kernels" in messages[0]

@@ -41,10 +41,18 @@ from tinyvllm.model.llama import DecoderLayer
 
 # TINYVLLM_DECODE_LAYER=0 turns the persistent layer kernel off (decode steps then run the per-op kernels)
 DECODE_LAYER = os.environ.get("TINYVLLM_DECODE_LAYER", "1") != "0"
-# the longest context bucket it takes: beyond it the attention phase (a few 128-key tiles an item, one after another) is
-# slower than the split decode kernel (batch 1 on an H100, contexts 4,096+ (bucket 8,192): 671 against 698 tok/s,
-# 8,192+: 547 against 602; contexts 2,048+ (bucket 4,096): 776 against 751; docs/benchmarks.md, session 9)
-DECODE_LAYER_MAX_CONTEXT = 4096
+# the longest context bucket it takes, by rows: its attention items run their 128-key tiles one after another, so for
+# long contexts the split decode kernel is faster (or the layer kernel was not measured there). On an H100
+# (docs/benchmarks.md, session 11): batch 1, bucket 8,192: 811 against 686 tok/s, bucket 16,384: 460 against 600;
+# 2 / 3 / 4 rows, bucket 4,096: 1,296 / 1,390 / 1,627 against 1,092 / 911 / 1,119. TINYVLLM_DECODE_LAYER_MAX_CONTEXT
+# sets one bound for every row count (bench/layer_bound.py measures both sides).
+DECODE_LAYER_MAX_CONTEXT = {1: 8192, 2: 4096, 3: 4096, 4: 4096}
+
+
+def decode_layer_max_context(rows: int) -> int:
+  bound = os.environ.get("TINYVLLM_DECODE_LAYER_MAX_CONTEXT")
+  return int(bound) if bound else DECODE_LAYER_MAX_CONTEXT.get(rows, 0)
+
 
 DTYPE_NAMES = {dtypes.float32: "float32", dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}
 
@@ -99,8 +107,9 @@ class FusedBackend:
     self._sync_base = Tensor.zeros(2, dtype=dtypes.uint32, device=device).contiguous().realize() if self.layer_blocks else None
 
   def describe(self) -> str:
-    layers = (f", every layer of 1-{LAYER_MAX_ROWS}-sequence decode steps up to {DECODE_LAYER_MAX_CONTEXT} tokens in one persistent kernel "
-              f"on {self.layer_blocks} SMs") if self.layer_blocks else ""
+    bounds = ", ".join(f"{decode_layer_max_context(r)} at {r}" for r in range(1, LAYER_MAX_ROWS + 1))
+    layers = (f", every layer of 1-{LAYER_MAX_ROWS}-sequence decode steps in one persistent kernel on {self.layer_blocks} SMs "
+              f"(context buckets up to {bounds} sequences)") if self.layer_blocks else ""
     return (f"{self.name} (hand-written kernels: fused paged attention, KV write, qkv norm/RoPE/write, decode-batch matmuls, "
             f"sampling{layers}; kernels/*.inc)")
 
@@ -136,11 +145,10 @@ class FusedBackend:
                           meta: AttentionMetadata, eps: float) -> DecodeLayerShape | None:
     """The kernel's shape for this step (its first launch's number of layers), or None."""
     rows = h.shape[0]
-    if (not self.layer_blocks or meta.query_index.shape[1] != 1 or rows != meta.block_tables.shape[0]
-        or rows > LAYER_MAX_ROWS
-        or meta.block_tables.shape[1] * meta.block_size > DECODE_LAYER_MAX_CONTEXT):
-      # not a small, short decode step: the per-op kernels are the design there, nothing to report (at every row count
-      # it takes, 1-4, the layer kernel is faster: on an H100 1,175 against 825 tok/s at batch 1, 3,335 against 1,591 at 4)
+    if (not self.layer_blocks or meta.query_index.shape[1] != 1 or rows != meta.block_tables.shape[0] or rows > LAYER_MAX_ROWS
+        or meta.block_tables.shape[1] * meta.block_size > decode_layer_max_context(rows)):
+      # not a small, short decode step: the per-op kernels are the design there, nothing to report (at every row count it
+      # takes, 1-4, the layer kernel is faster: on an H100 1,294 against 825 tok/s at batch 1, 3,804 against 1,591 at 4)
       return None
     head_dim, kv_fp8, layer = 2 * cos.shape[1], is_fp8(k_cache), layers[0]
     dtype = DTYPE_NAMES.get(h.dtype)

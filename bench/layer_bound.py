@@ -1,0 +1,47 @@
+"""Where the persistent decode-layer kernel should stop taking decode steps: `main.py bench decode` on the Qwen3-0.6B
+shape at batch sizes 1-4 and prompts of the context buckets 2,048-8,192, once with the layer kernel forced on
+(TINYVLLM_DECODE_LAYER_MAX_CONTEXT large) and once on the per-op kernels (TINYVLLM_DECODE_LAYER=0).
+tinyvllm/kernels/fused.py's DECODE_LAYER_MAX_CONTEXT is set from these numbers (and the context sweep's, for buckets
+beyond 8,192).
+
+  DEV=CUDA python3 bench/layer_bound.py      (bash bench/run_on_device.sh bound)
+Writes $OUT/layer_bound.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# (batch, prompt): prompt + 128 new tokens fixes the context bucket (8,192, 4,096, 2,048)
+CASES = [(1, 5000), (2, 3000), (3, 3000), (4, 3000), (4, 1500)]
+MODES = {"layer kernel": {"TINYVLLM_DECODE_LAYER_MAX_CONTEXT": str(1 << 20)}, "per-op kernels": {"TINYVLLM_DECODE_LAYER": "0"}}
+
+
+def decode_tok_s(batch: int, prompt: int, env: dict[str, str]) -> float:
+  cmd = [sys.executable, "main.py", "bench", "decode", "--model", "qwen3-0.6b", "--load-format", "dummy", "--dtype", "bfloat16",
+         "--max-model-len", "8192", "--max-num-seqs", "4", "--cuda-graph-sizes", "1", "2", "4", "--no-enable-prefix-caching",
+         "--batch-size", str(batch), "--prompt-len", str(prompt), "--max-tokens", "128"]
+  run = subprocess.run(cmd, cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=240)
+  found = re.search(r"decode ([\d.]+) tok/s", run.stdout)
+  if run.returncode != 0 or not found: raise RuntimeError(f"{cmd}: {run.stderr[-2000:]}")
+  return float(found.group(1))
+
+
+def main() -> None:
+  out = Path(os.environ.get("OUT", "/tmp/out"))
+  out.mkdir(parents=True, exist_ok=True)
+  rows = []
+  for batch, prompt in CASES:
+    row = {"batch": batch, "prompt": prompt, **{mode: decode_tok_s(batch, prompt, env) for mode, env in MODES.items()}}
+    rows.append(row)
+    print(row, flush=True)
+    (out / "layer_bound.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+  main()
