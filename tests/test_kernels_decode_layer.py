@@ -160,9 +160,9 @@ def test_cuda_source_compiles_without_spills(tmp_path, rows, kv_fp8):
 
 def test_backend_takes_only_small_decode_steps_it_supports():
   """FusedBackend's choice, on CPU tensors with a pretend 132-SM grid: decode steps of 1-4 rows of a supported model
-  with context buckets up to 8,192 at batch 1 and 4,096 at 2-4 rows get a shape (the H100 plan, every layer in one launch), 8-row steps and longer
-  contexts do not (the per-op kernels run them), and a model the kernel cannot take is refused with one log line naming
-  the reason."""
+  with context buckets up to 8,192 at batch 1 and 4,096 at 2-4 rows get a shape (the H100 plan, every layer in one
+  launch), 8-row steps and longer contexts do not (the per-op kernels run them), and a model the kernel cannot take is
+  refused with one log line naming the reason."""
   from tinyvllm.kernels.fused import FusedBackend
   messages: list[str] = []
   backend = FusedBackend("cuda", "CPU", log=messages.append)

@@ -46,13 +46,9 @@ DECODE_LAYER = os.environ.get("TINYVLLM_DECODE_LAYER", "1") != "0"
 # (docs/benchmarks.md, session 11): batch 1, bucket 8,192: 811 against 686 tok/s, bucket 16,384: 460 against 600;
 # 2 / 3 / 4 rows, bucket 4,096: 1,296 / 1,390 / 1,627 against 1,092 / 911 / 1,119. TINYVLLM_DECODE_LAYER_MAX_CONTEXT
 # sets one bound for every row count (bench/layer_bound.py measures both sides).
-DECODE_LAYER_MAX_CONTEXT = {1: 8192, 2: 4096, 3: 4096, 4: 4096}
-
-
-def decode_layer_max_context(rows: int) -> int:
-  bound = os.environ.get("TINYVLLM_DECODE_LAYER_MAX_CONTEXT")
-  return int(bound) if bound else DECODE_LAYER_MAX_CONTEXT.get(rows, 0)
-
+_MAX_CONTEXT_OVERRIDE = os.environ.get("TINYVLLM_DECODE_LAYER_MAX_CONTEXT")
+DECODE_LAYER_MAX_CONTEXT = ({rows: int(_MAX_CONTEXT_OVERRIDE) for rows in range(1, LAYER_MAX_ROWS + 1)} if _MAX_CONTEXT_OVERRIDE
+                            else {1: 8192, 2: 4096, 3: 4096, 4: 4096})
 
 DTYPE_NAMES = {dtypes.float32: "float32", dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}
 
@@ -107,7 +103,7 @@ class FusedBackend:
     self._sync_base = Tensor.zeros(2, dtype=dtypes.uint32, device=device).contiguous().realize() if self.layer_blocks else None
 
   def describe(self) -> str:
-    bounds = ", ".join(f"{decode_layer_max_context(r)} at {r}" for r in range(1, LAYER_MAX_ROWS + 1))
+    bounds = ", ".join(f"{bound} at {rows}" for rows, bound in DECODE_LAYER_MAX_CONTEXT.items())
     layers = (f", every layer of 1-{LAYER_MAX_ROWS}-sequence decode steps in one persistent kernel on {self.layer_blocks} SMs "
               f"(context buckets up to {bounds} sequences)") if self.layer_blocks else ""
     return (f"{self.name} (hand-written kernels: fused paged attention, KV write, qkv norm/RoPE/write, decode-batch matmuls, "
@@ -145,8 +141,8 @@ class FusedBackend:
                           meta: AttentionMetadata, eps: float) -> DecodeLayerShape | None:
     """The kernel's shape for this step (its first launch's number of layers), or None."""
     rows = h.shape[0]
-    if (not self.layer_blocks or meta.query_index.shape[1] != 1 or rows != meta.block_tables.shape[0] or rows > LAYER_MAX_ROWS
-        or meta.block_tables.shape[1] * meta.block_size > decode_layer_max_context(rows)):
+    if (not self.layer_blocks or meta.query_index.shape[1] != 1 or rows != meta.block_tables.shape[0]
+        or meta.block_tables.shape[1] * meta.block_size > DECODE_LAYER_MAX_CONTEXT.get(rows, 0)):
       # not a small, short decode step: the per-op kernels are the design there, nothing to report (at every row count it
       # takes, 1-4, the layer kernel is faster: on an H100 1,294 against 825 tok/s at batch 1, 3,804 against 1,591 at 4)
       return None
