@@ -1,6 +1,8 @@
-"""Shared test fixtures: where ../shared lives, and skipping (or failing, in CI) when it is absent."""
+"""Shared test fixtures: where ../shared lives (skipping, or failing in CI, when it is absent), the stories260K engine
+and its greedy reference, the Qwen3 tokenizer, and the check that an engine holds nothing after its requests."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -19,9 +21,37 @@ def require_shared(path: Path) -> Path:
   pytest.skip(f"test data not found at {path} (../shared beside the checkout holds it)")
 
 
+def assert_all_free(llm) -> None:
+  """Nothing is left of the engine's requests: no blocks in use, no queued or running sequence, no step in flight,
+  no detokenizer state."""
+  engine = llm.engine
+  assert engine.allocator.num_used_blocks == 0 and not engine.requests and engine._in_flight is None
+  assert not engine.scheduler.waiting and not engine.scheduler.running and not engine.output_processor.states
+
+
 @pytest.fixture(scope="session")
 def stories_dir() -> Path: return require_shared(STORIES)
 
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path: return require_shared(SHARED_DATA)
+
+
+@pytest.fixture(scope="session")
+def reference(stories_dir: Path) -> dict:
+  """stories260K's greedy reference: prompt_ids, greedy_ids, greedy_text, the zoo prompt, the first positions' argmax."""
+  return json.loads((stories_dir / "reference_greedy.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def llm(stories_dir: Path):
+  """A stories260K engine (files that need another engine define their own `llm`)."""
+  from tinyvllm import LLM
+  return LLM(str(stories_dir), max_num_seqs=8, num_gpu_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def qwen(shared_data: Path):
+  """The Qwen3 tokenizer of ../shared (ours)."""
+  from tests.test_tokenizer import QWEN3, tokenizer_at
+  return tokenizer_at(QWEN3)

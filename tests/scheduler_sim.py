@@ -1,9 +1,9 @@
 """A fake engine loop for driving the schedulers in tests: plain Python, no tensors, no model.
 
 `Sim` does what LLMEngine.step does around the model runner: schedule, run (here: copy blocks and write token ids into
-a fake KV store, then read every computed position back), advance num_computed_tokens, register computed blocks,
-fork, append a fake sampled token, finish. It records each sequence's computed positions, so that a test can prove
-no token was skipped or computed twice (except from scratch after a preemption).
+a fake KV store, then read every computed position back), and hand the scheduler a fake sampled token per sampling row
+with a length verdict. It records each sequence's computed positions, so that a test can prove no token was skipped or
+computed twice (except from scratch after a preemption).
 """
 from __future__ import annotations
 
@@ -13,10 +13,15 @@ from tests.test_block_manager import check_invariants, make_seq
 from tinyvllm.core.block_manager import BlockManager
 from tinyvllm.core.scheduler import Scheduler, SchedulerConfig, StaticScheduler
 from tinyvllm.core.scheduler_output import SchedulerOutput
-from tinyvllm.core.sequence import Sequence, SequenceStatus
+from tinyvllm.core.sequence import Sequence, SequenceStatus, StopVerdict
 
 
 def fake_token(seq: Sequence) -> int: return 1000 + (seq.seq_id * 31 + len(seq.output_token_ids) * 7) % 997
+
+
+def length_verdict(seq: Sequence, token: int, row: int) -> StopVerdict | None:
+  """The output processor's length rule, alone."""
+  return StopVerdict(SequenceStatus.FINISHED_LENGTH) if len(seq.output_token_ids) >= seq.params.max_tokens else None
 
 
 class Sim:
@@ -39,62 +44,59 @@ class Sim:
     out = self.sched.schedule()
     self.outputs.append(out)
     for seq in out.preempted:
-      assert seq.block_table == [] and seq.num_computed_tokens == 0 and seq.status is SequenceStatus.WAITING
+      assert self.table(seq) == [] and seq.num_computed_tokens == 0 and seq.status is SequenceStatus.WAITING
       self.positions.pop(seq.seq_id, None)
     if not out:  # the engine runs nothing: no copy may be pending, and only a preemption excuses an idle step
       assert out.block_copies == [] and (out.preempted or not self.sched.has_unfinished())
       return out
     if isinstance(self.sched, Scheduler): assert out.num_tokens <= self.sched.config.max_num_batched_tokens
     self._run(out)
-    samplers = [item for item in out.scheduled if item.samples]  # (a property: read it before the counters move)
-    self.sampled.append([item.seq.seq_id for item in samplers])
-    for item in out.scheduled:
-      item.seq.num_computed_tokens += item.num_new_tokens
-      self.alloc.register_computed(item.seq)
-    for item in out.scheduled:
-      if not item.forks: continue
-      assert self.sched.fork(item.seq) == item.forks
-      for child in item.forks: self.positions[child.seq_id], self.starts[child.seq_id] = [], child.num_computed_tokens
-    finished = []
-    for seq in [s for item in samplers for s in [item.seq, *item.forks]]:
-      seq.output_token_ids.append(fake_token(seq))
-      if len(seq.output_token_ids) >= seq.params.max_tokens:
-        seq.status = SequenceStatus.FINISHED_LENGTH
-        finished.append(seq)
-    for seq in finished: self.sched.finish(seq)
+    self.sampled.append([item.seq.seq_id for item in out.scheduled if item.samples])
+    tokens = [fake_token(seq) for seq in out.sampling_seqs]
+    landed = self.sched.update_from_output(out, tokens, length_verdict)
+    assert landed == out.sampling_seqs
     self.check()
     return out
+
+  def table(self, seq: Sequence) -> list[int]: return self.alloc.block_table(seq)
 
   def _run(self, out: SchedulerOutput) -> None:
     """The model runner's view: copies first, then each scheduled token's K/V is written, then every position read."""
     size = self.alloc.block_size
     for src, dst in out.block_copies: self.kv[dst] = list(self.kv[src])
-    for seq in self.sched.running: self._read(seq, seq.num_computed_tokens)  # what attention reads is intact
+    starts = {item.seq.seq_id: item.start for item in out.scheduled}
+    forks = {child.seq_id for item in out.scheduled for child in item.forks}
+    for seq in self.sched.running:  # what attention reads is intact (forks of this step share blocks it writes)
+      if seq.seq_id not in forks: self._read(seq, starts.get(seq.seq_id, seq.num_computed_tokens))
     for item in out.scheduled:
-      seq, start = item.seq, item.seq.num_computed_tokens
+      seq, start = item.seq, item.start
       assert seq.status is SequenceStatus.RUNNING and item.num_new_tokens > 0
-      assert start + item.num_new_tokens <= seq.num_tokens
+      assert seq.num_computed_tokens == start + item.num_new_tokens <= seq.num_tokens  # moved on when scheduled
+      assert item.block_table is self.table(seq)
       if seq.seq_id not in self.positions:
         assert start % size == 0  # from scratch, or after a cached prefix of whole blocks
         self.positions[seq.seq_id], self.starts[seq.seq_id] = [], start
       done = self.positions[seq.seq_id]
       assert start == (done[-1] + 1 if done else self.starts[seq.seq_id])
       for p in range(start, start + item.num_new_tokens):
-        self.kv.setdefault(seq.block_table[p // size], [None] * size)[p % size] = seq.token_ids[p]
+        self.kv.setdefault(item.block_table[p // size], [None] * size)[p % size] = seq.token_ids[p]
         done.append(p)
-    for item in out.scheduled: self._read(item.seq, item.seq.num_computed_tokens + item.num_new_tokens)
+      for child in item.forks:
+        assert child.status is SequenceStatus.RUNNING and child.num_computed_tokens == seq.num_computed_tokens
+        self.positions[child.seq_id], self.starts[child.seq_id] = [], child.num_computed_tokens
+    for item in out.scheduled: self._read(item.seq, item.start + item.num_new_tokens)  # (forks: once their copies ran)
 
   def _read(self, seq: Sequence, upto: int) -> None:
     size = self.alloc.block_size
-    got = [self.kv[seq.block_table[p // size]][p % size] for p in range(upto)]
+    got = [self.kv[self.table(seq)[p // size]][p % size] for p in range(upto)]
     assert got == seq.token_ids[:upto], f"seq {seq.seq_id} reads wrong K/V"
 
   def check(self) -> None:
     running, waiting = self.sched.running, list(self.sched.waiting)
     assert len(set(map(id, running + waiting))) == len(running) + len(waiting)
     assert all(s.status is SequenceStatus.RUNNING for s in running)
-    assert all(s.status is SequenceStatus.WAITING and s.block_table == [] for s in waiting)
-    assert all(s.block_table == [] for s in self.seqs if s not in running)  # finished, waiting, or a pending fork
+    assert all(s.status is SequenceStatus.WAITING and self.table(s) == [] for s in waiting)
+    assert all(self.table(s) == [] for s in self.seqs if s not in running)  # finished, waiting, or a pending fork
     if isinstance(self.alloc, BlockManager): check_invariants(self.alloc, self.seqs)
 
   def run(self, max_steps: int = 1000) -> int:
@@ -111,7 +113,7 @@ class Sim:
     assert self.sched.pending_copies == []
     for seq in self.seqs:
       assert seq.status is SequenceStatus.FINISHED_LENGTH and len(seq.output_token_ids) == seq.params.max_tokens
-      assert seq.block_table == []
+      assert self.table(seq) == []
       assert self.positions[seq.seq_id] == list(range(self.starts[seq.seq_id], seq.num_tokens - 1))
     if isinstance(self.alloc, BlockManager):
       assert self.alloc.num_free_blocks == self.alloc.num_blocks and self.alloc.num_used_blocks == 0

@@ -1,13 +1,12 @@
-"""Asynchronous scheduling (issue 4): each step is scheduled and launched before the previous one's tokens are read, the
+"""Asynchronous scheduling: each step is scheduled and launched before the previous one's tokens are read, the
 tokens in flight taken on the device. It must change nothing a user sees: the same tokens, texts, logprobs and finish
 reasons as running step by step, and nothing left behind. On the CPU the copy of the samples is synchronous, but the
 engine's pipeline (placeholders, tokens chained on the device, late stops, aborts, forks) is the one CUDA runs."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
+from tests.conftest import assert_all_free
 from tinyvllm import LLM, SamplingParams
 
 PROMPT = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267]  # 20 tokens
@@ -18,17 +17,6 @@ def pair(stories_dir):
   """The same engine twice: step by step, and asynchronously scheduled."""
   make = lambda mode: LLM(str(stories_dir), max_num_seqs=8, num_gpu_blocks=96, async_scheduling=mode)
   return make(False), make(True)
-
-
-@pytest.fixture(scope="module")
-def reference(stories_dir):
-  return json.loads((stories_dir / "reference_greedy.json").read_text())
-
-
-def assert_all_free(llm: LLM) -> None:
-  engine = llm.engine
-  assert engine.allocator.num_used_blocks == 0 and not engine.requests and engine._in_flight is None
-  assert not engine.scheduler.waiting and not engine.scheduler.running and not engine.output_processor.states
 
 
 def summary(outputs) -> list:
@@ -58,6 +46,7 @@ def test_steps_overlap_and_tokens_in_flight_are_placeholders(pair, reference):
   assert_all_free(pair[1])
 
 
+@pytest.mark.slow
 def test_greedy_batch_with_preemption_matches_reference(stories_dir, reference):
   llm = LLM(str(stories_dir), num_gpu_blocks=24, async_scheduling=True)
   outs = llm.generate([reference["prompt_ids"]] * 6, SamplingParams(temperature=0, max_tokens=120), use_tqdm=False)
@@ -66,6 +55,7 @@ def test_greedy_batch_with_preemption_matches_reference(stories_dir, reference):
   assert_all_free(llm)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_forks_filters_and_logprobs_match(pair, reference):
   prompts = [PROMPT, reference["prompt_ids"], PROMPT[:7]]
   params = [SamplingParams(n=3, temperature=0.9, top_p=0.9, seed=3, max_tokens=25, logprobs=2),
@@ -76,6 +66,7 @@ def test_seeded_sampling_forks_filters_and_logprobs_match(pair, reference):
   assert len({tuple(o[0]) for o in sync[0]}) == 3   # the samples really differ
 
 
+@pytest.mark.slow
 def test_stops_that_land_late_drop_the_extra_token(pair, reference):
   text = reference["greedy_text"]
   stop = text[len(text) // 3:len(text) // 3 + 6]
@@ -90,6 +81,7 @@ def test_stops_that_land_late_drop_the_extra_token(pair, reference):
   assert sync[1][0][0][-1] == stop_token and len(sync[1][0][0]) <= 31
 
 
+@pytest.mark.slow
 def test_penalties_wait_for_their_tokens(pair, reference):
   """A penalised row needs every earlier token on the host, so its step is read before the next is scheduled."""
   params = [SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.3, frequency_penalty=0.2),

@@ -13,6 +13,7 @@ from tinyvllm.bench.decode import run_decode_bench
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_both_modes_decode_the_same_tokens(stories_dir):
   llm = LLM(str(stories_dir), max_num_seqs=4, num_gpu_blocks=64)
   cached, recomputed = run_decode_bench(llm.engine, batch=2, prompt_len=20, new_tokens=12, no_kv_cache=True)
@@ -24,6 +25,7 @@ def test_both_modes_decode_the_same_tokens(stories_dir):
   assert llm.engine.allocator.num_used_blocks == 0  # everything freed (cached blocks stay, unreferenced)
 
 
+@pytest.mark.slow
 def test_cli_reports_both(stories_dir):
   cmd = [sys.executable, "main.py", "bench", "decode", "--model", str(stories_dir), "--prompt-len", "16",
          "--max-tokens", "8", "--no-kv-cache", "--num-gpu-blocks", "64"]

@@ -1,4 +1,4 @@
-"""Issue 5, acceptance 5: `bench serve` (a pure HTTP client) against a real server on the CPU."""
+"""`bench serve` (a pure HTTP client) against a real server on the CPU."""
 from __future__ import annotations
 
 import json
@@ -31,6 +31,7 @@ def prompt_tokens(server) -> float:
   return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == "tinyvllm:prompt_tokens_total")
 
 
+@pytest.mark.slow
 def test_bench_serve_all_at_once(server, tmp_path):
   before = prompt_tokens(server)
   out = bench(server, tmp_path / "r.json", "--num-prompts", "6", "--input-len", "24", "--output-len", "8", "--request-rate", "inf",
@@ -52,6 +53,7 @@ def test_bench_serve_all_at_once(server, tmp_path):
   assert r["config"]["request_rate"] == "inf" and r["config"]["max_concurrency"] == 4 and "api_key" not in r["config"]
 
 
+@pytest.mark.slow
 def test_bench_serve_poisson_rate_and_unmet_slo(server, tmp_path):
   out = bench(server, tmp_path / "r.json", "--num-prompts", "4", "--input-len", "24", "--output-len", "8", "--request-rate", "20",
               "--goodput", "ttft:0.001")
@@ -61,6 +63,7 @@ def test_bench_serve_poisson_rate_and_unmet_slo(server, tmp_path):
   assert r["request_goodput"] == 0 and r["config"]["request_rate"] == 20
 
 
+@pytest.mark.slow
 def test_bench_serve_refuses_bad_arguments_and_dead_servers(server, tmp_path):
   assert bench(server, tmp_path / "r.json", "--goodput", "latency:5").returncode == 2
   assert bench(server, tmp_path / "r.json", "--request-rate", "0").returncode == 2

@@ -22,10 +22,11 @@ def make_seq(prompt: list[int], max_tokens: int = 8, n: int = 1, rid: str = "r",
 def check_invariants(bm: BlockManager, seqs: Iterable[Sequence]) -> None:
   """No block is handed out twice while referenced, and the prefix cache only maps blocks holding what it claims."""
   seqs = list(seqs)
-  refs = Counter(b for s in seqs for b in s.block_table)
+  refs = Counter(b for s in seqs for b in bm.block_table(s))
   for s in seqs:
-    assert len(set(s.block_table)) == len(s.block_table), f"seq {s.seq_id} holds a block twice: {s.block_table}"
-    if s.block_table: assert len(s.block_table) >= bm.blocks_for(s.num_computed_tokens)  # (a freed one holds none)
+    table = bm.block_table(s)
+    assert len(set(table)) == len(table), f"seq {s.seq_id} holds a block twice: {table}"
+    if table: assert len(table) >= bm.blocks_for(s.num_computed_tokens)  # (a freed one holds none)
   for b in bm.blocks:
     assert b.ref_count == refs.get(b.block_id, 0), f"block {b.block_id}: ref {b.ref_count}, tables {refs.get(b.block_id, 0)}"
   assert set(bm.free_queue) == {b.block_id for b in bm.blocks if b.ref_count == 0}
@@ -38,7 +39,7 @@ def check_invariants(bm: BlockManager, seqs: Iterable[Sequence]) -> None:
     if b.block_hash is not None: assert bm.cached.get(b.block_hash) is b
   assert bm.num_cached_free_blocks == sum(1 for b in bm.cached.values() if b.ref_count == 0)
   for s in seqs:  # a cached block in a table holds exactly that sequence's tokens at that position
-    for i, block_id in enumerate(s.block_table):
+    for i, block_id in enumerate(bm.block_table(s)):
       block = bm.blocks[block_id]
       if block.block_hash is None: continue
       assert (i + 1) * bm.block_size <= s.num_computed_tokens
@@ -72,19 +73,19 @@ def refs(bm: BlockManager, ids: Iterable[int]) -> list[int]: return [bm.blocks[i
 def test_blocks_grow_on_demand_and_free_returns_all():
   bm = BlockManager(10, 4)
   s = make_seq(range(5))
-  assert bm.allocate(s) == 0 and s.block_table == []
+  assert bm.allocate(s) == 0 and bm.block_table(s) == []
   compute(bm, s, 5)
-  assert s.block_table == [0, 1]
+  assert bm.block_table(s) == [0, 1]
   for k in range(10):
     decode(bm, s, 100 + k)
-    assert len(s.block_table) == -(-s.num_computed_tokens // 4)
-    assert s.block_table == list(range(len(s.block_table)))
-    assert bm.num_used_blocks == len(s.block_table) and bm.num_free_blocks == 10 - len(s.block_table)
+    assert len(bm.block_table(s)) == -(-s.num_computed_tokens // 4)
+    assert bm.block_table(s) == list(range(len(bm.block_table(s))))
+    assert bm.num_used_blocks == len(bm.block_table(s)) and bm.num_free_blocks == 10 - len(bm.block_table(s))
     check_invariants(bm, [s])
-  assert s.num_computed_tokens == 15 and s.block_table == [0, 1, 2, 3]
+  assert s.num_computed_tokens == 15 and bm.block_table(s) == [0, 1, 2, 3]
   assert bm.num_cached_blocks == 3 and bm.num_cached_free_blocks == 0  # three full blocks, all in use
   bm.free(s)
-  assert s.block_table == [] and s.num_registered_blocks == 0
+  assert bm.block_table(s) == [] and s.seq_id not in bm.seqs
   assert bm.num_free_blocks == 10 and bm.num_used_blocks == 0 and refs(bm, range(10)) == [0] * 10
   assert bm.num_cached_blocks == 3 and bm.num_cached_free_blocks == 3
   assert list(bm.free_queue) == [4, 5, 6, 7, 8, 9, 3, 2, 1, 0]  # freed tail first, at the most recently used end
@@ -112,14 +113,14 @@ def test_can_append_exact_boundary():
   bm = BlockManager(2, 4)
   s = make_seq(range(4))
   prefill(bm, s)
-  assert s.block_table == [0] and bm.num_free_blocks == 1
+  assert bm.block_table(s) == [0] and bm.num_free_blocks == 1
   assert bm.can_append(s, 4) and not bm.can_append(s, 5)
   other = make_seq([7, 7, 7])
   prefill(bm, other)
-  assert other.block_table == [1] and bm.num_free_blocks == 0
+  assert bm.block_table(other) == [1] and bm.num_free_blocks == 0
   assert not bm.can_append(s, 1)  # s's block is full: its next token needs a new block
   assert bm.can_append(other, 1) and not bm.can_append(other, 2)  # one slot left in other's block
-  assert bm.append_slots(other, 1) == [] and other.block_table == [1]
+  assert bm.append_slots(other, 1) == [] and bm.block_table(other) == [1]
   with pytest.raises(AssertionError):
     bm.append_slots(s, 1)
 
@@ -129,10 +130,10 @@ def test_fork_shares_blocks():
   bm = BlockManager(8, 4)
   parent, child = make_seq(range(6)), make_seq(range(6), index=1)
   prefill(bm, parent)
-  assert parent.block_table == [0, 1] and parent.num_registered_blocks == 1
+  assert bm.block_table(parent) == [0, 1] and bm.seqs[parent.seq_id].registered == 1
   assert bm.fork(parent, child) == []
-  assert child.block_table == [0, 1] and child.block_table is not parent.block_table
-  assert child.num_registered_blocks == 1
+  assert bm.block_table(child) == [0, 1] and bm.block_table(child) is not bm.block_table(parent)
+  assert bm.seqs[child.seq_id].registered == 1
   assert refs(bm, [0, 1]) == [2, 2] and bm.num_used_blocks == 2
   child.num_computed_tokens = parent.num_computed_tokens
   check_invariants(bm, [parent, child])
@@ -158,12 +159,12 @@ def test_copy_on_write_of_shared_partly_filled_block():
   assert refs(bm, [0, 1]) == [3, 3]
   assert bm.can_append(parent, 1) and bm._new_blocks_needed(parent, 1) == 1
   assert decode(bm, parent, 50) == [(1, 2)]
-  assert parent.block_table == [0, 2] and refs(bm, [0, 1, 2]) == [3, 2, 1]
+  assert bm.block_table(parent) == [0, 2] and refs(bm, [0, 1, 2]) == [3, 2, 1]
   assert decode(bm, child1, 51) == [(1, 3)]
-  assert child1.block_table == [0, 3] and refs(bm, [0, 1, 3]) == [3, 1, 1]
+  assert bm.block_table(child1) == [0, 3] and refs(bm, [0, 1, 3]) == [3, 1, 1]
   assert decode(bm, child2, 52) == []  # the last sharer writes in place
-  assert child2.block_table == [0, 1] and refs(bm, [0, 1]) == [3, 1]
-  assert decode(bm, parent, 53) == [] and parent.block_table == [0, 2]  # no longer shared
+  assert bm.block_table(child2) == [0, 1] and refs(bm, [0, 1]) == [3, 1]
+  assert decode(bm, parent, 53) == [] and bm.block_table(parent) == [0, 2]  # no longer shared
   check_invariants(bm, [parent, child1, child2])
 
 
@@ -171,9 +172,9 @@ def test_no_copy_when_shared_last_block_is_full():
   bm = BlockManager(8, 4)
   parent, child = forked(bm, list(range(8)), 2)
   assert decode(bm, parent, 50) == []
-  assert parent.block_table == [0, 1, 2] and refs(bm, [0, 1, 2]) == [2, 2, 1]
+  assert bm.block_table(parent) == [0, 1, 2] and refs(bm, [0, 1, 2]) == [2, 2, 1]
   assert decode(bm, child, 51) == []
-  assert child.block_table == [0, 1, 3] and refs(bm, [0, 1, 3]) == [2, 2, 1]
+  assert bm.block_table(child) == [0, 1, 3] and refs(bm, [0, 1, 3]) == [2, 2, 1]
   check_invariants(bm, [parent, child])
 
 
@@ -193,7 +194,7 @@ def test_copy_and_growth_in_one_append():
   parent.output_token_ids += [50, 51, 52, 53]
   assert bm._new_blocks_needed(parent, 4) == 2
   assert bm.append_slots(parent, 4) == [(1, 2)]
-  assert parent.block_table == [0, 2, 3] and refs(bm, [0, 1, 2, 3]) == [2, 1, 1, 1]
+  assert bm.block_table(parent) == [0, 2, 3] and refs(bm, [0, 1, 2, 3]) == [2, 1, 1, 1]
 
 
 def test_random_operations_keep_invariants():
@@ -238,15 +239,15 @@ def test_contiguous_allocator_rows():
   ca = ContiguousAllocator(4, 32)
   assert ca.blocks_for(1000) == 1 and ca.num_free_blocks == 4
   a, b = make_seq(range(5)), make_seq(range(6))
-  assert ca.can_allocate(a, 5) and ca.allocate(a) == 0 and a.block_table == [0]
-  assert ca.allocate(b) == 0 and b.block_table == [1] and ca.num_used_blocks == 2
+  assert ca.can_allocate(a, 5) and ca.allocate(a) == 0 and ca.block_table(a) == [0]
+  assert ca.allocate(b) == 0 and ca.block_table(b) == [1] and ca.num_used_blocks == 2
   a.num_computed_tokens = 30
   assert ca.can_append(a, 2) and not ca.can_append(a, 3)
   assert ca.append_slots(a, 2) == []
   with pytest.raises(AssertionError):
     ca.allocate(a)
   ca.free(a)
-  assert a.block_table == [] and ca.num_free_blocks == 3
+  assert ca.block_table(a) == [] and ca.num_free_blocks == 3
   assert ca.allocate(make_seq([1])) == 0 and ca.free_rows == [3, 2]
 
 
@@ -256,9 +257,9 @@ def test_contiguous_allocator_forks_copy_reserved_rows():
   c1, c2 = make_seq(range(5), index=1), make_seq(range(5), index=2)
   assert ca.can_allocate(parent, 5, 3) and not ca.can_allocate(parent, 5, 6)
   ca.allocate(parent, 3)
-  assert parent.block_table == [0] and ca.reserved[parent.seq_id] == [1, 2] and ca.num_free_blocks == 2
+  assert ca.block_table(parent) == [0] and ca.reserved[parent.seq_id] == [1, 2] and ca.num_free_blocks == 2
   assert not ca.can_allocate(make_seq([1], n=3), 1, 3)
-  assert ca.fork(parent, c1) == [(0, 2)] and c1.block_table == [2]
+  assert ca.fork(parent, c1) == [(0, 2)] and ca.block_table(c1) == [2]
   assert ca.reserved[parent.seq_id] == [1]
   ca.free(parent)  # the parent's row and its unused reserved row
   assert parent.seq_id not in ca.reserved and sorted(ca.free_rows) == [0, 1, 3, 4]

@@ -48,6 +48,7 @@ def test_chat_equals_generate_on_rendered_prompt(llm):
   assert chat.outputs[0].token_ids == direct.outputs[0].token_ids
 
 
+@pytest.mark.slow
 def test_chat_cli_session(qwen_dir, llm):
   cmd = [sys.executable, "main.py", "chat", "--model", str(qwen_dir), "--temperature", "0", "--max-tokens", "6",
          "--num-gpu-blocks", "64"]

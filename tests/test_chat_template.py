@@ -40,11 +40,6 @@ CONVERSATIONS: list[tuple[list[dict[str, Any]], dict[str, Any]]] = [
 
 
 @pytest.fixture(scope="module")
-def qwen(shared_data: Path) -> Tokenizer:
-  return tokenizer_at(QWEN3)
-
-
-@pytest.fixture(scope="module")
 def hf_qwen(shared_data: Path):
   transformers = pytest.importorskip("transformers")
   return transformers.AutoTokenizer.from_pretrained(str(shared_data / QWEN3))

@@ -6,11 +6,12 @@ import threading
 import tinygrad.helpers
 from tinygrad.helpers import diskcache_get, diskcache_put
 
-import tinyvllm.device  # noqa: F401  (installs the per-thread cache connection)
-from tinyvllm.device import detect_device
+from tinyvllm.platform import tinygrad_compat
+from tinyvllm.platform.device import detect_device
 
 
 def test_compile_cache_usable_from_two_threads():
+  tinygrad_compat.install()   # what the engine applies at start
   diskcache_put("tinyvllm_test", "key", 41)
   seen = []
   worker = threading.Thread(target=lambda: seen.append(diskcache_get("tinyvllm_test", "key")))

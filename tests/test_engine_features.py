@@ -1,4 +1,4 @@
-"""Issue 3, acceptance 2 to 4: copy-on-write samples, admission, aborts, and the asyncio front, on stories260K."""
+"""Copy-on-write samples, admission, aborts, the asyncio front and the capture modes, on stories260K."""
 from __future__ import annotations
 
 import asyncio
@@ -6,7 +6,9 @@ import json
 
 import pytest
 
+from tests.conftest import assert_all_free
 from tinyvllm import LLM, SamplingParams
+from tinyvllm.config import ConfigError, EngineConfig
 from tinyvllm.engine.async_engine import AsyncLLMEngine
 from tinyvllm.engine.llm_engine import PromptError
 
@@ -18,26 +20,17 @@ def llm(stories_dir):
   return LLM(str(stories_dir), max_num_seqs=16, num_gpu_blocks=64)
 
 
-@pytest.fixture(scope="module")
-def reference(stories_dir):
-  return json.loads((stories_dir / "reference_greedy.json").read_text())
-
-
-def assert_all_free(llm):
-  assert llm.engine.allocator.num_used_blocks == 0 and not llm.engine.requests
-  assert not llm.engine.scheduler.waiting and not llm.engine.scheduler.running
-
-
+@pytest.mark.slow
 def test_n_samples_share_prompt_blocks(llm):
   engine = llm.engine
   engine.add_request("cow", PROMPT, SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=8))
   engine.step()  # prefill, then the three other samples fork off the first
   seqs = engine.requests["cow"].seqs
-  tables = [s.block_table for s in seqs]
+  tables = [engine.allocator.block_table(s) for s in seqs]
   assert all(t == tables[0] for t in tables) and len(tables[0]) == 2     # 20 tokens: one full block + one partial
   assert [engine.allocator.blocks[b].ref_count for b in tables[0]] == [4, 4]
   engine.step()  # each sample writes its first token into the shared partial block: copy-on-write
-  tables = [s.block_table for s in seqs]
+  tables = [engine.allocator.block_table(s) for s in seqs]
   assert len({t[0] for t in tables}) == 1 and engine.allocator.blocks[tables[0][0]].ref_count == 4
   assert len({t[1] for t in tables}) == 4 and all(engine.allocator.blocks[t[1]].ref_count == 1 for t in tables)
   while engine.has_unfinished_requests(): engine.step()
@@ -76,6 +69,7 @@ def test_request_larger_than_cache_is_refused_and_others_finish(stories_dir, ref
   assert_all_free(small)
 
 
+@pytest.mark.slow
 def test_load_larger_than_cache_all_finishes(llm, reference):
   # 16 requests of 20 + 100 tokens need 8 blocks each: twice the 64-block cache
   outs = llm.generate([reference["prompt_ids"]] * 16, SamplingParams(temperature=0, max_tokens=100), use_tqdm=False)
@@ -123,11 +117,16 @@ def test_async_streams_and_abort(llm, reference):
   assert_all_free(llm)
 
 
-def test_prefill_steps_are_captured_on_gpus_and_eager_on_the_cpu(monkeypatch):
-  import tinyvllm.worker.model_runner as mr
-  monkeypatch.setattr(mr, "JIT_PREFILL_ENV", None)
-  assert mr.jit_prefill("CUDA") and mr.jit_prefill("METAL") and not mr.jit_prefill("CPU") and not mr.jit_prefill("CPU:X86")
-  monkeypatch.setattr(mr, "JIT_PREFILL_ENV", "1")
-  assert mr.jit_prefill("CPU")
-  monkeypatch.setattr(mr, "JIT_PREFILL_ENV", "0")
-  assert not mr.jit_prefill("CUDA")
+def test_cudagraph_mode_and_enforce_eager_are_config_fields():
+  assert EngineConfig("m").cudagraph_mode is None   # the engine picks: FULL on GPUs, FULL_DECODE_ONLY on the CPU
+  assert EngineConfig("m", cudagraph_mode="full_decode_only").cudagraph_mode == "FULL_DECODE_ONLY"
+  assert EngineConfig("m", enforce_eager=True).cudagraph_mode == "NONE"
+  with pytest.raises(ConfigError, match="cudagraph_mode must be one of"): EngineConfig("m", cudagraph_mode="PIECEWISE")
+
+
+@pytest.mark.slow
+def test_enforce_eager_captures_nothing_and_changes_no_token(stories_dir):
+  reference = json.loads((stories_dir / "reference_greedy.json").read_text())
+  llm = LLM(str(stories_dir), enforce_eager=True, max_model_len=256)
+  out = llm.generate([reference["prompt_ids"]], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
+  assert out.outputs[0].token_ids == reference["greedy_ids"][:20] and llm.engine.runner.num_captures == 0

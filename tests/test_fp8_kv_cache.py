@@ -10,9 +10,9 @@ import pytest
 import torch
 from tinygrad import Tensor, dtypes
 
+from tests.emulator.cases import e4m3_codes_to_f32, f32_to_e4m3_codes
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.config import ConfigError, EngineConfig
-from tinyvllm.kernels.cases import e4m3_codes_to_f32, f32_to_e4m3_codes
 from tinyvllm.layers.fp8 import decode_e4m3, encode_e4m3
 
 EDGES = [0.0, -0.0, 448.0, -448.0, 449.0, 464.0, 465.0, 480.0, 1e9, np.inf, -np.inf, 2.0 ** -6, 2.0 ** -7, 2.0 ** -9,
@@ -65,6 +65,7 @@ def test_fp8_cache_holds_a_byte_a_value(stories_dir):
   assert budget - sizes["fp8"][2] < sizes["fp8"][2] / sizes["fp8"][0] and sizes["fp8"][2] <= budget
 
 
+@pytest.mark.slow
 def test_stories_greedy_with_fp8_cache(stories_dir):
   """stories260K with its K/V rounded to E4M3: the same greedy text as the float32 reference for the first 64 tokens
   (measured: the rounding flips no argmax there), alone and inside a batch that pages, chunks and preempts."""

@@ -10,11 +10,6 @@ from tinyvllm import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def llm(stories_dir):
-  return LLM(str(stories_dir), max_num_seqs=8, num_gpu_blocks=256)
-
-
-@pytest.fixture(scope="module")
 def greedy(stories_dir):
   return json.loads((stories_dir / "reference_greedy.json").read_text())
 
@@ -23,6 +18,7 @@ def run(llm, prompt, **kwargs):
   return llm.generate([prompt], SamplingParams(**kwargs), use_tqdm=False)[0].outputs[0]
 
 
+@pytest.mark.slow
 def test_seed_reproduces_and_differs(llm):
   a = run(llm, "Once upon a time", temperature=1.0, seed=7, max_tokens=40)
   b = run(llm, "Once upon a time", temperature=1.0, seed=7, max_tokens=40)
@@ -31,6 +27,7 @@ def test_seed_reproduces_and_differs(llm):
   assert a.token_ids != c.token_ids
 
 
+@pytest.mark.slow
 def test_seeded_sample_ignores_its_batch(llm):
   params = SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=3, max_tokens=30)
   alone = run(llm, "The cat", temperature=0.9, top_p=0.9, top_k=40, seed=3, max_tokens=30)
@@ -100,6 +97,7 @@ def test_stream_deltas_add_up(llm, greedy):
   assert not any(stop in d for d in deltas)
 
 
+@pytest.mark.slow
 def test_penalties_change_greedy_output(llm, greedy):
   out = run(llm, greedy["prompt_ids"], temperature=0, max_tokens=60, repetition_penalty=1.5, frequency_penalty=0.5)
   assert out.token_ids != greedy["greedy_ids"][:60]
@@ -108,6 +106,7 @@ def test_penalties_change_greedy_output(llm, greedy):
   assert max(counts.values()) < max(base.values())
 
 
+@pytest.mark.slow
 def test_final_only_requests_report_once_and_match_cumulative(llm):
   from tinyvllm.sampling_params import RequestOutputKind
   engine = llm.engine

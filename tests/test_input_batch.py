@@ -18,16 +18,15 @@ def random_batch(rng: random.Random) -> list[ScheduledSequence]:
   items, next_block = [], 0
   for _ in range(rng.randint(1, 9)):
     prompt = [rng.randrange(1000) for _ in range(rng.randint(1, 23))]
-    seq = Sequence("r", prompt, SamplingParams(), seed=0)
-    seq.output_token_ids = [rng.randrange(1000) for _ in range(rng.choice((0, 0, 3, 9)))]
-    seq.num_computed_tokens = rng.randrange(seq.num_tokens)          # what is cached already
-    new = rng.randint(1, seq.num_tokens - seq.num_computed_tokens)   # a chunk, the rest, or one decode token
-    blocks = -(-(seq.num_computed_tokens + new) // BLOCK)
-    seq.block_table = rng.sample(range(next_block, next_block + 3 * blocks), blocks)   # scattered, with holes
+    seq = Sequence("r", prompt, SamplingParams(), seed=0, output_token_ids=[rng.randrange(1000) for _ in range(rng.choice((0, 0, 3, 9)))])
+    start = rng.randrange(seq.num_tokens)          # what is cached already
+    new = rng.randint(1, seq.num_tokens - start)   # a chunk, the rest, or one decode token
+    blocks = -(-(start + new) // BLOCK)
+    table = rng.sample(range(next_block, next_block + 3 * blocks), blocks)   # scattered, with holes
     next_block += 3 * blocks
-    item = ScheduledSequence(seq, new)
-    if item.samples and rng.random() < 0.3: item.forks = [Sequence("r", prompt, SamplingParams(), seed=1)]
-    items.append(item)
+    samples = start + new == seq.num_tokens
+    forks = (Sequence("r", prompt, SamplingParams(), seed=1),) if samples and rng.random() < 0.3 else ()
+    items.append(ScheduledSequence(seq, start, new, table, samples, forks, sample_index=len(seq.output_token_ids)))
   return items
 
 
@@ -42,31 +41,31 @@ def test_fields_match_their_per_sequence_meaning(seed: int) -> None:
   floor = min_rows if tq > 1 else 1   # only steps with prompt chunks are padded to the row floor
   assert a["context_lens"].shape == (bucket(len(items), floor),)
   assert a["logits_index"].shape == (bucket(sum(1 + len(i.forks) for i in items if i.samples), floor),)
-  assert host.context_len == bucket(max(i.seq.num_computed_tokens + i.num_new_tokens for i in items), 16 if seed % 2 else 64)
+  assert host.context_len == bucket(max(i.start + i.num_new_tokens for i in items), 16 if seed % 2 else 64)
   flat, rows_sampled = 0, []
   for row, item in enumerate(items):
-    seq, c, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+    seq, c, n, table = item.seq, item.start, item.num_new_tokens, item.block_table
     span = slice(flat, flat + n)
     assert a["token_ids"][span].tolist() == seq.token_ids[c:c + n]
     assert a["positions"][span].tolist() == list(range(c, c + n))
-    assert a["slot_mapping"][span].tolist() == [seq.block_table[p // BLOCK] * BLOCK + p % BLOCK for p in range(c, c + n)]
+    assert a["slot_mapping"][span].tolist() == [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(c, c + n)]
     assert a["output_index"][span].tolist() == [row * tq + j for j in range(n)]
     assert a["query_index"][row, :n].tolist() == list(range(flat, flat + n))
     assert a["query_pos"][row, :n].tolist() == list(range(c, c + n))
     assert a["context_lens"][row] == c + n and a["query_start"][row] == flat
-    width = min(len(seq.block_table), a["block_tables"].shape[1])
-    assert a["block_tables"][row, :width].tolist() == seq.block_table[:width]
+    width = min(len(table), a["block_tables"].shape[1])
+    assert a["block_tables"][row, :width].tolist() == table[:width]
     flat += n
     if item.samples: rows_sampled += [(flat - 1, s) for s in (seq, *item.forks)]
   assert (a["slot_mapping"][flat:] == -1).all() and (a["context_lens"][len(items):] == 0).all()
   assert (a["query_start"][len(items):] == flat).all()
   assert a["logits_index"][:len(rows_sampled)].tolist() == [i for i, _ in rows_sampled]
   assert host.sample_seqs == [s for _, s in rows_sampled]
+  assert host.sample_steps == [len(s.output_token_ids) for _, s in rows_sampled]
   assert a["token_ids"].shape == (bucket(flat),) and all(x.dtype == np.int32 for x in a.values())
 
 
 def test_token_slice_spans_prompt_and_output() -> None:
-  seq = Sequence("r", [1, 2, 3], SamplingParams(), seed=0)
-  seq.output_token_ids = [4, 5]
+  seq = Sequence("r", [1, 2, 3], SamplingParams(), seed=0, output_token_ids=[4, 5])
   for start in range(6):
     for end in range(start, 6): assert seq.token_slice(start, end) == [1, 2, 3, 4, 5][start:end]

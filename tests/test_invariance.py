@@ -1,4 +1,4 @@
-"""Issue 3, acceptance 1 and 2: batching, paging, preemption, chunked prefill and prefix caching never change a greedy
+"""Batching, paging, preemption, chunked prefill and prefix caching never change a greedy
 result, and nothing is left behind. The reference is each request run alone; a divergence is accepted only where the
 lone run's top two logprobs differ by less than 1e-4 (checked), since a near-tie can flip under different batching."""
 from __future__ import annotations
@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from tinyvllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow   # every case runs several engines over many requests
 
 TIE = 1e-4
 rng = np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""The persistent decode-layer kernel (kernels/decode_layer.inc) in the CPU emulator, against the model's own per-op
+"""The persistent decode-layer kernel (csrc/cuda/decode_layer.inc) in the CPU emulator, against the model's own per-op
 layers (TransformerLM.decoder_layers on the portable path: tinygrad ops, float32, on the CPU).
 
 The emulator runs every block of the grid at once with a real grid barrier (emu::launch_cooperative), so a phase that
@@ -11,25 +11,31 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from tinyvllm.kernels.cases import FP8, LayerCase, from_bits, layer_outputs, layer_tensors, make_layer_case, to_bits
+from tests.emulator.cases import FP8, LayerCase, from_bits, layer_outputs, layer_tensors, make_layer_case, to_bits
+from tests.emulator.emulator import LazyKernels, Spec, find_compiler, grouped
+from tinyvllm.config import KernelOptions
 from tinyvllm.kernels.decode_layer import (
   DecodeLayerShape,
   decode_layer_plan,
   decode_layer_source,
   shared_bytes,
+  step_shape,
   unsupported_reason,
 )
-from tinyvllm.kernels.emulator import EmulatedKernels, Spec, find_compiler
+from tinyvllm.platform.target import DeviceTarget
+
+H100 = DeviceTarget.nominal("cuda")   # sm_90 (bulk copies), 132 SMs (grid barriers); the emulated grids are the shapes' own
 
 MODELS = {
   "qwen3": dict(hidden=48, intermediate=80, heads=4, kv_heads=2, head_dim=16, qk_norm=True, qkv_bias=False),
   "qwen2": dict(hidden=64, intermediate=96, heads=8, kv_heads=2, head_dim=8, qk_norm=False, qkv_bias=True),
 }
-# name: (model, decode contexts, kv_fp8, dtype, blocks, threads, layers[, experiment defines])
+# name: (model, decode contexts, kv_fp8, dtype, blocks, threads, layers[, smallest context bucket])
 CASES = {
   "qwen3_b1_splits": ("qwen3", [300], False, "bfloat16", 9, 64, 1),   # 3 of 4 splits see keys: the merge
   "qwen3_b3_fp8": ("qwen3", [5, 70, 1], True, "bfloat16", 9, 64, 1),
@@ -39,23 +45,27 @@ CASES = {
   # several layers in one launch: h through h_out, the next layer's slices prefetched during the down phase
   "qwen3_3_layers": ("qwen3", [300, 40], False, "bfloat16", 9, 64, 3),
   "qwen2_2_layers_fp8": ("qwen2", [33], True, "float16", 5, 128, 2),
-  # block tables read from global memory (as for long contexts, whose tables do not fit the shared-memory copy)
-  "qwen3_global_tables": ("qwen3", [300, 7], False, "bfloat16", 9, 64, 2, (("TV_CACHE_TABLES", 0),)),
+  # block tables read from global memory, as for long contexts: a 32,768-key bucket's 2 x 2,048-entry tables (16 KB) do
+  # not fit the shared-memory copy
+  "qwen3_global_tables": ("qwen3", [300, 7], False, "bfloat16", 9, 64, 2, 32768),
 }
+# the case that runs in a few seconds with `-m "not slow"` (its own small library); the rest are marked slow
+QUICK = frozenset({"qwen3_split_rows"})
 
 
 def make(name: str) -> tuple[LayerCase, DecodeLayerShape]:
-  model, contexts, kv_fp8, dtype, blocks, threads, layers, *experiment = CASES[name]
-  case = make_layer_case(np.random.default_rng(len(name)), contexts, **MODELS[model], dtype=dtype, kv_fp8=kv_fp8, layers=layers)
+  model, contexts, kv_fp8, dtype, blocks, threads, layers, *bucket = CASES[name]
+  case = make_layer_case(np.random.default_rng(len(name)), contexts, **MODELS[model], dtype=dtype, kv_fp8=kv_fp8, layers=layers,
+                         min_bucket=bucket[0] if bucket else 16)
   d, p = case.dims, case.paged
   shape = DecodeLayerShape(dtype, case.rows, d["hidden"], d["heads"], d["kv_heads"], d["head_dim"], d["intermediate"], d["qk_norm"],
                            d["qkv_bias"], case.eps, p.shape.block_size, p.arrays["block_tables"].shape[1], p.k_cache.shape[0],
-                           kv_fp8, blocks, threads, layers=layers, experiment=experiment[0] if experiment else ())
+                           kv_fp8, blocks, threads, layers=layers)
   return case, shape
 
 
-def run_emulated(emu: EmulatedKernels, name: str, case: LayerCase, shape: DecodeLayerShape, order: str, seed: int = 0):
-  plan = decode_layer_plan(shape)
+def run_emulated(emu: LazyKernels, name: str, case: LayerCase, shape: DecodeLayerShape, order: str, seed: int = 0):
+  plan = decode_layer_plan(shape, H100)
   kv = FP8 if shape.kv_fp8 else case.dtype
   given = {"h_in": to_bits(case.h_in, case.dtype), "rope_cos": case.cos, "rope_sin": case.sin,
            **{k: case.paged.arrays[k] for k in ("slot_mapping", "block_tables", "context_lens", "query_start")}}
@@ -83,17 +93,17 @@ def run_reference(case: LayerCase):
 
 
 @pytest.fixture(scope="module")
-def emu() -> EmulatedKernels:
+def emu() -> LazyKernels:
   try: find_compiler()
   except Exception as e: pytest.skip(str(e))
   specs = []
   for name in CASES:
-    plan = decode_layer_plan(make(name)[1])
+    plan = decode_layer_plan(make(name)[1], H100)
     specs.append(Spec(name, "decode_layer", plan.defines, (plan.launch,)))
-  return EmulatedKernels("cuda", specs)
+  return LazyKernels("cuda", grouped(specs, QUICK))
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=() if name in QUICK else pytest.mark.slow) for name in CASES])
 def test_decode_layer_matches_per_op_layers(emu, name):
   case, shape = make(name)
   want_h, want_caches = run_reference(case)
@@ -113,13 +123,24 @@ def test_decode_layer_matches_per_op_layers(emu, name):
     np.testing.assert_array_equal(sync, [0, 0])
 
 
+def test_block_tables_cached_up_to_8kb():
+  """The step's block tables are copied to shared memory where they take up to 8 KB; qwen3_global_tables reads them from
+  global memory."""
+  cached = {name: decode_layer_plan(make(name)[1], H100).defines["TV_CACHE_TABLES"] for name in CASES}
+  assert cached.pop("qwen3_global_tables") == 0 and set(cached.values()) == {1}
+  shape = lambda rows, max_blocks: DecodeLayerShape("bfloat16", rows, 1024, 16, 8, 128, 3072, True, False, 1e-6, 16, max_blocks,
+                                                    1 << 20, False, 132)
+  assert decode_layer_plan(shape(4, 512), H100).defines["TV_CACHE_TABLES"] == 1     # 8 KB
+  assert decode_layer_plan(shape(4, 513), H100).defines["TV_CACHE_TABLES"] == 0
+
+
 def test_plan_fits_qwen3_06b_on_h100():
   """Qwen3-0.6B on 132 SMs, all 28 layers in one launch: rows 1-4 fit an SM's shared memory, the arguments CUDA's 4 KB;
   the last blocks own no o/down rows (1,024 = 128 x 8)."""
   for rows in (1, 2, 4):
     shape = DecodeLayerShape("bfloat16", rows, 1024, 16, 8, 128, 3072, True, False, 1e-6, 16, 128, 1 << 20, False, 132, layers=28)
-    assert unsupported_reason(shape) is None
-    plan = decode_layer_plan(shape)
+    assert unsupported_reason(shape, H100) is None
+    plan = decode_layer_plan(shape, H100)
     assert plan.launch.grid == (132, 1, 1) and plan.launch.cooperative and shared_bytes(shape) <= 227 * 1024
     assert len(plan.launch.params) == 14 + 28 * 10 and 8 * len(plan.launch.params) <= 4096
     assert [p.name for p in plan.launch.params if p.written] == ["h_out", "qkv", "part_o", "part_ml", "h_mid", "gu", "sync",
@@ -132,13 +153,17 @@ def test_plan_fits_qwen3_06b_on_h100():
 def test_unsupported_shapes_say_why():
   base = dict(dtype="bfloat16", rows=1, hidden=1024, heads=16, kv_heads=8, head_dim=128, intermediate=3072, qk_norm=True,
               qkv_bias=False, eps=1e-6, block_size=16, max_blocks=128, num_slots=4096, kv_fp8=False, blocks=132)
-  assert "rows" in unsupported_reason(DecodeLayerShape(**{**base, "rows": 8}))
-  assert "dtype" in unsupported_reason(DecodeLayerShape(**{**base, "dtype": "float32"}))
-  assert "group" in unsupported_reason(DecodeLayerShape(**{**base, "heads": 64}))
-  assert "33 layers" in unsupported_reason(DecodeLayerShape(**{**base, "layers": 33}))
+  assert unsupported_reason(DecodeLayerShape(**base), H100) is None
+  assert "rows" in unsupported_reason(DecodeLayerShape(**{**base, "rows": 8}), H100)
+  assert "dtype" in unsupported_reason(DecodeLayerShape(**{**base, "dtype": "float32"}), H100)
+  assert "group" in unsupported_reason(DecodeLayerShape(**{**base, "heads": 64}), H100)
+  assert "33 layers" in unsupported_reason(DecodeLayerShape(**{**base, "layers": 33}), H100)
   # Llama-3.2-1B's gate_up slice alone (16,384 rows over 132 blocks, 4 KB each) is past an SM's shared memory
-  assert "shared memory" in unsupported_reason(DecodeLayerShape(**{**base, "hidden": 2048, "intermediate": 8192, "heads": 32}))
-  with pytest.raises(ValueError, match="rows"): decode_layer_plan(DecodeLayerShape(**{**base, "rows": 8}))
+  assert "shared memory" in unsupported_reason(DecodeLayerShape(**{**base, "hidden": 2048, "intermediate": 8192, "heads": 32}), H100)
+  with pytest.raises(ValueError, match="rows"): decode_layer_plan(DecodeLayerShape(**{**base, "rows": 8}), H100)
+  # the kernel needs Hopper's bulk copies and a grid barrier: not an A100, not Metal
+  for target in (DeviceTarget.nominal("cuda", arch="sm_80", multiprocessors=108), DeviceTarget.nominal("metal")):
+    assert "grid barrier" in unsupported_reason(DecodeLayerShape(**base), target)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed (the CUDA compile check needs it)")
@@ -149,7 +174,7 @@ def test_cuda_source_compiles_without_spills(tmp_path, rows, kv_fp8):
   bookkeeping, read a few times a phase, never in a product's or an attention tile's loop)."""
   shape = DecodeLayerShape("bfloat16", rows, 1024, 16, 8, 128, 3072, True, False, 1e-6, 16, 128, 1 << 16, kv_fp8, 132, layers=28)
   path = tmp_path / "layer.cu"
-  path.write_text(decode_layer_source(shape)[1])
+  path.write_text(decode_layer_source(shape, H100)[1])
   run = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-o", str(tmp_path / "layer.cubin"),
                         "-Xptxas", "-v", str(path)], capture_output=True, text=True, timeout=300)
   out = run.stdout + run.stderr
@@ -158,31 +183,60 @@ def test_cuda_source_compiles_without_spills(tmp_path, rows, kv_fp8):
   assert len(spills) == 1 and int(spills[0]) <= 64, out
 
 
+@pytest.mark.slow
 def test_backend_takes_only_small_decode_steps_it_supports():
-  """FusedBackend's choice, on CPU tensors with a pretend 132-SM grid: decode steps of 1-4 rows of a supported model
-  with context buckets up to 8,192 at batch 1 and 4,096 at 2-4 rows get a shape (the H100 plan, every layer in one
-  launch), 8-row steps and longer contexts do not (the per-op kernels run them), and a model the kernel cannot take is
-  refused with one log line naming the reason."""
+  """FusedBackend's choice, on CPU tensors with the nominal H100 (132 SMs): decode steps of 1-4 rows of a supported model
+  with context buckets up to 8,192 at batch 1 and 4,096 at 2-4 rows (the sm_90 tuning table) get a shape (the H100
+  plan, every layer in one launch), 8-row steps and longer contexts do not (the per-op kernels run them), and a model
+  the kernel cannot take is refused with one log line naming the reason."""
   from tinyvllm.kernels.fused import FusedBackend
+  from tinyvllm.kernels.tinygrad_program import collecting_sources
   messages: list[str] = []
-  backend = FusedBackend("cuda", "CPU", log=messages.append)
-  backend.layer_blocks = 132
+  backend = FusedBackend(replace(H100, device="CPU"), log=messages.append)
+  assert backend.decode_layer_bounds == {1: 8192, 2: 4096, 3: 4096, 4: 4096}
   qwen3 = dict(hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=128, qk_norm=True, qkv_bias=False)
 
-  def shape_for(contexts: list[int], layers: int = 2, **change):
+  def step(contexts: list[int], layers: int = 2, **change):
     case = make_layer_case(np.random.default_rng(0), contexts, **{**qwen3, **change}, dtype="float16", layers=layers)   # (no CPU bf16)
-    _, stack, (h, cos, _, caches, meta) = layer_tensors(case, dtype="float16")
-    return backend._decode_layer_shape(stack, h, cos, *caches[0], meta, case.eps)
+    _, stack, (h, cos, sin, caches, meta) = layer_tensors(case, dtype="float16")
+    return case, stack, h, cos, sin, caches, meta
+
+  def shape_for(contexts: list[int], layers: int = 2, **change):
+    """The shape the backend plans the step's layers with (step_shape, within the backend's bound for the rows)."""
+    case, stack, h, cos, _, caches, meta = step(contexts, layers, **change)
+    shape, reason = step_shape(stack, h, cos, *caches[0], meta, case.eps, backend.target, backend.decode_layer_bounds.get(h.shape[0], 0))
+    assert reason is None, reason
+    return shape
 
   shape = shape_for([5, 900, 17, 40])
   assert shape is not None
   assert (shape.dtype, shape.rows, shape.blocks, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate,
           shape.qk_norm, shape.layers) == ("float16", 4, 132, 16, 8, 128, 3072, True, 2)
-  assert unsupported_reason(shape) is None and not messages
+  assert unsupported_reason(shape, H100) is None and not messages
   assert shape_for([300], layers=1).rows == 1   # batch 1 too
   assert shape_for([300] * 8, layers=1) is None and not messages   # 8 rows: per-op kernels, by design (nothing to report)
   # context buckets up to 8,192 at batch 1, 4,096 at 2-4 rows (beyond: the split decode kernel, nothing to report)
   assert shape_for([8192], layers=1) is not None and shape_for([8193], layers=1) is None and not messages
   assert shape_for([4096, 5], layers=1) is not None and shape_for([4097, 5], layers=1) is None and not messages
-  assert shape_for([5, 900, 17, 40], heads=64, kv_heads=8) is None   # G 8
+  # through the backend's op: a step it takes becomes the layer kernel's graph (built, never run: no binaries on the CPU)
+  case, stack, h, cos, sin, caches, meta = step([5, 900, 17, 40])
+  with collecting_sources() as pending:
+    fused = backend.decode_layers(stack, h, cos, sin, caches, meta, case.eps)
+  assert fused is not None and len(fused[1]) == 2 and backend.calls["decode-layers"] == 1 and len(pending) == 1
+  assert backend.decode_layers(*step([300] * 8, layers=1)[1:], case.eps) is None and not messages
+  # G 8: refused, once in the log
+  case, stack, h, cos, sin, caches, meta = step([5, 900, 17, 40], heads=64, kv_heads=8)
+  for _ in range(2): assert backend.decode_layers(stack, h, cos, sin, caches, meta, case.eps) is None
   assert len(messages) == 1 and "group above 4" in messages[0] and "per-op kernels" in messages[0]
+  assert backend.calls["decode-layers"] == 1
+
+
+def test_backend_decode_layer_options():
+  """KernelOptions: the layer kernel off, or one context bound for every row count; no bounds on a target without
+  Hopper's bulk copies and a grid barrier (an A100, Metal)."""
+  from tinyvllm.kernels.fused import FusedBackend
+  cpu = lambda target: replace(target, device="CPU")
+  assert FusedBackend(cpu(H100), KernelOptions(decode_layer=False)).decode_layer_bounds == {}
+  assert FusedBackend(cpu(H100), KernelOptions(decode_layer_max_context=2048)).decode_layer_bounds == {r: 2048 for r in range(1, 5)}
+  for target in (DeviceTarget.nominal("cuda", arch="sm_80", multiprocessors=108), DeviceTarget.nominal("metal")):
+    assert FusedBackend(cpu(target)).decode_layer_bounds == {}

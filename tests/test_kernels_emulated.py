@@ -1,4 +1,4 @@
-"""The hand-written kernels, CUDA and Metal dialect, run on the CPU through the C++ emulation (kernels/emu) and
+"""The hand-written kernels, CUDA and Metal dialect, run on the CPU through the C++ emulation (tests/emulator) and
 compared with the portable tinygrad path (layers/attention.paged_attention) on random paged batches.
 
 What this checks: the algorithm text of every kernel, compiled with each dialect's real prelude against a shim of
@@ -11,16 +11,31 @@ enforce, memory-model effects beyond barriers, and speed. See docs/kernels.md.
 """
 from __future__ import annotations
 
+import functools
 import zlib
 
 import numpy as np
 import pytest
 
-from tinyvllm.kernels.cases import FP8, make_case, portable_attention, reference_attention, round_to
-from tinyvllm.kernels.emulator import EmulatedKernels, EmulatorError, Spec, find_compiler, run_attention, run_kv_write
+from tests.emulator.cases import FP8, make_case, portable_attention, reference_attention, round_to
+from tests.emulator.emulator import (
+  EmulatedKernels,
+  EmulatorError,
+  LazyKernels,
+  Spec,
+  find_compiler,
+  grouped,
+  run_attention,
+  run_kv_write,
+)
 from tinyvllm.kernels.plan import Launch, Param, decode_plan, prefill_plan, write_plan
+from tinyvllm.platform.target import DeviceTarget
 
 DIALECTS = ("cuda", "metal")
+# the plans' targets: an H100 for CUDA (tensor cores, cp.async), an Apple GPU for Metal; "fma" cases plan the CUDA
+# dialect for a GPU without tensor cores (the FMA prefill, as Metal's)
+TARGETS = {"cuda": DeviceTarget.nominal("cuda"), "metal": DeviceTarget.nominal("metal")}
+NO_TENSOR_CORES = DeviceTarget.nominal("cuda", arch="sm_75")
 TOLERANCE = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}   # max |kernel - portable| / max |portable|
 
 # name -> (seqs [(context, new tokens)], heads, kv_heads, head_dim, dtype, share, plan overrides)
@@ -28,7 +43,7 @@ ATTENTION_CASES = {
   "dec_f32_g1": ([(1, 1), (2, 1), (15, 1), (16, 1), (17, 1), (100, 1)], 4, 4, 64, "float32", 0, None),
   "dec_f32_g2_shared": ([(60, 1), (45, 1), (33, 1), (7, 1), (130, 1)], 8, 4, 64, "float32", 2, None),
   "dec_f32_g2_nosplit": ([(60, 1), (45, 1), (33, 1), (7, 1), (130, 1)], 8, 4, 64, "float32", 2, {"splits": 1}),
-  "dec_bf16_g2_kvtogether": ([(60, 1), (200, 1), (3, 1)], 4, 2, 128, "bfloat16", 1, {"kv_together": True}),
+  "dec_bf16_g2_d128": ([(60, 1), (200, 1), (3, 1)], 4, 2, 128, "bfloat16", 1, None),
   "dec_bf16_g7": ([(70, 1), (1, 1), (129, 1)], 14, 2, 64, "bfloat16", 1, None),
   "dec_f16_g4": ([(1, 1), (16, 1), (17, 1), (100, 1), (250, 1)], 8, 2, 64, "float16", 1, None),
   "dec_bf16_g8_d128": ([(15, 1), (33, 1), (200, 1)], 16, 2, 128, "bfloat16", 1, None),
@@ -40,8 +55,8 @@ ATTENTION_CASES = {
   "pre_bf16_g1_d128": ([(70, 70), (2, 2)], 2, 2, 128, "bfloat16", 0, None),
   "pre_bf16_g7": ([(40, 21), (5, 1), (9, 9)], 14, 2, 64, "bfloat16", 0, None),
   # 16-bit prefill takes the tensor-core kernel in the CUDA dialect; these keep the FMA one (Metal's) covered there too
-  "pre_bf16_g2_d128_fma": ([(70, 70), (50, 7), (20, 1)], 4, 2, 128, "bfloat16", 1, {"tensor_cores": False}),
-  "pre_f16_g4_fma": ([(100, 37), (3, 3), (70, 1)], 8, 2, 64, "float16", 2, {"tensor_cores": False}),
+  "pre_bf16_g2_d128_fma": ([(70, 70), (50, 7), (20, 1)], 4, 2, 128, "bfloat16", 1, {"fma": True}),
+  "pre_f16_g4_fma": ([(100, 37), (3, 3), (70, 1)], 8, 2, 64, "float16", 2, {"fma": True}),
   # the tensor-core kernel over several key tiles and query tiles (64 keys, 32 tokens a tile at G 2); head_dim 16
   "pre_bf16_g2_d128_tiles": ([(200, 130), (150, 150), (64, 1)], 4, 2, 128, "bfloat16", 1, None),
   "pre_f16_g1_d16": ([(90, 70), (33, 2)], 4, 4, 16, "float16", 0, None),
@@ -51,7 +66,7 @@ ATTENTION_CASES = {
   # decode's KV vector: 16 codes (G <= 2, head_dim a multiple of 16; d16: one lane a key) or 8 (G 8, head_dim 8)
   "dec_f16_g1_d64_kv8": ([(1, 1), (129, 1), (40, 1)], 4, 4, 64, "float16", 0, None),
   "dec_bf16_g8_d128_kv8": ([(15, 1), (200, 1), (33, 1)], 16, 2, 128, "bfloat16", 1, None),
-  "dec_bf16_g2_d16_kv8_kvtogether": ([(70, 1), (300, 1), (2, 1)], 4, 2, 16, "bfloat16", 1, {"kv_together": True}),
+  "dec_bf16_g2_d16_kv8": ([(70, 1), (300, 1), (2, 1)], 4, 2, 16, "bfloat16", 1, None),
   "dec_f16_g2_d8_kv8": ([(9, 1), (140, 1)], 4, 2, 8, "float16", 0, None),
   "pre_bf16_g2_d128_kv8": ([(70, 70), (50, 7), (20, 1)], 4, 2, 128, "bfloat16", 1, None),
   # _staged: in the CUDA dialect K/V tiles through a cp.async ring in dynamic shared memory, the ring wrapping several
@@ -65,6 +80,14 @@ ATTENTION_CASES = {
 WRITE_CASES = {"write_f32": ("float32", 2, 64, False), "write_bf16": ("bfloat16", 2, 128, False),
                "write_f16_d8": ("float16", 1, 8, False), "write_bf16_kv8": ("bfloat16", 2, 128, True),
                "write_f16_kv8": ("float16", 1, 64, True)}
+# cases that run in a few seconds with `-m "not slow"` (their own small library per dialect): decode (float32, FP8
+# codes), the FMA and the tensor-core prefill, the KV write; the rest are marked slow
+QUICK = frozenset({"dec_f32_g1", "dec_f16_g2_d8_kv8", "pre_f32_g1_d8", "pre_f16_g1_d16", "write_f32", "write_bf16_kv8"})
+SELFTESTS = frozenset({"race_ok", "race_bad", "simd", "divergent"})
+
+
+def quick_or_slow(names) -> list:
+  return [pytest.param(name, marks=() if name in QUICK else pytest.mark.slow) for name in names]
 
 
 def _case(name: str):
@@ -80,9 +103,13 @@ CASES = {name: _case(name) for name in ATTENTION_CASES}
 def _specs(dialect: str) -> list[Spec]:
   specs = []
   for name, case in CASES.items():
-    overrides = ATTENTION_CASES[name][-1] or {}
-    if dialect != "cuda": overrides = {k: v for k, v in overrides.items() if k != "stages"}
-    plan = decode_plan(case.shape, **overrides) if case.shape.query_len == 1 else prefill_plan(case.shape, dialect, **overrides)
+    overrides = dict(ATTENTION_CASES[name][-1] or {})
+    fma = overrides.pop("fma", False)
+    target = NO_TENSOR_CORES if fma and dialect == "cuda" else TARGETS[dialect]
+    # the register path unless a case asks for a ring (Metal has no cp.async: always the register path)
+    stages = overrides.pop("stages", 0)
+    if dialect != "cuda": stages = 0
+    plan = decode_plan(case.shape, target, stages=stages, **overrides) if case.shape.query_len == 1 else prefill_plan(case.shape, target)
     specs.append(Spec(name, plan.algorithm, plan.defines, plan.launches))
   for name, (dtype, kv_heads, head_dim, kv_fp8) in WRITE_CASES.items():
     plan = write_plan(dtype, kv_heads * head_dim, 8, 40, kv_fp8)
@@ -134,28 +161,30 @@ def _selftest_specs() -> list[Spec]:
 
 
 @pytest.fixture(scope="module", params=DIALECTS)
-def emu(request) -> EmulatedKernels:
+def emu(request) -> LazyKernels:
+  """Every case's plan; the C++ libraries are built when a launch needs them (the quick cases and the emulator's
+  self-tests in one, the rest in another)."""
   find_compiler()   # a clear error when there is no C++ compiler: the checks need one
-  return EmulatedKernels(request.param, _specs(request.param))
+  return LazyKernels(request.param, grouped(_specs(request.param), QUICK | SELFTESTS))
 
 
-@pytest.fixture(scope="module")
-def portable() -> dict[str, np.ndarray]:
-  """The portable path's output for every case (computed once, shared by both dialects)."""
-  return {name: portable_attention(case) for name, case in CASES.items()}
+@functools.cache
+def portable(name: str) -> np.ndarray:
+  """The portable path's output for a case (computed once, shared by both dialects)."""
+  return portable_attention(CASES[name])
 
 
-def test_portable_matches_float64_reference(portable):
-  for name, case in CASES.items():
-    n = case.total_tokens
-    np.testing.assert_allclose(portable[name][:n], reference_attention(case), atol=2e-5, err_msg=name)
+@pytest.mark.parametrize("name", quick_or_slow(ATTENTION_CASES))
+def test_portable_matches_float64_reference(name):
+  case = CASES[name]
+  np.testing.assert_allclose(portable(name)[:case.total_tokens], reference_attention(case), atol=2e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("name", list(ATTENTION_CASES))
-def test_attention_matches_portable(emu, portable, name):
+@pytest.mark.parametrize("name", quick_or_slow(ATTENTION_CASES))
+def test_attention_matches_portable(emu, name):
   case = CASES[name]
   n = case.total_tokens
-  want = portable[name][:n]
+  want = portable(name)[:n]
   tol = TOLERANCE[case.shape.dtype] * np.abs(want).max()
   for order, seed in (("forward", 0), ("reverse", 0), ("random", 7)):
     got = run_attention(emu, name, case, order, seed)
@@ -185,14 +214,25 @@ def test_decode_staged_ring(emu):
 
 
 def test_decode_kv8_vector_widths(emu):
-  """FP8 decode cases cover both KV vector widths (16 codes in 16 bytes, 8 in 8), split and not, and K/V loads together."""
+  """FP8 decode cases cover both KV vector widths (16 codes in 16 bytes, 8 in 8), split and not, and one lane a key."""
   d = {name: emu.specs[name].defines for name in emu.specs if name.startswith("dec_") and "_kv8" in name}
   wide = {name for name, v in d.items() if v["TV_KVEC"] == 16}
   assert wide and len(wide) < len(d) and {v["TV_NSPLIT"] > 1 for v in d.values()} == {True, False}, d
-  assert any(d[name]["TV_KV_TOGETHER"] for name in wide) and any(d[name]["TV_LPK"] == 1 for name in wide)
+  assert any(d[name]["TV_LPK"] == 1 for name in wide)
 
 
-@pytest.mark.parametrize("name", list(WRITE_CASES))
+def test_prefill_kernels(emu):
+  """16-bit prefill with head_dim a multiple of 16 takes the tensor-core kernel on the CUDA target; the _fma cases (a
+  target without tensor cores) and Metal the FMA one."""
+  algorithms = {name: emu.specs[name].algorithm for name in emu.specs if name.startswith("pre_")}
+  if emu.dialect != "cuda":
+    assert set(algorithms.values()) == {"prefill"}
+    return
+  assert algorithms["pre_bf16_g2_d128_fma"] == algorithms["pre_f16_g4_fma"] == algorithms["pre_f32_g2"] == "prefill"
+  assert algorithms["pre_bf16_g2_d128_tiles"] == algorithms["pre_f16_g1_d16"] == "prefill_tc"
+
+
+@pytest.mark.parametrize("name", quick_or_slow(WRITE_CASES))
 def test_kv_write(emu, name):
   dtype, kv_heads, head_dim, kv_fp8 = WRITE_CASES[name]
   kv_dtype = FP8 if kv_fp8 else dtype

@@ -1,4 +1,4 @@
-"""The tensor-core matrix-product kernel (kernels/gemm_tc.inc, CUDA only) run on the CPU through the C++ emulation,
+"""The tensor-core matrix-product kernel (csrc/cuda/gemm_tc.inc, CUDA only) run on the CPU through the C++ emulation,
 whose mma.sync follows PTX's documented m16n8k16 fragment layout, and compared with the portable form
 (tinyvllm/layers/linear.py, tinygrad ops) on the same rounded inputs: every tile shape the planner picks, row counts
 and output counts that are not multiples of the tile, split-K with its reduce kernel, the RMSNorm / SwiGLU prologues,
@@ -10,11 +10,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinyvllm.kernels.cases import from_bits, linear_inputs, portable_linear_reference, to_bits
-from tinyvllm.kernels.emulator import EmulatedKernels, EmulatorError, Spec, find_compiler, poisoned
-from tinyvllm.kernels.gemm import SHARED_BYTES, GemmTiles, choose_tiles, gemm_plan, unsupported_reason
+from tests.emulator.cases import from_bits, linear_inputs, portable_linear_reference, to_bits
+from tests.emulator.emulator import EmulatedKernels, EmulatorError, Spec, find_compiler, poisoned
+from tinyvllm.kernels.gemm import GemmTiles, choose_tiles, gemm_plan, unsupported_reason
 from tinyvllm.kernels.linear import LinearShape, pick_kernel
 from tinyvllm.kernels.plan import Launch, Param
+from tinyvllm.kernels.tuning import tuning_for
+from tinyvllm.platform.target import DeviceTarget
+
+# the emulated kernels' target, an H100 (wgmma); the planner's mma.sync choices on a GPU without wgmma with the same
+# memory (an sm_80 part with an H100's shared memory and registers)
+HOPPER, MMA = DeviceTarget.nominal("cuda"), DeviceTarget.nominal("cuda", arch="sm_80")
+SHARED_BYTES = tuning_for(MMA.kind).gemm.shared_bytes   # the mma.sync ring's budget (99 KB)
 
 TOLERANCE = {"float16": 3e-3, "bfloat16": 2e-2}
 EPS = 1e-5
@@ -80,7 +87,7 @@ def emu() -> EmulatedKernels:
   find_compiler()
   specs = []
   for name in CASES:
-    defines, launches = gemm_plan(_shape(name), CASES[name][-1])
+    defines, launches = gemm_plan(_shape(name), HOPPER, CASES[name][-1])
     specs.append(Spec(name, "gemm_tc", defines, launches))
   launch = (Launch("tv_dynamic", (2, 1, 1), DYNAMIC_NT, (Param("out", "float", True, 4 * DYNAMIC_NT),), 4 * DYNAMIC_NT),)
   for name, shift in (("dynamic_ok", 0), ("dynamic_overrun", 1)):
@@ -109,7 +116,7 @@ def _run(emu: EmulatedKernels, name: str, a: dict[str, np.ndarray], order: str =
 @pytest.mark.parametrize("name", list(CASES))
 def test_gemm_matches_portable(emu, name):
   shape, a = _shape(name), _inputs(name)
-  assert unsupported_reason(shape.dtype, shape.rows, shape.in_features, shape.out_features) is None
+  assert unsupported_reason(shape.dtype, shape.rows, shape.in_features, shape.out_features, HOPPER) is None
   got = _run(emu, name, a, order="random")
   ref = portable_linear_reference(a, shape)
   assert not np.isnan(got).any(), "an output element was never written"
@@ -117,59 +124,62 @@ def test_gemm_matches_portable(emu, name):
 
 
 def test_planner_fills_the_gpu_and_splits_only_whole_slices():
-  assert choose_tiles(1, 1024, 4096) == GemmTiles(16, 64, 1, 4, 4)     # 64 column blocks -> split K four ways
-  assert choose_tiles(256, 1024, 151936) == GemmTiles(128, 128, 2, 4, 1, 3, 64)  # plenty of blocks for the big tile
-  assert choose_tiles(2048, 3072, 1024, silu_mul=True) == GemmTiles(128, 128, 2, 4, 1, 3, 64)   # long K, x' pass
-  assert choose_tiles(1024, 3072, 1024, silu_mul=True) == GemmTiles(64, 64, 2, 2, 1)   # 256 blocks, 4 stages of both halves
-  assert choose_tiles(256, 1024, 4096) == GemmTiles(64, 64, 2, 2, 1, 0, 64)   # the largest tile that makes 256 blocks
-  assert choose_tiles(64, 1024, 4096).bk == 32 and choose_tiles(256, 96, 4096).bk == 32   # 64-wide slices: measured rows, K
-  assert choose_tiles(32, 3072, 1024) == GemmTiles(32, 64, 2, 2, 8)
-  assert choose_tiles(256, 2048, 1024) == GemmTiles(64, 64, 2, 2, 4)    # long K at decode rows: split rather than thin tiles
-  assert choose_tiles(128, 3072, 1024, silu_mul=True) == GemmTiles(64, 64, 2, 2, 4)
+  mma = lambda rows, k, o, silu_mul=False: choose_tiles(rows, k, o, MMA, silu_mul)
+  assert SHARED_BYTES == 99 * 1024
+  assert mma(1, 1024, 4096) == GemmTiles(16, 64, 1, 4, 4)     # 64 column blocks -> split K four ways
+  assert mma(256, 1024, 151936) == GemmTiles(128, 128, 2, 4, 1, 3, 64)  # plenty of blocks for the big tile
+  assert mma(2048, 3072, 1024, silu_mul=True) == GemmTiles(128, 128, 2, 4, 1, 3, 64)   # long K, x' pass
+  assert mma(1024, 3072, 1024, silu_mul=True) == GemmTiles(64, 64, 2, 2, 1)   # 256 blocks, 4 stages of both halves
+  assert mma(256, 1024, 4096) == GemmTiles(64, 64, 2, 2, 1, 0, 64)   # the largest tile that makes 256 blocks
+  assert mma(64, 1024, 4096).bk == 32 and mma(256, 96, 4096).bk == 32   # 64-wide slices: measured rows, K
+  assert mma(32, 3072, 1024) == GemmTiles(32, 64, 2, 2, 8)
+  assert mma(256, 2048, 1024) == GemmTiles(64, 64, 2, 2, 4)    # long K at decode rows: split rather than thin tiles
+  assert mma(128, 3072, 1024, silu_mul=True) == GemmTiles(64, 64, 2, 2, 4)
   # on Hopper (wgmma), from 128 rows: the measured tiles; below, and for long K below 256 rows, mma.sync's
-  hopper = lambda rows, k, o, silu=False: choose_tiles(rows, k, o, silu, wgmma=True)
+  hopper = lambda rows, k, o, silu=False: choose_tiles(rows, k, o, HOPPER, silu)
   assert hopper(8192, 3072, 1024, True) == hopper(256, 1024, 151936) == GemmTiles.warpgroup(128, 128, ring=3)
   assert hopper(256, 1024, 6144) == GemmTiles.warpgroup(64, 64) and hopper(256, 2048, 1024) == GemmTiles.warpgroup(128, 64, 4)
-  assert hopper(128, 2048, 1024) == choose_tiles(128, 2048, 1024) and hopper(64, 1024, 4096) == choose_tiles(64, 1024, 4096)
-  assert hopper(256, 1000, 4096) == choose_tiles(256, 1000, 4096)   # K not in whole 64-wide slices
+  assert hopper(128, 2048, 1024) == mma(128, 2048, 1024) and hopper(64, 1024, 4096) == mma(64, 1024, 4096)
+  assert hopper(256, 1000, 4096) == mma(256, 1000, 4096)   # K not in whole 64-wide slices
   for rows, k, o in ((1, 96, 8), (300, 1024, 1024), (48, 4864, 896)):
-    t = choose_tiles(rows, k, o)
+    t = mma(rows, k, o)
     assert k % (32 * t.splits) == 0 and (t.splits == 1 or k // (32 * t.splits) >= 4)
 
 
 def test_stage_rings_in_dynamic_shared_memory():
   big = GemmTiles(128, 128, 2, 4, 1)
-  assert (big.stages(), big.stages(silu_mul=True), GemmTiles(64, 128, 2, 2, 1).stages(silu_mul=True)) == (4, 3, 4)
-  assert big.shared_bytes() > 48 * 1024 and big.min_blocks() == 2   # two 256-thread blocks an SM, <= 128 registers
+  assert (big.stages(MMA), big.stages(MMA, silu_mul=True), GemmTiles(64, 128, 2, 2, 1).stages(MMA, silu_mul=True)) == (4, 3, 4)
+  assert big.shared_bytes(MMA) > 48 * 1024 and big.min_blocks(MMA) == 2   # two 256-thread blocks an SM, <= 128 registers
   for name in CASES:
-    defines, launches = gemm_plan(_shape(name), CASES[name][-1])
+    defines, launches = gemm_plan(_shape(name), HOPPER, CASES[name][-1])
     gemm = next(launch for launch in launches if launch.kernel == "tv_gemm")
     assert gemm.shared_bytes == defines["TV_SMEM_BYTES"] and all(x.shared_bytes == 0 for x in launches if x is not gemm)
   for rows in (1, 17, 100, 300, 2048, 4096):
     for o, k, silu in ((4096, 1024, False), (1024, 3072, True), (151936, 1024, False)):
       shape = LinearShape("bfloat16", rows, k, o, False, None if silu else 1e-6, silu, silu, False)
-      defines, launches = gemm_plan(shape)
+      defines, launches = gemm_plan(shape, MMA)
       deep_big = defines["TV_BK"] == 64 and defines["TV_BM"] == 128   # 3 stages of 36 KB, 2 blocks an SM
       assert 3 <= defines["TV_STAGES"] <= 4 and max(x.shared_bytes for x in launches) <= (111104 if deep_big else SHARED_BYTES)
   with pytest.raises(ValueError, match="bytes of shared memory"):   # 9 stages of both SwiGLU halves: 271 KB
-    gemm_plan(LinearShape("bfloat16", 64, 1024, 64, False, None, True, False, False), GemmTiles(128, 128, 2, 4, 1, 9))
+    gemm_plan(LinearShape("bfloat16", 64, 1024, 64, False, None, True, False, False), MMA, GemmTiles(128, 128, 2, 4, 1, 9))
 
 
 def test_64_wide_k_slices():
   big, big3 = GemmTiles(128, 128, 2, 4, 1, bk=64), GemmTiles(128, 128, 2, 4, 1, ring=3, bk=64)
-  assert (big.stage_bytes(), big.stages(), big.min_blocks()) == (36864, 2, 2)   # 144-byte rows: 2 stages in 99 KB
-  assert (big3.stages(), big3.shared_bytes(), big3.min_blocks()) == (3, 111104, 2)   # 2 x (108.5 + 1) KB in 228 KB
-  assert GemmTiles(64, 64, 2, 2, 1, bk=64).stages() == 4 and GemmTiles(64, 128, 2, 2, 1, bk=64).min_blocks() == 2
+  assert (big.stage_bytes(), big.stages(MMA), big.min_blocks(MMA)) == (36864, 2, 2)   # 144-byte rows: 2 stages in 99 KB
+  assert (big3.stages(MMA), big3.shared_bytes(MMA), big3.min_blocks(MMA)) == (3, 111104, 2)   # 2 x (108.5 + 1) KB in 228 KB
+  assert GemmTiles(64, 64, 2, 2, 1, bk=64).stages(MMA) == 4 and GemmTiles(64, 128, 2, 2, 1, bk=64).min_blocks(MMA) == 2
   plain = LinearShape("bfloat16", 256, 1024, 4096, False, None, False, False, False)
-  assert gemm_plan(plain, big3)[0]["TV_BK"] == 64 and gemm_plan(plain, GemmTiles(64, 64, 2, 2, 1))[0]["TV_BK"] == 32
+  assert gemm_plan(plain, MMA, big3)[0]["TV_BK"] == 64 and gemm_plan(plain, MMA, GemmTiles(64, 64, 2, 2, 1))[0]["TV_BK"] == 32
   shape = LinearShape("bfloat16", 64, 96, 64, False, None, False, False, False)
-  with pytest.raises(ValueError, match="64-wide slices"): gemm_plan(shape, GemmTiles(64, 64, 2, 2, 1, bk=64))
+  with pytest.raises(ValueError, match="64-wide slices"): gemm_plan(shape, MMA, GemmTiles(64, 64, 2, 2, 1, bk=64))
   with pytest.raises(ValueError, match="2 runs of 64-wide"):
-    gemm_plan(LinearShape("bfloat16", 64, 192, 64, False, None, False, False, False), GemmTiles(64, 64, 2, 2, 2, bk=64))
-  with pytest.raises(ValueError, match="32 or 64"): gemm_plan(shape, GemmTiles(64, 64, 2, 2, 1, bk=48))
+    gemm_plan(LinearShape("bfloat16", 64, 192, 64, False, None, False, False, False), MMA, GemmTiles(64, 64, 2, 2, 2, bk=64))
+  with pytest.raises(ValueError, match="32 or 64"): gemm_plan(shape, MMA, GemmTiles(64, 64, 2, 2, 1, bk=48))
   with pytest.raises(ValueError, match="at least 2"):   # SwiGLU's two halves in the loop: one 55 KB stage
-    gemm_plan(LinearShape("bfloat16", 64, 1024, 64, False, None, True, False, False), big)
-  assert "multiple of 64" in unsupported_reason("bfloat16", 4, 96, 8, bk=64) and unsupported_reason("bfloat16", 4, 96, 8) is None
+    gemm_plan(LinearShape("bfloat16", 64, 1024, 64, False, None, True, False, False), MMA, big)
+  assert "multiple of 64" in unsupported_reason("bfloat16", 4, 96, 8, MMA, bk=64)
+  assert unsupported_reason("bfloat16", 4, 96, 8, MMA) is None
 
 
 def test_emulated_dynamic_shared_memory(emu):
@@ -183,7 +193,7 @@ def test_emulated_dynamic_shared_memory(emu):
 
 
 def test_prologue_runs_once_for_wide_products():
-  kernels = lambda name: [launch.kernel for launch in gemm_plan(_shape(name), CASES[name][-1])[1]]
+  kernels = lambda name: [launch.kernel for launch in gemm_plan(_shape(name), HOPPER, CASES[name][-1])[1]]
   assert kernels("bf16_m130_norm_xprime") == ["tv_gemm_xprime", "tv_gemm"]
   assert kernels("f16_m140_silu_residual_xprime_split2") == ["tv_gemm_xprime", "tv_gemm", "tv_gemm_reduce"]
   assert kernels("bf16_m130_norm_xprime_bk64") == ["tv_gemm_xprime", "tv_gemm"]
@@ -192,30 +202,38 @@ def test_prologue_runs_once_for_wide_products():
 
 
 def test_shapes_the_kernel_refuses():
-  assert "float16 and bfloat16" in unsupported_reason("float32", 4, 64, 8)
-  assert "multiple of 32" in unsupported_reason("bfloat16", 4, 72, 8)
+  assert "float16 and bfloat16" in unsupported_reason("float32", 4, 64, 8, HOPPER)
+  assert "multiple of 32" in unsupported_reason("bfloat16", 4, 72, 8, HOPPER)
+  # tensor cores (mma.sync, cp.async): CUDA sm_80 and newer only
+  for target in (DeviceTarget.nominal("cuda", arch="sm_75"), DeviceTarget.nominal("metal")):
+    assert "sm_80 or newer" in unsupported_reason("bfloat16", 4, 64, 8, target)
 
 
 def test_kernel_choice_by_rows_dialect_and_dtype():
   def shape(dtype: str, rows: int) -> LinearShape: return LinearShape(dtype, rows, 1024, 4096, False, None, False, False, False)
-  assert pick_kernel("cuda", shape("bfloat16", 4)) == "skinny"
-  assert pick_kernel("cuda", shape("bfloat16", 5)) == "gemm"
-  assert pick_kernel("cuda", shape("bfloat16", 3000)) == "gemm"
-  assert pick_kernel("metal", shape("bfloat16", 5)) == "skinny"      # no tensor-core kernel in the Metal dialect
-  assert pick_kernel("cuda", shape("float32", 16)) == "skinny"       # nor for float32
-  assert pick_kernel("cuda", shape("float32", 17)) is None
-  assert pick_kernel("metal", shape("float16", 17)) is None
+  metal, turing = DeviceTarget.nominal("metal"), DeviceTarget.nominal("cuda", arch="sm_75")
+  assert tuning_for(HOPPER.kind).linear.skinny_max_rows == 4
+  assert pick_kernel(HOPPER, shape("bfloat16", 4)) == "skinny"
+  assert pick_kernel(HOPPER, shape("bfloat16", 5)) == "gemm"
+  assert pick_kernel(HOPPER, shape("bfloat16", 3000)) == "gemm"
+  assert pick_kernel(metal, shape("bfloat16", 5)) == "skinny"      # no tensor-core kernel in the Metal dialect
+  assert pick_kernel(turing, shape("bfloat16", 5)) == "skinny"     # nor on CUDA GPUs without mma.sync
+  assert pick_kernel(HOPPER, shape("float32", 16)) == "skinny"     # nor for float32
+  assert pick_kernel(HOPPER, shape("float32", 17)) is None
+  assert pick_kernel(metal, shape("float16", 17)) is None
 
 
 def test_wgmma_tiles_and_target():
-  from tinyvllm.kernels.tinygrad_program import cuda_target
   wide = GemmTiles.warpgroup(128, 128, ring=3)
   assert (wide.wm, wide.wn, wide.threads, wide.stage_bytes()) == (8, 1, 256, 32768)   # unpadded 128-byte rows
-  assert (wide.shared_bytes(), wide.min_blocks()) == (3 * 32768 + 512 + 1024, 2)      # + the 1,024-byte alignment slack
-  assert GemmTiles.warpgroup(128, 256).stages() == 4 and GemmTiles.warpgroup(128, 256).min_blocks() == 1   # 227 KB limit
-  assert gemm_plan(_shape("f16_m130_wgmma_128x128_norm"), CASES["f16_m130_wgmma_128x128_norm"][-1])[0]["TV_WGMMA"] == 128
+  assert (wide.shared_bytes(HOPPER), wide.min_blocks(HOPPER)) == (3 * 32768 + 512 + 1024, 2)   # + the alignment slack
+  # 227 KB limit
+  assert GemmTiles.warpgroup(128, 256).stages(HOPPER) == 4 and GemmTiles.warpgroup(128, 256).min_blocks(HOPPER) == 1
+  assert gemm_plan(_shape("f16_m130_wgmma_128x128_norm"), HOPPER, CASES["f16_m130_wgmma_128x128_norm"][-1])[0]["TV_WGMMA"] == 128
   shape = _shape("bf16_m70_wgmma_64x64_residual")
   for bad in (GemmTiles(128, 128, 8, 1, 1, bk=32, wgmma=True), GemmTiles(96, 64, 6, 1, 1, bk=64, wgmma=True),
               GemmTiles(64, 96, 4, 1, 1, bk=64, wgmma=True), GemmTiles(64, 64, 2, 2, 1, bk=64, wgmma=True)):
-    with pytest.raises(ValueError, match="wgmma takes"): gemm_plan(shape, bad)
+    with pytest.raises(ValueError, match="wgmma takes"): gemm_plan(shape, HOPPER, bad)
+  cuda_target = lambda arch: DeviceTarget.nominal("cuda", arch=arch).cuda_target
   assert (cuda_target("sm_90"), cuda_target("sm_89"), cuda_target("sm_100")) == ("sm_90a", "sm_89", "sm_100")
+  assert HOPPER.wgmma and not any(DeviceTarget.nominal("cuda", arch=a).wgmma for a in ("sm_80", "sm_89", "sm_100"))

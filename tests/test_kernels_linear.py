@@ -1,4 +1,4 @@
-"""The decode-batch matrix-product kernel (kernels/linear.inc), CUDA and Metal dialect, run on the CPU through the C++
+"""The decode-batch matrix-product kernel (csrc/neutral/linear.inc), CUDA and Metal dialect, run on the CPU through the C++
 emulation and compared with the portable form (tinyvllm/layers/linear.py, tinygrad ops) on the same rounded inputs:
 plain, with bias, with the RMSNorm / SwiGLU prologue, with the residual epilogue, float32 logits; K with and without a
 tail past the last full vector round, output counts not a multiple of the columns per block, every output written."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinyvllm.kernels.cases import from_bits, linear_inputs, portable_linear_reference, to_bits
-from tinyvllm.kernels.emulator import EmulatedKernels, Spec, find_compiler, poisoned
+from tests.emulator.cases import from_bits, linear_inputs, portable_linear_reference, to_bits
+from tests.emulator.emulator import EmulatedKernels, Spec, find_compiler, poisoned
 from tinyvllm.kernels.linear import LinearShape, linear_plan, unsupported_reason
 
 TOLERANCE = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}

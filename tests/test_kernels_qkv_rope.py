@@ -1,5 +1,5 @@
-"""The fused qkv split + QK-norm + RoPE + KV-write kernel (kernels/qkv_rope.inc), CUDA and Metal dialect, run on the CPU
-through the C++ emulation and compared with the portable form (tinyvllm/kernels/portable.py: `qkv_rope_write`, the ops
+"""The fused qkv split + QK-norm + RoPE + KV-write kernel (csrc/neutral/qkv_rope.inc), CUDA and Metal dialect, run on the CPU
+through the C++ emulation and compared with the portable form (tinyvllm/layers/portable.py: `qkv_rope_write`, the ops
 the model runs on the CPU): float32 / float16 / bfloat16, with and without q/k norm, head_dim 8 to 256 (also half-heads
 that are not a power-of-two number of vectors), GQA and MHA, several passes of the block over the heads; arbitrary
 positions (cos/sin from rope_tables), padding tokens (slot -1) and an out-of-range slot that write nothing, q poisoned
@@ -9,18 +9,20 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from tinygrad import Tensor, dtypes
 
-from tinyvllm.kernels.cases import FP8, from_bits, round_to, to_bits
-from tinyvllm.kernels.emulator import EmulatedKernels, Spec, find_compiler, poisoned
+from tests.emulator.cases import FP8, from_bits, round_to, to_bits
+from tests.emulator.emulator import EmulatedKernels, Spec, find_compiler, poisoned
 from tinyvllm.kernels.fused import FusedBackend
-from tinyvllm.kernels.portable import qkv_rope_write
 from tinyvllm.kernels.qkv_rope import QkvRopeShape, qkv_rope_plan, qkv_rope_shape, unsupported_reason
 from tinyvllm.kernels.sources import kernel_source
+from tinyvllm.layers.portable import qkv_rope_write
 from tinyvllm.layers.rotary import rope_tables
+from tinyvllm.platform.target import DeviceTarget
 
 EPS = 1e-6
 TG_DTYPES = {"float32": dtypes.float32, "float16": dtypes.float16, "bfloat16": dtypes.bfloat16}
@@ -199,7 +201,7 @@ def test_shapes_the_kernel_refuses():
 def test_fused_backend_falls_back_visibly():
   """A shape the kernel does not take (float64 here) runs the portable ops (and the backend's KV write), logged once."""
   messages: list[str] = []
-  backend = FusedBackend("cuda", "CPU", log=messages.append)
+  backend = FusedBackend(replace(DeviceTarget.nominal("cuda"), device="CPU"), log=messages.append)
   rng = np.random.default_rng(3)
   n, h, kvh, d = 3, 4, 2, 16
   cos_t, sin_t = rope_tables(d, 64, 10000.0, None)

@@ -1,4 +1,4 @@
-"""The sampling kernel (kernels/sample.inc), CUDA and Metal dialect, run on the CPU through the C++ emulation against
+"""The sampling kernel (csrc/neutral/sample.inc), CUDA and Metal dialect, run on the CPU through the C++ emulation against
 the portable sampler (tinyvllm/layers/sampler.py `sample`, tinygrad ops): the same token ids for greedy rows, seeded
 temperature rows (the same hashed noise) and a mix of both, a vocabulary that is not a multiple of the block, ties
 (the lowest id wins), rows of -inf with one finite logit; and which steps the backend sends to it."""
@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from tinygrad import Tensor, dtypes
 
-from tinyvllm.kernels.emulator import EmulatedKernels, Spec, find_compiler
+from tests.emulator.emulator import EmulatedKernels, Spec, find_compiler
+from tinyvllm.backend.sampling import NEUTRAL_PARAMS, SamplerVariant
 from tinyvllm.kernels.sample import sample_plan, takes
-from tinyvllm.layers.sampler import NEUTRAL_PARAMS, SamplerVariant, sample, sample_packed
+from tinyvllm.layers.sampler import sample, sample_packed
 
 ROWS, VOCAB = 6, 1000     # 1000: each of the 512 threads scans one or two ids
 
@@ -41,8 +42,10 @@ def _portable(logits, params, seeds, random: bool) -> np.ndarray:
   return sample(Tensor(logits), Tensor(params), Tensor(seeds), SamplerVariant(random, False, False)).numpy()
 
 
-@pytest.mark.parametrize("temperatures", [[0.0] * ROWS, [0.6, 1.0, 0.3, 2.0, 0.8, 1.5], [0.0, 0.7, 0.0, 1.2, 1e-6, 0.9]],
-                         ids=["greedy", "random", "mixed"])
+# the portable sampler's random variant takes tinygrad ~8 s to build on the CPU: the tests that run it are marked slow
+@pytest.mark.parametrize("temperatures", [pytest.param([0.0] * ROWS, id="greedy"),
+                                          pytest.param([0.6, 1.0, 0.3, 2.0, 0.8, 1.5], id="random", marks=pytest.mark.slow),
+                                          pytest.param([0.0, 0.7, 0.0, 1.2, 1e-6, 0.9], id="mixed", marks=pytest.mark.slow)])
 def test_kernel_draws_the_portable_samplers_tokens(emu, temperatures):
   rng = np.random.default_rng(len(temperatures) + int(sum(temperatures) * 10))
   for trial in range(3):
@@ -54,6 +57,7 @@ def test_kernel_draws_the_portable_samplers_tokens(emu, temperatures):
     np.testing.assert_array_equal(got[greedy], logits[greedy].argmax(1))
 
 
+@pytest.mark.slow
 def test_kernel_seeds_decide_the_draw(emu):
   rng = np.random.default_rng(1)
   logits, params, seeds = _inputs(rng, [1.0] * ROWS)
@@ -76,6 +80,7 @@ def test_kernel_ties_and_infinite_rows(emu):
   np.testing.assert_array_equal(got, _portable(logits, params, seeds, random=False))
 
 
+@pytest.mark.slow
 def test_packed_contract_is_the_samplers():
   rng = np.random.default_rng(3)
   logits, params, seeds = _inputs(rng, [0.0, 0.7, 1.0, 0.0, 1.3, 0.5])

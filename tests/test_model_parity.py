@@ -32,6 +32,7 @@ def pair(request, tmp_path_factory):
   return hf, LLM(str(folder), max_num_seqs=4)
 
 
+@pytest.mark.slow
 def test_last_position_logits_match(pair):
   hf, llm = pair
   ref = hf_logits(hf, PROMPT)[-1]
@@ -39,6 +40,7 @@ def test_last_position_logits_match(pair):
   assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-4
 
 
+@pytest.mark.slow
 def test_greedy_tokens_match(pair):
   hf, llm = pair
   ref, ref_logits = hf_greedy(hf, PROMPT, 32)

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from tests.scheduler_sim import fake_token, plan, random_requests, sim
-from tinyvllm.core.sequence import SequenceStatus
+from tests.scheduler_sim import fake_token, length_verdict, plan, random_requests, sim
+from tinyvllm.core.sequence import SequenceStatus, StopVerdict
 
 
 # ---- continuous batching ----
@@ -16,10 +16,10 @@ def test_single_request_prefill_then_decode():
   (a,) = s.add(list(range(6)), max_tokens=3)
   out = s.step()
   assert plan(out) == [(a.seq_id, 6)] and s.sampled[-1] == [a.seq_id]
-  assert a.block_table == [0, 1] and a.num_computed_tokens == 6 and len(a.output_token_ids) == 1
+  assert s.alloc.block_table(a) == [0, 1] and a.num_computed_tokens == 6 and len(a.output_token_ids) == 1
   assert plan(s.step()) == [(a.seq_id, 1)] and a.num_computed_tokens == 7
   out = s.step()
-  assert plan(out) == [(a.seq_id, 1)] and a.is_finished and a.block_table == []
+  assert plan(out) == [(a.seq_id, 1)] and a.is_finished and s.alloc.block_table(a) == []
   assert s.alloc.num_free_blocks == 64  # a finished sequence's blocks are free in the same step
   assert s.alloc.num_cached_blocks == 2  # its full blocks stay in the prefix cache
   s.check_done()
@@ -105,7 +105,7 @@ def test_prefix_cache_hit_on_admission():
   s.run()
   (b,) = s.add([*range(10), 77], max_tokens=2)
   out = s.step()
-  assert plan(out) == [(b.seq_id, 3)] and b.block_table == [0, 1, 3]  # 8 cached tokens, 3 computed
+  assert plan(out) == [(b.seq_id, 3)] and s.alloc.block_table(b) == [0, 1, 3]  # 8 cached tokens, 3 computed
   assert s.alloc.prefix_hits == 8 and s.starts[b.seq_id] == 8
   s.run()
   s.check_done()
@@ -118,12 +118,12 @@ def test_preemption_frees_blocks_and_requeues_at_front():
   (c,) = s.add(list(range(20, 22)), max_tokens=1)
   out = s.step()
   assert plan(out) == [(a.seq_id, 8), (b.seq_id, 6)] and list(s.sched.waiting) == [c]
-  assert a.block_table == [0, 1] and b.block_table == [2, 3] and s.alloc.num_free_blocks == 0
+  assert s.alloc.block_table(a) == [0, 1] and s.alloc.block_table(b) == [2, 3] and s.alloc.num_free_blocks == 0
   out = s.step()  # a's 9th token needs a block: b, the newest, is preempted
   assert out.preempted == [b] and plan(out) == [(a.seq_id, 1)]
-  assert b.block_table == [] and b.num_computed_tokens == 0 and b.status is SequenceStatus.WAITING
+  assert s.alloc.block_table(b) == [] and b.num_computed_tokens == 0 and b.status is SequenceStatus.WAITING
   assert list(s.sched.waiting) == [b, c] and s.sched.num_preemptions == 1
-  assert a.block_table == [0, 1, 3] and s.alloc.num_free_blocks == 1  # b's blocks were freed tail first
+  assert s.alloc.block_table(a) == [0, 1, 3] and s.alloc.num_free_blocks == 1  # b's blocks were freed tail first
   assert len(b.output_token_ids) == 1  # its sampled token survives: it is recomputed, not sampled again
   for _ in range(6):  # b needs 2 blocks for its 7 tokens, 1 is free: a runs alone until it finishes
     assert plan(s.step()) == [(a.seq_id, 1)]
@@ -140,7 +140,7 @@ def test_the_newest_sequence_preempts_itself():
   (a,) = s.add(list(range(3)), max_tokens=3)
   (b,) = s.add(list(range(10, 18)), max_tokens=2)
   s.step()
-  assert a.block_table == [0] and b.block_table == [1, 2] and s.alloc.num_free_blocks == 0
+  assert s.alloc.block_table(a) == [0] and s.alloc.block_table(b) == [1, 2] and s.alloc.num_free_blocks == 0
   out = s.step()  # a's token fits in its block; b, the newest, needs a block and none is free
   assert out.preempted == [b] and plan(out) == [(a.seq_id, 1)] and list(s.sched.waiting) == [b]
   assert s.alloc.num_free_blocks == 2
@@ -154,15 +154,15 @@ def test_preempted_sequence_readmitted_through_the_prefix_cache():
   (a,) = s.add(list(range(12)), max_tokens=3)
   (b,) = s.add(list(range(40, 48)), max_tokens=3)
   s.step()
-  assert a.block_table == [0, 1, 2] and b.block_table == [3, 4] and s.alloc.num_cached_blocks == 5
+  assert s.alloc.block_table(a) == [0, 1, 2] and s.alloc.block_table(b) == [3, 4] and s.alloc.num_cached_blocks == 5
   out = s.step()
   assert out.preempted == [b] and list(s.alloc.free_queue) == [3]  # b's tail (block 4) was freed first, and taken
-  assert a.block_table == [0, 1, 2, 4] and a.is_finished is False
+  assert s.alloc.block_table(a) == [0, 1, 2, 4] and a.is_finished is False
   assert s.alloc.num_cached_blocks == 4  # b's first block is still cached
   s.step()  # a finishes; b is readmitted: block 3 covers its first 4 tokens
   hits_before = s.alloc.prefix_hits
   out = s.step()
-  assert plan(out) == [(b.seq_id, 5)] and b.block_table[0] == 3 and s.starts[b.seq_id] == 4
+  assert plan(out) == [(b.seq_id, 5)] and s.alloc.block_table(b)[0] == 3 and s.starts[b.seq_id] == 4
   assert s.alloc.prefix_hits - hits_before == 4
   s.run()
   s.check_done()
@@ -172,21 +172,18 @@ def test_forks_share_the_parents_blocks():
   s = sim()
   parent, c1, c2 = s.add(list(range(6)), max_tokens=3, n=3)
   assert list(s.sched.waiting) == [parent] and s.sched.pending_forks[parent.seq_id] == [c1, c2]
-  out = s.sched.schedule()
+  out = s.sched.schedule()   # the parent's first sample forks its pending samples at once
   (item,) = out.scheduled
-  assert item.seq is parent and item.forks == [c1, c2] and item.samples
-  parent.num_computed_tokens = 6
-  s.alloc.register_computed(parent)
-  assert s.sched.fork(parent) == [c1, c2]
-  assert c1.block_table == c2.block_table == parent.block_table == [0, 1]
+  assert item.seq is parent and item.forks == (c1, c2) and item.samples and out.sampling_seqs == [parent, c1, c2]
+  assert s.alloc.block_table(c1) == s.alloc.block_table(c2) == s.alloc.block_table(parent) == [0, 1]
   assert [s.alloc.blocks[i].ref_count for i in (0, 1)] == [3, 3]
   assert c1.num_computed_tokens == c2.num_computed_tokens == 6 and s.sched.running == [parent, c1, c2]
   assert s.sched.pending_forks == {}
-  for seq in (parent, c1, c2): seq.output_token_ids.append(fake_token(seq))
+  s.sched.update_from_output(out, [fake_token(seq) for seq in out.sampling_seqs], length_verdict)
   out = s.sched.schedule()  # each write lands in shared block 1: two copies, the last sharer writes in place
   assert plan(out) == [(parent.seq_id, 1), (c1.seq_id, 1), (c2.seq_id, 1)]
   assert out.block_copies == [(1, 2), (1, 3)]
-  assert parent.block_table == [0, 2] and c1.block_table == [0, 3] and c2.block_table == [0, 1]
+  assert s.alloc.block_table(parent) == [0, 2] and s.alloc.block_table(c1) == [0, 3] and s.alloc.block_table(c2) == [0, 1]
   assert [s.alloc.blocks[i].ref_count for i in (0, 1, 2, 3)] == [3, 1, 1, 1]
   assert s.sched.pending_copies == []
 
@@ -195,11 +192,11 @@ def test_forks_only_on_the_sampling_chunk():
   s = sim(long_prefill_token_threshold=4)
   parent, child = s.add(list(range(10)), max_tokens=3, n=2)
   out = s.step()
-  assert plan(out) == [(parent.seq_id, 4)] and out.scheduled[0].forks == []
-  assert s.step().scheduled[0].forks == []
+  assert plan(out) == [(parent.seq_id, 4)] and out.scheduled[0].forks == ()
+  assert s.step().scheduled[0].forks == ()
   out = s.step()
-  assert plan(out) == [(parent.seq_id, 2)] and out.scheduled[0].forks == [child]
-  assert child.block_table == parent.block_table == [0, 1, 2] and child.status is SequenceStatus.RUNNING
+  assert plan(out) == [(parent.seq_id, 2)] and out.scheduled[0].forks == (child,)
+  assert s.alloc.block_table(child) == s.alloc.block_table(parent) == [0, 1, 2] and child.status is SequenceStatus.RUNNING
   assert len(child.output_token_ids) == 1 and child.output_token_ids != parent.output_token_ids
   out = s.step()
   assert out.block_copies == [(2, 3)]  # parent copies shared block 2 before writing; the child then owns it
@@ -235,21 +232,32 @@ def test_a_request_wider_than_max_num_seqs_runs_alone():
   s.check_done()
 
 
-def test_finish_removes_waiting_sequence_and_its_forks():
+def test_abort_removes_waiting_sequence_and_its_forks():
   s = sim()
-  parent, _child = s.add(list(range(5)), n=2)
-  s.sched.finish(parent)
+  parent, child = s.add(list(range(5)), n=2)
+  s.sched.abort([parent, child])
   assert not s.sched.has_unfinished() and s.sched.pending_forks == {}
+  assert parent.status is child.status is SequenceStatus.FINISHED_ABORTED
 
 
 def test_abort_running_sequence_frees_blocks():
   s = sim()
   (a,) = s.add(list(range(9)), max_tokens=5)
   s.step()
-  assert a.block_table == [0, 1, 2]
-  a.status = SequenceStatus.FINISHED_ABORTED
-  s.sched.finish(a)
-  assert a.block_table == [] and s.alloc.num_used_blocks == 0 and not s.sched.has_unfinished()
+  assert s.alloc.block_table(a) == [0, 1, 2]
+  s.sched.abort([a])
+  assert a.status is SequenceStatus.FINISHED_ABORTED
+  assert s.alloc.block_table(a) == [] and s.alloc.num_used_blocks == 0 and not s.sched.has_unfinished()
+
+
+def test_a_stop_verdict_ends_a_sequence_in_the_step_it_lands():
+  s = sim()
+  (a,) = s.add(list(range(5)), max_tokens=5)
+  out = s.sched.schedule()
+  stop = lambda seq, token, row: StopVerdict(SequenceStatus.FINISHED_STOPPED, token)
+  assert s.sched.update_from_output(out, [42], stop) == [a]
+  assert a.status is SequenceStatus.FINISHED_STOPPED and a.stop_reason == 42 and a.output_token_ids == [42]
+  assert s.alloc.num_used_blocks == 0 and not s.sched.has_unfinished()
 
 
 @pytest.mark.parametrize("seed, config", [

@@ -1,4 +1,4 @@
-"""Issue 5, acceptance 1, 2 and 4: the OpenAI server (a real `main.py serve` process) against the official client,
+"""The OpenAI server (a real `main.py serve` process) against the official client,
 checked against the offline LLM on the same model; 64 concurrent streams; /metrics."""
 from __future__ import annotations
 
@@ -68,6 +68,7 @@ def test_health_and_models(server, client):
   assert card["object"] == "model" and card["max_model_len"] == 512 and card["vocab_size"] == 512
 
 
+@pytest.mark.slow
 def test_greedy_completion_equals_offline_llm(client, llm):
   for prompt, max_tokens in ((PROMPT, 24), ("The cat sat", 16)):
     expected = greedy(llm, prompt, max_tokens=max_tokens)
@@ -85,6 +86,7 @@ def test_greedy_completion_equals_offline_llm(client, llm):
   assert default.usage.completion_tokens == 16 and default.choices[0].text == greedy(llm, PROMPT, max_tokens=16).text
 
 
+@pytest.mark.slow
 def test_prompt_lists_token_ids_n_and_echo(client, llm, tokenizer):
   other = "The cat sat"
   first, second = greedy(llm, PROMPT, max_tokens=10), greedy(llm, other, max_tokens=10)
@@ -102,6 +104,7 @@ def test_prompt_lists_token_ids_n_and_echo(client, llm, tokenizer):
   assert echo.choices[0].text == PROMPT + first.text
 
 
+@pytest.mark.slow
 def test_seeded_sampling_n2_streaming_and_usage(client):
   kw = dict(model=MODEL, prompt=PROMPT, n=2, temperature=1.0, seed=123, max_tokens=20)
   a, b = client.completions.create(**kw), client.completions.create(**kw)
@@ -158,6 +161,7 @@ def test_completion_logprobs(client):
   assert [x for c in chunks for x in c.choices[0].logprobs.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_chat_completions(server, client, llm):
   messages = [{"role": "user", "content": "Tell me a story."}]
   expected = llm.chat(messages, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
@@ -185,6 +189,7 @@ def test_chat_completions(server, client, llm):
   assert [c.index for c in two.choices] == [0, 1] and two.choices[0].message.content != two.choices[1].message.content
 
 
+@pytest.mark.slow
 def test_chat_template_kwargs_reach_the_template(server, client, llm, tokenizer):
   messages = [{"role": "user", "content": "Tell me a story."}]
   plain = tokenizer.apply_chat_template(messages)
@@ -199,6 +204,7 @@ def test_chat_template_kwargs_reach_the_template(server, client, llm, tokenizer)
   assert r.usage.prompt_tokens == counted.json()["count"] and r.choices[0].message.content == expected.outputs[0].text
 
 
+@pytest.mark.slow
 def test_chat_logprobs(client):
   messages = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "A story about a cat."}]
   r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3)
@@ -236,6 +242,7 @@ def _stream_text(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: i
   return run()
 
 
+@pytest.mark.slow
 def test_64_concurrent_streams_get_their_own_text_and_free_every_block(server, llm):
   prompts = [f"{s} {a}" for s in SUBJECTS for a in ACTIONS]
   assert len(set(prompts)) == 64

@@ -89,7 +89,7 @@ def test_contiguous_fork_copy_reported_next_step():
   s = Sim(Scheduler(ContiguousAllocator(4, 32), SchedulerConfig()))
   parent, child = s.add(list(range(5)), max_tokens=3, n=2)
   s.step()
-  assert parent.block_table == [0] and child.block_table == [1] and s.sched.pending_copies == [(0, 1)]
+  assert s.alloc.block_table(parent) == [0] and s.alloc.block_table(child) == [1] and s.sched.pending_copies == [(0, 1)]
   out = s.step()
   assert out.block_copies == [(0, 1)] and plan(out) == [(parent.seq_id, 1), (child.seq_id, 1)]
   s.run()

@@ -2,21 +2,14 @@
 rows of the fused backends; none of them may change a token."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tinyvllm import LLM, SamplingParams
+from tinyvllm.backend.sampling import SamplerVariant
 from tinyvllm.config import ConfigError, EngineConfig
-from tinyvllm.layers.sampler import SamplerVariant
-from tinyvllm.worker.model_runner import covers
+from tinyvllm.worker.step_layout import covers
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
-
-
-@pytest.fixture(scope="module")
-def reference(stories_dir):
-  return json.loads((stories_dir / "reference_greedy.json").read_text())
 
 
 def test_warm_up_captures_each_bucket_once_and_greedy_reuses_them(stories_dir, reference):
@@ -58,6 +51,7 @@ def record_steps(llm: LLM) -> list[tuple[int, int]]:
   return seen
 
 
+@pytest.mark.slow
 def test_prompt_steps_padded_to_max_num_seqs_change_no_token(stories_dir, reference):
   """The fused backends pad steps with prompt chunks to max_num_seqs rows; forced here on the portable path."""
   prompts = [reference["prompt_ids"], [1, 2, 3, 4, 5, 6, 7], reference["zoo"]["prompt_ids"]]

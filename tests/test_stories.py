@@ -1,27 +1,16 @@
 """Acceptance 2 and 6: the real stories260K weights reproduce their recorded greedy output, also from the CLI."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tinyvllm import LLM, SamplingParams
+from tinyvllm import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(temperature=0, max_tokens=256)
-
-
-@pytest.fixture(scope="module")
-def reference(stories_dir):
-  return json.loads((stories_dir / "reference_greedy.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def llm(stories_dir):
-  return LLM(str(stories_dir), max_num_seqs=8, num_gpu_blocks=256)
 
 
 def test_greedy_from_bos(llm, reference):
@@ -38,12 +27,14 @@ def test_zoo_prompt(llm, reference):
   assert out.prompt_token_ids + out.outputs[0].token_ids == zoo["greedy_ids_64"]
 
 
+@pytest.mark.slow
 def test_first_positions_argmax(llm, reference):
   ids = reference["prompt_ids"] + reference["greedy_ids"]
   argmax = [int(llm.engine.compute_logits(ids[:i + 1]).argmax()) for i in range(0, 32, 7)]
   assert argmax == reference["logits_first32_argmax"][0:32:7]
 
 
+@pytest.mark.slow
 def test_cli_generate_prints_a_story(stories_dir, llm):
   cmd = [sys.executable, "main.py", "generate", "--model", str(stories_dir), "--prompt", "Once upon a time",
          "--max-tokens", "64", "--temperature", "0"]

@@ -74,11 +74,6 @@ def hf_tokenizer_at(rel: str) -> HFTokenizer:
 
 
 @pytest.fixture(scope="module")
-def qwen(shared_data: Path) -> Tokenizer:
-  return tokenizer_at(QWEN3)
-
-
-@pytest.fixture(scope="module")
 def llama3(shared_data: Path) -> Tokenizer:
   return tokenizer_at(LLAMA3)
 

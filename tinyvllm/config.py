@@ -1,7 +1,12 @@
-"""Configuration dataclasses: the model's shape (read from an HF config.json) and the engine's settings."""
+"""Configuration: the model's shape (read from an HF config.json), the engine's settings, and the environment.
+
+This is the one module of the runtime package that reads environment variables (the CLI layer reads its own): `DEV`
+(tinygrad's device), `CC` (the C compiler tinygrad's CPU backend runs), `TINYVLLM_CACHE`, `HF_ENDPOINT`, `HF_TOKEN`.
+"""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,6 +15,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTENTION_BACKENDS = ("auto", "portable", "cuda", "metal")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")   # vLLM's names; fp8 = fp8_e4m3
+CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "NONE")   # vLLM's names: which step layouts are captured
 
 
 class ConfigError(ValueError):
@@ -133,6 +139,16 @@ class EngineConfig:
   # decode batch sizes captured at start-up (bucketed to powers of two); None: every bucket up to max_num_seqs on a GPU,
   # none on the CPU; []: none (each layout is then captured when first met)
   cuda_graph_sizes: list[int] | None = None
+  # which step layouts run as TinyJit captures (CUDA graphs on CUDA): FULL every layout, FULL_DECODE_ONLY decode steps
+  # only (steps with prompt chunks eager), NONE; None: FULL on GPUs, FULL_DECODE_ONLY on the CPU (where clang compiles
+  # of the many prefill layouts cost more than they save). enforce_eager (vLLM's) is NONE.
+  cudagraph_mode: str | None = None
+  enforce_eager: bool = False
+  # the persistent decode-layer kernel (CUDA, Hopper): on for the row counts its tuning table bounds; max_context
+  # overrides the table's context bound for every row count
+  decode_layer_kernel: bool = True
+  decode_layer_max_context: int | None = None
+  download_dir: str | None = None               # where hub models are downloaded (default: $TINYVLLM_CACHE/hub)
   # schedule step n+1 while step n runs, its in-flight tokens taken on the device; None: on for CUDA (where the copy of
   # the samples to the host can wait on an event), off elsewhere
   async_scheduling: bool | None = None
@@ -157,10 +173,49 @@ class EngineConfig:
        f"cuda_graph_sizes must be batch sizes >= 1, got {self.cuda_graph_sizes}"),
       (self.attention_backend in ATTENTION_BACKENDS,
        f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"),
+      (self.cudagraph_mode is None or self.cudagraph_mode.upper() in CUDAGRAPH_MODES,
+       f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, got {self.cudagraph_mode!r}"),
+      (self.decode_layer_max_context is None or self.decode_layer_max_context >= 1,
+       f"decode_layer_max_context must be >= 1, got {self.decode_layer_max_context}"),
     ]
     for ok, message in checks:
       if not ok: raise ConfigError(message)
+    if self.device is None: self.device = os.environ.get("DEV") or None   # tinygrad's own variable
+    if self.cudagraph_mode is not None: self.cudagraph_mode = self.cudagraph_mode.upper()
+    if self.enforce_eager: self.cudagraph_mode = "NONE"
     if self.max_num_batched_tokens is None: self.max_num_batched_tokens = max(2048, self.max_num_seqs)
     if self.max_num_batched_tokens < self.max_num_seqs:
       raise ConfigError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}) "
                         "so that every running sequence can decode in each step")
+
+  def kernel_options(self) -> KernelOptions:
+    return KernelOptions(self.decode_layer_kernel, self.decode_layer_max_context)
+
+  def hub_settings(self) -> HubSettings:
+    return HubSettings.from_environment(self.download_dir)
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+  """The hand-written kernels' engine-level choices."""
+  decode_layer: bool = True                    # the persistent decode-layer kernel where the device's table bounds it
+  decode_layer_max_context: int | None = None  # its context bound for every row count (None: the tuning table's)
+
+
+@dataclass(frozen=True)
+class HubSettings:
+  """Where hub models are cached and how the hub is reached."""
+  cache_dir: Path
+  endpoint: str = "https://huggingface.co"
+  token: str | None = None
+
+  @staticmethod
+  def from_environment(download_dir: str | None = None) -> HubSettings:
+    default = Path(os.environ.get("TINYVLLM_CACHE", Path.home() / ".cache" / "tinyvllm")) / "hub"
+    return HubSettings(Path(download_dir).expanduser() if download_dir else default,
+                       os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/"), os.environ.get("HF_TOKEN") or None)
+
+
+def cpu_c_compiler() -> str:
+  """The C compiler tinygrad's CPU backend runs (its `CC`, default clang)."""
+  return os.environ.get("CC", "clang")

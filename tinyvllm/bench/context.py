@@ -1,8 +1,8 @@
 """Decode tok/s vs context length at a given batch size.
 
-The contexts are filled without computing them: the benchmark gives each sequence the blocks of a context of the wanted
-length and marks it computed (the cache holds whatever it held), so that only decode steps are timed and no time goes
-to prefilling batch x context tokens. Attention reads the same number of bytes whatever the cache holds.
+Each context is run twice with the same prompts: the first run prefills them for real (and captures the step layouts),
+the second finds every full block of its prompts in the prefix cache, so that its timed steps are decode steps over
+contexts of the wanted length. The engine needs prefix caching on, and a cache that holds the batch's contexts.
 """
 from __future__ import annotations
 
@@ -32,23 +32,20 @@ class ContextResult:
     return f"decode batch {self.batch:>4} at context {self.context:>6}: {self.tok_s:9.1f} tok/s ({self.step_ms:.2f} ms/step)"
 
 
-def _fill_contexts(llm: LLM, batch: int, context: int, steps: int, seed: int) -> None:
+def _add_requests(llm: LLM, batch: int, context: int, steps: int, seed: int, tag: str) -> None:
   engine, rng = llm.engine, np.random.default_rng(seed)
   vocab = min(10000, engine.model_config.vocab_size)
   for i in range(batch):
-    engine.add_request(f"ctx-{seed}-{i}", rng.integers(0, vocab, context).tolist(),
+    engine.add_request(f"ctx-{tag}-{seed}-{i}", rng.integers(0, vocab, context).tolist(),
                        SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
-  scheduler = engine.scheduler
-  for seq in list(scheduler.waiting):
-    scheduler._admit(seq)
-    engine.allocator.append_slots(seq, seq.num_tokens - 1)
-    seq.num_computed_tokens = seq.num_tokens - 1   # pretend the prompt (but its last token) is in the cache
 
 
-def decode_at_context(llm: LLM, batch: int, context: int, steps: int = 32, seed: int = 0) -> ContextResult:
+def decode_at_context(llm: LLM, batch: int, context: int, steps: int = 32, seed: int = 0, tag: str = "run") -> ContextResult:
+  """`steps` decode steps of `batch` sequences at `context` tokens; the first two (the last prompt tokens and the first
+  samples) are not timed."""
   engine = llm.engine
-  _fill_contexts(llm, batch, context, steps, seed)
-  engine.step()                          # the last prompt token of each sequence + the first sample
+  _add_requests(llm, batch, context, steps, seed, tag)
+  engine.step()
   engine.step()
   start = time.perf_counter()
   for _ in range(steps - 2): engine.step()
@@ -58,9 +55,11 @@ def decode_at_context(llm: LLM, batch: int, context: int, steps: int = 32, seed:
 
 
 def run_context_sweep(llm: LLM, batch: int, contexts: list[int], steps: int = 32) -> list[ContextResult]:
+  if not getattr(llm.engine.allocator, "enable_prefix_caching", False):
+    raise ValueError("the context sweep needs prefix caching (its timed runs find their prompts in the cache)")
   results = []
   for i, context in enumerate(contexts):
-    decode_at_context(llm, batch, context, steps, seed=2 * i)           # warm-up: captures this context's layouts
-    results.append(decode_at_context(llm, batch, context, steps, seed=2 * i + 1))
+    decode_at_context(llm, batch, context, steps, seed=i, tag="prefill")   # computes the prompts, captures the layouts
+    results.append(decode_at_context(llm, batch, context, steps, seed=i, tag="cached"))
     print(results[-1].line(), flush=True)
   return results

@@ -6,8 +6,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tinyvllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
-from tinyvllm.core.sequence import Sequence, SequenceStatus
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.sampling_params import SamplingParams
 
@@ -65,40 +63,34 @@ def with_kv_cache(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) 
 
 
 def without_kv_cache(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> DecodeResult:
-  """Every step recomputes the whole sequence from scratch: what decoding costs with no cache."""
-  params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-  seqs = [Sequence(f"nocache-{i}", p, params, seed=0, status=SequenceStatus.RUNNING) for i, p in enumerate(prompts)]
-  allocator, times = engine.allocator, []
-  try:
-    for _ in range(new_tokens):
-      t = time.perf_counter()
-      for seq in seqs:  # forget everything: the whole sequence is computed again
-        if seq.block_table: allocator.free(seq)
-        seq.num_computed_tokens = 0
-        allocator.allocate(seq)
-        allocator.append_slots(seq, seq.num_tokens)
-      result = engine.runner.execute(SchedulerOutput([ScheduledSequence(s, s.num_tokens) for s in seqs]))
-      for seq, token in zip(result.seqs, result.token_ids, strict=True): seq.output_token_ids.append(token)
-      times.append(time.perf_counter() - t)
-  finally:
-    for seq in seqs:
-      if seq.block_table: allocator.free(seq)
-  return DecodeResult("no kv cache", len(prompts), len(prompts[0]), new_tokens, times[0], sum(times[1:]),
-                      [s.output_token_ids for s in seqs])
+  """Every step recomputes each whole sequence from scratch (a fresh one-token request over prompt + output so far,
+  the prefix cache emptied first): what decoding costs with no cache."""
+  params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+  outputs: list[list[int]] = [[] for _ in prompts]
+  times = []
+  for step in range(new_tokens):
+    t = time.perf_counter()
+    engine.reset_prefix_cache()
+    ids = [f"nocache-{step}-{i}" for i in range(len(prompts))]
+    for rid, prompt, out in zip(ids, prompts, outputs, strict=True): engine.add_request(rid, prompt + out, params)
+    finals = {}
+    while engine.has_unfinished_requests():
+      for result in engine.step(): finals[result.request_id] = result
+    for rid, out in zip(ids, outputs, strict=True): out += finals[rid].outputs[0].token_ids
+    times.append(time.perf_counter() - t)
+  return DecodeResult("no kv cache", len(prompts), len(prompts[0]), new_tokens, times[0], sum(times[1:]), outputs)
 
 
 def run_decode_bench(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, no_kv_cache: bool,
                      warmup: bool = True) -> list[DecodeResult]:
-  """Each mode runs twice and reports the second run, so that JIT captures of every shape are warm. Prefix caching is
-  off meanwhile: a hit on the warm-up's blocks would skip the prefill (and, without the KV cache, the recomputation)."""
+  """Each mode runs twice and reports the second run, so that JIT captures of every shape are warm. The prefix cache
+  is emptied before each run: a hit on the warm-up's blocks would skip the prefill."""
   prompts = random_prompts(engine, batch, prompt_len)
   modes = [with_kv_cache] + ([without_kv_cache] if no_kv_cache else [])
-  allocator = engine.allocator
-  caching = getattr(allocator, "enable_prefix_caching", False)
-  allocator.enable_prefix_caching = False
-  try:
-    if warmup:
-      for mode in modes: mode(engine, prompts, new_tokens)
-    return [mode(engine, prompts, new_tokens) for mode in modes]
-  finally:
-    allocator.enable_prefix_caching = caching
+  results = []
+  for mode in modes:
+    for run in range(2 if warmup else 1):
+      engine.reset_prefix_cache()
+      result = mode(engine, prompts, new_tokens)
+      if run == 1 or not warmup: results.append(result)
+  return results

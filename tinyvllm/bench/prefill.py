@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tinyvllm.bench.memory import track_peak_memory
 from tinyvllm.engine.llm import LLM
+from tinyvllm.platform.tinygrad_compat import track_peak_memory
 from tinyvllm.sampling_params import SamplingParams
 
 

@@ -5,7 +5,7 @@ import argparse
 import random
 from typing import Any
 
-from tinyvllm.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES
+from tinyvllm.config import ATTENTION_BACKENDS, CUDAGRAPH_MODES, DTYPES, KV_CACHE_DTYPES, EngineConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -24,6 +24,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                       "none on the CPU; the flag alone: none)")
   g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                  help="schedule each step while the previous one runs on the device (default: on for CUDA)")
+  g.add_argument("--cudagraph-mode", type=str.upper, choices=CUDAGRAPH_MODES,
+                 help="step layouts run as captured graphs: FULL, FULL_DECODE_ONLY or NONE (default: FULL on a GPU, "
+                      "FULL_DECODE_ONLY on the CPU)")
+  g.add_argument("--enforce-eager", action="store_true", help="run every step eagerly, nothing captured (= --cudagraph-mode NONE)")
+  g.add_argument("--decode-layer-kernel", action=argparse.BooleanOptionalAction, default=True,
+                 help="CUDA, Hopper: every layer of 1-4-sequence decode steps in one persistent kernel (default: on)")
+  g.add_argument("--decode-layer-max-context", type=int,
+                 help="the longest context bucket the decode-layer kernel takes (default: the device's tuning table)")
+  g.add_argument("--download-dir", help="where hub models are downloaded (default: $TINYVLLM_CACHE/hub, ~/.cache/tinyvllm/hub)")
   c = p.add_argument_group("KV cache and scheduler")
   c.add_argument("--kv-cache", default="paged", choices=("paged", "contiguous"), help="contiguous: the pre-allocated baseline")
   c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -45,12 +54,17 @@ ENGINE_FLAGS = ("tokenizer", "dtype", "device", "max_model_len", "load_format", 
                 "kv_cache_dtype",
                 "gpu_memory_utilization", "num_gpu_blocks", "enable_prefix_caching", "scheduler", "max_num_seqs",
                 "max_num_batched_tokens", "enable_chunked_prefill", "long_prefill_token_threshold", "attention_backend",
-                "cuda_graph_sizes", "async_scheduling")
+                "cuda_graph_sizes", "async_scheduling", "cudagraph_mode", "enforce_eager", "decode_layer_kernel",
+                "decode_layer_max_context", "download_dir")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
   kwargs = {k: getattr(args, k) for k in ENGINE_FLAGS}
   return {**kwargs, "seed": args.seed if args.seed is not None else random.SystemRandom().getrandbits(32)}
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+  return EngineConfig(model=args.model, **engine_kwargs(args))
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -42,8 +42,8 @@ def add_serve_parser(kinds: argparse._SubParsersAction) -> None:
 
 
 def run_decode(args: argparse.Namespace) -> int:
-  from tinyvllm import LLM
   from tinyvllm.bench.decode import run_decode_bench
+  from tinyvllm.engine.llm import LLM
   llm = LLM(args.model, **engine_kwargs(args))
   results = run_decode_bench(llm.engine, args.batch_size, args.prompt_len, args.max_tokens, args.no_kv_cache)
   for r in results: print(r.line())

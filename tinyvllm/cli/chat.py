@@ -19,7 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-  from tinyvllm import LLM, SamplingParams
+  from tinyvllm.engine.llm import LLM
+  from tinyvllm.sampling_params import SamplingParams
   llm = LLM(args.model, **engine_kwargs(args))
   tokenizer = llm.get_tokenizer()
   if tokenizer is None or not tokenizer.has_chat_template:

@@ -16,7 +16,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-  from tinyvllm import LLM, SamplingParams
+  from tinyvllm.engine.llm import LLM
+  from tinyvllm.sampling_params import SamplingParams
   prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
   params = SamplingParams(**sampling_kwargs(args))
   llm = LLM(args.model, **engine_kwargs(args))

@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 
-from tinyvllm.cli.args import add_engine_args
+from tinyvllm.cli.args import add_engine_args, engine_config
 
 SERVE_PACKAGES = {"fastapi", "uvicorn", "starlette", "prometheus_client", "pydantic"}
 
@@ -28,9 +28,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
   try:
-    from tinyvllm.entrypoints.api_server import run_server
+    from tinyvllm.entrypoints.api_server import ServerSettings, run_server
   except ImportError as e:
     if (e.name or "").split(".")[0] not in SERVE_PACKAGES: raise
     print(f"error: `serve` needs the serve extra ({e.name} is not installed): pip install -e '.[serve]'", file=sys.stderr)
     return 2
-  return run_server(args)
+  settings = ServerSettings(args.host, args.port, args.api_key, args.served_model_name, args.shutdown_timeout, args.log_level,
+                            args.access_log)
+  return run_server(engine_config(args), settings)

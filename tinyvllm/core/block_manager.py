@@ -5,13 +5,14 @@ ones through its block table, growing on demand. Blocks are reference counted so
 forks (n > 1) share the prompt's blocks, and the first write into a shared, partly filled block copies it
 (copy-on-write). With prefix caching, every full block is keyed by a hash of its tokens chained with the previous
 block's hash; a new sequence reuses the cached blocks of its prompt, and freed cached blocks stay reusable until the
-free list evicts them in LRU order.
+free list evicts them in LRU order. The block manager owns each sequence's block table (`block_table(seq)`); the
+scheduler is its only caller.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tinyvllm.core.sequence import Sequence
 
@@ -31,12 +32,21 @@ def chain_hash(previous: int | None, tokens: Seq[int]) -> int:
   return hash((previous, tuple(tokens)))
 
 
+@dataclass
+class SequenceBlocks:
+  """What the block manager keeps per sequence."""
+  table: list[int] = field(default_factory=list)    # physical block of each logical block
+  hashes: list[int] = field(default_factory=list)   # chained hashes of its full blocks (memoised, prefix caching)
+  registered: int = 0                               # leading blocks already entered in the prefix cache
+
+
 class BlockManager:
   def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
     self.num_blocks, self.block_size, self.enable_prefix_caching = num_blocks, block_size, enable_prefix_caching
     self.blocks = [Block(i) for i in range(num_blocks)]
     self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)  # LRU first
     self.cached: dict[int, Block] = {}                   # block hash -> full, cached block
+    self.seqs: dict[int, SequenceBlocks] = {}            # seq id -> its table (and hashes, while it may need them)
     self.prefix_hits = self.prefix_queries = 0           # in tokens
 
   # ---- counters ----
@@ -57,10 +67,15 @@ class BlockManager:
 
   def blocks_for(self, num_tokens: int) -> int: return -(-num_tokens // self.block_size)
 
+  def block_table(self, seq: Sequence) -> list[int]:
+    """seq's blocks (the live list: it grows as the sequence does); empty while it holds none."""
+    record = self.seqs.get(seq.seq_id)
+    return record.table if record is not None else []
+
   # ---- prefix cache ----
   def _block_hashes(self, seq: Sequence, num_tokens: int) -> list[int]:
     """Chained hashes of seq's full blocks within its first num_tokens tokens (memoised on the sequence)."""
-    hashes = seq.block_hashes
+    hashes = self.seqs.setdefault(seq.seq_id, SequenceBlocks()).hashes
     while len(hashes) < num_tokens // self.block_size:
       start = len(hashes) * self.block_size
       hashes.append(chain_hash(hashes[-1] if hashes else None, seq.token_slice(start, start + self.block_size)))
@@ -81,14 +96,14 @@ class BlockManager:
   def register_computed(self, seq: Sequence) -> None:
     """Enter seq's newly completed full blocks into the prefix cache (call after its tokens were computed)."""
     if not self.enable_prefix_caching: return
-    hashes = self._block_hashes(seq, seq.num_computed_tokens)
-    for i in range(seq.num_registered_blocks, len(hashes)):
-      block = self.blocks[seq.block_table[i]]
+    hashes, record = self._block_hashes(seq, seq.num_computed_tokens), self.seqs[seq.seq_id]
+    for i in range(record.registered, len(hashes)):
+      block = self.blocks[record.table[i]]
       if block.block_hash is None and hashes[i] not in self.cached:
         block.block_hash, block.parent_hash = hashes[i], hashes[i - 1] if i else None
         block.token_ids = tuple(seq.token_slice(i * self.block_size, (i + 1) * self.block_size))
         self.cached[hashes[i]] = block
-    seq.num_registered_blocks = len(hashes)
+    record.registered = len(hashes)
 
   # ---- allocation ----
   def _take_free(self) -> Block:
@@ -121,11 +136,11 @@ class BlockManager:
 
   def allocate(self, seq: Sequence, num_seqs: int = 1) -> int:
     """Attach the cached prefix to a waiting sequence; returns how many tokens it covers (now computed)."""
-    assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
+    assert not self.block_table(seq), f"sequence {seq.seq_id} already holds blocks"
     hits = self.cached_prefix(seq)
     for block in hits: self._acquire(block)
-    seq.block_table = [b.block_id for b in hits]
-    seq.num_registered_blocks = len(hits)
+    record = self.seqs.setdefault(seq.seq_id, SequenceBlocks())
+    record.table, record.registered = [b.block_id for b in hits], len(hits)
     cached_tokens = len(hits) * self.block_size
     self.prefix_queries += len(seq.prompt_token_ids)
     self.prefix_hits += min(cached_tokens, len(seq.prompt_token_ids))
@@ -135,39 +150,40 @@ class BlockManager:
     return self._new_blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
   def _new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-    needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+    needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(self.block_table(seq))
     return max(needed, 0) + (1 if self._needs_copy(seq, num_new_tokens) else 0)
 
   def _needs_copy(self, seq: Sequence, num_new_tokens: int) -> bool:
     """The next write lands in a partly filled block that others share."""
     offset = seq.num_computed_tokens % self.block_size
     if num_new_tokens == 0 or offset == 0: return False
-    return self.blocks[seq.block_table[seq.num_computed_tokens // self.block_size]].ref_count > 1
+    return self.blocks[self.block_table(seq)[seq.num_computed_tokens // self.block_size]].ref_count > 1
 
   def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[BlockCopy]:
     """Give seq room for num_new_tokens more K/V entries; returns block copies the runner must do first (COW)."""
     assert self.can_append(seq, num_new_tokens), f"no room for {num_new_tokens} tokens of sequence {seq.seq_id}"
-    copies = []
+    copies, table = [], self.seqs.setdefault(seq.seq_id, SequenceBlocks()).table
     if self._needs_copy(seq, num_new_tokens):
       index = seq.num_computed_tokens // self.block_size
-      shared, fresh = self.blocks[seq.block_table[index]], self._take_free()
+      shared, fresh = self.blocks[table[index]], self._take_free()
       self._release(shared)
-      seq.block_table[index] = fresh.block_id
+      table[index] = fresh.block_id
       copies.append((shared.block_id, fresh.block_id))
-    while len(seq.block_table) < self.blocks_for(seq.num_computed_tokens + num_new_tokens):
-      seq.block_table.append(self._take_free().block_id)
+    while len(table) < self.blocks_for(seq.num_computed_tokens + num_new_tokens): table.append(self._take_free().block_id)
     return copies
 
   def fork(self, parent: Sequence, child: Sequence) -> list[BlockCopy]:
     """The child shares all of the parent's blocks (copy-on-write happens on its first write)."""
-    for block_id in parent.block_table: self._acquire(self.blocks[block_id])
-    child.block_table, child.num_registered_blocks = list(parent.block_table), parent.num_registered_blocks
+    record = self.seqs[parent.seq_id]
+    for block_id in record.table: self._acquire(self.blocks[block_id])
+    self.seqs[child.seq_id] = SequenceBlocks(list(record.table), list(record.hashes), record.registered)
     return []
 
   def free(self, seq: Sequence) -> None:
-    """Release seq's blocks, tail first, so that LRU eviction takes a prompt's tail before its shared head."""
-    for block_id in reversed(seq.block_table): self._release(self.blocks[block_id])
-    seq.block_table, seq.num_registered_blocks = [], 0
+    """Release seq's blocks (if any), tail first, so that LRU eviction takes a prompt's tail before its shared head,
+    and forget the sequence."""
+    record = self.seqs.pop(seq.seq_id, None)
+    for block_id in reversed(record.table if record is not None else []): self._release(self.blocks[block_id])
 
   def reset_prefix_cache(self) -> None:
     for block in self.cached.values(): block.block_hash, block.parent_hash, block.token_ids = None, None, ()

@@ -15,6 +15,7 @@ class ContiguousAllocator:
     self.num_blocks, self.block_size = num_rows, row_len
     self.free_rows = list(range(num_rows - 1, -1, -1))
     self.reserved: dict[int, list[int]] = {}   # parent seq id -> rows kept for its forks
+    self.rows: dict[int, list[int]] = {}       # seq id -> [its row]
 
   @property
   def num_free_blocks(self) -> int: return len(self.free_rows)
@@ -24,13 +25,15 @@ class ContiguousAllocator:
 
   def blocks_for(self, num_tokens: int) -> int: return 1
 
+  def block_table(self, seq: Sequence) -> list[int]: return self.rows.get(seq.seq_id, [])
+
   def can_allocate(self, seq: Sequence, num_new_tokens: int, num_seqs: int = 1) -> bool:
     return len(self.free_rows) >= num_seqs
 
   def allocate(self, seq: Sequence, num_seqs: int = 1) -> int:
     """Give seq a row (and rows for its forks); returns the tokens already computed (none: no prefix reuse here)."""
-    assert not seq.block_table, f"sequence {seq.seq_id} already holds a row"
-    seq.block_table = [self.free_rows.pop()]
+    assert seq.seq_id not in self.rows, f"sequence {seq.seq_id} already holds a row"
+    self.rows[seq.seq_id] = [self.free_rows.pop()]
     if num_seqs > 1: self.reserved[seq.seq_id] = [self.free_rows.pop() for _ in range(num_seqs - 1)]
     return 0
 
@@ -43,12 +46,11 @@ class ContiguousAllocator:
     return []
 
   def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
-    child.block_table = [self.reserved[parent.seq_id].pop()]
-    return [(parent.block_table[0], child.block_table[0])]
+    self.rows[child.seq_id] = [self.reserved[parent.seq_id].pop()]
+    return [(self.rows[parent.seq_id][0], self.rows[child.seq_id][0])]
 
   def register_computed(self, seq: Sequence) -> None:
     """No prefix cache in the contiguous baseline."""
 
   def free(self, seq: Sequence) -> None:
-    self.free_rows.extend(reversed(seq.block_table + self.reserved.pop(seq.seq_id, [])))
-    seq.block_table = []
+    self.free_rows.extend(reversed(self.rows.pop(seq.seq_id, []) + self.reserved.pop(seq.seq_id, [])))

@@ -6,16 +6,17 @@ from dataclasses import dataclass, field
 from tinyvllm.core.sequence import Sequence
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledSequence:
+  """One sequence's part of a step, fixed when the step is scheduled (the sequence itself moves on at once)."""
   seq: Sequence
-  num_new_tokens: int          # tokens computed this step, starting at seq.num_computed_tokens
-  forks: list[Sequence] = field(default_factory=list)  # samples to fork off this sequence, sampled from its logits
-
-  @property
-  def samples(self) -> bool:
-    """Whether this step reaches the sequence's last token, so that a new token is sampled for it."""
-    return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+  start: int                   # the first position computed: the sequence's computed tokens before the step
+  num_new_tokens: int          # tokens computed this step, positions start .. start + num_new_tokens - 1
+  block_table: list[int]       # the block manager's table of the sequence (valid until the next schedule())
+  samples: bool                # the step reaches the sequence's last token: a token is sampled for it (and its forks)
+  forks: tuple[Sequence, ...] = ()   # samples forked off the sequence this step, each sampled from its logits
+  token_source: int = -1       # >= 0: the last new token is still in flight, in this row of the previous step's samples
+  sample_index: int = 0        # the index in seq's output of the token sampled for it (its forks sample their first)
 
 
 @dataclass
@@ -26,5 +27,10 @@ class SchedulerOutput:
 
   @property
   def num_tokens(self) -> int: return sum(s.num_new_tokens for s in self.scheduled)
+
+  @property
+  def sampling_seqs(self) -> list[Sequence]:
+    """The sequence each sampled row is for, in row order (a sequence, then the samples forked off it)."""
+    return [target for item in self.scheduled if item.samples for target in (item.seq, *item.forks)]
 
   def __bool__(self) -> bool: return bool(self.scheduled)

@@ -25,7 +25,9 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-  """One generated continuation of a prompt. Its KV lives in the blocks of `block_table`."""
+  """One generated continuation of a prompt. Its state fields (status, output_token_ids, num_computed_tokens, the
+  in-flight placeholders, stop_reason) are written by the scheduler alone (tests/test_architecture.py enforces it);
+  its KV blocks are the block manager's (`block_table(seq)`)."""
   request_id: str
   prompt_token_ids: list[int]
   params: SamplingParams
@@ -34,15 +36,12 @@ class Sequence:
   seq_id: int = field(default_factory=lambda: next(_seq_ids))
   output_token_ids: list[int] = field(default_factory=list)
   status: SequenceStatus = SequenceStatus.WAITING
-  num_computed_tokens: int = 0                # tokens whose K/V are in the cache
-  block_table: list[int] = field(default_factory=list)
-  block_hashes: list[int] = field(default_factory=list)   # chained hashes of full blocks (prefix caching)
-  num_registered_blocks: int = 0                          # leading blocks already entered in the prefix cache
+  num_computed_tokens: int = 0                # tokens whose K/V are in the cache (or being computed by a launched step)
   stop_reason: int | str | None = None
   arrival_time: float = field(default_factory=time.monotonic)
-  # Asynchronous scheduling: tokens sampled by a step still in flight (0 or 1 when a step is scheduled). They count in
+  # Asynchronous scheduling: tokens sampled by steps still in flight (0 or 1 when a step is scheduled). They count in
   # num_tokens, so the next step can be scheduled before they are read, and take their id on the device from row
-  # `pending_row` of the in-flight step's samples.
+  # `pending_row` of the latest such step's samples.
   num_pending: int = 0
   pending_row: int = -1
 
@@ -82,6 +81,13 @@ class Sequence:
 
   @property
   def in_prefill(self) -> bool: return self.num_computed_tokens < len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class StopVerdict:
+  """The output processor's finding that a sequence is done; the scheduler applies it."""
+  status: SequenceStatus          # FINISHED_STOPPED or FINISHED_LENGTH
+  stop_reason: int | str | None = None   # the stop string or stop token id (None: EOS or a length limit)
 
 
 @dataclass

@@ -9,20 +9,23 @@ from pathlib import Path
 
 import numpy as np
 
+from tinyvllm.backend.interface import FP8_KV_CACHE
 from tinyvllm.config import ConfigError, EngineConfig, ModelConfig
+from tinyvllm.core.async_scheduling import make_scheduler
 from tinyvllm.core.block_manager import BlockManager
 from tinyvllm.core.contiguous_allocator import ContiguousAllocator
-from tinyvllm.core.scheduler import Scheduler, SchedulerConfig, StaticScheduler
-from tinyvllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
-from tinyvllm.core.sequence import Request, Sequence, SequenceStatus
-from tinyvllm.device import check_dtype, is_cpu, select_device
+from tinyvllm.core.scheduler import SchedulerConfig
+from tinyvllm.core.scheduler_output import SchedulerOutput
+from tinyvllm.core.sequence import Request, Sequence
 from tinyvllm.engine.output_processor import OutputProcessor
-from tinyvllm.kernels import select_attention_backend
+from tinyvllm.kernels.selection import BackendRequest, select_backend
 from tinyvllm.layers.fp8 import FP8_STORAGE
 from tinyvllm.model.hub import resolve_model
 from tinyvllm.model.loader import load_model, resolve_dtype
 from tinyvllm.model.presets import PRESETS
 from tinyvllm.outputs import Logprob, RequestOutput
+from tinyvllm.platform import tinygrad_compat as compat
+from tinyvllm.platform.device import check_dtype, is_cpu, select_device
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 from tinyvllm.tokenizer import Tokenizer, load_tokenizer
 from tinyvllm.worker.cache_sizing import num_kv_blocks
@@ -55,7 +58,7 @@ def locate_model(cfg: EngineConfig) -> LocatedModel:
   """A dummy preset name needs no folder; anything else is a local folder or a hub id."""
   if cfg.load_format == "dummy" and cfg.model in PRESETS:
     return LocatedModel(ModelConfig.from_dict(PRESETS[cfg.model], f"preset {cfg.model}"), None)
-  folder = resolve_model(cfg.model)
+  folder = resolve_model(cfg.model, cfg.hub_settings())
   return LocatedModel(ModelConfig.from_folder(folder), folder)
 
 
@@ -66,7 +69,10 @@ class LLMEngine:
   def __init__(self, config: EngineConfig):
     start = time.perf_counter()
     self.config = config
+    compat.check()   # a tinygrad that lacks an internal we use fails here, not mid-step
+    compat.install()
     self.device = select_device(config.device)
+    compat.check(self.device)
     located = locate_model(config)
     self.model_config = mc = located.config
     self.max_model_len = self._max_model_len(config, mc)
@@ -75,12 +81,12 @@ class LLMEngine:
     check_dtype(self.device, self.dtype)
     self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else FP8_STORAGE
     log(f"backend {self.device}, dtype {self.dtype.name}, model {mc.architecture} from {located.folder or config.model}")
-    self.attention_backend = select_attention_backend(config.attention_backend, self.device)   # before loading: fail fast
-    log(f"attention backend {self.attention_backend.describe()}")
-    self.model = load_model(mc, located.folder, config.load_format, self.dtype, self.device, self.max_model_len, config.seed)
-    backend = self.attention_backend
-    self.model.attention_fn, self.model.write_kv_fn, self.model.linear_fn = backend.attention, backend.write_kv, backend.linear
-    self.model.qkv_rope_write_fn, self.model.decode_layers_fn = backend.qkv_rope_write, backend.decode_layers
+    request = BackendRequest(self.dtype.name, "auto" if config.kv_cache_dtype == "auto" else FP8_KV_CACHE, mc.head_dim,
+                             config.block_size)
+    backend = select_backend(config.attention_backend, self.device, request, config.kernel_options())   # before loading
+    log(f"attention backend {backend.describe()}")
+    self.model = load_model(mc, located.folder, config.load_format, self.dtype, self.device, self.max_model_len, backend,
+                            config.seed)
     self.allocator = self._allocator()
     self.kv_cache = KVCache(mc, self.allocator.num_blocks, self.allocator.block_size, self.kv_dtype, self.device)
     sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens or 0, config.enable_chunked_prefill,
@@ -88,14 +94,13 @@ class LLMEngine:
     if not config.enable_chunked_prefill and sched_config.max_num_batched_tokens < self.max_model_len:
       raise ConfigError(f"without chunked prefill, max_num_batched_tokens ({sched_config.max_num_batched_tokens}) must be "
                         f">= max_model_len ({self.max_model_len})")
-    self.scheduler = (Scheduler if config.scheduler == "continuous" else StaticScheduler)(self.allocator, sched_config)
     self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                              else reads_back_asynchronously(self.device))
+    self.scheduler = make_scheduler(config.scheduler, self.async_scheduling, self.allocator, sched_config)
     log(f"{config.scheduler} scheduler, max {config.max_num_seqs} sequences, {sched_config.max_num_batched_tokens} tokens a step"
         f"{', asynchronous scheduling' if self.async_scheduling else ''}")
-    self.runner = ModelRunner(self.model, self.kv_cache, min(backend.min_context_bucket, bucket(self.max_model_len, 16)),
-                              bucket(config.max_num_seqs) if backend.pads_prefill_rows else 1, backend.builds_kernels,
-                              chain_rows=bucket(config.max_num_seqs), sample_fn=backend.sample)
+    cudagraph_mode = config.cudagraph_mode or ("FULL_DECODE_ONLY" if is_cpu(self.device) else "FULL")
+    self.runner = ModelRunner(self.model, self.kv_cache, config.max_num_seqs, self.max_model_len, cudagraph_mode)
     self._in_flight: InFlightStep | None = None
     eos = frozenset(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
     self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
@@ -124,7 +129,7 @@ class LLMEngine:
   @staticmethod
   def _tokenizer(config: EngineConfig, folder: Path | None) -> Tokenizer | None:
     """--tokenizer, else the model folder's own; a folder without tokenizer files serves token-id prompts only."""
-    if config.tokenizer: return load_tokenizer(resolve_model(config.tokenizer))
+    if config.tokenizer: return load_tokenizer(resolve_model(config.tokenizer, config.hub_settings()))
     if folder is None or not any((folder / f).exists() for f in TOKENIZER_FILES):
       log("no tokenizer: prompts must be token ids")
       return None
@@ -198,64 +203,47 @@ class LLMEngine:
     """Stop a request wherever it is and free everything it holds."""
     request = self.requests.pop(request_id, None)
     if request is None: return
-    for seq in request.seqs:
-      if not seq.is_finished: seq.status = SequenceStatus.FINISHED_ABORTED
-      self.scheduler.finish(seq)
-      self.output_processor.release(seq)
+    self.scheduler.abort(request.seqs)
+    for seq in request.seqs: self.output_processor.release(seq)
 
   def has_unfinished_requests(self) -> bool: return bool(self.requests) or self._in_flight is not None
 
+  def reset_prefix_cache(self) -> None:
+    """Forget every cached prefix block (blocks in use stay where they are)."""
+    self.scheduler.reset_prefix_cache()
+
   def compute_logits(self, prompt_ids: list[int]) -> np.ndarray:
     """The model's next-token logits after prompt_ids ([vocab], float32); runs on free cache space, outside the queue."""
-    seq = Sequence("score", list(prompt_ids), SamplingParams(max_tokens=1), seed=0)
-    self.check_request(seq.prompt_token_ids, seq.params)
-    if not self.allocator.can_allocate(seq, seq.num_tokens): raise RuntimeError("no free KV cache space to score a prompt")
-    seq.num_computed_tokens = self.allocator.allocate(seq)
-    try:
-      self.allocator.append_slots(seq, seq.num_uncomputed_tokens)
-      return self.runner.logits(SchedulerOutput([ScheduledSequence(seq, seq.num_uncomputed_tokens)]))[0]
-    finally:
-      self.allocator.free(seq)
+    self.check_request(list(prompt_ids), SamplingParams(max_tokens=1))
+    with self.scheduler.scoring(prompt_ids) as sched: return self.runner.logits(sched)[0]
 
-  # ---- the loop ----
+  # ---- the loop
   def step(self) -> list[RequestOutput]:
     """Schedule and launch one step; return the outputs of the requests that progressed in the step that finished.
 
     With asynchronous scheduling the finished step is the previous one: this step was scheduled and launched while
-    it ran, its tokens still in flight counted as placeholders (`Sequence.num_pending`) and read on the device."""
+    it ran, its tokens still in flight counted as placeholders (core/async_scheduling.py) and read on the device."""
     outputs = []
     if self._in_flight is not None and not self._in_flight.launched.chains: outputs = self._finish_in_flight()
     sched = self.scheduler.schedule()
-    launched = self._launch(sched) if sched else None
+    launched = InFlightStep(sched, self.runner.launch(sched)) if sched else None
     if self._in_flight is not None: outputs += self._finish_in_flight()
     self._in_flight = launched
     if launched is not None and not self.async_scheduling: outputs += self._finish_in_flight()
     return outputs
-
-  def _launch(self, sched: SchedulerOutput) -> InFlightStep:
-    launched = self.runner.launch(sched)
-    for item in sched.scheduled: item.seq.num_computed_tokens += item.num_new_tokens
-    for row, seq in enumerate(launched.seqs): seq.num_pending, seq.pending_row = seq.num_pending + 1, row
-    for item in sched.scheduled:
-      if item.forks: self.scheduler.fork(item.seq)
-    return InFlightStep(sched, launched)
 
   def _finish_in_flight(self) -> list[RequestOutput]:
     """Wait for the step in flight, land its tokens, and retire what finished."""
     flight, self._in_flight = self._in_flight, None
     assert flight is not None
     result = flight.launched.result()
-    touched: dict[str, Request] = {}
-    for row, (seq, token) in enumerate(zip(result.seqs, result.token_ids, strict=True)):
-      seq.num_pending -= 1
-      if seq.is_finished: continue   # it ended (or was aborted) after this step was launched: the token is dropped
-      self.output_processor.append_token(seq, token, self._logprobs(result, row, seq))
-      touched[seq.request_id] = self.requests[seq.request_id]
-    for item in flight.sched.scheduled:   # now that every token they computed is known
-      if not item.seq.is_finished: self.allocator.register_computed(item.seq)
+    judge = lambda seq, token, row: self.output_processor.process_token(seq, token, self._logprobs(result, row, seq))
+    landed = self.scheduler.update_from_output(flight.sched, result.token_ids, judge)
+    touched = {seq.request_id: self.requests[seq.request_id] for seq in landed}
     outputs = [self.output_processor.request_output(r) for r in touched.values()
                if r.params.output_kind is not RequestOutputKind.FINAL_ONLY or r.is_finished]
-    for request in touched.values(): self._retire_finished(request)
+    for request in touched.values():
+      if request.is_finished: self._retire(request)
     return outputs
 
   def _logprobs(self, result: StepResult, row: int, seq: Sequence) -> dict[int, Logprob] | None:
@@ -269,9 +257,6 @@ class LLMEngine:
       for token_id, entry in entries.items(): entry.decoded_token = self.tokenizer.token_bytes(token_id).decode(errors="replace")
     return entries
 
-  def _retire_finished(self, request: Request) -> None:
-    for seq in request.seqs:
-      if seq.is_finished: self.scheduler.finish(seq)
-    if request.is_finished:
-      for seq in request.seqs: self.output_processor.release(seq)
-      del self.requests[request.request_id]
+  def _retire(self, request: Request) -> None:
+    for seq in request.seqs: self.output_processor.release(seq)
+    del self.requests[request.request_id]

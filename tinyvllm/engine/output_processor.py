@@ -1,4 +1,5 @@
-"""After each step: append sampled tokens, detokenize incrementally, apply stop conditions, build RequestOutputs.
+"""After each step: detokenize the sampled tokens incrementally, decide stop verdicts (the scheduler applies them),
+build RequestOutputs.
 
 Stop rules (vLLM's order): EOS (unless ignore_eos) or a stop_token_id ends the sequence with "stop" and its text leaves
 that token out; then max_tokens or the context limit ends it with "length"; a stop string found in the new text ends it
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tinyvllm.core.sequence import Request, Sequence, SequenceStatus
+from tinyvllm.core.sequence import Request, Sequence, SequenceStatus, StopVerdict
 from tinyvllm.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
 from tinyvllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -57,37 +58,34 @@ class OutputProcessor:
 
   def release(self, seq: Sequence) -> None: self.states.pop(seq.seq_id, None)
 
-  def append_token(self, seq: Sequence, token: int, logprobs: dict[int, Logprob] | None = None) -> None:
-    """Add one sampled token (with its logprobs, if asked for) and decide whether the sequence is finished."""
+  def process_token(self, seq: Sequence, token: int, logprobs: dict[int, Logprob] | None = None) -> StopVerdict | None:
+    """Account for the sampled token the scheduler has just appended (its text, its logprobs, if asked for) and say
+    whether it ends the sequence; the scheduler applies the verdict."""
     params, state = seq.params, self.states[seq.seq_id]
-    seq.output_token_ids.append(token)
     if logprobs is not None:
       if state.logprobs is None: state.logprobs = []
       state.logprobs.append(logprobs)
       state.cumulative_logprob += logprobs[token].logprob
-    stopped_by_token = self._token_stop(seq, token)
-    # not `status is RUNNING`: a sequence preempted while its token was in flight is WAITING, and must still end here
-    if not seq.is_finished and ((params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens)
-                                or seq.num_known_tokens >= self.max_model_len):
-      seq.status = SequenceStatus.FINISHED_LENGTH
-    if state.detokenizer is None or (stopped_by_token and not params.include_stop_str_in_output): return
+    verdict = self._token_stop(seq, token)
+    if verdict is None and ((params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens)
+                            or seq.num_known_tokens >= self.max_model_len):
+      verdict = StopVerdict(SequenceStatus.FINISHED_LENGTH)
+    stopped_by_token = verdict is not None and verdict.status is SequenceStatus.FINISHED_STOPPED
+    if state.detokenizer is None or (stopped_by_token and not params.include_stop_str_in_output): return verdict
     old_len = len(state.text)
     state.text += state.detokenizer.add([token])
     if (hit := find_stop(state.text, old_len, params.stop_strings)) is not None:
       idx, stop = hit
       state.text = state.text[:idx + (len(stop) if params.include_stop_str_in_output else 0)]
-      seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
-    elif seq.is_finished:
-      state.text += state.detokenizer.flush()  # bytes of a character the last token left incomplete
+      return StopVerdict(SequenceStatus.FINISHED_STOPPED, stop)
+    if verdict is not None: state.text += state.detokenizer.flush()  # bytes of a character the last token left incomplete
+    return verdict
 
-  def _token_stop(self, seq: Sequence, token: int) -> bool:
+  def _token_stop(self, seq: Sequence, token: int) -> StopVerdict | None:
     params = seq.params
-    if token in self.eos_token_ids and not params.ignore_eos:
-      seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, None
-    elif token in params.stop_token_ids:
-      seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
-    else: return False
-    return True
+    if token in self.eos_token_ids and not params.ignore_eos: return StopVerdict(SequenceStatus.FINISHED_STOPPED)
+    if token in params.stop_token_ids: return StopVerdict(SequenceStatus.FINISHED_STOPPED, token)
+    return None
 
   def completion(self, seq: Sequence) -> CompletionOutput:
     """The sequence's output so far, with what became final since the last call as the delta."""

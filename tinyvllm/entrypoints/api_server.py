@@ -7,7 +7,6 @@ to finish, end the rest with an error (aborting them in the engine), shut the en
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hmac
@@ -15,6 +14,7 @@ import signal
 import threading
 import traceback
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tinyvllm.config import EngineConfig
 from tinyvllm.engine.async_engine import AsyncLLMEngine
 from tinyvllm.engine.llm_engine import LLMEngine, log
 from tinyvllm.entrypoints.common import ServerState
@@ -207,11 +208,19 @@ class _Server(uvicorn.Server):
       for sig, handler in previous.items(): signal.signal(sig, handler)
 
 
-def run_server(args: argparse.Namespace) -> int:
-  from tinyvllm.cli.args import engine_kwargs
-  from tinyvllm.config import EngineConfig
-  config = EngineConfig(model=args.model, **engine_kwargs(args))
-  state = ServerState(args.served_model_name or args.model, args.model, args.api_key or None)
+@dataclass(frozen=True)
+class ServerSettings:
+  host: str = "127.0.0.1"
+  port: int = 8000
+  api_key: str | None = None
+  served_model_name: str | None = None
+  shutdown_timeout: float = 10.0
+  log_level: str = "info"
+  access_log: bool = False
+
+
+def run_server(config: EngineConfig, settings: ServerSettings) -> int:
+  state = ServerState(settings.served_model_name or config.model, config.model, settings.api_key or None)
   server: _Server | None = None
 
   def stop() -> None:
@@ -219,8 +228,9 @@ def run_server(args: argparse.Namespace) -> int:
 
   app = create_app(state, lambda: LLMEngine(config), on_load_failure=stop)
   # uvicorn's own timeout (it cancels what is left) is only a backstop behind _drain's
-  server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
-                                  timeout_graceful_shutdown=args.shutdown_timeout + 5, lifespan="on"), state, args.shutdown_timeout)
+  server = _Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                                  access_log=settings.access_log, timeout_graceful_shutdown=settings.shutdown_timeout + 5,
+                                  lifespan="on"), state, settings.shutdown_timeout)
   try:
     server.run()
   except Exception:

@@ -1,4 +1,4 @@
-"""The decoder layers of a small decode step in one persistent kernel (kernels/decode_layer.inc, CUDA only).
+"""The decoder layers of a small decode step in one persistent kernel (csrc/cuda/decode_layer.inc, CUDA only).
 
 At batch 1 a step of per-op kernels is ~7 dependent launches a layer, and each small kernel's launch, ramp-up and tail
 cost more than its bytes (docs/benchmarks.md, "Batch 1"). This kernel runs one block per SM through every layer's five
@@ -7,34 +7,30 @@ phase's weights into shared memory one phase ahead (the next layer's qkv slice d
 block must be resident at once (the barriers spin), so the grid is the GPU's SM count and a block takes the shared
 memory of a whole SM; shapes whose slices do not fit use the per-op kernels. A launch takes up to MAX_LAYERS layers
 (each layer's buffers are kernel arguments: CUDA's 4 KB of them bound the count). Metal has no grid barrier with a
-forward-progress guarantee, so there the per-op kernels run.
+forward-progress guarantee, so there the per-op kernels run. It uses Hopper's bulk copies (sm_90).
 """
 from __future__ import annotations
 
 import functools
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from tinygrad import Tensor, dtypes
 
-from tinyvllm.kernels.plan import CUDA_SHARED_OPT_IN, Launch, Param, cdiv, dtype_code
+from tinyvllm.backend.metadata import AttentionMetadata
+from tinyvllm.backend.weights import DecoderLayerWeights
+from tinyvllm.kernels.plan import Launch, Param, cdiv, dtype_code
 from tinyvllm.kernels.sources import kernel_source
-
-if TYPE_CHECKING:
-  from tinyvllm.layers.attention import AttentionMetadata
-  from tinyvllm.model.llama import DecoderLayer
+from tinyvllm.kernels.tinygrad_program import run_kernel
+from tinyvllm.kernels.tuning import tuning_for
+from tinyvllm.layers.fp8 import is_fp8
+from tinyvllm.platform.target import DeviceTarget
 
 MAX_ROWS = 4          # decode rows (sequences) it takes: x' of 4 rows of the widest input fits beside the weight slices
 MAX_LAYERS = 32       # layers a launch takes: (14 + 11 x 32) pointers stay inside CUDA's 4 KB of kernel arguments
 MAX_GROUP = 4         # query heads per KV head (the attention phase holds G x 8 q values and accumulators a thread)
 THREADS = 512
 TILE_KEYS = 128       # keys an attention tile covers at least
-# one SM's share of HBM bandwidth in bytes a cycle (H100 SXM: 3.35 TB/s over 132 SMs at ~1.6-2 GHz): the pace of the
-# copies that blocks without an attention item make during the attention phase (kernels/decode_layer_ops.inc)
-HBM_BYTES_PER_SM_CYCLE = 16
-PACE_CHUNK = 8192
-TIMING_STAMPS = 26    # clock stamps a layer records under the TV_TIMING experiment: 18 of the phases, 8 in an attention item
 
 
 LAYER_PARAMS = ("k_cache", "v_cache", "input_norm", "w_qkv", "w_o", "post_norm", "w_gu", "w_down")
@@ -58,13 +54,11 @@ class DecodeLayerShape:
   kv_fp8: bool
   blocks: int         # the grid: the GPU's SM count
   threads: int = THREADS   # a block's (smaller in the CPU emulator's tests)
-  # extra defines for timing experiments and tests (TV_PHASES, TV_GRID_SYNCS, TV_WARM, TV_TIMING, TV_CACHE_TABLES)
-  experiment: tuple[tuple[str, int], ...] = ()
   layers: int = 1          # decoder layers a launch runs, one after the other
 
   @property
   def layer_params(self) -> tuple[str, ...]:
-    """Each layer's buffers, in the kernel's table order (kernels/decode_layer.inc's TV_P_* slots)."""
+    """Each layer's buffers, in the kernel's table order (decode_layer.inc's TV_P_* slots)."""
     return (LAYER_PARAMS + (("q_norm", "k_norm") if self.qk_norm else ()) + (("qkv_bias",) if self.qkv_bias else ()))
 
   @property
@@ -114,7 +108,7 @@ def _meta_ints(shape: DecodeLayerShape) -> int:
 
 
 def shared_layout(shape: DecodeLayerShape) -> dict[str, int]:
-  """Bytes of the shared-memory regions (kernels/decode_layer_ops.inc): A, B (weight slices), X (x'), S, Y, T (the
+  """Bytes of the shared-memory regions (csrc/cuda/decode_layer_ops.inc): A, B (weight slices), X (x'), S, Y, T (the
   buffers' mbarriers and a flag, the layers' pointers, the step's metadata)."""
   s, r, nw = shape, _slices(shape), shape.threads // 32
   tile = _tiles(shape)[1]
@@ -135,8 +129,10 @@ def shared_bytes(shape: DecodeLayerShape) -> int:
   return sum(v for k, v in layout.items() if k.endswith("_BYTES"))
 
 
-def unsupported_reason(shape: DecodeLayerShape) -> str | None:
+def unsupported_reason(shape: DecodeLayerShape, target: DeviceTarget) -> str | None:
   s = shape
+  if not (target.wgmma and target.grid_sync):
+    return f"device {target.arch or target.device} (the layer kernel needs a grid barrier and Hopper's bulk copies)"
   if s.dtype not in ("float16", "bfloat16"): return f"dtype {s.dtype} (the layer kernel takes float16 and bfloat16)"
   if not 1 <= s.rows <= MAX_ROWS: return f"{s.rows} rows (the layer kernel takes 1 to {MAX_ROWS})"
   if not 1 <= s.layers <= MAX_LAYERS: return f"{s.layers} layers in one launch (it takes 1 to {MAX_LAYERS})"
@@ -145,8 +141,8 @@ def unsupported_reason(shape: DecodeLayerShape) -> str | None:
   if s.head_dim % 8 or dv > 32 or dv & (dv - 1): return f"head_dim {s.head_dim} (8 times a power of two up to 32)"
   if s.hidden % 8 or s.intermediate % 8: return f"hidden {s.hidden} / intermediate {s.intermediate} not multiples of 8"
   if s.blocks < 1: return "no multiprocessors"
-  if (need := shared_bytes(s)) > CUDA_SHARED_OPT_IN:
-    return f"the layer's weight slices need {need} bytes of shared memory a block (an SM gives {CUDA_SHARED_OPT_IN})"
+  if (need := shared_bytes(s)) > target.max_shared_bytes:
+    return f"the layer's weight slices need {need} bytes of shared memory a block (an SM gives {target.max_shared_bytes})"
   return None
 
 
@@ -170,9 +166,9 @@ def _layer_defines(shape: DecodeLayerShape, first_index: int) -> dict[str, int |
   return defines
 
 
-def decode_layer_plan(shape: DecodeLayerShape) -> DecodeLayerPlan:
-  if (reason := unsupported_reason(shape)) is not None: raise ValueError(f"decode layer kernel: {reason}")
-  s = shape
+def decode_layer_plan(shape: DecodeLayerShape, target: DeviceTarget) -> DecodeLayerPlan:
+  if (reason := unsupported_reason(shape, target)) is not None: raise ValueError(f"decode layer kernel: {reason}")
+  s, pace = shape, tuning_for(target.kind).decode_layer
   kpass, tile, chunk, splits = _tiles(s)
   layout = shared_layout(s)
   defines: dict[str, int | str] = {
@@ -180,9 +176,9 @@ def decode_layer_plan(shape: DecodeLayerShape) -> DecodeLayerPlan:
     "TV_H": s.heads, "TV_KVH": s.kv_heads, "TV_D": s.head_dim, "TV_G": s.group, "TV_INTER": s.intermediate,
     "TV_EPS": f"{s.eps!r}f", "TV_KV_FP8": int(s.kv_fp8), "TV_BS": s.block_size, "TV_MAXB": s.max_blocks,
     "TV_NSLOTS": s.num_slots, "TV_KPASS": kpass, "TV_TILE": tile, "TV_CHUNK": chunk, "TV_NSPLIT": splits,
-    "TV_PACE_CHUNK": PACE_CHUNK, "TV_PACE_GAP": PACE_CHUNK // HBM_BYTES_PER_SM_CYCLE,
+    "TV_PACE_CHUNK": pace.pace_chunk_bytes, "TV_PACE_GAP": pace.pace_chunk_bytes // pace.hbm_bytes_per_sm_cycle,
     "TV_SCALE_LOG2": f"{(1.0 / math.sqrt(s.head_dim)) * math.log2(math.e)!r}f", **_slices(s), **layout,
-    "TV_META_INTS": _meta_ints(s), "TV_CACHE_TABLES": int(_caches_tables(s)), **dict(s.experiment)}
+    "TV_META_INTS": _meta_ints(s), "TV_CACHE_TABLES": int(_caches_tables(s))}
   if s.qk_norm: defines["TV_QK_NORM"] = 1
   m = s.rows
   params = [Param("h_out", "elem", True, m * s.hidden), Param("qkv", "elem", True, m * s.qkv_width),
@@ -196,20 +192,17 @@ def decode_layer_plan(shape: DecodeLayerShape) -> DecodeLayerPlan:
   defines.update(_layer_defines(s, len(params)))
   for li in range(s.layers):
     params += [replace(_layer_param(s, name), name=f"{name}_{li}") for name in s.layer_params]
-  if "TV_TIMING" in defines:   # the timing experiment's clock stamps (kernels/decode_layer.inc)
-    defines["TV_LAYER_ARGS"] = f"{defines['TV_LAYER_ARGS']}, TV_ARG(uint, timing, {len(params)})"
-    params.append(Param("timing", "uint", True, s.blocks * s.layers * TIMING_STAMPS))
   launch = Launch("tv_decode_layer", (s.blocks, 1, 1), s.threads, tuple(params), shared_bytes(s), cooperative=True)
   return DecodeLayerPlan(defines, launch)
 
 
 @functools.cache
-def decode_layer_source(shape: DecodeLayerShape) -> tuple[DecodeLayerPlan, str]:
-  plan = decode_layer_plan(shape)
+def decode_layer_source(shape: DecodeLayerShape, target: DeviceTarget) -> tuple[DecodeLayerPlan, str]:
+  plan = decode_layer_plan(shape, target)
   return plan, kernel_source("cuda", "decode_layer", plan.defines)
 
 
-def layer_arguments(layers: list[DecoderLayer], h: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+def layer_arguments(layers: list[DecoderLayerWeights], h: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
                     meta: AttentionMetadata, sync: Tensor) -> dict[str, Tensor]:
   """The kernel's inputs and written buffers by parameter name (the scratch ones are left to run_decode_layer)."""
   named = {"h_in": h, "sync": sync, "rope_cos": cos, "rope_sin": sin, "slot_mapping": meta.slot_mapping,
@@ -223,12 +216,38 @@ def layer_arguments(layers: list[DecoderLayer], h: Tensor, cos: Tensor, sin: Ten
   return {k: t if k in written else t.contiguous() for k, t in named.items() if t is not None}
 
 
-def run_decode_layer(shape: DecodeLayerShape, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+def run_decode_layer(shape: DecodeLayerShape, target: DeviceTarget, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
   """Launch the layer on `tensors` (by parameter name; the scratch ones are made here). Returns every tensor after it."""
-  from tinyvllm.kernels.tinygrad_program import run_kernel
-  plan, source = decode_layer_source(shape)
+  plan, source = decode_layer_source(shape, target)
   device = tensors["h_in"].device
   kinds = {"float": dtypes.float32, "uint": dtypes.uint32, "elem": tensors["h_in"].dtype}
   args = [tensors[p.name] if p.name in tensors else Tensor.empty(p.numel, dtype=kinds[p.kind], device=device)
           for p in plan.launch.params]
   return dict(zip((p.name for p in plan.launch.params), run_kernel(plan.launch, source, args), strict=True))
+
+
+def step_shape(layers: list[DecoderLayerWeights], h: Tensor, cos: Tensor, k_cache: Tensor, v_cache: Tensor,
+               meta: AttentionMetadata, eps: float, target: DeviceTarget, max_context: int) -> tuple[DecodeLayerShape | None, str | None]:
+  """The kernel's shape for a step's first launch, or (None, None) for a step it is not meant for (not a decode of at
+  most MAX_ROWS rows within `max_context`: the per-op kernels are the design there), or (None, why) for a model whose
+  layers it cannot take."""
+  rows = h.shape[0]
+  if not meta.is_decode or rows != meta.block_tables.shape[0] or meta.block_tables.shape[1] * meta.block_size > max_context:
+    return None, None
+  head_dim, kv_fp8, layer = 2 * cos.shape[1], is_fp8(k_cache), layers[0]
+  dtype = {dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}.get(h.dtype)
+  reason = next((r for bad, r in (
+    (any(x.signature() != layer.signature() for x in layers), "layers of different shapes"),
+    (any(b is not None for b in (layer.o_bias, layer.gate_up_bias, layer.down_bias)), "o / MLP biases"),
+    (dtype is None or layer.qkv_proj.dtype != h.dtype, f"activations {h.dtype.name}, weights {layer.qkv_proj.dtype.name}"),
+    (v_cache.dtype != k_cache.dtype or (not kv_fp8 and k_cache.dtype != h.dtype), "cache dtype"),
+    (cos.dtype != dtypes.float32, "RoPE tables not float32"),
+    (any(t.dtype != dtypes.int32 for t in (meta.slot_mapping, meta.block_tables, meta.context_lens)), "metadata not int32"),
+    (k_cache.shape[1] % head_dim, "cache row is not a whole number of heads")) if bad), None)
+  if reason is not None or dtype is None: return None, reason or "dtype"
+  shape = DecodeLayerShape(dtype, rows, h.shape[1], layer.o_proj.shape[1] // head_dim, k_cache.shape[1] // head_dim, head_dim,
+                           layer.down_proj.shape[1], layer.q_norm is not None, layer.qkv_bias is not None, eps, meta.block_size,
+                           meta.block_tables.shape[1], k_cache.shape[0], kv_fp8, target.multiprocessors,
+                           layers=min(len(layers), MAX_LAYERS))
+  reason = unsupported_reason(shape, target)
+  return (shape, None) if reason is None else (None, reason)

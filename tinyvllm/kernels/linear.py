@@ -1,10 +1,10 @@
-"""Skinny matrix products for decode batches through kernels/linear.inc (CUDA/Metal), with the neighbouring small ops
+"""Skinny matrix products for decode batches through csrc/neutral/linear.inc (CUDA/Metal), with the neighbouring small ops
 fused in: y = [residual +] (norm(x) | silu(x1) * x2 | x) @ w.T [+ bias].
 
 tinygrad's generated kernels for a few-row product over a large bf16 weight run far from memory bandwidth without a
 beam search, and a decode step is little else; this kernel streams each weight row once with 16-byte loads, and folds
 the RMSNorm before it, the SwiGLU product and the residual add into its loads and stores. It takes up to MAX_ROWS rows
-(the batch's tokens); on CUDA larger products (prefill, big batches) go to the tensor-core kernel (kernels/gemm.py).
+(the batch's tokens); on CUDA larger products (prefill, big batches) go to the tensor-core kernel (gemm.py).
 """
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ from tinyvllm.kernels.gemm import GemmTiles, gemm_source
 from tinyvllm.kernels.gemm import unsupported_reason as gemm_unsupported_reason
 from tinyvllm.kernels.plan import DTYPE_CODES, ELEM_BYTES, Launch, Param, dtype_code
 from tinyvllm.kernels.sources import kernel_source
-from tinyvllm.kernels.tinygrad_program import has_wgmma, run_kernel
+from tinyvllm.kernels.tinygrad_program import run_kernel
+from tinyvllm.kernels.tuning import tuning_for
+from tinyvllm.platform.target import DeviceTarget
 
 MAX_ROWS = 16
-SKINNY_ROWS = 4    # above this the tensor-core kernel is faster on an H100 (bench/gemm_bench.py)
 THREADS = 128
 DTYPE_NAMES = {dtypes.float32: "float32", dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}
 
@@ -54,11 +55,10 @@ def unsupported_reason(shape: LinearShape) -> str | None:
   return None
 
 
-def linear_plan(shape: LinearShape, rpw: int | None = None, threads: int = THREADS) -> LinearPlan:
-  """rpw (weight rows per warp) and threads override the tuned choice (timing experiments)."""
+def linear_plan(shape: LinearShape) -> LinearPlan:
   # weight rows per warp: each 16-byte w load is matched by rows/rpw x loads (from cache), so more rows want a larger
   # rpw; 4 keeps 16 rows at ~170 registers without spills (nvcc -Xptxas -v, sm_90)
-  rpw = rpw or (2 if shape.rows <= 2 else 4)
+  rpw, threads = (2 if shape.rows <= 2 else 4), THREADS
   blocks = -(-shape.out_features // (rpw * (threads // 32)))
   m, k, o = shape.rows, shape.in_features, shape.out_features
   params = [Param("y", "float" if shape.out_float32 else "elem", True, m * o),
@@ -77,44 +77,55 @@ def linear_plan(shape: LinearShape, rpw: int | None = None, threads: int = THREA
 
 
 @functools.cache
-def _compiled(dialect: str, shape: LinearShape, rpw: int | None = None, threads: int = THREADS) -> tuple[LinearPlan, str]:
-  plan = linear_plan(shape, rpw, threads)
+def skinny_source(dialect: str | None, shape: LinearShape) -> tuple[LinearPlan, str]:
+  plan = linear_plan(shape)
   return plan, kernel_source(dialect, "linear", plan.defines)
 
 
-def pick_kernel(dialect: str, shape: LinearShape) -> str | None:
-  """"skinny" (kernels/linear.inc) up to SKINNY_ROWS rows, "gemm" (tensor cores, CUDA) above, the skinny one up to
+def pick_kernel(target: DeviceTarget, shape: LinearShape) -> str | None:
+  """"skinny" (linear.inc) up to the tuning table's rows, "gemm" (tensor cores, CUDA) above, the skinny one up to
   MAX_ROWS where the gemm cannot run (Metal, float32); None: neither takes the shape."""
   skinny = unsupported_reason(shape) is None
-  if skinny and shape.rows <= SKINNY_ROWS: return "skinny"
-  if dialect == "cuda" and gemm_unsupported_reason(shape.dtype, shape.rows, shape.in_features, shape.out_features) is None:
-    return "gemm"
+  if skinny and shape.rows <= tuning_for(target.kind).linear.skinny_max_rows: return "skinny"
+  if gemm_unsupported_reason(shape.dtype, shape.rows, shape.in_features, shape.out_features, target) is None: return "gemm"
   return "skinny" if skinny else None
 
 
-def fused_linear(dialect: str, x: Tensor, w: Tensor, bias: Tensor | None = None, norm: Tensor | None = None,
-                 eps: float = 1e-6, silu_mul: bool = False, residual: Tensor | None = None,
-                 out_float32: bool = False, kernel: str | None = None, tiles: GemmTiles | None = None,
-                 rpw: int | None = None) -> Tensor | None:
-  """The kernels' result, or None when no kernel takes the shape (the caller then uses tinygrad ops). kernel ("skinny"
-  or "gemm"), tiles and rpw override the automatic choices (timing experiments)."""
+def linear_shape(x: Tensor, w: Tensor, bias: Tensor | None, norm: Tensor | None, eps: float, silu_mul: bool,
+                 residual: Tensor | None, out_float32: bool) -> LinearShape | None:
+  """The static shape of one product, None where no kernel dtype or layout fits."""
   dtype = DTYPE_NAMES.get(w.dtype)
   if dtype is None or x.ndim != 2: return None
   k = x.shape[1] // 2 if silu_mul else x.shape[1]
-  shape = LinearShape(dtype, x.shape[0], k, w.shape[0], bias is not None, eps if norm is not None else None, silu_mul,
-                      residual is not None, out_float32)
-  if w.shape[1] != k or (kernel := kernel or pick_kernel(dialect, shape)) is None: return None
-  y = Tensor.empty(shape.rows, shape.out_features, dtype=dtypes.float32 if out_float32 else w.dtype, device=x.device)
+  if w.shape[1] != k: return None
+  return LinearShape(dtype, x.shape[0], k, w.shape[0], bias is not None, eps if norm is not None else None, silu_mul,
+                     residual is not None, out_float32)
+
+
+def fused_linear(target: DeviceTarget, x: Tensor, w: Tensor, bias: Tensor | None = None, norm: Tensor | None = None,
+                 eps: float = 1e-6, silu_mul: bool = False, residual: Tensor | None = None, out_float32: bool = False
+                 ) -> Tensor | None:
+  """The kernels' result, or None when no kernel takes the shape (the caller then uses tinygrad ops)."""
+  shape = linear_shape(x, w, bias, norm, eps, silu_mul, residual, out_float32)
+  if shape is None or (kernel := pick_kernel(target, shape)) is None: return None
+  return run_linear(target, shape, kernel, x, w, bias, norm, residual)
+
+
+def run_linear(target: DeviceTarget, shape: LinearShape, kernel: str, x: Tensor, w: Tensor, bias: Tensor | None = None,
+               norm: Tensor | None = None, residual: Tensor | None = None, tiles: GemmTiles | None = None) -> Tensor:
+  """The product on the "skinny" or the "gemm" kernel (with `tiles`, else the planner's)."""
+  y = Tensor.empty(shape.rows, shape.out_features, dtype=dtypes.float32 if shape.out_float32 else w.dtype, device=x.device)
   x, extras = x.cast(w.dtype).contiguous(), {n: t.cast(w.dtype).contiguous() for n, t in
                                              (("bias", bias), ("norm", norm), ("residual", residual)) if t is not None}
-  if kernel == "gemm": return _run_gemm(shape, tiles, y, x, w, extras)
-  plan, source = _compiled(dialect, shape, rpw)
+  if kernel == "gemm": return _run_gemm(shape, target, tiles, y, x, w, extras)
+  plan, source = skinny_source(target.dialect, shape)
   return run_kernel(plan.launch, source, [y, x, w, *extras.values()])[0]
 
 
-def _run_gemm(shape: LinearShape, tiles: GemmTiles | None, y: Tensor, x: Tensor, w: Tensor, extras: dict[str, Tensor]) -> Tensor:
+def _run_gemm(shape: LinearShape, target: DeviceTarget, tiles: GemmTiles | None, y: Tensor, x: Tensor, w: Tensor,
+              extras: dict[str, Tensor]) -> Tensor:
   """The plan's launches in order, each buffer found by its parameter's name (scratch ones made when first written)."""
-  launches, source = gemm_source(shape, tiles, has_wgmma(x.device))
+  launches, source = gemm_source(shape, target, tiles)
   buffers = {"y": y, "x": x, "w": w, **({"g": extras["norm"]} if "norm" in extras else {}),
              **{n: extras[n] for n in ("bias", "residual") if n in extras}}
   for launch in launches:

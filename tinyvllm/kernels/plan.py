@@ -1,6 +1,7 @@
 """Launch plans for the hand-written kernels: every compile-time constant, grid and buffer of one specialisation.
 
-Pure Python (no tinygrad), so the tinygrad adapter, the CPU emulator tests and the GPU check all derive the same
+Pure functions of the static shape, the device target (tinyvllm/platform/target.py) and its tuning table
+(tinyvllm/kernels/tuning.py), so the tinygrad adapter, the CPU emulator tests and the GPU check all derive the same
 numbers from the same static shapes. A plan's `defines` are prepended to the kernel source as #defines; its
 `launches` say which kernel runs on which grid with which buffers, in order.
 
@@ -13,18 +14,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tinyvllm.kernels.tuning import tuning_for
+from tinyvllm.platform.target import DeviceTarget
+
 DTYPE_CODES = {"float": 0, "float32": 0, "half": 1, "float16": 1, "bfloat16": 2}
 ELEM_BYTES = {0: 4, 1: 2, 2: 2}
 THREADS = 128                 # threads per block of the attention kernels (4 SIMD groups of 32)
-SHARED_LIMITS = {"cuda": 48 * 1024, "metal": 32 * 1024}   # static __shared__ / threadgroup memory per block
-CUDA_SHARED_OPT_IN = 227 * 1024   # static + dynamic shared memory a block may opt into on an H100/H200
-TARGET_BLOCKS = 512           # decode: split the context until S * KVH * splits reaches this (~4 blocks per H100 SM)
-# CUDA decode over FP8 caches: K/V tiles through a ring of 2 shared-memory stages (cp.async) where the ring takes at
-# most DECODE_RING_LIMIT bytes (H100, contexts in [100, 2048]: 260.9 -> 229.7 us a layer at batch 256, 50.2 -> 45.9 at
-# 32; 3 and 4 stages slower: attention_staged.json). Not for 16-bit caches: their 64 KB ring leaves three blocks an SM
-# where the register path (120 registers) has four, 2.5-20% slower with contexts of ~1,000 at batch 8-256 though 1-8%
-# faster with mixed contexts (check_kernels_staged.json)
-DECODE_STAGES, DECODE_RING_LIMIT = 2, 96 * 1024
+# the decode kernels' static shared memory stays within the smaller dialect's (Metal's 32 KB), so one specialisation is
+# the same text on both
+NEUTRAL_SHARED_BYTES = 32 * 1024
 ROW_GROUPS, COL_GROUPS = 16, 8   # prefill thread layout: THREADS = ROW_GROUPS * COL_GROUPS
 PREFILL_TILES = ((64, 32), (32, 32), (32, 16), (16, 16), (16, 8))   # (rows M, keys BK) tried in order
 TC_PREFILL_ROWS, TC_PREFILL_KEYS = 64, 64   # tensor-core prefill: 4 warps of 16 query rows, keys per tile
@@ -88,7 +86,7 @@ def _common(shape: AttentionShape) -> dict[str, int | str]:
           "TV_SCALE_LOG2": f"{(1.0 / math.sqrt(shape.head_dim)) * math.log2(math.e)!r}f"}
 
 
-def unsupported_reason(shape: AttentionShape, dialect: str = "cuda") -> str | None:
+def unsupported_reason(shape: AttentionShape, target: DeviceTarget) -> str | None:
   """Why the fused kernels cannot take this shape (None: they can). The adapter then uses the portable path."""
   if shape.dtype not in DTYPE_CODES: return f"dtype {shape.dtype} (float32, float16 and bfloat16 are supported)"
   if shape.kv_fp8 and dtype_code(shape.dtype) == 0: return "an FP8 KV cache with float32 activations"
@@ -99,7 +97,7 @@ def unsupported_reason(shape: AttentionShape, dialect: str = "cuda") -> str | No
   vpr = shape.head_dim // vec
   if vpr & (vpr - 1) or vpr > THREADS: return f"head_dim {shape.head_dim}: {vpr} vectors per row is not a power of two <= {THREADS}"
   if shape.context_len % shape.block_size: return "context bucket not a multiple of the block size"
-  if prefill_tile(shape, dialect) is None: return f"no prefill tile fits {SHARED_LIMITS[dialect]} bytes of shared memory"
+  if prefill_tile(shape, target) is None: return f"no prefill tile fits {target.static_shared_bytes} bytes of shared memory"
   return None
 
 
@@ -154,7 +152,7 @@ def decode_tile(shape: AttentionShape) -> int:
   return 2 * tile if shape.kv_fp8 else tile
 
 
-def decode_splits(shape: AttentionShape, tile: int, target_blocks: int = TARGET_BLOCKS) -> tuple[int, int]:
+def decode_splits(shape: AttentionShape, tile: int, target_blocks: int) -> tuple[int, int]:
   """(splits, keys per split): enough blocks in flight when S * KVH is small, each split a whole number of tiles."""
   max_splits = cdiv(shape.context_len, tile)
   want = cdiv(target_blocks, shape.num_seqs * shape.num_kv_heads)
@@ -176,37 +174,47 @@ def decode_ring_bytes(shape: AttentionShape, tile: int, stages: int) -> int:
   return stages * 2 * tile * kv_row_bytes(shape)
 
 
-def default_decode_stages(shape: AttentionShape, dialect: str) -> int:
-  """DECODE_STAGES for FP8 caches on CUDA where rows copy in 16-byte pieces and the ring fits DECODE_RING_LIMIT, else
-  0 (the register path; Metal has no cp.async)."""
-  staged = dialect == "cuda" and shape.kv_fp8 and kv_row_bytes(shape) % 16 == 0 and \
-    decode_ring_bytes(shape, decode_plan(shape).tile, DECODE_STAGES) <= DECODE_RING_LIMIT
-  return DECODE_STAGES if staged else 0
+def default_decode_stages(shape: AttentionShape, target: DeviceTarget) -> int:
+  """The tuning table's ring stages for FP8 caches where cp.async runs (CUDA sm_80+), rows copy in 16-byte pieces and
+  the ring fits its limit; else 0 (the register path, as for 16-bit caches, whose 64 KB ring costs a block an SM)."""
+  tuning = tuning_for(target.kind).attention
+  stages = tuning.fp8_decode_stages
+  staged = target.tensor_cores and shape.kv_fp8 and stages > 0 and kv_row_bytes(shape) % 16 == 0 and \
+    decode_ring_bytes(shape, decode_tile_for(shape), stages) <= tuning.decode_ring_limit_bytes
+  return stages if staged else 0
 
 
-def decode_plan(shape: AttentionShape, splits: int | None = None, kv_together: bool = False, stages: int = 0) -> DecodePlan:
-  """`splits`: force the split count (None: decode_splits). `kv_together`: issue a tile's V loads with its K loads
-  rather than after the softmax (one latency per tile, but more registers: measured slower on an H200, so off).
-  `stages` (CUDA): stream K/V tiles through a ring of that many shared-memory stages with cp.async (0: registers)."""
+def decode_tile_for(shape: AttentionShape) -> int:
+  """The decode tile, halved while its scores would overflow the neutral shared memory (FP8 with a large group and a
+  small head)."""
+  vpr = shape.head_dim // decode_kv_vec(shape)
+  kpp, njg, tile = THREADS // min(vpr, 32), THREADS // vpr, decode_tile(shape)
+  while tile > 32 and (tile // 2) % kpp == 0 and decode_shared_bytes(shape, tile, njg) > NEUTRAL_SHARED_BYTES: tile //= 2
+  return tile
+
+
+def decode_plan(shape: AttentionShape, target: DeviceTarget, splits: int | None = None, stages: int | None = None) -> DecodePlan:
+  """The decode specialisation. `splits`: the split count (None: enough blocks for the tuning table's target);
+  `stages`: K/V tiles through a ring of that many shared-memory stages with cp.async, CUDA (None: the default policy,
+  0: registers)."""
   vec = decode_kv_vec(shape)
   vpr = shape.head_dim // vec
   lpk = min(vpr, 32)
   nvl = vpr // lpk
   kpp = THREADS // lpk
   njg = THREADS // vpr
-  tile = decode_tile(shape)
-  while tile > 32 and (tile // 2) % kpp == 0 and decode_shared_bytes(shape, tile, njg) > min(SHARED_LIMITS.values()):
-    tile //= 2   # FP8 with a large group and a small head: the scores would overflow shared memory
+  tile = decode_tile_for(shape)
   unroll = tile // kpp
   kpt = -(-tile // njg)
-  splits, chunk = decode_splits(shape, tile) if splits is None else split_chunks(shape.context_len, splits, tile)
+  stages = default_decode_stages(shape, target) if stages is None else stages
+  target_blocks = tuning_for(target.kind).attention.decode_target_blocks
+  splits, chunk = decode_splits(shape, tile, target_blocks) if splits is None else split_chunks(shape.context_len, splits, tile)
   d = {**_common(shape), "TV_KVEC": vec, "TV_LPK": lpk, "TV_NVL": nvl, "TV_KPP": kpp, "TV_U": unroll, "TV_TILE": tile,
-       "TV_VPR": vpr, "TV_NJG": njg, "TV_KPT": kpt, "TV_NSPLIT": splits, "TV_CHUNK": chunk,
-       "TV_KV_TOGETHER": int(kv_together and not stages), "TV_KV_STAGES": stages}
+       "TV_VPR": vpr, "TV_NJG": njg, "TV_KPT": kpt, "TV_NSPLIT": splits, "TV_CHUNK": chunk, "TV_KV_STAGES": stages}
   ring = decode_ring_bytes(shape, tile, stages)
-  if stages and (stages == 1 or kv_row_bytes(shape) % 16 or ring + decode_shared_bytes(shape, tile, njg) > CUDA_SHARED_OPT_IN):
+  if stages and (stages == 1 or kv_row_bytes(shape) % 16 or ring + decode_shared_bytes(shape, tile, njg) > target.max_shared_bytes):
     raise ValueError(f"a decode ring of {stages} stages ({ring} bytes) needs 2 or more stages, KV rows of a multiple of "
-                     f"16 bytes ({kv_row_bytes(shape)}) and at most 227 KB with the static shared memory")
+                     f"16 bytes ({kv_row_bytes(shape)}) and at most {target.max_shared_bytes} bytes with the static shared memory")
   s, h, hd = shape.num_seqs, shape.num_heads, shape.head_dim
   out, *ins = _attention_params(shape)
   part_o, part_ml = Param("part_o", "float", True, s * h * splits * hd), Param("part_ml", "float", True, s * h * splits * 2)
@@ -250,21 +258,21 @@ def prefill_shared_bytes(rows: int, keys: int, words: int) -> int:
   return 4 * (rows * (words + 1) + keys * (words + 1) + keys * words + rows * (keys + 1))
 
 
-def prefill_tile(shape: AttentionShape, dialect: str = "cuda") -> tuple[int, int] | None:
+def prefill_tile(shape: AttentionShape, target: DeviceTarget) -> tuple[int, int] | None:
   """The largest (rows, keys) tile whose shared memory fits and that holds at least one token's G heads."""
   epw = 1 if dtype_code(shape.dtype) == 0 else 2
   words = shape.head_dim // epw
   for rows, keys in PREFILL_TILES:
-    if rows >= shape.group and prefill_shared_bytes(rows, keys, words) <= SHARED_LIMITS[dialect] - 512: return rows, keys
+    if rows >= shape.group and prefill_shared_bytes(rows, keys, words) <= target.static_shared_bytes - 512: return rows, keys
   return None
 
 
-def prefill_plan(shape: AttentionShape, dialect: str = "cuda", tensor_cores: bool = True) -> PrefillPlan:
-  """The tensor-core kernel (paged_prefill_tc.inc) where it runs (CUDA, 16-bit, head_dim a multiple of 16 up to 128),
-  unless `tensor_cores` is False; else the FMA one (paged_prefill.inc)."""
-  if tensor_cores and dialect == "cuda" and tc_prefill_unsupported_reason(shape) is None: return tc_prefill_plan(shape)
-  tile = prefill_tile(shape, dialect)
-  assert tile is not None, unsupported_reason(shape, dialect)
+def prefill_plan(shape: AttentionShape, target: DeviceTarget) -> PrefillPlan:
+  """The tensor-core kernel (paged_prefill_tc.inc) where it runs (CUDA sm_80+, 16-bit, head_dim a multiple of 16 up to
+  128), else the FMA one (paged_prefill.inc)."""
+  if target.tensor_cores and tc_prefill_unsupported_reason(shape) is None: return tc_prefill_plan(shape)
+  tile = prefill_tile(shape, target)
+  assert tile is not None, unsupported_reason(shape, target)
   rows, keys = tile
   epw = 1 if dtype_code(shape.dtype) == 0 else 2
   words = shape.head_dim // epw

@@ -1,9 +1,9 @@
-"""The step between the qkv projection and attention in one kernel (kernels/qkv_rope.inc, CUDA/Metal): split q/k/v, the
+"""The step between the qkv projection and attention in one kernel (csrc/neutral/qkv_rope.inc, CUDA/Metal): split q/k/v, the
 per-head RMSNorm of q and k (Qwen3's QK-norm; optional), RoPE on q and k, and the K/V write to the paged cache.
 
 In tinygrad ops that step is about six small kernels per layer (split, two norms, two rotations, casts) before the KV
 write; at batch-1 decode each is a launch of a few microseconds. The kernel reads each qkv row once with 16-byte loads
-and writes q (rotated) and the cache rows; the portable form (tinyvllm/kernels/portable.py: `qkv_rope_write`) is the
+and writes q (rotated) and the cache rows; the portable form (tinyvllm/layers/portable.py: `qkv_rope_write`) is the
 reference and the fallback.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sampling in one kernel (kernels/sample.inc) for the steps whose rows use no filters and no penalties: greedy and
+"""Sampling in one kernel (csrc/neutral/sample.inc) for the steps whose rows use no filters and no penalties: greedy and
 temperature-only rows, the common case. The portable sampler (tinyvllm/layers/sampler.py) makes several passes over
 the [B, V] logits for these (the noise, two logs, a two-stage argmax: 0.46 ms at batch 256 over 151,936 tokens on an
 H100); the kernel reads them once (0.135 ms) and draws the same tokens from the same hashed noise.
@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 
 from tinygrad import Tensor, dtypes
 
+from tinyvllm.backend.sampling import GREEDY_EPS, NUM_PARAMS, SamplerVariant
 from tinyvllm.kernels.plan import Launch, Param
 from tinyvllm.kernels.sources import kernel_source
 from tinyvllm.kernels.tinygrad_program import run_kernel
-from tinyvllm.layers.sampler import GREEDY_EPS, NUM_PARAMS, SamplerVariant, sample_packed
+from tinyvllm.layers.sampler import sample_packed
 
 THREADS = 512
 

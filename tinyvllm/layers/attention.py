@@ -10,26 +10,13 @@ This path runs on every backend and is the reference the hand-written kernels ar
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
 
+from tinyvllm.backend.metadata import AttentionMetadata
 from tinyvllm.layers.fp8 import decode_e4m3, encode_e4m3, is_fp8
 from tinyvllm.layers.scatter import gather_rows, scatter_rows
-
-
-@dataclass
-class AttentionMetadata:
-  slot_mapping: Tensor   # [N] int32: cache slot (block * block_size + offset) each new token's K/V goes to; -1 = skip
-  block_tables: Tensor   # [S, max_blocks] int32: physical block of each logical block (padding: any valid block)
-  query_index: Tensor    # [S, Tq] int32: flat token index of each padded query (padding: any valid index)
-  query_pos: Tensor      # [S, Tq] int32: position of each padded query in its sequence
-  output_index: Tensor   # [N] int32: where each flat token's output sits in the [S * Tq] padded layout
-  context_lens: Tensor   # [S] int32: keys visible to each sequence's last new token (0 for padding sequences)
-  query_start: Tensor    # [S + 1] int32: flat offset of each sequence's first new token
-  block_size: int
-  context_len: int       # L: keys gathered per sequence, a multiple of block_size
 
 
 def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> tuple[Tensor, Tensor]:

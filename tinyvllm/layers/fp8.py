@@ -4,7 +4,7 @@ E4M3 in its "fn" form (torch.float8_e4m3fn, what vLLM's fp8 KV cache stores): 1 
 mantissa bits, no infinities, 448 the largest finite value, NaN = 0x7f / 0xff. Values are stored with scale 1 (vLLM's
 default when no scales are calibrated); larger magnitudes saturate to +-448, rounding is to nearest even. The caches
 are uint8 tensors: tinygrad 0.14's own fp8 casts do not round-trip on the CPU backends, and plain bytes need nothing
-from a backend. The hand-written kernels (kernels/common.inc) implement the same encoding.
+from a backend. The hand-written kernels (tinyvllm/kernels/csrc/neutral/common.inc) implement the same encoding.
 """
 from __future__ import annotations
 

@@ -20,25 +20,24 @@ from dataclasses import dataclass
 import numpy as np
 from tinygrad import Tensor, dtypes
 
+from tinyvllm.backend.sampling import (
+  FREQUENCY,
+  GREEDY_EPS,
+  MIN_P,
+  NEUTRAL_PARAMS,
+  PRESENCE,
+  REPETITION,
+  TEMPERATURE,
+  TOP_K,
+  TOP_P,
+  SamplerVariant,
+)
 from tinyvllm.layers.scatter import scatter_rows
 from tinyvllm.sampling_params import SamplingParams
 
-# columns of SamplingBatch.params
-TEMPERATURE, TOP_K, TOP_P, MIN_P, PRESENCE, FREQUENCY, REPETITION = range(7)
-NUM_PARAMS = 7
-NEUTRAL_PARAMS = (0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0)  # greedy, no filters, no penalties: padding rows
-GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a smaller temperature samples greedily
 RADIX_BITS = 4  # bits of a threshold decided per pass over [B, V] (see _search_max)
 MIN_PENALTY_LEN = 16  # penalty arrays are padded to a power of two >= this, so JIT captures are reused
 _U32 = 0xFFFFFFFF
-
-
-@dataclass(frozen=True)
-class SamplerVariant:
-  """Static flags: which features this compiled graph has (each combination is its own JIT capture)."""
-  random: bool
-  filters: bool
-  penalties: bool
 
 
 @dataclass

@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 
 from tinygrad import Tensor, UOp, dtypes
-from tinygrad.uop.ops import KernelInfo, Ops
+
+from tinyvllm.platform.tinygrad_compat import KernelInfo, Ops
 
 # flat offsets at or above this need 64-bit index math (row * D overflows int32)
 INT32_LIMIT = 2**31

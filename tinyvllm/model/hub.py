@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import urllib.error
 import urllib.request
@@ -10,7 +9,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tinyvllm.config import ConfigError
+from tinyvllm.config import ConfigError, HubSettings
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 WANTED = re.compile(r"^(config\.json|generation_config\.json|tokenizer.*|special_tokens_map\.json|vocab\.json|merges\.txt|"
@@ -18,35 +17,28 @@ WANTED = re.compile(r"^(config\.json|generation_config\.json|tokenizer.*|special
 CONNECT_TIMEOUT_S = 10.0
 
 
-def cache_root() -> Path:
-  return Path(os.environ.get("TINYVLLM_CACHE", Path.home() / ".cache" / "tinyvllm")) / "hub"
-
-
-def resolve_model(model: str) -> Path:
+def resolve_model(model: str, hub: HubSettings) -> Path:
   """The folder holding the model: `model` itself when it is a directory, else the hub id's cached download."""
   path = Path(model).expanduser()
   if path.is_dir(): return path
   if path.exists(): raise ConfigError(f"--model {model!r} is a file; pass the model's folder")
   if not HUB_ID.match(model) or model.startswith((".", "/", "~")):
     raise ConfigError(f"model folder {model!r} does not exist")
-  folder = cache_root() / model.replace("/", "--")
+  folder = hub.cache_dir / model.replace("/", "--")
   if (folder / ".complete").exists(): return folder
-  return download(model, folder)
+  return download(model, folder, hub)
 
 
-def _endpoint() -> str: return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-
-
-def _request(url: str) -> urllib.request.Request:
+def _request(url: str, hub: HubSettings) -> urllib.request.Request:
   headers = {"User-Agent": "tinyvllm"}
-  if token := os.environ.get("HF_TOKEN"): headers["Authorization"] = f"Bearer {token}"
+  if hub.token: headers["Authorization"] = f"Bearer {hub.token}"
   return urllib.request.Request(url, headers=headers)
 
 
-def _list_files(model: str) -> list[str]:
-  url = f"{_endpoint()}/api/models/{model}"
+def _list_files(model: str, hub: HubSettings) -> list[str]:
+  url = f"{hub.endpoint}/api/models/{model}"
   try:
-    with urllib.request.urlopen(_request(url), timeout=CONNECT_TIMEOUT_S) as r: info = json.load(r)
+    with urllib.request.urlopen(_request(url, hub), timeout=CONNECT_TIMEOUT_S) as r: info = json.load(r)
   except urllib.error.HTTPError as e:
     raise ConfigError(f"model {model!r} is neither a local folder nor a hub model this machine can fetch "
                       f"({url} answered HTTP {e.code}); pass a local folder with --model") from e
@@ -56,10 +48,10 @@ def _list_files(model: str) -> list[str]:
   return [s["rfilename"] for s in info.get("siblings", []) if WANTED.match(s["rfilename"])]
 
 
-def _fetch(model: str, name: str, dest: Path) -> None:
-  url = f"{_endpoint()}/{model}/resolve/main/{name}"
+def _fetch(model: str, name: str, dest: Path, hub: HubSettings) -> None:
+  url = f"{hub.endpoint}/{model}/resolve/main/{name}"
   part = dest.with_name(dest.name + ".part")
-  with urllib.request.urlopen(_request(url), timeout=CONNECT_TIMEOUT_S) as r, part.open("wb") as f:
+  with urllib.request.urlopen(_request(url, hub), timeout=CONNECT_TIMEOUT_S) as r, part.open("wb") as f:
     total = int(r.headers.get("Content-Length") or 0)
     with tqdm(total=total or None, unit="B", unit_scale=True, desc=name, leave=False) as bar:
       while chunk := r.read(1 << 20):
@@ -68,13 +60,13 @@ def _fetch(model: str, name: str, dest: Path) -> None:
   part.rename(dest)
 
 
-def download(model: str, folder: Path) -> Path:
-  names = _list_files(model)
+def download(model: str, folder: Path, hub: HubSettings) -> Path:
+  names = _list_files(model, hub)
   if "config.json" not in names: raise ConfigError(f"hub model {model!r} has no config.json; is it a transformers model?")
   folder.mkdir(parents=True, exist_ok=True)
   try:
     for name in tqdm(names, desc=f"downloading {model}", unit="file"):
-      if not (folder / name).exists(): _fetch(model, name, folder / name)
+      if not (folder / name).exists(): _fetch(model, name, folder / name, hub)
   except (urllib.error.URLError, TimeoutError, OSError) as e:
     raise ConfigError(f"downloading {model!r} failed ({e}); files fetched so far are kept in {folder}") from e
   (folder / ".complete").touch()

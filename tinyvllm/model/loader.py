@@ -8,9 +8,11 @@ import numpy as np
 from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
 
+from tinyvllm.backend.interface import ComputeBackend
+from tinyvllm.backend.weights import DecoderLayerWeights
 from tinyvllm.config import ConfigError, ModelConfig
 from tinyvllm.layers.rotary import rope_tables
-from tinyvllm.model.llama import DecoderLayer, TransformerLM
+from tinyvllm.model.llama import ModelWeights, TransformerLM
 from tinyvllm.model.safetensors_file import Checkpoint
 
 DTYPE_BY_NAME = {"bfloat16": dtypes.bfloat16, "float16": dtypes.float16, "float32": dtypes.float32}
@@ -60,11 +62,11 @@ def dummy_source(dtype: DType, device: str, seed: int) -> TensorSource:
   return get
 
 
-def _layer(cfg: ModelConfig, get: TensorSource, i: int) -> DecoderLayer:
+def _layer(cfg: ModelConfig, get: TensorSource, i: int) -> DecoderLayerWeights:
   p, d = f"model.layers.{i}.", cfg.hidden_size
   qkv_names = [f"{p}self_attn.{x}_proj" for x in "qkv"]
   qkv_rows = cfg.q_size + 2 * cfg.kv_size
-  return DecoderLayer(
+  return DecoderLayerWeights(
     input_norm=get([p + "input_layernorm.weight"], (d,), "norm"),
     qkv_proj=get([n + ".weight" for n in qkv_names], (qkv_rows, d), "matrix"),
     qkv_bias=get([n + ".bias" for n in qkv_names], (qkv_rows,), "bias") if cfg.qkv_bias else None,
@@ -80,7 +82,7 @@ def _layer(cfg: ModelConfig, get: TensorSource, i: int) -> DecoderLayer:
     down_bias=get([p + "mlp.down_proj.bias"], (d,), "bias") if cfg.mlp_bias else None)
 
 
-def build_model(cfg: ModelConfig, get: TensorSource, dtype: DType, device: str, max_positions: int) -> TransformerLM:
+def build_model(cfg: ModelConfig, get: TensorSource, device: str, max_positions: int, backend: ComputeBackend) -> TransformerLM:
   try:
     embed = get(["model.embed_tokens.weight"], (cfg.vocab_size, cfg.hidden_size), "matrix")
     layers = [_layer(cfg, get, i) for i in range(cfg.num_layers)]
@@ -89,17 +91,18 @@ def build_model(cfg: ModelConfig, get: TensorSource, dtype: DType, device: str, 
   except KeyError as e:
     raise ConfigError(f"checkpoint is missing tensor(s) {e.args[0]} needed by {cfg.architecture}") from None
   cos, sin = rope_tables(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-  model = TransformerLM(cfg, embed, layers, norm, lm_head, Tensor(cos, device=device), Tensor(sin, device=device))
-  Tensor.realize(*model.parameters())
-  return model
+  weights = ModelWeights(embed, layers, norm, lm_head, Tensor(cos, device=device), Tensor(sin, device=device))
+  Tensor.realize(*weights.tensors())
+  return TransformerLM(cfg, weights, backend)
 
 
 def load_model(cfg: ModelConfig, folder: Path | None, load_format: str, dtype: DType, device: str, max_positions: int,
-               seed: int = 0) -> TransformerLM:
-  if load_format == "dummy": return build_model(cfg, dummy_source(dtype, device, seed), dtype, device, max_positions)
+               backend: ComputeBackend, seed: int = 0) -> TransformerLM:
+  """The model with its weights on `device`, its ops run by `backend`."""
+  if load_format == "dummy": return build_model(cfg, dummy_source(dtype, device, seed), device, max_positions, backend)
   assert folder is not None
   checkpoint, used = Checkpoint(folder), set()
-  model = build_model(cfg, checkpoint_source(checkpoint, dtype, device, used), dtype, device, max_positions)
+  model = build_model(cfg, checkpoint_source(checkpoint, dtype, device, used), device, max_positions, backend)
   # a tensor nobody read means the config describes a different model than the checkpoint holds
   extra = [n for n in checkpoint.names() if n not in used and not n.endswith(IGNORED_SUFFIXES)]
   if cfg.tie_word_embeddings and "lm_head.weight" in extra: extra.remove("lm_head.weight")

@@ -2,9 +2,8 @@
 backend can tell its free memory, else enough for max_num_seqs full contexts (capped at DEFAULT_BUDGET)."""
 from __future__ import annotations
 
-import ctypes
-
 from tinyvllm.config import ConfigError, EngineConfig
+from tinyvllm.platform import tinygrad_compat as compat
 
 GiB = 1 << 30
 DEFAULT_BUDGET = 2 * GiB
@@ -12,16 +11,7 @@ DEFAULT_BUDGET = 2 * GiB
 
 def device_memory(device: str) -> tuple[int, int] | None:
   """(free, total) bytes on a CUDA device, or None where the backend cannot say."""
-  if not device.startswith("CUDA"): return None
-  try:
-    from tinygrad import Device
-    from tinygrad.runtime.autogen import cuda
-    Device[device].synchronize()
-    free, total = ctypes.c_size_t(), ctypes.c_size_t()
-    if cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) != 0: return None
-    return free.value, total.value
-  except Exception:  # no CUDA bindings or no context: fall back to the default budget
-    return None
+  return compat.cuda_memory(device) if device.startswith("CUDA") else None
 
 
 def num_kv_blocks(config: EngineConfig, device: str, block_bytes: int, tokens_per_block: int, max_model_len: int) -> int:

@@ -25,6 +25,7 @@ class HostBatch:
   arrays: dict[str, np.ndarray]   # the step metadata, all int32 (see prepare_batch for each one's meaning)
   context_len: int                # L: keys gathered per sequence by the portable attention
   sample_seqs: list[Sequence]     # the sequence each sampling row is for (forks share their parent's logits row)
+  sample_steps: list[int]         # the index in its sequence's output of each row's token (the sampler's noise step)
 
   def __getattr__(self, name: str) -> np.ndarray:
     try: return self.__dict__["arrays"][name]
@@ -45,19 +46,16 @@ def _empty(n: int, s: int, tq: int, max_blocks: int) -> dict[str, np.ndarray]:
   }
 
 
-def _fill_tokens(a: dict[str, np.ndarray], scheduled: list[ScheduledSequence], computed: np.ndarray, starts: np.ndarray,
-                 n_real: int) -> None:
+def _fill_tokens(a: dict[str, np.ndarray], scheduled: list[ScheduledSequence], starts: np.ndarray, n_real: int) -> None:
   """Token ids of the flat tokens. A token still in flight (asynchronous scheduling: always the last of its run) is left
   0 here and taken on the device from the previous step's samples, row `token_source`."""
-  pending = np.fromiter((item.seq.num_pending for item in scheduled), np.int64, len(scheduled))
-  in_flight = bool(pending.any())
-  runs = (item.seq.token_slice(int(c), int(c) + item.num_new_tokens - int(p))
-          for item, c, p in zip(scheduled, computed, pending, strict=True))
-  if in_flight: runs = (run + [0] * int(p) for run, p in zip(runs, pending, strict=True))
+  sources = np.fromiter((item.token_source for item in scheduled), np.int32, len(scheduled))
+  in_flight = sources >= 0
+  runs = (item.seq.token_slice(item.start, item.start + item.num_new_tokens - int(f))
+          for item, f in zip(scheduled, in_flight, strict=True))
+  if in_flight.any(): runs = (run + [0] * int(f) for run, f in zip(runs, in_flight, strict=True))
   a["token_ids"][:n_real] = np.fromiter(chain.from_iterable(runs), np.int32, n_real)
-  if in_flight:
-    rows = np.fromiter((item.seq.pending_row for item in scheduled), np.int32, len(scheduled))
-    a["token_source"][(starts[1:] - 1)[pending > 0]] = rows[pending > 0]
+  if in_flight.any(): a["token_source"][(starts[1:] - 1)[in_flight]] = sources[in_flight]
 
 
 def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, min_context: int = 16,
@@ -69,7 +67,7 @@ def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, min_conte
   Vectorised over the flat tokens: at 256 sequences, per-sequence numpy calls cost more than the GPU's whole step."""
   rows = len(scheduled)
   counts = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, rows)
-  computed = np.fromiter((item.seq.num_computed_tokens for item in scheduled), np.int64, rows)
+  computed = np.fromiter((item.start for item in scheduled), np.int64, rows)
   n_real, ends = int(counts.sum()), computed + counts
   tq, context_len = bucket(int(counts.max())), bucket(int(ends.max()), min_context)
   max_blocks = -(-context_len // block_size)
@@ -80,23 +78,24 @@ def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, min_conte
   row_of = np.repeat(np.arange(rows), counts)     # the sequence of each flat token
   offset = np.arange(n_real) - starts[row_of]     # its index in the sequence's run
   pos = computed[row_of] + offset
-  tables = [item.seq.block_table[:max_blocks] for item in scheduled]
+  tables = [item.block_table[:max_blocks] for item in scheduled]
   held = np.fromiter((len(t) for t in tables), np.int64, rows)
   a["block_tables"][:rows][np.arange(max_blocks) < held[:, None]] = np.fromiter(chain.from_iterable(tables), np.int32,
                                                                                 int(held.sum()))
-  _fill_tokens(a, scheduled, computed, starts, n_real)
+  _fill_tokens(a, scheduled, starts, n_real)
   a["positions"][:n_real] = pos
   a["slot_mapping"][:n_real] = a["block_tables"][row_of, pos // block_size] * block_size + pos % block_size
   a["output_index"][:n_real] = row_of * tq + offset
   a["query_index"][row_of, offset], a["query_pos"][row_of, offset] = np.arange(n_real), pos
   a["context_lens"][:rows] = ends
   a["query_start"][1:rows + 1], a["query_start"][rows + 1:] = starts[1:], n_real
-  logits_index, sample_seqs = [], []
+  logits_index, sample_seqs, sample_steps = [], [], []
   for item, end in zip(scheduled, starts[1:].tolist(), strict=True):
     if item.samples:
       for target in (item.seq, *item.forks):
         logits_index.append(end - 1)
         sample_seqs.append(target)
+        sample_steps.append(item.sample_index if target is item.seq else 0)
   a["logits_index"] = np.zeros(bucket(len(logits_index), min_prefill_rows if tq > 1 else 1), np.int32)
   a["logits_index"][:len(logits_index)] = logits_index
-  return HostBatch(a, context_len, sample_seqs)
+  return HostBatch(a, context_len, sample_seqs, sample_steps)

@@ -1,16 +1,15 @@
 """ModelRunner: a scheduled batch in, one sampled token per finishing sequence out.
 
 Each step's metadata (tokens, positions, slot mapping, block tables, query layout, sampling settings) is packed on the
-host into one int32 array and copied to the device once (worker/host_io.py). The forward pass plus sampling runs under a TinyJit capture
-per layout (the bucketed shapes of the step), so a replay costs one copy in, the captured kernels and one copy out of
-the sampled ids.
+host into one int32 array and copied to the device once (worker/host_io.py). The forward pass plus sampling runs under
+a TinyJit capture per layout (the bucketed shapes of the step, worker/step_layout.py), so a replay costs one copy in,
+the captured kernels and one copy out of the sampled ids. Which layouts are captured is the cudagraph mode: FULL every
+layout, FULL_DECODE_ONLY decode steps only (steps with prompt chunks run eagerly), NONE (--enforce-eager).
 """
 from __future__ import annotations
 
 import functools
 import gc
-import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,58 +17,18 @@ from dataclasses import dataclass
 import numpy as np
 from tinygrad import Tensor, TinyJit, dtypes
 
+from tinyvllm.backend.metadata import AttentionMetadata
 from tinyvllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from tinyvllm.core.sequence import Sequence
-from tinyvllm.device import is_cpu
 from tinyvllm.kernels.tinygrad_program import collecting_sources, compile_parallel
-from tinyvllm.layers.attention import AttentionMetadata
-from tinyvllm.layers.sampler import SamplerVariant, SamplingBatch, compute_logprobs, sample_packed
+from tinyvllm.layers.sampler import SamplingBatch, compute_logprobs
 from tinyvllm.model.llama import StepInputs, TransformerLM
+from tinyvllm.platform import tinygrad_compat as compat
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.host_io import Download, StepIO
 from tinyvllm.worker.input_batch import HostBatch, bucket, prepare_batch
 from tinyvllm.worker.kv_cache import KVCache
-
-USE_JIT = os.environ.get("TINYVLLM_JIT", "1") != "0"
-# Steps with prompt chunks: captured on GPUs, where building a step's kernels eagerly costs ~1 s every time and a
-# capture is paid once per layout; eager on the CPU, where a capture of each of the many prefill layouts (clang
-# compiles) costs more than it saves. TINYVLLM_JIT_PREFILL=1 / 0 forces either.
-JIT_PREFILL_ENV = os.environ.get("TINYVLLM_JIT_PREFILL")
-
-
-def jit_prefill(device: str) -> bool:
-  return JIT_PREFILL_ENV == "1" if JIT_PREFILL_ENV in ("0", "1") else not is_cpu(device)
-
-
-@dataclass(frozen=True)
-class StepLayout:
-  """The static shape of one step; each distinct layout gets its own JIT capture."""
-  shapes: tuple[tuple[str, tuple[int, ...]], ...]   # every packed int32 field, in order
-  context_len: int     # L
-  variant: SamplerVariant
-  logprobs: int        # top-k logprobs to return per row; -1: none at all
-
-  @property
-  def rows(self) -> int: return dict(self.shapes)["logits_index"][0]
-
-  @property
-  def query_len(self) -> int: return dict(self.shapes)["query_index"][1]
-
-  def unpack(self, packed: Tensor) -> dict[str, Tensor]:
-    fields, offset = {}, 0
-    for name, shape in self.shapes:
-      count = math.prod(shape)
-      fields[name], offset = packed[offset:offset + count].reshape(shape), offset + count
-    return fields
-
-
-def packed_fields(host: HostBatch, sampling: SamplingBatch) -> dict[str, np.ndarray]:
-  """Every int32 array of the step (float sampling settings travel bit-cast), in packing order."""
-  fields = dict(host.arrays)
-  fields["params"], fields["rng"] = sampling.params.view(np.int32), sampling.rng.view(np.int32)
-  if sampling.penalty_index is not None and sampling.penalty_value is not None:
-    fields["penalty_index"], fields["penalty_value"] = sampling.penalty_index, sampling.penalty_value.view(np.int32)
-  return fields
+from tinyvllm.worker.step_layout import StepLayout, covers, logprobs_bucket, packed_fields
 
 
 @dataclass
@@ -102,14 +61,6 @@ class LaunchedStep:
     return StepResult(self.seqs, tokens.tolist(), TokenLogprobs(chosen, rank, top_ids, top_lps))
 
 
-LOGPROB_BUCKETS = (0, 1, 2, 5, 10, 20)
-
-
-def logprobs_bucket(seqs: list[Sequence]) -> int:
-  wanted = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
-  return -1 if not wanted else next(b for b in LOGPROB_BUCKETS if b >= max(wanted))
-
-
 def freeze_long_lived_objects() -> None:
   """Move everything alive now (weights, captured graphs and their tinygrad objects) out of the garbage collector's
   reach: otherwise every full collection walks them all, which at 256 sequences tripled a step's host time."""
@@ -117,28 +68,22 @@ def freeze_long_lived_objects() -> None:
   gc.freeze()
 
 
-def covers(captured: SamplerVariant, wanted: SamplerVariant) -> bool:
-  """Whether a capture sampling with `captured` gives `wanted`'s exact tokens: the random sampler takes greedy rows by
-  the same argmax, and filters that are off keep every token; penalties change the step's inputs, so never."""
-  return (captured.penalties == wanted.penalties and captured.random >= wanted.random
-          and captured.filters >= wanted.filters)
-
-
 class ModelRunner:
-  def __init__(self, model: TransformerLM, kv_cache: KVCache, min_context: int = 16, min_prefill_rows: int = 1,
-               builds_kernels: bool = False, chain_rows: int = 256, sample_fn=sample_packed):
-    """`min_context`, `min_prefill_rows`: the coarsest buckets the attention backend allows (prepare_batch);
-    `builds_kernels`: new layouts compile hand-written kernels (collected and compiled in parallel before a capture);
-    `chain_rows`: how many sampled tokens each step keeps on the device for the next one (asynchronous scheduling);
-    `sample_fn`: the attention backend's sampler (layers/sampler.py's `sample_packed` contract)."""
-    self.model, self.kv_cache, self.chain_rows, self.sample_fn = model, kv_cache, chain_rows, sample_fn
-    self.last_tokens = Tensor.zeros(chain_rows, dtype=dtypes.int32, device=model.device).contiguous().realize()
-    self.min_context, self.min_prefill_rows, self._kernels = min_context, min_prefill_rows, builds_kernels
+  def __init__(self, model: TransformerLM, kv_cache: KVCache, max_num_seqs: int, max_model_len: int,
+               cudagraph_mode: str = "FULL"):
+    """Buckets as coarse as the model's backend allows (its min_context_bucket and pads_prefill_rows); `max_num_seqs`
+    also sizes the sampled tokens each step keeps on the device for the next one (asynchronous scheduling)."""
+    backend = model.backend
+    self.model, self.kv_cache, self.cudagraph_mode = model, kv_cache, cudagraph_mode
+    self.chain_rows = bucket(max_num_seqs)
+    self.last_tokens = Tensor.zeros(self.chain_rows, dtype=dtypes.int32, device=model.device).contiguous().realize()
+    self.min_context = min(backend.min_context_bucket, bucket(max_model_len, 16))
+    self.min_prefill_rows = bucket(max_num_seqs) if backend.pads_prefill_rows else 1
+    self._kernels = backend.builds_kernels
     self.vocab_size = model.config.vocab_size
     self._captures: dict[StepLayout, TinyJit] = {}
     self.capture_seconds = 0.0    # spent in steps that captured a new layout (building + running them)
     self._io = StepIO(model.device)
-    self._jit_prefill = jit_prefill(model.device)
 
   def execute(self, sched: SchedulerOutput) -> StepResult: return self.launch(sched).result()
 
@@ -147,7 +92,7 @@ class ModelRunner:
     samples on the device. Penalties need every earlier token on the host, so those rows must have none in flight."""
     host, layout, packed = self._prepare(sched)
     penalties = layout.variant.penalties
-    if penalties and any(item.seq.num_pending and item.seq.params.uses_penalties for item in sched.scheduled):
+    if penalties and any(item.token_source >= 0 and item.seq.params.uses_penalties for item in sched.scheduled):
       raise RuntimeError("a sequence with penalties was scheduled before its previous token was read")
     if sched.block_copies: self.kv_cache.copy_blocks(sched.block_copies)
     out = self._step_fn(self._covering(layout))(packed)
@@ -168,7 +113,7 @@ class ModelRunner:
     kernels in parallel first. Decode rows at contexts up to `min_context`, sampled by the random sampler (which
     covers greedy rows). Their one token's K/V goes to the cache's block 0, so call this before any request runs.
     Returns the number of new captures."""
-    if not USE_JIT: return 0
+    if self.cudagraph_mode == "NONE": return 0
     todo = []
     for sched in (self._warm_up_batch(rows) for rows in sorted({bucket(b) for b in batch_sizes if b >= 1})):
       _, layout, packed = self._prepare(sched)
@@ -182,8 +127,7 @@ class ModelRunner:
   @staticmethod
   def _warm_up_batch(rows: int) -> SchedulerOutput:
     seqs = [Sequence("warm-up", [0], SamplingParams(temperature=1.0), seed=i) for i in range(rows)]
-    for seq in seqs: seq.block_table = [0]
-    return SchedulerOutput([ScheduledSequence(seq, 1) for seq in seqs])
+    return SchedulerOutput([ScheduledSequence(seq, 0, 1, [0], True) for seq in seqs])
 
   def logits(self, sched: SchedulerOutput) -> np.ndarray:
     """Float32 logits of each sampling row, without sampling (eager; for scoring and checks, not the hot path)."""
@@ -200,14 +144,13 @@ class ModelRunner:
                  and c.logprobs == layout.logprobs and covers(c.variant, layout.variant)), layout)
 
   def _step_fn(self, layout: StepLayout, precompiled: bool = False):
-    if not USE_JIT or (layout.query_len > 1 and not self._jit_prefill): return lambda packed: self._forward(layout, packed)
+    eager = self.cudagraph_mode == "NONE" or (layout.query_len > 1 and self.cudagraph_mode == "FULL_DECODE_ONLY")
+    if eager: return lambda packed: self._forward(layout, packed)
     jit = self._captures.get(layout)
     if jit is not None: return jit
-    jit = self._captures[layout] = TinyJit(functools.partial(self._forward, layout))
-    # capture on the first call: TinyJit's default plain first run would schedule and build the whole step a second
-    # time for every new layout (~1 s each on the GPU), and the step has nothing to initialise (weights and caches
-    # are realized at load, per-step data comes in through `packed`)
-    jit.cnt = 1
+    # captured on the first call (~1 s saved per new layout on the GPU): the step has nothing to initialise (weights
+    # and caches are realized at load, per-step data comes in through `packed`)
+    jit = self._captures[layout] = compat.capture_on_first_call(TinyJit(functools.partial(self._forward, layout)))
     return lambda packed: self._timed_capture(jit, packed, precompile=self._kernels and not precompiled)
 
   def _timed_capture(self, jit: TinyJit, packed: Tensor, precompile: bool):
@@ -241,7 +184,7 @@ class ModelRunner:
     logits, caches = self.model(self._step_inputs(f, layout.context_len, token_ids), self.kv_cache.layers)
     penalties = None
     if "penalty_index" in f: penalties = (f["penalty_index"], f["penalty_value"].bitcast(dtypes.float32))
-    tokens = self.sample_fn(logits, f["params"], f["rng"], layout.variant, penalties)
+    tokens = self.model.backend.sample(logits, f["params"], f["rng"], layout.variant, penalties)
     outputs: tuple[Tensor, ...] = (tokens,)
     if layout.logprobs >= 0:
       chosen, top_ids, top_lps = compute_logprobs(logits, tokens, layout.logprobs)
@@ -256,5 +199,5 @@ class ModelRunner:
   def _sampling_batch(self, host: HostBatch) -> SamplingBatch:
     seqs = host.sample_seqs
     histories = [(s.prompt_token_ids, s.output_token_ids) for s in seqs] if any(s.params.uses_penalties for s in seqs) else None
-    return SamplingBatch.build([s.params for s in seqs], [s.seed for s in seqs], [s.num_output_tokens for s in seqs],
+    return SamplingBatch.build([s.params for s in seqs], [s.seed for s in seqs], host.sample_steps,
                                histories, len(host.logits_index), self.vocab_size)

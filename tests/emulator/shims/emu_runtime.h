@@ -192,7 +192,7 @@ inline void mma_m16n8k16(float* c, const uint32_t* a, const uint32_t* b, bool bf
   }
 }
 
-// wgmma.mma_async.m64nNk16 from shared memory (kernels/wgmma.inc): both operands K-major, 128 bytes a row in 128-byte
+// wgmma.mma_async.m64nNk16 from shared memory (wgmma.inc): both operands K-major, 128 bytes a row in 128-byte
 // swizzled 8-row atoms (the 16-byte chunk bits 4-6 of an address XOR its row bits 7-9). Each thread sums its own
 // accumulators, d[4j + i] = D[16 w + g + 8 (i / 2)][8 j + 2 t + i % 2] for warp w of the warpgroup: the operands sit in
 // shared memory, written before the barrier that precedes the product, so no exchange is needed.

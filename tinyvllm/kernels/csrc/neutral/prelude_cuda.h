@@ -1,7 +1,7 @@
 // CUDA dialect prelude: maps the TV_* macros used by the dialect-neutral kernels (common.inc, paged_*.inc, kv_write.inc)
 // onto CUDA C++. Compiled with NVRTC at run time (no #include: NVRTC finds no headers on some machines), or with
 // `nvcc -arch=sm_90 -cubin -Xptxas -v` for the register report. The CPU emulator compiles it too, with
-// kernels/emu/cuda_shim.h standing in for the CUDA builtins (TV_EMULATOR is then defined).
+// tests/emulator/shims/cuda_shim.h standing in for the CUDA builtins (TV_EMULATOR is then defined).
 #ifndef TV_LINKAGE
 #define TV_LINKAGE extern "C"
 #endif

@@ -162,7 +162,7 @@ def metadata_tensors(case: PagedCase, device: str | None = None):
   """The case's metadata as an AttentionMetadata of int32 tensors (for the portable path and the tinygrad backends)."""
   from tinygrad import Tensor
 
-  from tinyvllm.layers.attention import AttentionMetadata
+  from tinyvllm.backend.metadata import AttentionMetadata
   a, sh = case.arrays, case.shape
   t = {k: Tensor(np.ascontiguousarray(v), device=device).realize() for k, v in a.items()}
   return AttentionMetadata(t["slot_mapping"], t["block_tables"], t["query_index"], t["query_pos"], t["output_index"],
@@ -245,25 +245,28 @@ def make_layer_case(rng: np.random.Generator, contexts: list[int], *, hidden: in
                    np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32), dtype)
 
 
-def layer_tensors(case: LayerCase, device: str | None = None, dtype: str = "float32"):
+def layer_tensors(case: LayerCase, device: str | None = None, dtype: str = "float32", backend=None):
   """(model, layers, inputs) for TransformerLM.decoder_layers: the weights in `dtype` on `device`, the caches as the
-  engine keeps them (the activations' dtype, or FP8 codes), h_in, cos, sin, the caches [(k, v) a layer], the metadata."""
+  engine keeps them (the activations' dtype, or FP8 codes), h_in, cos, sin, the caches [(k, v) a layer], the metadata.
+  The model runs its ops on `backend` (default: the portable one, the reference)."""
   from tinygrad import Tensor, dtypes
 
+  from tinyvllm.backend.weights import DecoderLayerWeights
   from tinyvllm.config import ModelConfig
-  from tinyvllm.model.llama import DecoderLayer, TransformerLM
+  from tinyvllm.layers.portable import PortableBackend
+  from tinyvllm.model.llama import ModelWeights, TransformerLM
   tdtype = {"float32": dtypes.float32, "float16": dtypes.float16, "bfloat16": dtypes.bfloat16}[dtype]
   put = lambda v: Tensor(np.ascontiguousarray(v), device=device).cast(tdtype).contiguous().realize()
   layers = []
   for weights in case.weights:
     w = {k: put(v) for k, v in weights.items()}
-    layers.append(DecoderLayer(w["input_norm"], w["w_qkv"], w.get("qkv_bias"), w.get("q_norm"), w.get("k_norm"), w["w_o"], None,
-                               w["post_norm"], w["w_gu"], None, w["w_down"], None))
+    layers.append(DecoderLayerWeights(w["input_norm"], w["w_qkv"], w.get("qkv_bias"), w.get("q_norm"), w.get("k_norm"), w["w_o"],
+                                      None, w["post_norm"], w["w_gu"], None, w["w_down"], None))
   d = case.dims
   config = ModelConfig("Qwen3ForCausalLM", d["hidden"], d["intermediate"], len(layers), d["heads"], d["kv_heads"], d["head_dim"],
                        8, 1 << 16, case.eps, 10000.0, False, qkv_bias=d["qkv_bias"], qk_norm=d["qk_norm"])
   dummy = Tensor.zeros(1, 1, device=device).contiguous()
-  model = TransformerLM(config, dummy, layers, dummy, dummy, dummy, dummy)
+  model = TransformerLM(config, ModelWeights(dummy, layers, dummy, dummy, dummy, dummy), backend or PortableBackend())
   fp8 = case.paged.shape.kv_fp8
   cache = lambda c: (Tensor(to_bits(c, FP8), device=device) if fp8 else put(c)).contiguous().realize()
   caches = [(cache(k), cache(v)) for k, v in case.caches]

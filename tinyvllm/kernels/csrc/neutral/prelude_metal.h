@@ -1,7 +1,7 @@
 // Metal dialect prelude: maps the TV_* macros used by the dialect-neutral kernels (common.inc, paged_*.inc, kv_write.inc)
 // onto the Metal Shading Language. Compiled with tinygrad's MetalCompiler on macOS. On a machine without Metal the CPU
-// emulator compiles this same file as C++ against kernels/emu/metal_shim.h (via the fake <metal_stdlib> in
-// kernels/emu/include). Rules the kernels keep so that this works: threadgroup arrays are declared at kernel scope
+// emulator compiles this same file as C++ against tests/emulator/shims/metal_shim.h (via the fake <metal_stdlib> in
+// tests/emulator/shims/include). Rules the kernels keep so that this works: threadgroup arrays are declared at kernel scope
 // only (never passed to helpers), SIMD-group width is 32, blocks are one-dimensional.
 #include <metal_stdlib>
 using namespace metal;

@@ -1,13 +1,20 @@
-"""The portable backend: tinygrad tensor ops on every device (tinyvllm/layers/attention.py), the reference."""
+"""The portable backend: tinygrad tensor ops on every device. It is the reference the hand-written kernels are checked
+against, and what they hand a call to where a step's shape is outside their range."""
 from __future__ import annotations
 
 from tinygrad import Tensor
 
+from tinyvllm.backend.interface import BackendCapabilities, KVCaches
+from tinyvllm.backend.metadata import AttentionMetadata
+from tinyvllm.backend.weights import DecoderLayerWeights
 from tinyvllm.layers.attention import paged_attention, write_kv
 from tinyvllm.layers.linear import portable_linear
 from tinyvllm.layers.norm import rms_norm
 from tinyvllm.layers.rotary import apply_rope
 from tinyvllm.layers.sampler import sample_packed
+
+CAPABILITIES = BackendCapabilities(dtypes=("float32", "float16", "bfloat16"),
+                                   fp8_kv_cache_dtypes=("float32", "float16", "bfloat16"), head_sizes=None)
 
 
 def split_qkv_rope(qkv: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, cos: Tensor, sin: Tensor, num_kv_heads: int,
@@ -35,17 +42,31 @@ def qkv_rope_write(qkv: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, co
 
 class PortableBackend:
   name = "portable"
-  min_context_bucket = 16   # it gathers L keys per sequence: the tightest power of two
+  capabilities = CAPABILITIES
+  min_context_bucket = 16    # it gathers L keys per sequence: the tightest power of two
   pads_prefill_rows = False  # it computes every padded row
   builds_kernels = False
 
   def __init__(self, reason: str = ""):
     self.reason = reason
-    self.attention = paged_attention
-    self.write_kv = write_kv
-    self.linear = portable_linear
-    self.qkv_rope_write = qkv_rope_write
-    self.sample = sample_packed
-    self.decode_layers = None    # no persistent layer kernel: the model runs each layer op by op
 
   def describe(self) -> str: return "portable (tinygrad ops)" + (f": {self.reason}" if self.reason else "")
+
+  def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None, **fused) -> Tensor: return portable_linear(x, w, bias, **fused)
+
+  def qkv_rope_write(self, qkv: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, cos: Tensor, sin: Tensor, k_cache: Tensor,
+                     v_cache: Tensor, slot_mapping: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    return qkv_rope_write(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, eps)
+
+  def write_kv(self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> tuple[Tensor, Tensor]:
+    return write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+  def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> Tensor:
+    return paged_attention(q, k_cache, v_cache, meta)
+
+  def decode_layers(self, layers: list[DecoderLayerWeights], h: Tensor, cos: Tensor, sin: Tensor, kv_caches: KVCaches,
+                    meta: AttentionMetadata, eps: float) -> tuple[Tensor, KVCaches] | None:
+    return None   # no fused layers: the model runs each layer op by op
+
+  def sample(self, logits: Tensor, params_bits: Tensor, rng_bits: Tensor, variant, penalties=None) -> Tensor:
+    return sample_packed(logits, params_bits, rng_bits, variant, penalties)

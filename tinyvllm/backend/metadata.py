@@ -1,0 +1,25 @@
+"""What attention needs to know about a step's batch, as int32 tensors (built by the model runner)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tinygrad import Tensor
+
+
+@dataclass
+class AttentionMetadata:
+  """N flat new tokens from S sequences; queries laid out as [S, Tq] (Tq = the longest query run, 1 for pure decode)."""
+  slot_mapping: Tensor   # [N] int32: cache slot (block * block_size + offset) each new token's K/V goes to; -1 = skip
+  block_tables: Tensor   # [S, max_blocks] int32: physical block of each logical block (padding: any valid block)
+  query_index: Tensor    # [S, Tq] int32: flat token index of each padded query (padding: any valid index)
+  query_pos: Tensor      # [S, Tq] int32: position of each padded query in its sequence
+  output_index: Tensor   # [N] int32: where each flat token's output sits in the [S * Tq] padded layout
+  context_lens: Tensor   # [S] int32: keys visible to each sequence's last new token (0 for padding sequences)
+  query_start: Tensor    # [S + 1] int32: flat offset of each sequence's first new token
+  block_size: int
+  context_len: int       # L: keys gathered per sequence, a multiple of block_size
+
+  @property
+  def is_decode(self) -> bool:
+    """Every sequence has one new token (Tq == 1)."""
+    return self.query_index.shape[1] == 1

@@ -1,0 +1,102 @@
+"""Tuning tables: the measured choices of the kernel planners, as data per device kind.
+
+`tuning/default.json` holds every value (measured on an H100 and an H200, docs/kernels.md "Tuning tables" says with
+which benchmark); `tuning/<kind>.json` (the kind is the CUDA architecture, e.g. `sm_90`, or `metal`) overrides the
+entries measured for that kind, section by section. The persistent decode-layer kernel runs only for the row counts a
+kind's table gives a context bound for (Hopper's, today).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+Tile = tuple[int, int, int, int]   # (rows BM, columns BN, warps along M, warps along N)
+
+
+@dataclass(frozen=True)
+class AttentionTuning:
+  decode_target_blocks: int       # split the context until S * KV heads * splits reaches this
+  fp8_decode_stages: int          # shared-memory ring stages of the FP8 CUDA decode (0: registers)
+  decode_ring_limit_bytes: int    # the largest ring it takes
+
+
+@dataclass(frozen=True)
+class LinearTuning:
+  skinny_max_rows: int            # above this the tensor-core GEMM runs the product (where it can)
+
+
+@dataclass(frozen=True)
+class GemmTuning:
+  target_blocks: int              # blocks a grid should reach (K split until it does)
+  shared_bytes: int               # shared memory a block's mma.sync stage ring may take
+  max_stages: int
+  xprime_column_blocks: int       # the RMSNorm / SwiGLU prologue runs as its own pass above this many column blocks
+  max_splits: int
+  min_ktiles_per_split: int
+  wide_tiles: tuple[Tile, ...]    # tried in order: the first that makes target_blocks without splitting K
+  row_tiles: tuple[tuple[int, Tile], ...]   # else by rows (up to the first number), with K split
+  fallback_tile: Tile
+  big_tile: Tile                  # for products that give it big_tile_blocks blocks
+  big_tile_blocks: int
+  long_k: int                     # from this K, long-K products at long_k_rows take long_k_tile with K split
+  long_k_rows: tuple[int, int]
+  long_k_tile: Tile
+  long_k_max_splits: int
+  deep_bk: int                    # 64-wide K slices where K is not split: the big tile from deep_big_rows rows, the
+  deep_big_ring: int              # wide tiles from deep_wide_rows
+  deep_wide_rows: int
+  deep_big_rows: int
+  wgmma_min_rows: int             # Hopper's wgmma tiles: from this many rows (long K from wgmma_long_k_rows), the
+  wgmma_long_k_rows: int          # 128x128 tile for prompt chunks (wgmma_prompt_rows) and wide outputs (the logits)
+  wgmma_prompt_rows: int
+  wgmma_wide_out: int
+
+
+@dataclass(frozen=True)
+class DecodeLayerTuning:
+  max_context_by_rows: tuple[tuple[int, int], ...]   # (rows, the longest context bucket it takes at that many rows)
+  hbm_bytes_per_sm_cycle: int     # one SM's share of HBM bandwidth: the pace of the copies of blocks without attention
+  pace_chunk_bytes: int
+
+  def max_context(self, rows: int) -> int: return dict(self.max_context_by_rows).get(rows, 0)
+
+
+@dataclass(frozen=True)
+class Tuning:
+  kind: str
+  attention: AttentionTuning
+  linear: LinearTuning
+  gemm: GemmTuning
+  decode_layer: DecodeLayerTuning
+
+
+def _frozen(value: Any) -> Any:
+  """JSON lists as tuples (the tables are hashable: plans are cached on them), `{"1": 8192}` maps as (1, 8192) pairs."""
+  if isinstance(value, list): return tuple(_frozen(v) for v in value)
+  if isinstance(value, dict): return tuple(sorted((int(k), _frozen(v)) for k, v in value.items()))
+  return value
+
+
+def _table(name: str) -> dict[str, dict[str, Any]]:
+  path = resources.files("tinyvllm.kernels") / "tuning" / f"{name}.json"
+  return json.loads(path.read_text()) if path.is_file() else {}
+
+
+@functools.cache
+def tuning_for(kind: str) -> Tuning:
+  """The default table with the kind's own entries over it."""
+  table, own = _table("default"), _table(kind)
+  sections = {"attention": AttentionTuning, "linear": LinearTuning, "gemm": GemmTuning, "decode_layer": DecodeLayerTuning}
+  unknown = set(own) - set(sections)
+  if unknown: raise ValueError(f"tuning table {kind}.json has unknown section(s) {sorted(unknown)}")
+  built = {}
+  for name, cls in sections.items():
+    values = {**table[name], **own.get(name, {})}
+    names = {f.name for f in dataclasses.fields(cls)}
+    if set(values) != names: raise ValueError(f"tuning section {name!r} ({kind}): expected {sorted(names)}, got {sorted(values)}")
+    built[name] = cls(**{k: _frozen(v) for k, v in values.items()})
+  return Tuning(kind, **built)
