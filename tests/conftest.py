@@ -1,5 +1,6 @@
 """Shared test fixtures: where ../shared lives (skipping, or failing in CI, when it is absent), the stories260K engine
-and its greedy reference, the Qwen3 tokenizer, and the check that an engine holds nothing after its requests."""
+and its greedy reference, the Qwen3 tokenizer, the kernel dialects, and the check that an engine holds nothing after
+its requests."""
 from __future__ import annotations
 
 import json
@@ -48,6 +49,12 @@ def llm(stories_dir: Path):
   """A stories260K engine (files that need another engine define their own `llm`)."""
   from tinyvllm import LLM
   return LLM(str(stories_dir), max_num_seqs=8, num_gpu_blocks=256)
+
+
+@pytest.fixture(scope="module", params=("cuda", "metal"))
+def dialect(request) -> str:
+  """Each kernel dialect, for the emulated kernel tests (tests/emulator)."""
+  return request.param
 
 
 @pytest.fixture(scope="module")

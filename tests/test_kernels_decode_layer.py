@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.emulator.cases import FP8, LayerCase, from_bits, layer_outputs, layer_tensors, make_layer_case, to_bits
-from tests.emulator.emulator import LazyKernels, Spec, find_compiler, grouped
+from tests.emulator.emulator import LazyKernels, Spec, emulate
 from tinyvllm.config import KernelOptions
 from tinyvllm.kernels.decode_layer import (
   DecodeLayerShape,
@@ -94,13 +94,8 @@ def run_reference(case: LayerCase):
 
 @pytest.fixture(scope="module")
 def emu() -> LazyKernels:
-  try: find_compiler()
-  except Exception as e: pytest.skip(str(e))
-  specs = []
-  for name in CASES:
-    plan = decode_layer_plan(make(name)[1], H100)
-    specs.append(Spec(name, "decode_layer", plan.defines, (plan.launch,)))
-  return LazyKernels("cuda", grouped(specs, QUICK))
+  specs = [Spec(name, "decode_layer", (plan := decode_layer_plan(make(name)[1], H100)).defines, (plan.launch,)) for name in CASES]
+  return emulate("cuda", specs, QUICK)
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=() if name in QUICK else pytest.mark.slow) for name in CASES])

@@ -23,8 +23,8 @@ from tests.emulator.emulator import (
   EmulatorError,
   LazyKernels,
   Spec,
+  emulate,
   find_compiler,
-  grouped,
   run_attention,
   run_kv_write,
 )
@@ -160,12 +160,11 @@ def _selftest_specs() -> list[Spec]:
           Spec("divergent", "divergent", base, launch("tv_divergent", nt), DIVERGENT)]
 
 
-@pytest.fixture(scope="module", params=DIALECTS)
-def emu(request) -> LazyKernels:
+@pytest.fixture(scope="module")
+def emu(dialect: str) -> LazyKernels:
   """Every case's plan; the C++ libraries are built when a launch needs them (the quick cases and the emulator's
   self-tests in one, the rest in another)."""
-  find_compiler()   # a clear error when there is no C++ compiler: the checks need one
-  return LazyKernels(request.param, grouped(_specs(request.param), QUICK | SELFTESTS))
+  return emulate(dialect, _specs(dialect), QUICK | SELFTESTS)
 
 
 @functools.cache

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests.emulator.cases import from_bits, linear_inputs, portable_linear_reference, to_bits
-from tests.emulator.emulator import EmulatedKernels, Spec, find_compiler, poisoned
+from tests.emulator.emulator import LazyKernels, Spec, emulate, poisoned
 from tinyvllm.kernels.linear import LinearShape, linear_plan, unsupported_reason
 
 TOLERANCE = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}
@@ -30,11 +30,9 @@ def _shape(name: str) -> LinearShape:
   return LinearShape(dtype, m, k, o, bias, EPS if norm else None, silu, res, f32)
 
 
-@pytest.fixture(scope="module", params=("cuda", "metal"))
-def emu(request) -> EmulatedKernels:
-  find_compiler()
-  specs = [Spec(name, "linear", (p := linear_plan(_shape(name))).defines, (p.launch,)) for name in CASES]
-  return EmulatedKernels(request.param, specs)
+@pytest.fixture(scope="module")
+def emu(dialect: str) -> LazyKernels:
+  return emulate(dialect, [Spec(name, "linear", (p := linear_plan(_shape(name))).defines, (p.launch,)) for name in CASES])
 
 
 def _inputs(name: str) -> dict[str, np.ndarray]: return linear_inputs(np.random.default_rng(len(name)), _shape(name))

@@ -16,7 +16,7 @@ import pytest
 from tinygrad import Tensor, dtypes
 
 from tests.emulator.cases import FP8, from_bits, round_to, to_bits
-from tests.emulator.emulator import EmulatedKernels, Spec, find_compiler, poisoned
+from tests.emulator.emulator import LazyKernels, Spec, emulate, poisoned
 from tinyvllm.kernels.fused import FusedBackend
 from tinyvllm.kernels.qkv_rope import QkvRopeShape, qkv_rope_plan, qkv_rope_shape, unsupported_reason
 from tinyvllm.kernels.sources import kernel_source
@@ -55,11 +55,9 @@ def _shape(name: str) -> QkvRopeShape:
   return QkvRopeShape(dtype, n, h, kvh, d, 3 * n + 2, norm, EPS, name.endswith("_kv8"))
 
 
-@pytest.fixture(scope="module", params=("cuda", "metal"))
-def emu(request) -> EmulatedKernels:
-  find_compiler()
-  specs = [Spec(name, "qkv_rope", (p := qkv_rope_plan(_shape(name))).defines, (p.launch,)) for name in CASES]
-  return EmulatedKernels(request.param, specs)
+@pytest.fixture(scope="module")
+def emu(dialect: str) -> LazyKernels:
+  return emulate(dialect, [Spec(name, "qkv_rope", (p := qkv_rope_plan(_shape(name))).defines, (p.launch,)) for name in CASES])
 
 
 def _inputs(name: str) -> dict[str, np.ndarray]:
@@ -80,7 +78,7 @@ def _inputs(name: str) -> dict[str, np.ndarray]:
   return out | {"cos": cos_t[positions], "sin": sin_t[positions], "slot_mapping": slots}
 
 
-def _run_kernel(emu: EmulatedKernels, name: str, a: dict[str, np.ndarray], order: str = "forward"):
+def _run_kernel(emu: LazyKernels, name: str, a: dict[str, np.ndarray], order: str = "forward"):
   sh = _shape(name)
   q = poisoned(sh.num_tokens * sh.num_heads * sh.head_dim, sh.dtype)
   kv = FP8 if sh.kv_fp8 else sh.dtype

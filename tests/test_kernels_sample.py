@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from tinygrad import Tensor, dtypes
 
-from tests.emulator.emulator import EmulatedKernels, Spec, find_compiler
+from tests.emulator.emulator import LazyKernels, Spec, emulate
 from tinyvllm.backend.sampling import NEUTRAL_PARAMS, SamplerVariant
 from tinyvllm.kernels.sample import sample_plan, takes
 from tinyvllm.layers.sampler import sample, sample_packed
@@ -16,11 +16,10 @@ from tinyvllm.layers.sampler import sample, sample_packed
 ROWS, VOCAB = 6, 1000     # 1000: each of the 512 threads scans one or two ids
 
 
-@pytest.fixture(scope="module", params=["cuda", "metal"])
-def emu(request) -> EmulatedKernels:
-  find_compiler()
+@pytest.fixture(scope="module")
+def emu(dialect: str) -> LazyKernels:
   plan = sample_plan(ROWS, VOCAB)
-  return EmulatedKernels(request.param, [Spec("sample", "sample", plan.defines, plan.launches)])
+  return emulate(dialect, [Spec("sample", "sample", plan.defines, plan.launches)])
 
 
 def _inputs(rng: np.random.Generator, temperatures: list[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -31,7 +30,7 @@ def _inputs(rng: np.random.Generator, temperatures: list[float]) -> tuple[np.nda
   return logits, params, seeds
 
 
-def _kernel(emu: EmulatedKernels, logits, params, seeds, order: str = "forward") -> np.ndarray:
+def _kernel(emu: LazyKernels, logits, params, seeds, order: str = "forward") -> np.ndarray:
   tokens = np.full(ROWS, -7, np.int32)
   bits = [params.reshape(-1).view(np.int32).copy(), seeds.reshape(-1).view(np.int32).copy()]   # as the packed input
   emu.launch("sample", 0, [tokens, logits.reshape(-1).copy(), *bits], order)

@@ -154,6 +154,13 @@ def grouped(specs: list[Spec], quick: set[str] | frozenset[str]) -> dict[str, li
   return {"quick": [s for s in specs if s.name in quick], "rest": [s for s in specs if s.name not in quick]}
 
 
+def emulate(dialect: str, specs: list[Spec], quick: set[str] | frozenset[str] = frozenset()) -> LazyKernels:
+  """The specialisations for the tests' `emu` fixtures: the `quick` ones built together when first launched, the rest
+  in a second library (fails at once, with the reason, where no C++ compiler is found)."""
+  find_compiler()
+  return LazyKernels(dialect, grouped(specs, quick))
+
+
 POISON = {"float32": np.float32(np.nan).view(np.uint32), "float16": 0x7E00, "bfloat16": 0x7FC0}
 
 
