@@ -22,29 +22,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def dev_tensor(x: np.ndarray, dtype: str, device: str):
   from tinygrad import Tensor, dtypes
 
-  from tinyvllm.kernels.cases import FP8, to_bits
+  from tests.emulator.cases import FP8, to_bits
   if dtype == "float32": return Tensor(np.ascontiguousarray(x, np.float32), device=device).realize()
   if dtype == FP8: return Tensor(to_bits(x, FP8), device=device).realize()   # uint8 E4M3 codes
   bits = Tensor(to_bits(x, dtype), device=device)
   return bits.bitcast(dtypes.bfloat16 if dtype == "bfloat16" else dtypes.float16).contiguous().realize()
 
 
-
 def rel_err(got: np.ndarray, want: np.ndarray) -> float:
   return float(np.abs(got.astype(np.float64) - want).max() / max(np.abs(want).max(), 1e-30))
 
 
+def decode_variant(target, splits: int | None = None, stages: int | None = None):
+  """Fused decode attention on a forced plan: `splits` split-K blocks, a K/V ring of `stages` shared-memory stages
+  (0: registers); None: the planner's choice."""
+  from tinyvllm.kernels.attention import attention_shape, run_attention
+  from tinyvllm.kernels.plan import decode_plan
+  from tinyvllm.kernels.sources import kernel_source
 
-def bench_batch(dialect: str, device: str, batch: int, iters: int, variants: dict | None = None, mixed: bool = False,
+  def attention(q, k_cache, v_cache, meta):
+    shape, reason = attention_shape(q, k_cache, v_cache, meta, target)
+    if shape is None or reason is not None or shape.query_len != 1: raise ValueError(f"not a fused decode shape: {reason}")
+    plan = decode_plan(shape, target, splits=splits, stages=stages)
+    source = kernel_source(target.dialect, plan.algorithm, plan.defines)
+    return run_attention(shape, target, q, k_cache, v_cache, meta, plan_source=(plan, source))
+  return attention
+
+
+def bench_batch(target, device: str, batch: int, iters: int, variants: dict | None = None, mixed: bool = False,
                 kv_fp8: bool = False) -> dict:
   """Per-layer decode attention time, fused vs portable, for the Qwen3-0.6B shape. Each JIT call runs `layers`
   attention layers with their own caches (so the KV reads come from HBM, not L2) to keep the GPU busier than Python.
   Contexts ~1,024 (bucket 1,024), or with `mixed` uniform in [100, 2048] (bucket 2,048) as in the throughput workload.
-  `kv_fp8`: FP8 E4M3 caches (random finite codes)."""
+  `kv_fp8`: FP8 E4M3 caches (random finite codes). `variants`: name -> decode_variant's keyword arguments (splits,
+  stages), timed instead of fused vs portable."""
   from tinygrad import Tensor, dtypes
 
+  from tinyvllm.backend.metadata import AttentionMetadata
   from tinyvllm.kernels.fused import FusedBackend
-  from tinyvllm.layers.attention import AttentionMetadata, paged_attention
+  from tinyvllm.layers.attention import paged_attention
   heads, kvh, d, bs, L = 16, 8, 128, 16, 2048 if mixed else 1024
   layers = 64 if batch <= 8 else 32 if batch <= 32 else 16
   rng = np.random.default_rng(batch)
@@ -64,9 +80,9 @@ def bench_batch(dialect: str, device: str, batch: int, iters: int, variants: dic
              "qp": (ctx - 1).reshape(batch, 1), "oi": np.arange(batch, dtype=np.int32), "sm": np.full(batch, -1, np.int32)}.items()}
     meta = AttentionMetadata(ints["sm"], ints["bt"], ints["qi"], ints["qp"], ints["oi"], ints["ctx"], ints["qs"], bs, L)
     per_layer.append((q, kc, vc, meta))
-  backend = FusedBackend(dialect, device)
+  backend = FusedBackend(target)
   fns = {"fused": backend.attention, "portable": paged_attention} if variants is None else \
-    {name: FusedBackend(dialect, device, **kw).attention for name, kw in variants.items()}
+    {name: decode_variant(target, **kw) for name, kw in variants.items()}
   res: dict = {"batch": batch, "mixed": mixed, "kv_fp8": kv_fp8, "layers": layers,
                "kv_bytes_per_layer": int(2 * ctx.sum() * kvh * d * (1 if kv_fp8 else 2))}
   outs = time_layers(fns, per_layer, device, iters, layers, res)
@@ -76,7 +92,7 @@ def bench_batch(dialect: str, device: str, batch: int, iters: int, variants: dic
   res["speedup"] = res["portable_us_per_layer"] / res["fused_us_per_layer"]
   res["fused_GBps"] = res["kv_bytes_per_layer"] / res["fused_us_per_layer"] / 1e3
   res["err_fused_vs_portable"] = rel_err(outs["fused"], outs["portable"].astype(np.float64))
-  res["decode_plan_splits"] = backend.calls.most_common()
+  res["fused_calls"] = backend.calls.most_common()
   return res
 
 
@@ -97,11 +113,9 @@ def time_layers(fns: dict, per_layer: list, device: str, iters: int, layers: int
   return outs
 
 
-
-def bench_prefill(dialect: str, device: str, name: str, seqs: list[tuple[int, int]], iters: int, layers: int = 4) -> dict:
+def bench_prefill(target, device: str, name: str, seqs: list[tuple[int, int]], iters: int, layers: int = 4) -> dict:
   """Prefill / chunked-prefill attention, fused vs portable, Qwen3-0.6B shape (random data, own caches per layer)."""
-
-  from tinyvllm.kernels.cases import make_case, metadata_tensors
+  from tests.emulator.cases import make_case, metadata_tensors
   from tinyvllm.kernels.fused import FusedBackend
   from tinyvllm.layers.attention import paged_attention
   per_layer = []
@@ -109,7 +123,7 @@ def bench_prefill(dialect: str, device: str, name: str, seqs: list[tuple[int, in
     case = make_case(np.random.default_rng(100 + i), seqs, heads=16, kv_heads=8, head_dim=128, dtype="bfloat16")
     per_layer.append((dev_tensor(case.q, "bfloat16", device), dev_tensor(case.k_cache, "bfloat16", device),
                       dev_tensor(case.v_cache, "bfloat16", device), metadata_tensors(case, device)))
-  fns = {"fused": FusedBackend(dialect, device).attention, "portable": paged_attention}
+  fns = {"fused": FusedBackend(target).attention, "portable": paged_attention}
   new = sum(n for _, n in seqs)
   res: dict = {"name": name, "seqs": seqs, "new_tokens": new, "layers": layers}
   outs = {key: out[:, :new] for key, out in time_layers(fns, per_layer, device, iters, layers, res).items()}
@@ -120,28 +134,26 @@ def bench_prefill(dialect: str, device: str, name: str, seqs: list[tuple[int, in
   return res
 
 
-
-
-def explore(dialect: str, device: str, batches: list[int], splits: list[int], iters: int, fp8_only: bool = False) -> list[dict]:
+def explore(target, device: str, batches: list[int], splits: list[int], iters: int, fp8_only: bool = False) -> list[dict]:
   """The automatic split count against forced ones, on uniform and on mixed contexts; FP8 variants (`fp8_only`: those
   alone)."""
   results = []
   for mixed in () if fp8_only else (False, True):
     for b in batches:
-      variants = {"auto": {}, **{f"splits {sp}": {"decode_splits": sp} for sp in splits}}
-      r = bench_batch(dialect, device, b, iters, variants, mixed=mixed)
+      variants = {"auto": {}, **{f"splits {sp}": {"splits": sp} for sp in splits}}
+      r = bench_batch(target, device, b, iters, variants, mixed=mixed)
       results.append(r)
       print(f"batch {b:>3} {'mixed' if mixed else 'uniform'}: " +
             ", ".join(f"{k} {r[k + '_us_per_layer']:.1f} us ({r[k + '_GBps']:.0f} GB/s)" for k in variants), flush=True)
   for b, kv_fp8 in ((b, kv_fp8) for kv_fp8 in (True, False) for b in batches):   # mixed contexts: load order, splits
-    variants = {"auto": {}, "registers": {"decode_stages": 0}, "2 stages": {"decode_stages": 2}, "3 stages": {"decode_stages": 3}}
-    r = bench_batch(dialect, device, b, iters, variants, mixed=True, kv_fp8=kv_fp8)
+    variants = {"auto": {}, "registers": {"stages": 0}, "2 stages": {"stages": 2}, "3 stages": {"stages": 3}}
+    r = bench_batch(target, device, b, iters, variants, mixed=True, kv_fp8=kv_fp8)
     results.append(r)
     print(f"batch {b:>3} mixed {'fp8' if kv_fp8 else 'bf16'}: " +
           ", ".join(f"{k} {r[k + '_us_per_layer']:.1f} us ({r[k + '_GBps']:.0f} GB/s)" for k in variants), flush=True)
   for b in () if fp8_only else batches:   # the planner's choice, bf16 against FP8 caches, mixed contexts (workload 2)
     for kv_fp8 in (False, True):
-      r = bench_batch(dialect, device, b, iters, {"auto": {}}, mixed=True, kv_fp8=kv_fp8)
+      r = bench_batch(target, device, b, iters, {"auto": {}}, mixed=True, kv_fp8=kv_fp8)
       results.append(r)
       print(f"batch {b:>3} mixed, {'fp8' if kv_fp8 else 'bf16'} cache: {r['auto_us_per_layer']:.1f} us/layer "
             f"({r['auto_GBps']:.0f} GB/s of KV)", flush=True)
@@ -155,11 +167,11 @@ def main() -> None:
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--fp8-only", action="store_true", help="only the FP8 cache variants")
   args = p.parse_args()
-  from tinyvllm.device import select_device
-  from tinyvllm.kernels.selection import native_dialect
+  from tinyvllm.kernels.tinygrad_program import device_target
+  from tinyvllm.platform.device import select_device
   device = select_device(os.environ.get("DEV", "CUDA"))
   t = time.perf_counter()
-  results = explore(native_dialect(device), device, [int(b) for b in args.batches.split(",")],
+  results = explore(device_target(device), device, [int(b) for b in args.batches.split(",")],
                     [int(s) for s in args.splits.split(",")], args.iters, args.fp8_only)
   print(f"explored in {time.perf_counter() - t:.0f} s", flush=True)
   if out := os.environ.get("OUT"): Path(out, "attention_explore.json").write_text(json.dumps(results, indent=1))

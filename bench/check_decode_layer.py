@@ -1,6 +1,7 @@
-"""GPU check and timing of the persistent decode-layer kernel (kernels/decode_layer.inc), in one command:
+"""GPU check and timing of the persistent decode-layer kernel (tinyvllm/kernels/csrc/cuda/decode_layer.inc), in one
+command:
 
-  DEV=CUDA python3 bench/check_decode_layer.py      (bash bench/run_on_device.sh layer)
+  DEV=CUDA python3 bench/check_decode_layer.py      (bash bench/run_on_device.sh layer; `check` runs it too)
 
 1. Random layers (Qwen3-0.6B's shape at 1-4 rows, 1-4 layers a launch, bf16 and FP8 caches; a GQA-4 head_dim-64 shape
    with a qkv bias in float16): the kernel against the same layers op by op, on the per-op CUDA kernels and on the
@@ -9,9 +10,9 @@
 2. A TinyJit capture of three layers in two launches (MAX_LAYERS lowered to 2) replayed over steps with different
    contexts: the barrier counters reset at every launch (a stale counter would let blocks run ahead) and the layers
    match the per-op kernels each step.
-3. The engine (Qwen3-0.6B, random weights): decode tok/s at batch 1, 2 and 4 with and without the layer kernel (at
-   every row count it takes), and the greedy tokens of both at batch 2 (random weights have near-ties, so the first
-   difference is reported, not asserted).
+3. The engine (Qwen3-0.6B, random weights): decode tok/s at batch 1, 2 and 4 with and without the layer kernel
+   (decode_layer_kernel=True / False: at every row count the tuning table bounds), and the greedy tokens of both at
+   batch 2 (random weights have near-ties, so the first difference is reported, not asserted).
 Writes $OUT/check_decode_layer.json; exits 1 on any failure.
 """
 from __future__ import annotations
@@ -40,17 +41,21 @@ RESULTS: dict = {"cases": [], "jit": [], "engine": {}, "failures": []}
 def rel(a: np.ndarray, b: np.ndarray) -> float: return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-6))
 
 
-def check_case(name: str, dims: dict, contexts: list[int], dtype: str, fp8: bool, layers: int, device: str) -> None:
-  from tinyvllm.kernels.cases import layer_outputs, layer_tensors, make_layer_case
+def fused_backend(device: str):
   from tinyvllm.kernels.fused import FusedBackend
+  from tinyvllm.kernels.tinygrad_program import device_target
+  return FusedBackend(device_target(device))
+
+
+def check_case(name: str, dims: dict, contexts: list[int], dtype: str, fp8: bool, layers: int, device: str) -> None:
+  from tests.emulator.cases import layer_outputs, layer_tensors, make_layer_case
   case = make_layer_case(np.random.default_rng(len(name)), contexts, **dims, dtype=dtype, kv_fp8=fp8, layers=layers)
-  backend = FusedBackend("cuda", device)
+  backend = fused_backend(device)
   model, stack, (h, cos, sin, caches, meta) = layer_tensors(case, device, dtype)
   fused = backend.decode_layers(stack, h, cos, sin, caches, meta, case.eps)
   if fused is None: raise RuntimeError(f"the layer kernel did not take the case: {backend.calls}")
   got_h, got_caches = layer_outputs(case, *fused)
-  model, stack, (h, cos, sin, caches, meta) = layer_tensors(case, device, dtype)
-  model.linear_fn, model.attention_fn, model.qkv_rope_write_fn = backend.linear, backend.attention, backend.qkv_rope_write
+  model, stack, (h, cos, sin, caches, meta) = layer_tensors(case, device, dtype, backend=backend)   # op by op, fused ops
   per_op = layer_outputs(case, *model.decoder_layers(h, cos, sin, caches, meta))
   model, stack, (h, cos, sin, caches, meta) = layer_tensors(case, device, "float32")
   portable = layer_outputs(case, *model.decoder_layers(h, cos, sin, caches, meta))
@@ -86,29 +91,27 @@ def check_jit(device: str) -> None:
   the next), replayed over 4 steps of different contexts."""
   from tinygrad import Tensor, TinyJit
 
-  import tinyvllm.kernels.fused as fused_module
-  from tinyvllm.kernels.cases import layer_tensors, make_layer_case
-  from tinyvllm.kernels.fused import FusedBackend
-  backend = FusedBackend("cuda", device)
+  from tests.emulator.cases import layer_tensors, make_layer_case
+  from tinyvllm.backend.metadata import AttentionMetadata
+  from tinyvllm.kernels import decode_layer
+  backend = fused_backend(device)
   steps = [[40], [700], [1999], [3]]
   cases = [make_layer_case(np.random.default_rng(i), c, **QWEN3, dtype="bfloat16", layers=3) for i, c in enumerate(steps)]
-  model, stack, _ = layer_tensors(cases[0], device, "bfloat16")
+  model, stack, _ = layer_tensors(cases[0], device, "bfloat16", backend=backend)
   slots = 4096 * 16
   caches = [tuple(Tensor.randn(slots, 1024, device=device).cast(stack[0].qkv_proj.dtype).contiguous().realize() for _ in range(2))
             for _ in range(3)]
 
   def run(h, cos, sin, slot_mapping, block_tables, context_lens, query_start, fused: bool):
-    from tinyvllm.layers.attention import AttentionMetadata
     meta = AttentionMetadata(slot_mapping, block_tables, query_start[:1].reshape(1, 1), query_start[:1].reshape(1, 1),
                              query_start[:1], context_lens, query_start, 16, 2048)
     out = backend.decode_layers(stack, h, cos, sin, caches, meta, 1e-6) if fused else None
     h, new = out or model.decoder_layers(h, cos, sin, caches, meta)
     return h.realize(*[t for pair in new for t in pair])
 
-  model.linear_fn, model.attention_fn, model.qkv_rope_write_fn = backend.linear, backend.attention, backend.qkv_rope_write
   jit = TinyJit(lambda *a: run(*a, fused=True))
   rng = np.random.default_rng(7)
-  saved, fused_module.MAX_LAYERS = fused_module.MAX_LAYERS, 2
+  saved, decode_layer.MAX_LAYERS = decode_layer.MAX_LAYERS, 2   # read at each call by fused.py and step_shape
   try:
     for step, ctx in enumerate(steps):
       table = rng.permutation(4096)[:128].astype(np.int32)[None]
@@ -120,21 +123,19 @@ def check_jit(device: str) -> None:
       print(f"{'ok  ' if record['ok'] else 'FAIL'} jit step {step}: {record}", flush=True)
       if not record["ok"]: RESULTS["failures"].append(f"jit step {step}")
   finally:
-    fused_module.MAX_LAYERS = saved
+    decode_layer.MAX_LAYERS = saved
   if backend.calls["decode-layers"] == 0: RESULTS["failures"].append("jit: the layer kernel never ran")
 
 
 def engine_ab(device: str) -> None:
-  import tinyvllm.kernels.fused as fused
   from tinyvllm.bench.decode import random_prompts, run_decode_bench
   from tinyvllm.config import EngineConfig
   from tinyvllm.engine.llm_engine import LLMEngine
   from tinyvllm.sampling_params import SamplingParams
   tokens = {}
   for on in (True, False):
-    fused.DECODE_LAYER = on   # read when the engine makes its backend (its start-up captures the decode steps)
     engine = LLMEngine(EngineConfig(model="qwen3-0.6b", load_format="dummy", device=device, max_model_len=2048,
-                                    max_num_seqs=8, num_gpu_blocks=1024))
+                                    max_num_seqs=8, num_gpu_blocks=1024, decode_layer_kernel=on))
     runs = {b: run_decode_bench(engine, batch=b, prompt_len=128, new_tokens=128, no_kv_cache=False)[0] for b in (1, 2, 4)}
     for i, prompt in enumerate(random_prompts(engine, 2, 16, seed=3)):
       engine.add_request(f"g{i}", prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
@@ -145,7 +146,7 @@ def engine_ab(device: str) -> None:
     key = "layer_kernel" if on else "per_op"
     RESULTS["engine"][key] = {**{f"b{b}_tok_s": r.decode_tok_s for b, r in runs.items()},
                               **{f"b{b}_ms_step": r.decode_s / (r.new_tokens - 1) * 1e3 for b, r in runs.items()},
-                              "calls": dict(engine.attention_backend.calls)}
+                              "calls": dict(engine.model.backend.calls)}
     print(f"engine {key}: " + " | ".join(r.line() for r in runs.values()), flush=True)
     del engine
   a, b = tokens[True], tokens[False]
@@ -154,7 +155,7 @@ def engine_ab(device: str) -> None:
 
 
 def main() -> int:
-  from tinyvllm.device import select_device
+  from tinyvllm.platform.device import select_device
   device = select_device(os.environ.get("DEV", "CUDA"))
   t = time.perf_counter()
   for case in CASES:

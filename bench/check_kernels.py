@@ -66,7 +66,7 @@ def save() -> None:
 def host(t, dtype: str) -> np.ndarray:
   from tinygrad import dtypes
 
-  from tinyvllm.kernels.cases import from_bits
+  from tests.emulator.cases import from_bits
   if dtype == "float32": return t.numpy().astype(np.float32)
   return from_bits(t.bitcast(dtypes.uint16).numpy(), dtype)
 
@@ -82,18 +82,23 @@ TOL = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 2.5e-2}   # max |a - b| / m
 
 # ---------------------------------------------------------------- 1. compile
 
-def step_compile(dialect: str, device: str, cases: list[dict]) -> None:
+def kernel_sources(target, cases: list[dict]) -> dict[str, str]:
+  """The source of every case's attention kernel and of three KV writes (pure Python: plans and text)."""
   from tinyvllm.kernels.plan import write_plan
   from tinyvllm.kernels.sources import kernel_source
-  from tinyvllm.kernels.tinygrad_program import compile_source
   sources = {}
   for i, spec in enumerate(cases):
-    case = build(spec, i)
-    algo, plan = plan_for(case, dialect, spec.get("splits"))
-    sources[spec["name"]] = kernel_source(dialect, algo, plan.defines)
+    algo, plan = plan_for(build(spec, i), target, spec.get("splits"))
+    sources[spec["name"]] = kernel_source(target.dialect, algo, plan.defines)
   for name, (dt, row) in {"write_bf16_1024": ("bfloat16", 1024), "write_f32_32": ("float32", 32),
                           "write_f16_256": ("float16", 256)}.items():
-    sources[name] = kernel_source(dialect, "kv_write", write_plan(dt, row, 64, 4096).defines)
+    sources[name] = kernel_source(target.dialect, "kv_write", write_plan(dt, row, 64, 4096).defines)
+  return sources
+
+
+def step_compile(target, device: str, cases: list[dict]) -> None:
+  from tinyvllm.kernels.tinygrad_program import compile_source
+  sources = kernel_sources(target, cases)
   for name, src in sources.items():
     t = time.perf_counter()
     lib = guarded(f"compile {name}", compile_source, device, src)
@@ -104,15 +109,15 @@ def step_compile(dialect: str, device: str, cases: list[dict]) -> None:
 
 # ---------------------------------------------------------------- 2. correctness
 
-def run_fused_direct(dialect: str, device: str, case, splits=None) -> tuple[np.ndarray, dict]:
+def run_fused_direct(target, device: str, case, splits=None) -> tuple[np.ndarray, dict]:
   """Run the plan's launches directly on poisoned outputs (and poisoned split-K scratch)."""
   from tinygrad import Tensor, dtypes
 
   from tinyvllm.kernels.sources import kernel_source
   from tinyvllm.kernels.tinygrad_program import run_kernel
   sh, a = case.shape, case.arrays
-  algo, plan = plan_for(case, dialect, splits)
-  src = kernel_source(dialect, algo, plan.defines)
+  algo, plan = plan_for(case, target, splits)
+  src = kernel_source(target.dialect, algo, plan.defines)
   q = dev_tensor(case.q.reshape(sh.num_tokens, -1), sh.dtype, device)
   kc, vc = dev_tensor(case.k_cache, case.kv_dtype, device), dev_tensor(case.v_cache, case.kv_dtype, device)
   ints = [Tensor(np.ascontiguousarray(a[k]), device=device).realize() for k in ("block_tables", "context_lens", "query_start")]
@@ -131,7 +136,7 @@ def run_fused_direct(dialect: str, device: str, case, splits=None) -> tuple[np.n
 
 
 def run_portable(device: str, case) -> np.ndarray:
-  from tinyvllm.kernels.cases import metadata_tensors
+  from tests.emulator.cases import metadata_tensors
   from tinyvllm.layers.attention import paged_attention
   sh = case.shape
   q = dev_tensor(case.q.reshape(sh.num_tokens, -1), sh.dtype, device).reshape(sh.num_tokens, sh.num_heads, sh.head_dim)
@@ -139,12 +144,12 @@ def run_portable(device: str, case) -> np.ndarray:
   return host(paged_attention(q, kc, vc, metadata_tensors(case, device)).realize(), sh.dtype).reshape(sh.num_tokens, -1)
 
 
-def check_case(dialect: str, device: str, spec: dict, seed: int) -> None:
-  from tinyvllm.kernels.cases import reference_attention
+def check_case(target, device: str, spec: dict, seed: int) -> None:
+  from tests.emulator.cases import reference_attention
   case = build(spec, seed)
   sh, n = case.shape, case.total_tokens
   t = time.perf_counter()
-  got, info = run_fused_direct(dialect, device, case, spec.get("splits"))
+  got, info = run_fused_direct(target, device, case, spec.get("splits"))
   want = run_portable(device, case)
   rec = {"name": spec["name"], **info, "S": sh.num_seqs, "N": sh.num_tokens, "Tq": sh.query_len, "L": sh.context_len}
   problems = []
@@ -164,12 +169,12 @@ def check_case(dialect: str, device: str, spec: dict, seed: int) -> None:
   if problems: fail(spec["name"], "; ".join(problems))
 
 
-def check_kv_write(dialect: str, device: str) -> None:
+def check_kv_write(target, device: str) -> None:
   from tinygrad import Tensor
 
-  from tinyvllm.kernels.cases import round_to
+  from tests.emulator.cases import round_to
   from tinyvllm.kernels.fused import FusedBackend
-  backend = FusedBackend(dialect, device)
+  backend = FusedBackend(target)
   for dt, kvh, d in (("bfloat16", 8, 128), ("float32", 4, 8), ("float16", 2, 64)):
     rng = np.random.default_rng(11)
     row, slots, n = kvh * d, 4096, 64
@@ -191,16 +196,16 @@ def check_kv_write(dialect: str, device: str) -> None:
     if not good: fail(f"kv_write {dt}", "cache contents differ from the expected scatter")
 
 
-def check_jit(dialect: str, device: str, name: str, seqs_per_step: list[list[tuple[int, int]]], heads: int, kv_heads: int,
+def check_jit(target, device: str, name: str, seqs_per_step: list[list[tuple[int, int]]], heads: int, kv_heads: int,
               head_dim: int, dtype: str) -> None:
   """write_kv + attention under TinyJit (captured into a CUDA graph), several steps with new data each: catches missing
   dependencies between the kernels (stale reads) and anything that differs between eager, capture and replay."""
   from tinygrad import Tensor, TinyJit
 
-  from tinyvllm.kernels.cases import make_case, reference_attention, round_to
+  from tests.emulator.cases import make_case, reference_attention, round_to
+  from tinyvllm.backend.metadata import AttentionMetadata
   from tinyvllm.kernels.fused import FusedBackend
-  from tinyvllm.layers.attention import AttentionMetadata
-  backend = FusedBackend(dialect, device)
+  backend = FusedBackend(target)
   rng = np.random.default_rng(21)
   cases = [make_case(rng, seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, extra_blocks=40) for seqs in seqs_per_step]
   slots = max(c.shape.num_slots for c in cases)
@@ -241,18 +246,18 @@ def check_jit(dialect: str, device: str, name: str, seqs_per_step: list[list[tup
   if not good: fail(f"jit {name}", f"step errors {errs}")
 
 
-def step_correctness(dialect: str, device: str, cases: list[dict]) -> None:
-  for i, spec in enumerate(cases): guarded(spec["name"], check_case, dialect, device, spec, i)
-  guarded("kv_write", check_kv_write, dialect, device)
-  record = guarded("kv_write fp8", check_kv_write_fp8, dialect, device)
+def step_correctness(target, device: str, cases: list[dict]) -> None:
+  for i, spec in enumerate(cases): guarded(spec["name"], check_case, target, device, spec, i)
+  guarded("kv_write", check_kv_write, target, device)
+  record = guarded("kv_write fp8", check_kv_write_fp8, target, device)
   RESULTS["correctness"].append(record or {"name": "kv_write_fp8", "ok": False})
   log(f"{'ok  ' if record else 'FAIL'} kv_write fp8 (bf16 -> E4M3 codes, fused and portable)")
   steps = [[(int(c), 1) for c in np.random.default_rng(s).integers(1, 1000, 6)] for s in range(4)]
   for st in steps: st[0] = (1000, 1)   # same context bucket in every step (one capture)
-  guarded("jit decode", check_jit, dialect, device, "decode_bf16_qwen3", steps, 16, 8, 128, "bfloat16")
+  guarded("jit decode", check_jit, target, device, "decode_bf16_qwen3", steps, 16, 8, 128, "bfloat16")
   # every step: S 4, N 32, Tq 32, L 1024 (one layout, one capture)
   steps = [[(1000, 1), (300, 30), (17, 1)], [(900, 20), (40, 10), (2, 1)], [(1000, 1), (64, 17), (5, 5)], [(700, 25), (10, 1), (33, 2)]]
-  guarded("jit mixed", check_jit, dialect, device, "mixed_bf16_qwen3", steps, 16, 8, 128, "bfloat16")
+  guarded("jit mixed", check_jit, target, device, "mixed_bf16_qwen3", steps, 16, 8, 128, "bfloat16")
 
 
 # ---------------------------------------------------------------- 3. engine
@@ -269,7 +274,7 @@ def step_engine(model: str | None, device: str, backend_name: str) -> None:
   ref = json.loads((folder / "reference_greedy.json").read_text())
   t = time.perf_counter()
   llm = LLM(str(folder), device=device, max_num_seqs=8, num_gpu_blocks=256, attention_backend=backend_name)
-  backend = llm.engine.attention_backend
+  backend = llm.engine.model.backend
   out = llm.generate([ref["prompt_ids"]], SamplingParams(temperature=0, max_tokens=len(ref["greedy_ids"])), use_tqdm=False)[0]
   same = out.outputs[0].token_ids == ref["greedy_ids"]
   zoo = llm.generate("Zoo", SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0]
@@ -297,10 +302,10 @@ def step_fp8_engine(device: str, dialect: str) -> None:
 
 # ---------------------------------------------------------------- 4. benchmark
 
-def step_prefill_bench(dialect: str, device: str, iters: int) -> None:
+def step_prefill_bench(target, device: str, iters: int) -> None:
   for name, seqs in (("chunk 512 after a 1536 prefix", [(2048, 512)]), ("4 prompts of 256", [(256, 256)] * 4),
                      ("mixed: 31 decodes ~1000 + chunk 256", [(1000, 1)] * 31 + [(768, 256)])):
-    r = guarded(f"prefill bench {name}", bench_prefill, dialect, device, name, seqs, iters)
+    r = guarded(f"prefill bench {name}", bench_prefill, target, device, name, seqs, iters)
     if r is None: continue
     RESULTS.setdefault("bench_prefill", []).append(r)
     log(f"prefill bench {name}: fused {r['fused_us_per_layer']:.1f} us/layer ({r['fused_TFLOPs']:.1f} TFLOP/s), portable "
@@ -309,9 +314,9 @@ def step_prefill_bench(dialect: str, device: str, iters: int) -> None:
       fail(f"prefill bench {name}", f"fused and portable differ by {r['err_fused_vs_portable']:.3g}")
 
 
-def step_bench(dialect: str, device: str, batches: list[int], iters: int) -> None:
+def step_bench(target, device: str, batches: list[int], iters: int) -> None:
   for b in batches:
-    r = guarded(f"bench batch {b}", bench_batch, dialect, device, b, iters)
+    r = guarded(f"bench batch {b}", bench_batch, target, device, b, iters)
     if r is None: continue
     RESULTS["bench"].append(r)
     log(f"bench batch {b:>3}: fused {r['fused_us_per_layer']:8.1f} us/layer ({r['fused_GBps']:6.0f} GB/s of KV), portable "
@@ -350,13 +355,12 @@ def main() -> int:
   args = p.parse_args()
   skip = set(filter(None, args.skip.split(","))) | ({"e2e"} if args.no_e2e else set())
 
-  from tinygrad import Device
-
-  from tinyvllm.device import select_device
-  from tinyvllm.kernels.selection import native_dialect
+  from tinyvllm.kernels.tinygrad_program import device_target
+  from tinyvllm.platform.device import select_device
   device = select_device(args.device)
-  dialect = native_dialect(device)
-  RESULTS["env"] = {"device": device, "dialect": dialect, "arch": str(getattr(Device[device], "arch", "")), "argv": sys.argv}
+  target = device_target(device)
+  dialect = target.dialect
+  RESULTS["env"] = {"device": device, "dialect": dialect, "arch": target.arch, "sms": target.multiprocessors, "argv": sys.argv}
   try:
     import subprocess
     RESULTS["env"]["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
@@ -367,13 +371,13 @@ def main() -> int:
     fail("setup", f"no hand-written kernels for {device}: run with DEV=CUDA (or on METAL)")
   else:
     cases = case_list(args.quick)
-    steps = [("compile", lambda: step_compile(dialect, device, cases)),
-             ("correctness", lambda: step_correctness(dialect, device, cases)),
+    steps = [("compile", lambda: step_compile(target, device, cases)),
+             ("correctness", lambda: step_correctness(target, device, cases)),
              ("engine", lambda: step_engine(args.model, device, dialect)),
              ("engine-fp8", lambda: step_fp8_engine(device, dialect)),
              ("sample", lambda: log(f"ok   sampling kernel: {RESULTS.setdefault('sample', check_sample(dialect, device))}")),
-             ("bench", lambda: step_bench(dialect, device, [int(b) for b in args.batches.split(",") if b], args.iters)),
-             ("prefill-bench", lambda: step_prefill_bench(dialect, device, args.iters)),
+             ("bench", lambda: step_bench(target, device, [int(b) for b in args.batches.split(",") if b], args.iters)),
+             ("prefill-bench", lambda: step_prefill_bench(target, device, args.iters)),
              ("e2e", lambda: step_e2e(device, dialect))]
     for name, fn in steps:
       if name in skip: continue

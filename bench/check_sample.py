@@ -1,8 +1,9 @@
-"""The sampling kernel (kernels/sample.inc) on the GPU, as part of bench/check_kernels.py: a batch of 256 rows over
-Qwen3's 151,936-token vocabulary (greedy, temperature and padding rows mixed), the kernel against the portable sampler
-(tinygrad ops on the same device): the same token in every row, except where the two draws' noisy values are within
-TIE of each other (log2 may round differently), each checked against numpy's float64 evaluation of the same noise;
-and each path's time per call (TinyJit replays). Returns a record for $OUT/kernels.json; raises AssertionError."""
+"""The sampling kernel (tinyvllm/kernels/csrc/neutral/sample.inc) on the GPU, as part of bench/check_kernels.py: a
+batch of 256 rows over Qwen3's 151,936-token vocabulary (greedy, temperature and padding rows mixed), the kernel against
+the portable sampler (tinygrad ops on the same device): the same token in every row, except where the two draws' noisy
+values are within TIE of each other (log2 may round differently), each checked against numpy's float64 evaluation of
+the same noise; and each path's time per call (TinyJit replays). Returns a record for $OUT/kernels.json; raises
+AssertionError."""
 from __future__ import annotations
 
 import time
@@ -34,8 +35,9 @@ def noisy_values(logits: np.ndarray, params: np.ndarray, seeds: np.ndarray) -> n
 def check_sample(dialect: str, device: str, rows: int = 256, vocab: int = 151936) -> dict:
   from tinygrad import Device, Tensor, TinyJit
 
+  from tinyvllm.backend.sampling import NEUTRAL_PARAMS, SamplerVariant
   from tinyvllm.kernels.sample import fused_sample
-  from tinyvllm.layers.sampler import NEUTRAL_PARAMS, SamplerVariant, sample_packed
+  from tinyvllm.layers.sampler import sample_packed
   rng = np.random.default_rng(21)
   logits = (rng.standard_normal((rows, vocab)) * 4).astype(np.float32)
   params = np.tile(np.array(NEUTRAL_PARAMS, np.float32), (rows, 1))

@@ -47,17 +47,28 @@ def inputs(m: int, o: int, k: int, opts: dict, device: str, copies: int = 1, see
   return x.realize(), ws, {n: t.realize() for n, t in extra.items()}
 
 
+def target_of(device: str):
+  from tinyvllm.kernels.tinygrad_program import device_target
+  return device_target(device)
+
+
+def mma_target(target):
+  """The device as the planner sees a tensor-core GPU without wgmma (sm_80; the same gemm tuning table): for the
+  planner's mma.sync choice on Hopper."""
+  return dataclasses.replace(target, arch="sm_80")
+
+
 def call(x, w, extra: dict, opts: dict, variant: dict, residual=None):
-  from tinyvllm.kernels.linear import fused_linear
+  from tinyvllm.kernels.linear import linear_shape, run_linear
   from tinyvllm.layers.linear import portable_linear
   residual = extra.get("residual") if residual is None else residual
   kw = {"norm": extra.get("norm"), "residual": residual, "silu_mul": bool(opts.get("silu_mul")),
         "out_float32": bool(opts.get("out_float32")), "eps": 1e-6}
   if variant["kind"] == "portable": return portable_linear(x, w, extra.get("bias"), **kw)
-  y = fused_linear("cuda", x, w, extra.get("bias"), kernel=variant["kind"], tiles=variant.get("tiles"),
-                   rpw=variant.get("rpw"), **kw)
-  if y is None: raise RuntimeError(f"kernel {variant} refused the shape")
-  return y
+  shape = linear_shape(x, w, extra.get("bias"), kw["norm"], kw["eps"], kw["silu_mul"], residual, kw["out_float32"])
+  if shape is None: raise RuntimeError(f"kernel {variant} refused the shape")
+  return run_linear(target_of(x.device), shape, variant["kind"], x, w, extra.get("bias"), kw["norm"], residual,
+                    tiles=variant.get("tiles"))
 
 
 def check(device: str) -> None:
@@ -92,12 +103,14 @@ def check(device: str) -> None:
 
 def plannable(m: int, o: int, k: int, opts: dict, variant: dict) -> bool:
   """The planner accepts the variant's tiles for this product (K in whole slices, at least two stages fit)."""
+  from tinygrad import Device
+
   from tinyvllm.kernels.gemm import gemm_plan
   from tinyvllm.kernels.linear import LinearShape
   if variant.get("tiles") is None: return True
   shape = LinearShape("bfloat16", m, k, o, bool(opts.get("bias")), 1e-6 if opts.get("norm") else None,
                       bool(opts.get("silu_mul")), bool(opts.get("residual")), bool(opts.get("out_float32")))
-  try: gemm_plan(shape, variant["tiles"])
+  try: gemm_plan(shape, target_of(Device.DEFAULT), variant["tiles"])
   except ValueError: return False
   return True
 
@@ -174,9 +187,12 @@ def wgmma_variants(m: int, k: int) -> list[dict]:
 
 
 def variants_for(m: int, o: int, k: int, opts: dict) -> list[dict]:
+  from tinygrad import Device
+
   from tinyvllm.kernels.gemm import GemmTiles, choose_tiles
-  silu, planned = bool(opts.get("silu_mul")), choose_tiles(m, k, o, bool(opts.get("silu_mul")), wgmma=True)
-  mma = {"kind": "gemm", "planner": "mma.sync", "tiles": choose_tiles(m, k, o, silu)}
+  target, silu = target_of(Device.DEFAULT), bool(opts.get("silu_mul"))
+  planned = choose_tiles(m, k, o, target, silu)
+  mma = {"kind": "gemm", "planner": "mma.sync", "tiles": choose_tiles(m, k, o, mma_target(target), silu)}
   out = [{"kind": "gemm"}, mma] + (wgmma_variants(m, k) if os.environ.get("GEMM_WGMMA") != "0" else [])
   # the planner's tiles with the prologue in the loop and as its own pass
   xprime = [{"kind": "gemm", "tiles": dataclasses.replace(planned, xprime=flag)} for flag in (False, True)] \
@@ -192,7 +208,7 @@ def variants_for(m: int, o: int, k: int, opts: dict) -> list[dict]:
     for ring in (0, *BK64_RINGS[bm, bn, wm, wn]) if (bm, bn, wm, wn) in BK64_RINGS else ():
       out.append({"kind": "gemm", "tiles": GemmTiles(bm, bn, wm, wn, 1, ring, bk=64)})
   out = [v for v in out if plannable(m, o, k, opts, v)]
-  if m <= 16: out += [{"kind": "skinny"}, {"kind": "skinny", "rpw": 1}, {"kind": "skinny", "rpw": 4 if m <= 2 else 2}]
+  if m <= 16: out.append({"kind": "skinny"})
   return out
 
 

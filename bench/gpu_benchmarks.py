@@ -46,9 +46,9 @@ def engine(**kwargs):
 
 def weight_bytes(llm) -> int:
   """Bytes of weights one decode step reads (a tied embedding table counts once: the lm_head reads it whole)."""
-  seen, total = set(), 0
-  for t in llm.engine.model.parameters():
-    if id(t) not in seen and t is not llm.engine.model.rope_cos and t is not llm.engine.model.rope_sin:
+  weights, seen, total = llm.engine.model.weights, set(), 0
+  for t in weights.tensors():
+    if id(t) not in seen and t is not weights.rope_cos and t is not weights.rope_sin:
       seen.add(id(t))
       total += t.nbytes()
   return total
@@ -71,7 +71,7 @@ def part_decode() -> dict:
     print(r.line(), f"{rows[-1]['gb_s']:.0f} GB/s; median step {r.median_step_ms:.3f} ms, slowest {max(r.step_s) * 1e3:.2f} ms, "
           f"{r.slow_steps} over twice the median", flush=True)
   return {"load_s": load_s, "start_up_captures_s": llm.engine.warm_up_seconds, "weight_bytes": wbytes, "kv_bytes_per_token": kv_per_token,
-          "attention_backend": llm.engine.attention_backend.describe(), "rows": rows}
+          "attention_backend": llm.engine.model.backend.describe(), "rows": rows}
 
 
 def part_throughput() -> dict:
@@ -109,7 +109,7 @@ def part_prefill() -> dict:
 
 def part_context() -> dict:
   from tinyvllm.bench.context import run_context_sweep
-  llm, _ = engine(kv_cache_memory=kv_gib(36), max_model_len=8192 + 64, max_num_seqs=64)
+  llm, _ = engine(kv_cache_memory=kv_gib(36), max_model_len=8192 + 64, max_num_seqs=64, enable_prefix_caching=True)
   contexts = [64, 256] if SMALL else [128, 256, 512, 1024, 2048, 4096, 8192]
   return {f"batch{b}": [{"context": r.context, "tok_s": r.tok_s, "step_ms": r.step_ms}
                         for r in run_context_sweep(llm, b, contexts)] for b in ((1, 4) if SMALL else (1, 32))}

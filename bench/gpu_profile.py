@@ -36,17 +36,19 @@ def profile_one_step(engine, batch: int) -> dict:
   """One eager decode step with tinygrad's DEBUG=2 per-kernel timing (kernels run one by one, no graph)."""
   from tinygrad.helpers import Context
 
-  import tinyvllm.worker.model_runner as mr
   from tinyvllm import SamplingParams
+  runner = engine.runner
   params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
   for i in range(batch): engine.add_request(f"p{i}", [1] * 100, params)
   engine.step()
   engine.step()
-  mr.USE_JIT = False
-  engine.step()  # compile the eager kernels outside the measurement
-  buf = io.StringIO()
-  with contextlib.redirect_stdout(buf), Context(DEBUG=2): engine.step()
-  mr.USE_JIT = True
+  mode, runner.cudagraph_mode = runner.cudagraph_mode, "NONE"   # eager steps (the engine setting enforce_eager)
+  try:
+    engine.step()  # compile the eager kernels outside the measurement
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), Context(DEBUG=2): engine.step()
+  finally:
+    runner.cudagraph_mode = mode
   while engine.has_unfinished_requests(): engine.step()
   times, counts = kernel_times(buf.getvalue())
   top = sorted(times.items(), key=lambda kv: -kv[1])[:25]
@@ -66,8 +68,8 @@ def step_breakdown(engine, batch: int, steps: int = 50) -> dict:
   orig_step_fn, orig_launch = runner._step_fn, runner.launch
   launch_s: list[float] = []
 
-  def step_fn(layout):
-    fn = orig_step_fn(layout)
+  def step_fn(layout, **kw):
+    fn = orig_step_fn(layout, **kw)
     def record(packed):
       seen[layout] = (fn, packed)
       return fn(packed)

@@ -1,4 +1,4 @@
-"""The random paged-attention cases bench/check_kernels.py runs on the GPU (tinyvllm/kernels/cases.py builds them)."""
+"""The random paged-attention cases bench/check_kernels.py runs on the GPU (tests/emulator/cases.py builds them)."""
 from __future__ import annotations
 
 import numpy as np
@@ -48,14 +48,15 @@ def case_list(quick: bool) -> list[dict]:
 
 
 def build(spec: dict, seed: int):
-  from tinyvllm.kernels.cases import make_case
+  from tests.emulator.cases import make_case
   rng = np.random.default_rng(seed)
   return make_case(rng, spec["seqs"], heads=spec["heads"], kv_heads=spec["kv_heads"], head_dim=spec["head_dim"],
                    dtype=spec["dtype"], share=spec["share"], pad_seqs=1, kv_fp8=spec.get("kv_fp8", False))
 
 
-def plan_for(case, dialect: str, splits=None):
+def plan_for(case, target, splits=None):
+  """(algorithm, plan) of the case's kernel on `target` (a DeviceTarget): the decode plan (`splits` forced, else the
+  planner's) or the prefill one."""
   from tinyvllm.kernels.plan import decode_plan, prefill_plan
-  if case.shape.query_len == 1: return "decode", decode_plan(case.shape, splits)
-  plan = prefill_plan(case.shape, dialect)
+  plan = decode_plan(case.shape, target, splits=splits) if case.shape.query_len == 1 else prefill_plan(case.shape, target)
   return plan.algorithm, plan

@@ -1,24 +1,56 @@
 #!/usr/bin/env bash
 # One device call (see docs/benchmarks.md): install the carried wheels, then run the named steps in order, each one's
-# output appended to $OUT/log.txt and its JSON written under $OUT.
+# output appended to $OUT/log.txt and its JSON written under $OUT. Exits 1 if any step failed.
 #   bash bench/run_on_device.sh check throughput decode profile256 ...
-# Steps: check (bench/check_kernels.py), layer (bench/check_decode_layer.py), capture (bench/capture_profile.py), profile1 / profile256
-# (bench/gpu_profile.py), gemm (bench/gemm_bench.py), timeline (bench/step_timeline.py), explore
-# (bench/attention_bench.py), and any part of
-# bench/gpu_benchmarks.py (with the suffix _fp8: the same part with --kv-cache-dtype fp8, e.g. throughput_fp8).
+# Steps: check (the GPU check: bench/check_kernels.py, then bench/check_decode_layer.py), layer
+# (bench/check_decode_layer.py alone), wheel (the tinyvllm wheel carried in .dist/, installed alone and run
+# from /tmp), bound (bench/layer_bound.py), profile1 / profile256 (bench/gpu_profile.py), gemm (bench/gemm_bench.py),
+# timeline (bench/step_timeline.py), explore (bench/attention_bench.py), sampler (bench/sampler_bench.py), and any part
+# of bench/gpu_benchmarks.py (with the suffix _fp8: the same part with --kv-cache-dtype fp8, e.g. throughput_fp8).
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD DEV=CUDA OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+
+# both GPU checks; fails if either does
+check_all() {
+  python3 bench/check_kernels.py --model .data/stories260K-hf --no-e2e
+  local kernels=$?
+  python3 bench/check_decode_layer.py
+  local layer=$?
+  echo "check: bench/check_kernels.py exit $kernels, bench/check_decode_layer.py exit $layer"
+  [ "$kernels" -eq 0 ] && [ "$layer" -eq 0 ]
+}
+
+# the package as users install it: the wheel alone in /tmp/wheelsite (dependencies from /tmp/site), run from /tmp with
+# no checkout on the path; prints the file tinyvllm was imported from and the engine's backend lines
+wheel_check() {
+  local repo=$PWD wheels=(.dist/tinyvllm-*.whl)
+  [ -f "${wheels[0]}" ] || { echo "wheel: no .dist/tinyvllm-*.whl carried"; return 1; }
+  rm -rf /tmp/wheelsite
+  python3 -m pip install -q --no-deps --no-index --target /tmp/wheelsite "${wheels[@]}" || return 1
+  (cd /tmp && PYTHONPATH=/tmp/site:/tmp/wheelsite python3 -c '
+import sys, tinyvllm
+print(f"tinyvllm imported from {tinyvllm.__file__}", file=sys.stderr, flush=True)
+from tinyvllm.cli import main
+sys.exit(main())' generate --model "$repo/.data/stories260K-hf" --prompt "Once upon a time" --max-tokens 64 --temperature 0 \
+    >"$OUT/wheel_generate.txt" 2>"$OUT/wheel_stderr.txt")
+  local status=$?
+  grep -E "tinyvllm imported from|backend" "$OUT/wheel_stderr.txt"
+  echo "generated: $(cat "$OUT/wheel_generate.txt")"
+  [ "$status" -eq 0 ] || { echo "wheel: generate exited $status"; tail -n 30 "$OUT/wheel_stderr.txt"; return 1; }
+  grep -q "tinyvllm imported from /tmp/wheelsite/" "$OUT/wheel_stderr.txt" || { echo "wheel: not the installed copy"; return 1; }
+  echo "wheel: ok"
+}
+
+failed=0
 for step in "$@"; do
   echo "=== $step $(date -u +%FT%TZ)" | tee -a "$OUT/log.txt"
   case $step in
-    check) cmd=(python3 bench/check_kernels.py --model .data/stories260K-hf --no-e2e) ;;
+    check) cmd=(check_all) ;;
     layer) cmd=(python3 bench/check_decode_layer.py) ;;
-    layer_bench) cmd=(python3 bench/decode_layer_bench.py) ;;
-    anatomy) cmd=(python3 bench/batch1_anatomy.py) ;;
+    wheel) cmd=(wheel_check) ;;
     bound) cmd=(python3 bench/layer_bound.py) ;;
-    capture) cmd=(python3 bench/capture_profile.py) ;;
     profile1) cmd=(python3 bench/gpu_profile.py --batch 1 --tag b1) ;;
     profile256) cmd=(python3 bench/gpu_profile.py --batch 256 --tag b256) ;;
     gemm) cmd=(python3 bench/gemm_bench.py --rows "${GEMM_ROWS:-1,4,16,32,64,128,256,1024,4096}") ;;
@@ -29,4 +61,10 @@ for step in "$@"; do
     *) cmd=(python3 bench/gpu_benchmarks.py "$step") ;;
   esac
   "${cmd[@]}" 2>&1 | tee -a "$OUT/log.txt" | tail -n 40
+  status=${PIPESTATUS[0]}
+  if [ "$status" -ne 0 ]; then
+    echo "=== $step FAILED (exit $status)" | tee -a "$OUT/log.txt"
+    failed=1
+  fi
 done
+exit $failed

@@ -26,7 +26,8 @@ VARIANTS = {"greedy": (False, False), "random": (True, False), "random+filters":
 def time_variant(batch: int, vocab: int, random: bool, filters: bool, iters: int = 20) -> float:
   from tinygrad import Device, Tensor, TinyJit
 
-  from tinyvllm.layers.sampler import SamplerVariant, sample
+  from tinyvllm.backend.sampling import SamplerVariant
+  from tinyvllm.layers.sampler import sample
   variant = SamplerVariant(random, filters, False)
   logits = Tensor.randn(batch, vocab).cast(LOGITS_DTYPE).contiguous().realize()
   params = Tensor(np.tile(np.array([0.6, 50, 0.9, 0.0, 0, 0, 1], np.float32), (batch, 1))).realize()
@@ -45,7 +46,8 @@ def kernels_of(batch: int, vocab: int, random: bool, filters: bool) -> str:
   from tinygrad import Tensor
   from tinygrad.helpers import Context
 
-  from tinyvllm.layers.sampler import SamplerVariant, sample
+  from tinyvllm.backend.sampling import SamplerVariant
+  from tinyvllm.layers.sampler import sample
   variant = SamplerVariant(random, filters, False)
   make = lambda: (Tensor.randn(batch, vocab).cast(LOGITS_DTYPE).realize(),
                   Tensor(np.tile(np.array([0.6, 50, 0.9, 0.0, 0, 0, 1], np.float32), (batch, 1))).realize(),

@@ -53,7 +53,7 @@ def record_steps(llm, clock: EventClock) -> list[dict]:
     steps.append({"start": start, "end": clock.record(), "host_launch_ms": (time.perf_counter() - t) * 1e3,
                   "rows": len(sched.scheduled), "tokens": sched.num_tokens,
                   "prompt": any(item.num_new_tokens > 1 for item in sched.scheduled),
-                  "kv_tokens": sum(item.seq.num_computed_tokens + item.num_new_tokens for item in sched.scheduled)})
+                  "kv_tokens": sum(item.start + item.num_new_tokens for item in sched.scheduled)})
     return out
   runner.launch = launch
   return steps
