@@ -21,7 +21,7 @@ from tinyvllm.engine.output_processor import OutputProcessor
 from tinyvllm.kernels.selection import BackendRequest, select_backend
 from tinyvllm.layers.fp8 import FP8_STORAGE
 from tinyvllm.model.hub import resolve_model
-from tinyvllm.model.loader import load_model, resolve_dtype
+from tinyvllm.model.loader import NAME_OF_DTYPE, load_model, resolve_dtype
 from tinyvllm.model.presets import PRESETS
 from tinyvllm.outputs import Logprob, RequestOutput
 from tinyvllm.platform import tinygrad_compat as compat
@@ -81,7 +81,7 @@ class LLMEngine:
     check_dtype(self.device, self.dtype)
     self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else FP8_STORAGE
     log(f"backend {self.device}, dtype {self.dtype.name}, model {mc.architecture} from {located.folder or config.model}")
-    request = BackendRequest(self.dtype.name, "auto" if config.kv_cache_dtype == "auto" else FP8_KV_CACHE, mc.head_dim,
+    request = BackendRequest(NAME_OF_DTYPE[self.dtype], "auto" if config.kv_cache_dtype == "auto" else FP8_KV_CACHE, mc.head_dim,
                              config.block_size)
     backend = select_backend(config.attention_backend, self.device, request, config.kernel_options())   # before loading
     log(f"attention backend {backend.describe()}")

@@ -16,6 +16,7 @@ from tinyvllm.model.llama import ModelWeights, TransformerLM
 from tinyvllm.model.safetensors_file import Checkpoint
 
 DTYPE_BY_NAME = {"bfloat16": dtypes.bfloat16, "float16": dtypes.float16, "float32": dtypes.float32}
+NAME_OF_DTYPE = {dtype: name for name, dtype in DTYPE_BY_NAME.items()}   # (tinygrad's own names: "float", "__bf16")
 # Weights that some checkpoints carry but the forward pass recomputes.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
