@@ -25,6 +25,8 @@ MODEL = os.environ.get("BENCH_MODEL", "qwen3-0.6b")
 DTYPE = os.environ.get("BENCH_DTYPE", "bfloat16")
 KV_CACHE_DTYPE = os.environ.get("BENCH_KV_CACHE_DTYPE", "auto")   # fp8: the E4M3 KV cache (results saved as *_fp8.json)
 COMMON = dict(load_format="dummy", dtype=DTYPE, enable_prefix_caching=False, kv_cache_dtype=KV_CACHE_DTYPE)
+# the persistent decode-layer kernel's context bound for every row count (e.g. very large: it takes every context)
+if bound := os.environ.get("BENCH_DECODE_LAYER_MAX_CONTEXT"): COMMON["decode_layer_max_context"] = int(bound)
 SMALL = os.environ.get("BENCH_SMALL") == "1"   # a CPU smoke test: small caches and sweeps
 
 
