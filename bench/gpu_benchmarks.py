@@ -118,7 +118,7 @@ def part_context() -> dict:
 
 
 def part_peers() -> dict:
-  from tinyvllm.bench import peers
+  import peers  # bench/peers.py (this script's folder is on sys.path)
   out: dict = {}
   for name, fn in (("hf_batch1", lambda: peers.hf_generate(MODEL, 1)), ("hf_batch64", lambda: peers.hf_generate(MODEL, 64)),
                    ("hf_batch256", lambda: peers.hf_generate(MODEL, 256)), ("tinygrad_llm", lambda: peers.tinygrad_llm(MODEL))):

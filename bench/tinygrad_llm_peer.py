@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:
-  from tinyvllm.bench.peers import tinygrad_llm
+  from peers import tinygrad_llm  # bench/peers.py (this script's folder is on sys.path)
   env = {k: os.environ[k] for k in ("JIT", "JITBEAM", "DEV") if k in os.environ}
   t = time.perf_counter()
   try:
