@@ -11,7 +11,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM")
+# architectures refused with a reason more useful than "unsupported"
+REFUSED_ARCHITECTURES = {
+  "Gemma2ForCausalLM": "Gemma 2 needs logit soft-capping and sliding-window attention, which tinyvllm does not implement "
+                       "(Gemma 1, GemmaForCausalLM, is supported)",
+  "Gemma3ForCausalLM": "Gemma 3 needs sliding-window attention, which tinyvllm does not implement (Gemma 1, GemmaForCausalLM, "
+                       "is supported)",
+  "Gemma3ForConditionalGeneration": "Gemma 3 needs sliding-window attention and a vision tower, which tinyvllm does not "
+                                    "implement (Gemma 1, GemmaForCausalLM, is supported)",
+}
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTENTION_BACKENDS = ("auto", "portable", "cuda", "metal")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")   # vLLM's names; fp8 = fp8_e4m3
@@ -53,6 +62,10 @@ class ModelConfig:
   torch_dtype: str = "float32"
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
+  hidden_act: str = "silu"           # the MLP's gated activation (HF's name): silu, or gelu_pytorch_tanh (Gemma)
+  sliding_window: int | None = None  # Mistral's attention window; the engine takes it only where it can never apply
+  norm_weight_offset: float = 0.0    # added to every RMSNorm weight at load (Gemma scales by 1 + weight)
+  embed_scale: float = 1.0           # multiplies the embeddings (Gemma: sqrt(hidden_size), in the model's dtype)
 
   @property
   def q_size(self) -> int: return self.num_heads * self.head_dim
@@ -64,6 +77,8 @@ class ModelConfig:
   def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
     archs = raw.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None and (refused := next((a for a in archs if a in REFUSED_ARCHITECTURES), None)):
+      raise ConfigError(f"{source}: architecture {refused} is not supported: {REFUSED_ARCHITECTURES[refused]}")
     if arch is None:
       raise ConfigError(f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
                         f"tinyvllm supports {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -82,12 +97,14 @@ class ModelConfig:
       num_layers=int(raw["num_hidden_layers"]), num_heads=heads, num_kv_heads=kv_heads,
       head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads), vocab_size=int(raw["vocab_size"]),
       max_position_embeddings=int(raw.get("max_position_embeddings", 2048)), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-      rope_theta=theta, rope_scaling=scaling, tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+      rope_theta=theta, rope_scaling=scaling,
+      tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch == "GemmaForCausalLM")),   # HF's default: tied for Gemma only
       qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
       o_bias=arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias", False)),
       mlp_bias=bool(raw.get("mlp_bias", False)), qk_norm=arch == "Qwen3ForCausalLM",
       torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-      bos_token_id=raw.get("bos_token_id"), eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]))
+      bos_token_id=raw.get("bos_token_id"), eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+      **_architecture_fields(arch, raw, source))
 
   @staticmethod
   def from_folder(folder: Path) -> ModelConfig:
@@ -96,6 +113,25 @@ class ModelConfig:
     try: raw = json.loads(path.read_text())
     except json.JSONDecodeError as e: raise ConfigError(f"{path}: not valid JSON ({e})") from e
     return ModelConfig.from_dict(raw, str(path))
+
+
+def _architecture_fields(arch: str, raw: dict[str, Any], source: str) -> dict[str, Any]:
+  """What sets Mistral and Gemma apart from the Llama shape: the activation, Mistral's window, Gemma's norms and scale."""
+  if arch != "GemmaForCausalLM":
+    act = raw.get("hidden_act", "silu")
+    if act != "silu": raise ConfigError(f"{source}: hidden_act {act!r} is not supported for {arch} (silu is)")
+    window = raw.get("sliding_window") if arch == "MistralForCausalLM" else None
+    return {"sliding_window": None if window is None else int(window)}
+  if raw.get("use_bidirectional_attention"):
+    raise ConfigError(f"{source}: use_bidirectional_attention=true is not supported (tinyvllm runs causal decoders)")
+  # HF maps Gemma's legacy hidden_act "gelu" to the tanh approximation the checkpoints were trained with; an explicit
+  # hidden_activation says which GELU is meant
+  field_name = "hidden_activation" if raw.get("hidden_activation") else "hidden_act"
+  act = raw.get(field_name) or "gelu_pytorch_tanh"
+  if field_name == "hidden_act" and act == "gelu": act = "gelu_pytorch_tanh"
+  if act != "gelu_pytorch_tanh":
+    raise ConfigError(f"{source}: {field_name} {act!r} is not supported for {arch} (gelu_pytorch_tanh is)")
+  return {"hidden_act": act, "norm_weight_offset": 1.0, "embed_scale": float(raw["hidden_size"]) ** 0.5}
 
 
 def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:

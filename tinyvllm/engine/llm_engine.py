@@ -82,7 +82,7 @@ class LLMEngine:
     self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else FP8_STORAGE
     log(f"backend {self.device}, dtype {self.dtype.name}, model {mc.architecture} from {located.folder or config.model}")
     request = BackendRequest(NAME_OF_DTYPE[self.dtype], "auto" if config.kv_cache_dtype == "auto" else FP8_KV_CACHE, mc.head_dim,
-                             config.block_size)
+                             config.block_size, mc.hidden_act)
     backend = select_backend(config.attention_backend, self.device, request, config.kernel_options())   # before loading
     log(f"attention backend {backend.describe()}")
     self.model = load_model(mc, located.folder, config.load_format, self.dtype, self.device, self.max_model_len, backend,
@@ -121,10 +121,14 @@ class LLMEngine:
 
   @staticmethod
   def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
-    if config.max_model_len is None: return mc.max_position_embeddings
-    if config.max_model_len > mc.max_position_embeddings:
+    if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
       raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's context of {mc.max_position_embeddings} tokens")
-    return config.max_model_len
+    max_model_len = config.max_model_len or mc.max_position_embeddings
+    # attention is never windowed here: a window shorter than the context would change what the model attends to
+    if mc.sliding_window is not None and max_model_len > mc.sliding_window:
+      raise ConfigError(f"the model's sliding_window ({mc.sliding_window} tokens) is shorter than max_model_len ({max_model_len}), "
+                        f"and sliding-window attention is not implemented: pass --max-model-len {mc.sliding_window} (or less)")
+    return max_model_len
 
   @staticmethod
   def _tokenizer(config: EngineConfig, folder: Path | None) -> Tokenizer | None:
