@@ -1,7 +1,8 @@
 """Configuration: the model's shape (read from an HF config.json), the engine's settings, and the environment.
 
 This is the one module of the runtime package that reads environment variables (the CLI layer reads its own): `DEV`
-(tinygrad's device), `CC` (the C compiler tinygrad's CPU backend runs), `TINYVLLM_CACHE`, `HF_ENDPOINT`, `HF_TOKEN`.
+(tinygrad's device) and `CC` (the C compiler tinygrad's CPU backend runs). The hub's (`HF_HOME`, `HF_HUB_CACHE`,
+`HF_TOKEN`, `HF_ENDPOINT`, `HF_HUB_OFFLINE`) are read by huggingface_hub itself.
 """
 from __future__ import annotations
 
@@ -184,7 +185,13 @@ class EngineConfig:
   # overrides the table's context bound for every row count
   decode_layer_kernel: bool = True
   decode_layer_max_context: int | None = None
-  download_dir: str | None = None               # where hub models are downloaded (default: $TINYVLLM_CACHE/hub)
+  # hub ids (vLLM's names): downloaded through huggingface_hub into download_dir, default HF's cache (HF_HOME /
+  # HF_HUB_CACHE), shared with every HF tool; revision: a branch, tag or commit; tokenizer_revision: the tokenizer's
+  # (default: revision); hf_token: a token, or True for the stored one (default: HF_TOKEN or the stored one)
+  download_dir: str | None = None
+  revision: str | None = None
+  tokenizer_revision: str | None = None
+  hf_token: bool | str | None = None
   # schedule step n+1 while step n runs, its in-flight tokens taken on the device; None: on for CUDA (where the copy of
   # the samples to the host can wait on an event), off elsewhere
   async_scheduling: bool | None = None
@@ -213,6 +220,8 @@ class EngineConfig:
        f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, got {self.cudagraph_mode!r}"),
       (self.decode_layer_max_context is None or self.decode_layer_max_context >= 1,
        f"decode_layer_max_context must be >= 1, got {self.decode_layer_max_context}"),
+      (self.hf_token is None or isinstance(self.hf_token, (bool, str)),
+       f"hf_token must be a token string or True (the stored token), got {type(self.hf_token).__name__}"),
     ]
     for ok, message in checks:
       if not ok: raise ConfigError(message)
@@ -228,7 +237,7 @@ class EngineConfig:
     return KernelOptions(self.decode_layer_kernel, self.decode_layer_max_context)
 
   def hub_settings(self) -> HubSettings:
-    return HubSettings.from_environment(self.download_dir)
+    return HubSettings(self.download_dir, self.hf_token)
 
 
 @dataclass(frozen=True)
@@ -240,16 +249,10 @@ class KernelOptions:
 
 @dataclass(frozen=True)
 class HubSettings:
-  """Where hub models are cached and how the hub is reached."""
-  cache_dir: Path
-  endpoint: str = "https://huggingface.co"
-  token: str | None = None
-
-  @staticmethod
-  def from_environment(download_dir: str | None = None) -> HubSettings:
-    default = Path(os.environ.get("TINYVLLM_CACHE", Path.home() / ".cache" / "tinyvllm")) / "hub"
-    return HubSettings(Path(download_dir).expanduser() if download_dir else default,
-                       os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/"), os.environ.get("HF_TOKEN") or None)
+  """How hub ids are fetched; the endpoint, offline mode and the default token and cache come from huggingface_hub's
+  own environment variables."""
+  cache_dir: str | None = None       # None: HF's cache
+  token: bool | str | None = None    # None: HF_TOKEN or the stored token; True: the stored one
 
 
 def cpu_c_compiler() -> str:

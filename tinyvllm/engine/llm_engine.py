@@ -20,7 +20,7 @@ from tinyvllm.core.sequence import Request, Sequence
 from tinyvllm.engine.output_processor import OutputProcessor
 from tinyvllm.kernels.selection import BackendRequest, select_backend
 from tinyvllm.layers.fp8 import FP8_STORAGE
-from tinyvllm.model.hub import resolve_model
+from tinyvllm.model.hub import resolve_model, resolve_tokenizer
 from tinyvllm.model.loader import NAME_OF_DTYPE, load_model, resolve_dtype
 from tinyvllm.model.presets import PRESETS
 from tinyvllm.outputs import Logprob, RequestOutput
@@ -58,7 +58,7 @@ def locate_model(cfg: EngineConfig) -> LocatedModel:
   """A dummy preset name needs no folder; anything else is a local folder or a hub id."""
   if cfg.load_format == "dummy" and cfg.model in PRESETS:
     return LocatedModel(ModelConfig.from_dict(PRESETS[cfg.model], f"preset {cfg.model}"), None)
-  folder = resolve_model(cfg.model, cfg.hub_settings())
+  folder = resolve_model(cfg.model, cfg.hub_settings(), cfg.revision, weights=cfg.load_format != "dummy")
   return LocatedModel(ModelConfig.from_folder(folder), folder)
 
 
@@ -133,7 +133,7 @@ class LLMEngine:
   @staticmethod
   def _tokenizer(config: EngineConfig, folder: Path | None) -> Tokenizer | None:
     """--tokenizer, else the model folder's own; a folder without tokenizer files serves token-id prompts only."""
-    if config.tokenizer: return load_tokenizer(resolve_model(config.tokenizer, config.hub_settings()))
+    if (tokenizer_folder := resolve_tokenizer(config)) is not None: return load_tokenizer(tokenizer_folder)
     if folder is None or not any((folder / f).exists() for f in TOKENIZER_FILES):
       log("no tokenizer: prompts must be token ids")
       return None
