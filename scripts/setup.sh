@@ -4,8 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras="serve"
-[ "${1:-}" = "test" ] && extras="serve,test"
+extras="serve,hub"
+[ "${1:-}" = "test" ] && extras="serve,hub,test"
 
 # tinygrad's CPU backend compiles its kernels with clang.
 if [ "$(uname)" = "Linux" ] && ! command -v clang >/dev/null 2>&1; then
@@ -19,7 +19,7 @@ fi
 
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-if [ "$extras" = "serve,test" ]; then
+if [ "$extras" = "serve,hub,test" ]; then
   # the CPU build of torch (a reference in tests only); pinned so pip does not pull the CUDA build
   .venv/bin/python -m pip install -q "torch==2.13.0"
 fi

@@ -95,6 +95,23 @@ def test_selection_on_cpu():
   assert isinstance(backend, PortableBackend) and backend.name == "portable"
 
 
+def test_a_gelu_model_is_not_given_kernels_that_fuse_silu_only(monkeypatch):
+  """Gemma's GeGLU: the kernels' capability record has SiLU only, so auto falls back to portable and says why, and an
+  explicit choice of the kernels is an error naming the activation (the device made to look like a CUDA one)."""
+  gelu = BackendRequest("bfloat16", "auto", 128, 16, "gelu_pytorch_tanh")
+  assert "activation gelu_pytorch_tanh" in capabilities(CUDA).unsupported_reason(*vars(gelu).values())
+  assert PortableBackend.capabilities.unsupported_reason(*vars(gelu).values()) is None
+  import tinyvllm.kernels.selection as selection
+  import tinyvllm.kernels.tinygrad_program as tinygrad_program
+  monkeypatch.setattr(selection, "native_dialect", lambda device: "cuda")
+  monkeypatch.setattr(tinygrad_program, "device_target", lambda device: on_cpu(CUDA))
+  assert isinstance(select_backend("auto", "CPU", replace(gelu, activation="silu"), probe=False), FusedBackend)
+  backend = select_backend("auto", "CPU", gelu, probe=False)
+  assert isinstance(backend, PortableBackend) and "activation gelu_pytorch_tanh" in backend.describe()
+  with pytest.raises(ConfigError, match="cuda kernels do not take the MLP activation gelu_pytorch_tanh"):
+    select_backend("cuda", "CPU", gelu, probe=False)
+
+
 def test_config_and_cli():
   assert EngineConfig(model="m").attention_backend == "auto"
   with pytest.raises(ConfigError, match="attention_backend must be one of"):

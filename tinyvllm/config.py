@@ -1,7 +1,8 @@
 """Configuration: the model's shape (read from an HF config.json), the engine's settings, and the environment.
 
 This is the one module of the runtime package that reads environment variables (the CLI layer reads its own): `DEV`
-(tinygrad's device), `CC` (the C compiler tinygrad's CPU backend runs), `TINYVLLM_CACHE`, `HF_ENDPOINT`, `HF_TOKEN`.
+(tinygrad's device) and `CC` (the C compiler tinygrad's CPU backend runs). The hub's (`HF_HOME`, `HF_HUB_CACHE`,
+`HF_TOKEN`, `HF_ENDPOINT`, `HF_HUB_OFFLINE`) are read by huggingface_hub itself.
 """
 from __future__ import annotations
 
@@ -11,7 +12,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM")
+# architectures refused with a reason more useful than "unsupported"
+REFUSED_ARCHITECTURES = {
+  "Gemma2ForCausalLM": "Gemma 2 needs logit soft-capping and sliding-window attention, which tinyvllm does not implement "
+                       "(Gemma 1, GemmaForCausalLM, is supported)",
+  "Gemma3ForCausalLM": "Gemma 3 needs sliding-window attention, which tinyvllm does not implement (Gemma 1, GemmaForCausalLM, "
+                       "is supported)",
+  "Gemma3ForConditionalGeneration": "Gemma 3 needs sliding-window attention and a vision tower, which tinyvllm does not "
+                                    "implement (Gemma 1, GemmaForCausalLM, is supported)",
+}
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTENTION_BACKENDS = ("auto", "portable", "cuda", "metal")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")   # vLLM's names; fp8 = fp8_e4m3
@@ -53,6 +63,10 @@ class ModelConfig:
   torch_dtype: str = "float32"
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
+  hidden_act: str = "silu"           # the MLP's gated activation (HF's name): silu, or gelu_pytorch_tanh (Gemma)
+  sliding_window: int | None = None  # Mistral's attention window; the engine takes it only where it can never apply
+  norm_weight_offset: float = 0.0    # added to every RMSNorm weight at load (Gemma scales by 1 + weight)
+  embed_scale: float = 1.0           # multiplies the embeddings (Gemma: sqrt(hidden_size), in the model's dtype)
 
   @property
   def q_size(self) -> int: return self.num_heads * self.head_dim
@@ -64,6 +78,8 @@ class ModelConfig:
   def from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
     archs = raw.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None and (refused := next((a for a in archs if a in REFUSED_ARCHITECTURES), None)):
+      raise ConfigError(f"{source}: architecture {refused} is not supported: {REFUSED_ARCHITECTURES[refused]}")
     if arch is None:
       raise ConfigError(f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
                         f"tinyvllm supports {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -82,12 +98,14 @@ class ModelConfig:
       num_layers=int(raw["num_hidden_layers"]), num_heads=heads, num_kv_heads=kv_heads,
       head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads), vocab_size=int(raw["vocab_size"]),
       max_position_embeddings=int(raw.get("max_position_embeddings", 2048)), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-      rope_theta=theta, rope_scaling=scaling, tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+      rope_theta=theta, rope_scaling=scaling,
+      tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch == "GemmaForCausalLM")),   # HF's default: tied for Gemma only
       qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
       o_bias=arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias", False)),
       mlp_bias=bool(raw.get("mlp_bias", False)), qk_norm=arch == "Qwen3ForCausalLM",
       torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-      bos_token_id=raw.get("bos_token_id"), eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]))
+      bos_token_id=raw.get("bos_token_id"), eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+      **_architecture_fields(arch, raw, source))
 
   @staticmethod
   def from_folder(folder: Path) -> ModelConfig:
@@ -96,6 +114,25 @@ class ModelConfig:
     try: raw = json.loads(path.read_text())
     except json.JSONDecodeError as e: raise ConfigError(f"{path}: not valid JSON ({e})") from e
     return ModelConfig.from_dict(raw, str(path))
+
+
+def _architecture_fields(arch: str, raw: dict[str, Any], source: str) -> dict[str, Any]:
+  """What sets Mistral and Gemma apart from the Llama shape: the activation, Mistral's window, Gemma's norms and scale."""
+  if arch != "GemmaForCausalLM":
+    act = raw.get("hidden_act", "silu")
+    if act != "silu": raise ConfigError(f"{source}: hidden_act {act!r} is not supported for {arch} (silu is)")
+    window = raw.get("sliding_window") if arch == "MistralForCausalLM" else None
+    return {"sliding_window": None if window is None else int(window)}
+  if raw.get("use_bidirectional_attention"):
+    raise ConfigError(f"{source}: use_bidirectional_attention=true is not supported (tinyvllm runs causal decoders)")
+  # HF maps Gemma's legacy hidden_act "gelu" to the tanh approximation the checkpoints were trained with; an explicit
+  # hidden_activation says which GELU is meant
+  field_name = "hidden_activation" if raw.get("hidden_activation") else "hidden_act"
+  act = raw.get(field_name) or "gelu_pytorch_tanh"
+  if field_name == "hidden_act" and act == "gelu": act = "gelu_pytorch_tanh"
+  if act != "gelu_pytorch_tanh":
+    raise ConfigError(f"{source}: {field_name} {act!r} is not supported for {arch} (gelu_pytorch_tanh is)")
+  return {"hidden_act": act, "norm_weight_offset": 1.0, "embed_scale": float(raw["hidden_size"]) ** 0.5}
 
 
 def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
@@ -148,7 +185,13 @@ class EngineConfig:
   # overrides the table's context bound for every row count
   decode_layer_kernel: bool = True
   decode_layer_max_context: int | None = None
-  download_dir: str | None = None               # where hub models are downloaded (default: $TINYVLLM_CACHE/hub)
+  # hub ids (vLLM's names): downloaded through huggingface_hub into download_dir, default HF's cache (HF_HOME /
+  # HF_HUB_CACHE), shared with every HF tool; revision: a branch, tag or commit; tokenizer_revision: the tokenizer's
+  # (default: revision); hf_token: a token, or True for the stored one (default: HF_TOKEN or the stored one)
+  download_dir: str | None = None
+  revision: str | None = None
+  tokenizer_revision: str | None = None
+  hf_token: bool | str | None = None
   # schedule step n+1 while step n runs, its in-flight tokens taken on the device; None: on for CUDA (where the copy of
   # the samples to the host can wait on an event), off elsewhere
   async_scheduling: bool | None = None
@@ -177,6 +220,8 @@ class EngineConfig:
        f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, got {self.cudagraph_mode!r}"),
       (self.decode_layer_max_context is None or self.decode_layer_max_context >= 1,
        f"decode_layer_max_context must be >= 1, got {self.decode_layer_max_context}"),
+      (self.hf_token is None or isinstance(self.hf_token, (bool, str)),
+       f"hf_token must be a token string or True (the stored token), got {type(self.hf_token).__name__}"),
     ]
     for ok, message in checks:
       if not ok: raise ConfigError(message)
@@ -192,7 +237,7 @@ class EngineConfig:
     return KernelOptions(self.decode_layer_kernel, self.decode_layer_max_context)
 
   def hub_settings(self) -> HubSettings:
-    return HubSettings.from_environment(self.download_dir)
+    return HubSettings(self.download_dir, self.hf_token)
 
 
 @dataclass(frozen=True)
@@ -204,16 +249,10 @@ class KernelOptions:
 
 @dataclass(frozen=True)
 class HubSettings:
-  """Where hub models are cached and how the hub is reached."""
-  cache_dir: Path
-  endpoint: str = "https://huggingface.co"
-  token: str | None = None
-
-  @staticmethod
-  def from_environment(download_dir: str | None = None) -> HubSettings:
-    default = Path(os.environ.get("TINYVLLM_CACHE", Path.home() / ".cache" / "tinyvllm")) / "hub"
-    return HubSettings(Path(download_dir).expanduser() if download_dir else default,
-                       os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/"), os.environ.get("HF_TOKEN") or None)
+  """How hub ids are fetched; the endpoint, offline mode and the default token and cache come from huggingface_hub's
+  own environment variables."""
+  cache_dir: str | None = None       # None: HF's cache
+  token: bool | str | None = None    # None: HF_TOKEN or the stored token; True: the stored one
 
 
 def cpu_c_compiler() -> str:

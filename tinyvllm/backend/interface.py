@@ -31,11 +31,14 @@ class BackendCapabilities:
   head_sizes: tuple[int, ...] | None          # None: any
   block_sizes: tuple[int, ...] | None = None  # None: any power of two
   quantization: tuple[str, ...] = ()          # weight quantization formats it runs (none yet)
+  activations: tuple[str, ...] = ("silu",)    # the MLP's gated activations (HF's hidden_act names) its products fuse
 
-  def unsupported_reason(self, dtype: str, kv_cache_dtype: str, head_size: int, block_size: int,
+  def unsupported_reason(self, dtype: str, kv_cache_dtype: str, head_size: int, block_size: int, activation: str = "silu",
                          quantization: str | None = None) -> str | None:
     """Why the backend cannot run this configuration (None: it can). kv_cache_dtype: "auto" or FP8_KV_CACHE."""
     if dtype not in self.dtypes: return f"dtype {dtype} (it takes {', '.join(self.dtypes)})"
+    if activation not in self.activations:
+      return f"the MLP activation {activation} (its fused products do {', '.join(self.activations)})"
     if kv_cache_dtype == FP8_KV_CACHE and dtype not in self.fp8_kv_cache_dtypes:
       return f"an FP8 KV cache with {dtype} activations (it takes one with {', '.join(self.fp8_kv_cache_dtypes) or 'none'})"
     if self.head_sizes is not None and head_size not in self.head_sizes:
@@ -59,9 +62,10 @@ class ComputeBackend(Protocol):
     ...
 
   def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None, *, norm: Tensor | None = None, eps: float = 1e-6,
-             silu_mul: bool = False, residual: Tensor | None = None, out_float32: bool = False) -> Tensor:
+             silu_mul: bool = False, gelu_mul: bool = False, residual: Tensor | None = None, out_float32: bool = False) -> Tensor:
     """[residual +] op(x) @ w.T [+ bias], op an RMSNorm (norm weights), the SwiGLU product silu(x1) * x2 of x's two
-    halves (silu_mul) or nothing; float32 out with out_float32 (the logits), else w's dtype."""
+    halves (silu_mul), the GeGLU product gelu_tanh(x1) * x2 (gelu_mul; only where `capabilities.activations` has
+    gelu_pytorch_tanh) or nothing; float32 out with out_float32 (the logits), else w's dtype."""
     ...
 
   def qkv_rope_write(self, qkv: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, cos: Tensor, sin: Tensor,

@@ -32,7 +32,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                  help="CUDA, Hopper: every layer of 1-4-sequence decode steps in one persistent kernel (default: on)")
   g.add_argument("--decode-layer-max-context", type=int,
                  help="the longest context bucket the decode-layer kernel takes (default: the device's tuning table)")
-  g.add_argument("--download-dir", help="where hub models are downloaded (default: $TINYVLLM_CACHE/hub, ~/.cache/tinyvllm/hub)")
+  g.add_argument("--download-dir", help="HF cache folder for hub models (default: HF's, $HF_HUB_CACHE or $HF_HOME/hub)")
+  g.add_argument("--revision", help="hub model's branch, tag or commit (default: main)")
+  g.add_argument("--tokenizer-revision", help="the tokenizer's branch, tag or commit (default: --revision)")
+  g.add_argument("--hf-token", nargs="?", const=True,
+                 help="hub token; the flag alone: the stored one (`hf auth login`); default: $HF_TOKEN or the stored one")
   c = p.add_argument_group("KV cache and scheduler")
   c.add_argument("--kv-cache", default="paged", choices=("paged", "contiguous"), help="contiguous: the pre-allocated baseline")
   c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -55,7 +59,7 @@ ENGINE_FLAGS = ("tokenizer", "dtype", "device", "max_model_len", "load_format", 
                 "gpu_memory_utilization", "num_gpu_blocks", "enable_prefix_caching", "scheduler", "max_num_seqs",
                 "max_num_batched_tokens", "enable_chunked_prefill", "long_prefill_token_threshold", "attention_backend",
                 "cuda_graph_sizes", "async_scheduling", "cudagraph_mode", "enforce_eager", "decode_layer_kernel",
-                "decode_layer_max_context", "download_dir")
+                "decode_layer_max_context", "download_dir", "revision", "tokenizer_revision", "hf_token")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

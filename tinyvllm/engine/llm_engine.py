@@ -20,7 +20,7 @@ from tinyvllm.core.sequence import Request, Sequence
 from tinyvllm.engine.output_processor import OutputProcessor
 from tinyvllm.kernels.selection import BackendRequest, select_backend
 from tinyvllm.layers.fp8 import FP8_STORAGE
-from tinyvllm.model.hub import resolve_model
+from tinyvllm.model.hub import resolve_model, resolve_tokenizer
 from tinyvllm.model.loader import NAME_OF_DTYPE, load_model, resolve_dtype
 from tinyvllm.model.presets import PRESETS
 from tinyvllm.outputs import Logprob, RequestOutput
@@ -58,7 +58,7 @@ def locate_model(cfg: EngineConfig) -> LocatedModel:
   """A dummy preset name needs no folder; anything else is a local folder or a hub id."""
   if cfg.load_format == "dummy" and cfg.model in PRESETS:
     return LocatedModel(ModelConfig.from_dict(PRESETS[cfg.model], f"preset {cfg.model}"), None)
-  folder = resolve_model(cfg.model, cfg.hub_settings())
+  folder = resolve_model(cfg.model, cfg.hub_settings(), cfg.revision, weights=cfg.load_format != "dummy")
   return LocatedModel(ModelConfig.from_folder(folder), folder)
 
 
@@ -82,7 +82,7 @@ class LLMEngine:
     self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else FP8_STORAGE
     log(f"backend {self.device}, dtype {self.dtype.name}, model {mc.architecture} from {located.folder or config.model}")
     request = BackendRequest(NAME_OF_DTYPE[self.dtype], "auto" if config.kv_cache_dtype == "auto" else FP8_KV_CACHE, mc.head_dim,
-                             config.block_size)
+                             config.block_size, mc.hidden_act)
     backend = select_backend(config.attention_backend, self.device, request, config.kernel_options())   # before loading
     log(f"attention backend {backend.describe()}")
     self.model = load_model(mc, located.folder, config.load_format, self.dtype, self.device, self.max_model_len, backend,
@@ -121,15 +121,19 @@ class LLMEngine:
 
   @staticmethod
   def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
-    if config.max_model_len is None: return mc.max_position_embeddings
-    if config.max_model_len > mc.max_position_embeddings:
+    if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
       raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's context of {mc.max_position_embeddings} tokens")
-    return config.max_model_len
+    max_model_len = config.max_model_len or mc.max_position_embeddings
+    # attention is never windowed here: a window shorter than the context would change what the model attends to
+    if mc.sliding_window is not None and max_model_len > mc.sliding_window:
+      raise ConfigError(f"the model's sliding_window ({mc.sliding_window} tokens) is shorter than max_model_len ({max_model_len}), "
+                        f"and sliding-window attention is not implemented: pass --max-model-len {mc.sliding_window} (or less)")
+    return max_model_len
 
   @staticmethod
   def _tokenizer(config: EngineConfig, folder: Path | None) -> Tokenizer | None:
     """--tokenizer, else the model folder's own; a folder without tokenizer files serves token-id prompts only."""
-    if config.tokenizer: return load_tokenizer(resolve_model(config.tokenizer, config.hub_settings()))
+    if (tokenizer_folder := resolve_tokenizer(config)) is not None: return load_tokenizer(tokenizer_folder)
     if folder is None or not any((folder / f).exists() for f in TOKENIZER_FILES):
       log("no tokenizer: prompts must be token ids")
       return None

@@ -80,6 +80,8 @@ class FusedBackend:
 
   def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None, **fused) -> Tensor:
     """Decode-sized products (and the norm, SwiGLU or residual fused with them) in one kernel; others in tinygrad ops."""
+    if fused.get("gelu_mul"):   # never reached through the selection: the capability record has SiLU only
+      raise ValueError(f"the {self.name} kernels fuse SwiGLU only; a GeGLU (gelu_pytorch_tanh) model runs on the portable backend")
     y = fused_linear(self.target, x, w, bias, **fused)
     self.calls["linear" if y is not None else "portable-linear"] += 1
     return y if y is not None else portable_linear(x, w, bias, **fused)

@@ -22,11 +22,12 @@ from tinyvllm.platform.target import native_dialect
 @dataclass(frozen=True)
 class BackendRequest:
   """What the backend must run: the activations' dtype, the KV cache's ("auto" or "fp8_e4m3"), the model's head size,
-  the cache's block size."""
+  the cache's block size, the MLP's gated activation (HF's hidden_act name)."""
   dtype: str
   kv_cache_dtype: str
   head_size: int
   block_size: int
+  activation: str = "silu"
 
 
 def select_backend(requested: str, device: str, request: BackendRequest, options: KernelOptions | None = None,
@@ -45,7 +46,8 @@ def select_backend(requested: str, device: str, request: BackendRequest, options
     from tinyvllm.kernels.fused import FusedBackend
     from tinyvllm.kernels.tinygrad_program import device_target
     backend = FusedBackend(device_target(device), options)
-    reason = backend.capabilities.unsupported_reason(request.dtype, request.kv_cache_dtype, request.head_size, request.block_size)
+    reason = backend.capabilities.unsupported_reason(request.dtype, request.kv_cache_dtype, request.head_size, request.block_size,
+                                                     request.activation)
     if reason is not None: raise ConfigError(f"the {dialect} kernels do not take {reason}")
     if probe: _probe(device)
     return backend

@@ -1,6 +1,7 @@
 """The model's matrix products with their neighbouring small ops, as one call: [residual +] op(x) @ w.T [+ bias], where
-op is an RMSNorm, the SwiGLU product silu(x1) * x2, or nothing. This is the portable form (tinygrad ops, HF's order of
-operations); the CUDA/Metal backend runs decode-sized ones as one fused kernel (tinyvllm/kernels/linear.py)."""
+op is an RMSNorm, the SwiGLU product silu(x1) * x2, the GeGLU product gelu_tanh(x1) * x2 (Gemma), or nothing. This is
+the portable form (tinygrad ops, HF's order of operations); the CUDA/Metal backend runs decode-sized ones as one fused
+kernel (tinyvllm/kernels/linear.py), SwiGLU only."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -13,11 +14,13 @@ LinearFn = Callable[..., Tensor]
 
 
 def portable_linear(x: Tensor, w: Tensor, bias: Tensor | None = None, *, norm: Tensor | None = None, eps: float = 1e-6,
-                    silu_mul: bool = False, residual: Tensor | None = None, out_float32: bool = False) -> Tensor:
+                    silu_mul: bool = False, gelu_mul: bool = False, residual: Tensor | None = None,
+                    out_float32: bool = False) -> Tensor:
   if norm is not None: x = rms_norm(x, norm, eps)
-  if silu_mul:
+  if silu_mul or gelu_mul:
     half = x.shape[-1] // 2
-    x = x[:, :half].silu() * x[:, half:]
+    gate = x[:, :half]
+    x = (gate.silu() if silu_mul else gate.gelu()) * x[:, half:]   # tinygrad's gelu is the tanh form (HF's gelu_pytorch_tanh)
   if out_float32: y = x.matmul(w.T, dtype=dtypes.float32).cast(dtypes.float32) + (0 if bias is None else bias.float())
   else: y = x.linear(w.T, bias)
   return y if residual is None else residual + y

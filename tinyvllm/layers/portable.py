@@ -14,7 +14,8 @@ from tinyvllm.layers.rotary import apply_rope
 from tinyvllm.layers.sampler import sample_packed
 
 CAPABILITIES = BackendCapabilities(dtypes=("float32", "float16", "bfloat16"),
-                                   fp8_kv_cache_dtypes=("float32", "float16", "bfloat16"), head_sizes=None)
+                                   fp8_kv_cache_dtypes=("float32", "float16", "bfloat16"), head_sizes=None,
+                                   activations=("silu", "gelu_pytorch_tanh"))
 
 
 def split_qkv_rope(qkv: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, cos: Tensor, sin: Tensor, num_kv_heads: int,

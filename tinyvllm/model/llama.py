@@ -1,7 +1,9 @@
-"""The decoder-only transformer shared by Llama 2/3, Qwen2 and Qwen3, on flat batches of tokens.
+"""The decoder-only transformer shared by Llama 2/3, Mistral, Qwen2, Qwen3 and Gemma, on flat batches of tokens.
 
-Differences between the three are flags on ModelConfig: q/k/v bias (Qwen2, Llama with attention_bias), per-head
-RMSNorm on q and k before RoPE (Qwen3), head_dim independent of hidden_size (Qwen3). q/k/v and gate/up projections
+Differences between them are fields of ModelConfig: q/k/v bias (Qwen2, Llama with attention_bias), per-head
+RMSNorm on q and k before RoPE (Qwen3), head_dim independent of hidden_size (Qwen3, Gemma), Gemma's GeGLU MLP and
+embeddings scaled by sqrt(hidden_size) (its RMSNorm's 1 + weight is folded into the weights at load). Mistral is
+Llama's shape (the engine refuses a sliding window that could apply). q/k/v and gate/up projections
 are fused into one matrix each at load time, so a layer runs four products. Every op goes through the compute backend
 the model is built with (tinyvllm/backend/interface.py): the portable tinygrad ops or the hand-written kernels.
 """
@@ -44,6 +46,7 @@ class StepInputs:
 class TransformerLM:
   def __init__(self, config: ModelConfig, weights: ModelWeights, backend: ComputeBackend):
     self.config, self.weights, self.backend = config, weights, backend
+    self.gated_activation = {"gelu_mul" if config.hidden_act == "gelu_pytorch_tanh" else "silu_mul": True}
 
   @property
   def dtype(self): return self.weights.embed_tokens.dtype
@@ -55,6 +58,7 @@ class TransformerLM:
     """Returns float32 logits [S, vocab] and the KV caches after this step's writes."""
     w, eps = self.weights, self.config.rms_norm_eps
     h = gather_rows(w.embed_tokens, inputs.token_ids)
+    if self.config.embed_scale != 1.0: h = h * self.config.embed_scale   # a constant of h's dtype: rounded to it, as HF's
     cos, sin = gather_rows(w.rope_cos, inputs.positions), gather_rows(w.rope_sin, inputs.positions)
     fused = self.backend.decode_layers(w.layers, h, cos, sin, kv_caches, inputs.attention, eps)
     h, new_caches = fused if fused is not None else self.decoder_layers(h, cos, sin, kv_caches, inputs.attention)
@@ -78,5 +82,5 @@ class TransformerLM:
     q, k_cache, v_cache = ops.qkv_rope_write(qkv, layer.q_norm, layer.k_norm, cos, sin, k_cache, v_cache, meta.slot_mapping, eps)
     h = ops.linear(ops.attention(q, k_cache, v_cache, meta), layer.o_proj, layer.o_bias, residual=h)
     gate_up = ops.linear(h, layer.gate_up_proj, layer.gate_up_bias, norm=layer.post_attention_norm, eps=eps)
-    h = ops.linear(gate_up, layer.down_proj, layer.down_bias, silu_mul=True, residual=h)
+    h = ops.linear(gate_up, layer.down_proj, layer.down_bias, residual=h, **self.gated_activation)
     return h, k_cache, v_cache

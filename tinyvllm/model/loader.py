@@ -83,7 +83,17 @@ def _layer(cfg: ModelConfig, get: TensorSource, i: int) -> DecoderLayerWeights:
     down_bias=get([p + "mlp.down_proj.bias"], (d,), "bias") if cfg.mlp_bias else None)
 
 
+def offset_norms(get: TensorSource, offset: float) -> TensorSource:
+  """Norm weights with `offset` added in float32 before the cast to the compute dtype (Gemma's RMSNorm scales by
+  1 + weight, computed in float32 as HF does)."""
+  def get_offset(names: list[str], shape: tuple[int, ...], kind: str) -> Tensor:
+    t = get(names, shape, kind)
+    return (t.float() + offset).cast(t.dtype).contiguous() if kind == "norm" else t
+  return get_offset
+
+
 def build_model(cfg: ModelConfig, get: TensorSource, device: str, max_positions: int, backend: ComputeBackend) -> TransformerLM:
+  if cfg.norm_weight_offset: get = offset_norms(get, cfg.norm_weight_offset)
   try:
     embed = get(["model.embed_tokens.weight"], (cfg.vocab_size, cfg.hidden_size), "matrix")
     layers = [_layer(cfg, get, i) for i in range(cfg.num_layers)]
