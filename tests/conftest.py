@@ -45,6 +45,19 @@ def reference(stories_dir: Path) -> dict:
   return json.loads((stories_dir / "reference_greedy.json").read_text())
 
 
+@pytest.fixture(scope="session")
+def stories_log_softmax(stories_dir: Path):
+  """HF transformers' stories260K on CPU float32 (the reference): ids -> [len(ids), vocab] log_softmax of its logits, row p
+  the distribution of the token after ids[:p + 1]."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  model = transformers.LlamaForCausalLM.from_pretrained(str(stories_dir), dtype=torch.float32).eval()
+
+  def log_softmax(ids: list[int]):
+    with torch.no_grad(): return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1).numpy()
+  return log_softmax
+
+
 @pytest.fixture(scope="module")
 def llm(stories_dir: Path):
   """A stories260K engine (files that need another engine define their own `llm`)."""

@@ -18,15 +18,7 @@ pytestmark = pytest.mark.slow   # every test runs eager prompt steps that compil
 
 
 @pytest.fixture(scope="module")
-def hf(stories_dir):
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
-  model = transformers.LlamaForCausalLM.from_pretrained(str(stories_dir), dtype=torch.float32).eval()
-
-  def log_softmax(ids: list[int]) -> np.ndarray:
-    """[len(ids), vocab]: row p is the distribution of the token after ids[:p + 1]."""
-    with torch.no_grad(): return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1).numpy()
-  return log_softmax
+def hf(stories_log_softmax): return stories_log_softmax
 
 
 def assert_matches_hf(prompt_logprobs, ids: list[int], ref: np.ndarray, k: int) -> None:
