@@ -3,7 +3,7 @@ does not implement is a 400 naming it (a value asking for the default behaviour 
 a field in no shape is a 400 as OpenAI's server answers it.
 
 The field lists are the APIs' own: the OpenAI client's request types (the installed `openai` package) and vLLM's
-protocol (CompletionRequest / ChatCompletionRequest / TokenizeRequest, 0.10-0.11), written out here with a value that
+protocol (CompletionRequest, ChatCompletionRequest, TokenizeRequest, old and new fields), written out here with a value that
 asks for something."""
 from __future__ import annotations
 
@@ -150,3 +150,19 @@ def test_unknown_nested_fields_and_combinations_are_refused(http):
   assert_refused(http.post(CHAT, json={**GOOD_CHAT, "stream": True, "prompt_logprobs": 0}), "prompt_logprobs", "stream")
   r = http.post(CHAT, json={**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "x": 1}]}]})
   assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_cheap_vllm_extras_are_implemented(http, baseline):
+  """request_id names the response; add_special_tokens decides the tokenizer's BOS (its default differs per endpoint);
+  user, safety_identifier and prompt_cache_key identify the caller and change no output."""
+  r = http.post(CMPL, json={**GOOD_CMPL, "request_id": "my-run-7"}).json()
+  assert r["id"] == "cmpl-my-run-7"
+  assert http.post(CHAT, json={**GOOD_CHAT, "request_id": "my-run-7"}).json()["id"] == "chatcmpl-my-run-7"
+  bare = http.post(TOKENIZE, json={"prompt": GOOD_CMPL["prompt"], "add_special_tokens": False}).json()["count"]
+  with_bos = http.post(CMPL, json=GOOD_CMPL).json()["usage"]["prompt_tokens"]
+  assert http.post(CMPL, json={**GOOD_CMPL, "add_special_tokens": False}).json()["usage"]["prompt_tokens"] == bare == with_bos - 1
+  chat_tokens = http.post(CHAT, json=GOOD_CHAT).json()["usage"]["prompt_tokens"]
+  assert http.post(CHAT, json={**GOOD_CHAT, "add_special_tokens": True}).json()["usage"]["prompt_tokens"] == chat_tokens + 1
+  ids = {"user": "u-1", "safety_identifier": "h-2", "prompt_cache_key": "k-3"}
+  r = http.post(CHAT, json={**GOOD_CHAT, **ids})
+  assert [(c.get("text"), c.get("message"), c["finish_reason"]) for c in r.json()["choices"]] == baseline[CHAT]
