@@ -24,10 +24,11 @@ def require_shared(path: Path) -> Path:
 
 def assert_all_free(llm) -> None:
   """Nothing is left of the engine's requests: no blocks in use, no queued or running sequence, no step in flight,
-  no detokenizer state."""
+  no detokenizer or prompt-logprobs state."""
   engine = llm.engine
   assert engine.allocator.num_used_blocks == 0 and not engine.requests and engine._in_flight is None
   assert not engine.scheduler.waiting and not engine.scheduler.running and not engine.output_processor.states
+  assert not engine.output_processor.prompt_logprobs
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +43,19 @@ def shared_data() -> Path: return require_shared(SHARED_DATA)
 def reference(stories_dir: Path) -> dict:
   """stories260K's greedy reference: prompt_ids, greedy_ids, greedy_text, the zoo prompt, the first positions' argmax."""
   return json.loads((stories_dir / "reference_greedy.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def stories_log_softmax(stories_dir: Path):
+  """HF transformers' stories260K on CPU float32 (the reference): ids -> [len(ids), vocab] log_softmax of its logits, row p
+  the distribution of the token after ids[:p + 1]."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  model = transformers.LlamaForCausalLM.from_pretrained(str(stories_dir), dtype=torch.float32).eval()
+
+  def log_softmax(ids: list[int]):
+    with torch.no_grad(): return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1).numpy()
+  return log_softmax
 
 
 @pytest.fixture(scope="module")

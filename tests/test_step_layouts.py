@@ -44,9 +44,9 @@ def record_steps(llm: LLM) -> list[tuple[int, int]]:
   seen, prepare = [], llm.engine.runner._prepare
 
   def recording(sched):
-    host, layout, packed = prepare(sched)
+    host, layout, *rest = prepare(sched)
     seen.append((layout.query_len, host.context_lens.shape[0]))
-    return host, layout, packed
+    return host, layout, *rest
   llm.engine.runner._prepare = recording
   return seen
 

@@ -13,6 +13,8 @@ class Logprob:
 
 
 SampleLogprobs = list[dict[int, Logprob]]   # per generated token: its own entry plus the top-k alternatives
+# per prompt token: None for the first (nothing comes before it), then its own entry plus the top-k alternatives
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -39,3 +41,4 @@ class RequestOutput:
   outputs: list[CompletionOutput]
   finished: bool
   num_cached_tokens: int = 0
+  prompt_logprobs: PromptLogprobs | None = None   # with SamplingParams.prompt_logprobs (vLLM's)

@@ -82,8 +82,9 @@ class BlockManager:
     return hashes[:num_tokens // self.block_size]
 
   def cached_prefix(self, seq: Sequence) -> list[Block]:
-    """The cached blocks that hold a prefix of seq's tokens; the last token is always left to compute."""
-    if not self.enable_prefix_caching: return []
+    """The cached blocks that hold a prefix of seq's tokens; the last token is always left to compute. None for a
+    request that asked for prompt logprobs: they come from computing every prompt token (as in vLLM)."""
+    if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None: return []
     hits, tokens, parent = [], seq.token_ids, None
     for i, block_hash in enumerate(self._block_hashes(seq, seq.num_tokens - 1)):
       block = self.cached.get(block_hash)

@@ -241,6 +241,7 @@ class LLMEngine:
     flight, self._in_flight = self._in_flight, None
     assert flight is not None
     result = flight.launched.result()
+    for chunk in result.prompt_logprobs: self.output_processor.add_prompt_logprobs(chunk)
     judge = lambda seq, token, row: self.output_processor.process_token(seq, token, self._logprobs(result, row, seq))
     landed = self.scheduler.update_from_output(flight.sched, result.token_ids, judge)
     touched = {seq.request_id: self.requests[seq.request_id] for seq in landed}
@@ -253,13 +254,8 @@ class LLMEngine:
   def _logprobs(self, result: StepResult, row: int, seq: Sequence) -> dict[int, Logprob] | None:
     if result.logprobs is None or seq.params.logprobs is None: return None
     lp, k = result.logprobs, seq.params.logprobs
-    entries = {int(t): Logprob(float(v), r + 1) for r, (t, v) in enumerate(zip(lp.top_ids[row][:k], lp.top_logprobs[row][:k],
-                                                                               strict=True))}
-    token = result.token_ids[row]
-    entries.setdefault(token, Logprob(float(lp.logprob[row]), int(lp.rank[row])))
-    if self.tokenizer is not None:
-      for token_id, entry in entries.items(): entry.decoded_token = self.tokenizer.token_bytes(token_id).decode(errors="replace")
-    return entries
+    return self.output_processor.logprob_entries(result.token_ids[row], lp.logprob[row], lp.rank[row], lp.top_ids[row][:k],
+                                                 lp.top_logprobs[row][:k])
 
   def _retire(self, request: Request) -> None:
     for seq in request.seqs: self.output_processor.release(seq)

@@ -5,14 +5,20 @@ Stop rules (vLLM's order): EOS (unless ignore_eos) or a stop_token_id ends the s
 that token out; then max_tokens or the context limit ends it with "length"; a stop string found in the new text ends it
 with "stop" and the text is cut before it (kept with include_stop_str_in_output). While a sequence runs, text that could
 still turn out to be the start of a stop string is held back from the deltas.
+
+Prompt logprobs (SamplingParams.prompt_logprobs) are the request's: scored by the steps that compute its prompt
+(worker/logprobs.py), kept here in prompt order, each token once, and handed out with every RequestOutput.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from tinyvllm.core.sequence import Request, Sequence, SequenceStatus, StopVerdict
-from tinyvllm.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
+from tinyvllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from tinyvllm.tokenizer import IncrementalDetokenizer, Tokenizer
+from tinyvllm.worker.logprobs import ScoredPromptChunk
 
 
 @dataclass
@@ -49,14 +55,37 @@ class OutputProcessor:
   def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int], max_model_len: int):
     self.tokenizer, self.eos_token_ids, self.max_model_len = tokenizer, eos_token_ids, max_model_len
     self.states: dict[int, TextState] = {}
+    self.prompt_logprobs: dict[str, PromptLogprobs] = {}   # request id -> its prompt logprobs so far
 
   def register(self, seq: Sequence) -> None:
     det = None
     if self.tokenizer is not None:
       det = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens)
     self.states[seq.seq_id] = TextState(det)
+    if seq.index == 0 and seq.params.prompt_logprobs is not None: self.prompt_logprobs[seq.request_id] = [None]
 
-  def release(self, seq: Sequence) -> None: self.states.pop(seq.seq_id, None)
+  def release(self, seq: Sequence) -> None:
+    self.states.pop(seq.seq_id, None)
+    if seq.index == 0: self.prompt_logprobs.pop(seq.request_id, None)
+
+  def logprob_entries(self, token: int, logprob: float, rank: int, top_ids: np.ndarray, top_logprobs: np.ndarray) -> dict[int, Logprob]:
+    """A token's own entry and the top-k alternatives (ranks 1..k), each with its text."""
+    entries = {int(t): Logprob(float(v), r + 1) for r, (t, v) in enumerate(zip(top_ids, top_logprobs, strict=True))}
+    entries.setdefault(token, Logprob(float(logprob), int(rank)))
+    if self.tokenizer is not None:
+      for token_id, entry in entries.items(): entry.decoded_token = self.tokenizer.token_bytes(token_id).decode(errors="replace")
+    return entries
+
+  def add_prompt_logprobs(self, chunk: ScoredPromptChunk) -> None:
+    """Keep a step's scores of a request's prompt tokens: the tokens not scored before, in order (a chunk computed again
+    after a preemption scores them again). Scores for a request that ended meanwhile are dropped."""
+    entries = self.prompt_logprobs.get(chunk.seq.request_id)
+    if entries is None: return
+    k, lp = chunk.seq.params.prompt_logprobs or 0, chunk.logprobs
+    for i, token in enumerate(chunk.token_ids):
+      if chunk.first + i < len(entries): continue
+      assert chunk.first + i == len(entries), f"prompt token {chunk.first + i} scored before token {len(entries)}"
+      entries.append(self.logprob_entries(token, lp.logprob[i], lp.rank[i], lp.top_ids[i][:k], lp.top_logprobs[i][:k]))
 
   def process_token(self, seq: Sequence, token: int, logprobs: dict[int, Logprob] | None = None) -> StopVerdict | None:
     """Account for the sampled token the scheduler has just appended (its text, its logprobs, if asked for) and say
@@ -103,4 +132,6 @@ class OutputProcessor:
 
   def request_output(self, request: Request) -> RequestOutput:
     outputs = [self.completion(seq) for seq in request.seqs]
-    return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, request.is_finished)
+    prompt_logprobs = self.prompt_logprobs.get(request.request_id)
+    return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, request.is_finished,
+                         prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None)

@@ -6,6 +6,7 @@ import asyncio
 import json
 import math
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -16,8 +17,8 @@ from tinyvllm.engine.async_engine import AsyncLLMEngine
 from tinyvllm.engine.llm_engine import PromptError
 from tinyvllm.entrypoints.errors import APIError, bad_request
 from tinyvllm.entrypoints.metrics import ServerMetrics
-from tinyvllm.entrypoints.protocol import SamplingRequest
-from tinyvllm.outputs import RequestOutput
+from tinyvllm.entrypoints.protocol import PromptLogprob, SamplingRequest
+from tinyvllm.outputs import PromptLogprobs, RequestOutput
 from tinyvllm.sampling_params import SamplingParams, SamplingParamsError
 from tinyvllm.tokenizer import Tokenizer
 
@@ -78,11 +79,28 @@ class Prompt:
   def engine_prompt(self) -> dict[str, Any]: return {"prompt": self.text, "prompt_token_ids": self.token_ids}
 
 
-def tokenize(state: ServerState, prompt: str | list[int], param: str) -> Prompt:
-  try: text, ids = state.require_engine().engine.tokenize_prompt(prompt)
+def tokenize(state: ServerState, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> Prompt:
+  """A prompt's token ids; a string gets the tokenizer's special tokens (BOS) unless add_special_tokens is false."""
+  try:
+    if isinstance(prompt, str) and not add_special_tokens: text, ids = prompt, state.tokenizer("a text prompt").encode(prompt, False)
+    else: text, ids = state.require_engine().engine.tokenize_prompt(prompt)
   except PromptError as e: raise bad_request(str(e), param) from None
   if not ids: raise bad_request("the prompt is empty (no tokens)", param)
   return Prompt(text, ids)
+
+
+def check_streaming(req: SamplingRequest) -> None:
+  """What a stream cannot carry, and stream_options without a stream (OpenAI and vLLM refuse both)."""
+  if req.stream_options is not None and not req.stream:
+    raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+  if req.stream and req.prompt_logprobs is not None:
+    raise bad_request("prompt_logprobs are not available with stream: true", "prompt_logprobs")
+
+
+def response_id(prefix: str, req: SamplingRequest) -> str:
+  """The response's id: from the request's request_id (vLLM's extension) when it has one. Engine requests get their
+  own ids, so two HTTP requests may share a request_id."""
+  return f"{prefix}-{req.request_id if req.request_id is not None else uuid.uuid4().hex}"
 
 
 def check_context(state: ServerState, prompt: Prompt, max_tokens: int | None, param: str) -> int:
@@ -100,12 +118,12 @@ _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "pres
                     "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 
 
-def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None, rename: dict[str, str] | None = None) -> SamplingParams:
+def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                    rename: dict[str, str] | None = None) -> SamplingParams:
   """The engine's SamplingParams; a bad value is a 400 naming the request's field (`rename`: engine name -> request name)."""
-  if req.logit_bias: raise bad_request("logit_bias is not supported", "logit_bias")
   given = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
   try:
-    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **given)
+    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **given)
   except SamplingParamsError as e:
     raise bad_request(str(e), (rename or {}).get(e.param, e.param)) from None
 
@@ -184,3 +202,10 @@ def stream_error(e: Exception) -> str:
 
 
 def finite(logprob: float) -> float: return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
+
+
+def prompt_logprobs_json(entries: PromptLogprobs | None) -> list[dict[str, PromptLogprob] | None] | None:
+  """vLLM's JSON shape of prompt logprobs: per prompt token null (the first) or {token id: {logprob, rank, decoded_token}}."""
+  if entries is None: return None
+  return [None if e is None else {str(t): PromptLogprob(logprob=finite(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+                                  for t, lp in e.items()} for e in entries]

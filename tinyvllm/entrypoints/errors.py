@@ -11,6 +11,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tinyvllm.entrypoints.unsupported import RefusedField, implemented_fields
+
 logger = logging.getLogger("tinyvllm.server")
 M = TypeVar("M", bound=BaseModel)
 
@@ -58,14 +60,19 @@ def from_validation_errors(errors: list[dict[str, Any]]) -> APIError:
 
 
 def parse_body(model: type[M], body: bytes) -> M:
-  """The request body as `model`, or a 400 naming what is wrong."""
+  """The request body as `model`, or a 400 naming what is wrong: a bad value, a field the server does not implement
+  (tinyvllm/entrypoints/unsupported.py), a field it does not know."""
   try:
     data = json.loads(body)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise bad_request(f"the body is not valid JSON: {e}") from None
   if not isinstance(data, dict): raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
   try:
-    return model.model_validate_json(body)
+    data = implemented_fields(model, data)
+  except RefusedField as e:
+    raise bad_request(str(e), e.param, e.code) from None
+  try:
+    return model.model_validate_json(json.dumps(data))
   except ValidationError as e:
     raise from_validation_errors(e.errors()) from None
 

@@ -1,24 +1,31 @@
 """The OpenAI API's request and response shapes (with vLLM's extensions), as pydantic models.
 
-Requests are parsed strictly (a string is not a number, 1 is not true) and ignore fields they do not know, as OpenAI's
-server does.
+Requests are parsed strictly (a string is not a number, 1 is not true). A request model's fields are what its endpoint
+implements; its `refused` table (tinyvllm/entrypoints/unsupported.py) lists the fields of OpenAI's and vLLM's shapes
+that it does not, and any other field is refused too.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from tinyvllm.entrypoints.unsupported import CHAT, COMPLETION, STREAM_OPTIONS, TOKENIZE, Unsupported
 
 MAX_N = 128          # OpenAI's own limit on n
 MAX_COMPLETION_LOGPROBS = 5
 MAX_TOP_LOGPROBS = 20
+MAX_PROMPT_LOGPROBS = 20   # SamplingParams' limit, as vLLM's default max_logprobs
 
 
 class StrictModel(BaseModel):
-  model_config = ConfigDict(strict=True, extra="ignore")
+  model_config = ConfigDict(strict=True, extra="forbid")
+  refused: ClassVar[Mapping[str, Unsupported]] = {}
 
 
 class StreamOptions(StrictModel):
+  refused = STREAM_OPTIONS
   include_usage: bool | None = False
 
 
@@ -39,8 +46,10 @@ class SamplingRequest(StrictModel):
   ignore_eos: bool | None = False
   include_stop_str_in_output: bool | None = False
   skip_special_tokens: bool | None = True
-  logit_bias: dict[str, float] | None = None
-  user: str | None = None
+  prompt_logprobs: int | None = Field(None, ge=0, le=MAX_PROMPT_LOGPROBS)
+  add_special_tokens: bool | None = None   # default: True for a prompt, False for messages (the template has them)
+  user: str | None = None                  # the caller's end user: an identifier, which never changes the output
+  request_id: str | None = None            # vLLM's: the response's id is made from it
   stream: bool | None = False
   stream_options: StreamOptions | None = None
 
@@ -49,12 +58,11 @@ class SamplingRequest(StrictModel):
 
 
 class CompletionRequest(SamplingRequest):
+  refused = COMPLETION
   prompt: str | list[str] | list[int] | list[list[int]]
   max_tokens: int | None = 16
   logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
   echo: bool | None = False
-  suffix: str | None = None
-  best_of: int | None = None
 
 
 class TextPart(StrictModel):
@@ -75,6 +83,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
+  refused = CHAT
   messages: list[ChatMessage] = Field(min_length=1)
   max_tokens: int | None = None
   max_completion_tokens: int | None = None
@@ -82,9 +91,13 @@ class ChatCompletionRequest(SamplingRequest):
   top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
   add_generation_prompt: bool | None = True
   chat_template_kwargs: dict[str, Any] | None = None
+  documents: list[dict[str, Any]] | None = None   # for templates that render retrieved documents (vLLM's)
+  safety_identifier: str | None = None            # like user: an identifier, which never changes the output
+  prompt_cache_key: str | None = None             # a cache-routing hint: every request shares the one prefix cache here
 
 
 class TokenizeRequest(StrictModel):
+  refused = TOKENIZE
   model: str | None = None
   prompt: str | None = None
   messages: list[ChatMessage] | None = Field(None, min_length=1)
@@ -112,6 +125,16 @@ class CompletionLogprobs(BaseModel):
   text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+  """vLLM's Logprob as JSON."""
+  logprob: float
+  rank: int
+  decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]   # per prompt token: null (the first), {token id: its logprob}
+
+
 class CompletionChoice(BaseModel):
   index: int
   text: str
@@ -120,7 +143,20 @@ class CompletionChoice(BaseModel):
   stop_reason: int | str | None = None
 
 
+class CompletionResponseChoice(CompletionChoice):
+  prompt_logprobs: PromptLogprobs | None = None
+
+
 class CompletionResponse(BaseModel):
+  id: str
+  object: Literal["text_completion"] = "text_completion"
+  created: int
+  model: str
+  choices: list[CompletionResponseChoice]
+  usage: Usage
+
+
+class CompletionStreamResponse(BaseModel):
   id: str
   object: Literal["text_completion"] = "text_completion"
   created: int
@@ -163,6 +199,7 @@ class ChatCompletionResponse(BaseModel):
   model: str
   choices: list[ChatChoice]
   usage: Usage
+  prompt_logprobs: PromptLogprobs | None = None   # vLLM's
 
 
 class ChatChunkChoice(BaseModel):

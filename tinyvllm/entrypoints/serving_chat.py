@@ -13,9 +13,12 @@ from tinyvllm.entrypoints.common import (
   ServerState,
   check_context,
   check_engine_limits,
+  check_streaming,
   final_outputs,
   finite,
   generate_many,
+  prompt_logprobs_json,
+  response_id,
   sampling_params,
   sse,
   stream_error,
@@ -40,17 +43,19 @@ from tinyvllm.outputs import CompletionOutput, Logprob
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import Tokenizer, TokenizerError
 
-_RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "tokenize"})
+_RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "tokenize", "documents"})
 
 
 def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
-                template_kwargs: dict | None) -> str:
-  """The conversation as the model's chat template writes it (chat_template_kwargs, e.g. enable_thinking, reach it)."""
+                template_kwargs: dict | None, documents: list[dict] | None = None) -> str:
+  """The conversation as the model's chat template writes it (chat_template_kwargs, e.g. enable_thinking, and
+  documents, for templates that render them, reach it)."""
   tokenizer = state.tokenizer("chat")
   if not tokenizer.has_chat_template: raise bad_request("this model has no chat template: use /v1/completions", "messages")
   kwargs = template_kwargs or {}
   if bad := sorted(_RESERVED_TEMPLATE_ARGS & kwargs.keys()):
     raise bad_request(f"chat_template_kwargs cannot set {', '.join(bad)}", "chat_template_kwargs")
+  if documents is not None: kwargs = {**kwargs, "documents": documents}
   try:
     text = tokenizer.apply_chat_template([m.template_dict() for m in messages], add_generation_prompt=add_generation_prompt, **kwargs)
   except TokenizerError as e:
@@ -60,9 +65,10 @@ def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_
 
 
 def _prepare(state: ServerState, req: ChatCompletionRequest) -> tuple[Prompt, int | None]:
-  if req.top_logprobs is not None and not req.logprobs: raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-  text = render_chat(state, req.messages, req.add_generation_prompt is not False, req.chat_template_kwargs)
-  prompt = Prompt(text, state.tokenizer("chat").encode(text, add_special_tokens=False))
+  if req.top_logprobs and not req.logprobs: raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+  text = render_chat(state, req.messages, req.add_generation_prompt is not False, req.chat_template_kwargs, req.documents)
+  # the template writes the special tokens; add_special_tokens adds the tokenizer's (BOS) in front as well
+  prompt = Prompt(text, state.tokenizer("chat").encode(text, add_special_tokens=bool(req.add_special_tokens)))
   if not prompt.token_ids: raise bad_request("the chat template rendered no tokens", "messages")
   return prompt, (req.top_logprobs or 0) if req.logprobs else None
 
@@ -70,24 +76,26 @@ def _prepare(state: ServerState, req: ChatCompletionRequest) -> tuple[Prompt, in
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request) -> Response:
   state.require_ready()
   state.check_model(req.model)
+  check_streaming(req)
   max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
   param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
   if max_tokens is not None and max_tokens < 1: raise bad_request(f"{param} must be >= 1, got {max_tokens}", param)
   prompt, logprobs = _prepare(state, req)
-  params = sampling_params(req, check_context(state, prompt, max_tokens, "messages"), logprobs,
+  params = sampling_params(req, check_context(state, prompt, max_tokens, "messages"), logprobs, req.prompt_logprobs,
                            rename={"logprobs": "top_logprobs", "max_tokens": param})
   check_engine_limits(state, prompt, params, "messages")
-  request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+  request_id, created, engine_id = response_id("chatcmpl", req), int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
   if req.stream:
-    return StreamingResponse(_stream(state, req, prompt, params, request_id, created), media_type="text/event-stream")
-  finals = await unless_disconnected(request, final_outputs(state, [prompt], [params], request_id))
+    return StreamingResponse(_stream(state, req, prompt, params, (request_id, engine_id), created), media_type="text/event-stream")
+  finals = await unless_disconnected(request, final_outputs(state, [prompt], [params], engine_id))
   if finals is None: return Response(status_code=499)
   tokenizer, out = state.require_engine().tokenizer, finals[0]
   choices = [ChatChoice(index=o.index, message=AssistantMessage(content=o.text), finish_reason=o.finish_reason,
                         stop_reason=o.stop_reason, logprobs=_logprobs(tokenizer, o.token_ids, o.logprobs, logprobs))
              for o in out.outputs]
   body = ChatCompletionResponse(id=request_id, created=created, model=state.served_model_name, choices=choices,
-                                usage=_usage(prompt, sum(len(o.token_ids) for o in out.outputs)))
+                                usage=_usage(prompt, sum(len(o.token_ids) for o in out.outputs)),
+                                prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs))
   return JSONResponse(body.model_dump())
 
 
@@ -118,11 +126,12 @@ def _delta_logprobs(tokenizer: Tokenizer | None, o: CompletionOutput, top_k: int
   return _logprobs(tokenizer, o.delta_token_ids, (o.logprobs or [])[-len(o.delta_token_ids):], top_k)
 
 
-async def _stream(state: ServerState, req: ChatCompletionRequest, prompt: Prompt, params: SamplingParams, request_id: str,
+async def _stream(state: ServerState, req: ChatCompletionRequest, prompt: Prompt, params: SamplingParams, ids: tuple[str, str],
                   created: int) -> AsyncIterator[str]:
-  """Role chunk per choice, content chunks, a closing chunk with finish_reason per choice, [usage chunk], [DONE]."""
+  """Role chunk per choice, content chunks, a closing chunk with finish_reason per choice, [usage chunk], [DONE];
+  `ids`: the response's and the engine request's ids."""
   tokenizer, model, usage_on = state.require_engine().tokenizer, state.served_model_name, req.include_usage
-  top_k = params.logprobs
+  top_k, (request_id, engine_id) = params.logprobs, ids
 
   def chunk(choice: ChatChunkChoice) -> str:
     return sse(chunk_json(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]), usage_on))
@@ -131,7 +140,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, prompt: Prompt
   finished: set[int] = set()
   completion_tokens = 0
   try:
-    async for _, out in generate_many(state, [prompt], [params], request_id):
+    async for _, out in generate_many(state, [prompt], [params], engine_id):
       for o in out.outputs:
         if o.index in finished: continue
         lps = _delta_logprobs(tokenizer, o, top_k)

@@ -13,9 +13,12 @@ from tinyvllm.entrypoints.common import (
   ServerState,
   check_context,
   check_engine_limits,
+  check_streaming,
   final_outputs,
   finite,
   generate_many,
+  prompt_logprobs_json,
+  response_id,
   sampling_params,
   sse,
   stream_error,
@@ -23,8 +26,17 @@ from tinyvllm.entrypoints.common import (
   unless_disconnected,
 )
 from tinyvllm.entrypoints.errors import bad_request
-from tinyvllm.entrypoints.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage, chunk_json
-from tinyvllm.outputs import CompletionOutput, Logprob
+from tinyvllm.entrypoints.protocol import (
+  CompletionChoice,
+  CompletionLogprobs,
+  CompletionRequest,
+  CompletionResponse,
+  CompletionResponseChoice,
+  CompletionStreamResponse,
+  Usage,
+  chunk_json,
+)
+from tinyvllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import Tokenizer
 
@@ -35,16 +47,16 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
   return [prompt] if isinstance(prompt[0], int) else list(prompt)
 
 
-def _check_supported(req: CompletionRequest) -> None:
-  if req.suffix: raise bad_request("suffix is not supported", "suffix")
-  if req.best_of is not None and req.best_of != (req.n or 1): raise bad_request("best_of other than n is not supported", "best_of")
-  if req.echo and req.logprobs is not None:
-    raise bad_request("echo with logprobs needs prompt logprobs, which this server does not compute", "echo")
+def _prompt_logprobs(req: CompletionRequest) -> int | None:
+  """vLLM's: prompt_logprobs as asked, else with echo the logprobs (the echoed prompt's tokens get theirs too)."""
+  if req.prompt_logprobs is not None: return req.prompt_logprobs
+  return req.logprobs if req.echo else None
 
 
 def _prepare(state: ServerState, req: CompletionRequest) -> tuple[list[Prompt], list[SamplingParams]]:
-  prompts = [tokenize(state, p, "prompt") for p in _prompt_list(req.prompt)]
-  params = [sampling_params(req, check_context(state, p, req.max_tokens, "prompt"), req.logprobs) for p in prompts]
+  prompts = [tokenize(state, p, "prompt", req.add_special_tokens is not False) for p in _prompt_list(req.prompt)]
+  params = [sampling_params(req, check_context(state, p, req.max_tokens, "prompt"), req.logprobs, _prompt_logprobs(req))
+            for p in prompts]
   for p, sp in zip(prompts, params, strict=True): check_engine_limits(state, p, sp, "prompt")
   return prompts, params
 
@@ -52,24 +64,39 @@ def _prepare(state: ServerState, req: CompletionRequest) -> tuple[list[Prompt], 
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request) -> Response:
   state.require_ready()
   state.check_model(req.model)
-  _check_supported(req)
+  check_streaming(req)
   prompts, params = _prepare(state, req)
-  request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+  request_id, created, engine_id = response_id("cmpl", req), int(time.time()), f"cmpl-{uuid.uuid4().hex}"
   if req.stream:
-    return StreamingResponse(_stream(state, req, prompts, params, request_id, created), media_type="text/event-stream")
-  finals = await unless_disconnected(request, final_outputs(state, prompts, params, request_id))
+    return StreamingResponse(_stream(state, req, prompts, params, (request_id, engine_id), created), media_type="text/event-stream")
+  finals = await unless_disconnected(request, final_outputs(state, prompts, params, engine_id))
   if finals is None: return Response(status_code=499)  # nobody is listening
-  tokenizer, n = state.require_engine().tokenizer, req.n or 1
-  choices = []
-  for i, out in enumerate(finals):
-    echo = _echo_text(tokenizer, prompts[i]) if req.echo else ""
-    for o in out.outputs:
-      lps = _logprobs(tokenizer, o.token_ids, o.logprobs, len(echo)) if req.logprobs is not None else None
-      choices.append(CompletionChoice(index=i * n + o.index, text=echo + o.text, logprobs=lps, finish_reason=o.finish_reason,
-                                      stop_reason=o.stop_reason))
+  n = req.n or 1
+  choices = [_choice(state, req, prompts[i], out, o, i * n + o.index) for i, out in enumerate(finals) for o in out.outputs]
   usage = _usage(prompts, sum(len(o.token_ids) for out in finals for o in out.outputs))
   body = CompletionResponse(id=request_id, created=created, model=state.served_model_name, choices=choices, usage=usage)
   return JSONResponse(body.model_dump())
+
+
+def _choice(state: ServerState, req: CompletionRequest, prompt: Prompt, out: RequestOutput, o: CompletionOutput,
+            index: int) -> CompletionResponseChoice:
+  """One whole choice; with echo its text (and logprobs) start with the prompt's."""
+  tokenizer = state.require_engine().tokenizer
+  echo = _echo_text(tokenizer, prompt) if req.echo else ""
+  lps = None
+  if req.logprobs is not None:
+    token_ids, entries = _with_echo(req, prompt, out.prompt_logprobs, o.token_ids, o.logprobs or [])
+    lps = _logprobs(tokenizer, token_ids, entries, 0)
+  return CompletionResponseChoice(index=index, text=echo + o.text, logprobs=lps, finish_reason=o.finish_reason,
+                                  stop_reason=o.stop_reason, prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs))
+
+
+def _with_echo(req: CompletionRequest, prompt: Prompt, prompt_logprobs: PromptLogprobs | None, token_ids: list[int],
+               entries: list[dict[int, Logprob]]) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+  """The tokens whose logprobs a choice reports: with echo, the prompt's first (the first of them has none)."""
+  if not req.echo: return token_ids, list(entries)
+  assert prompt_logprobs is not None and len(prompt_logprobs) == len(prompt.token_ids)
+  return prompt.token_ids + token_ids, prompt_logprobs + list(entries)
 
 
 def _usage(prompts: list[Prompt], completion_tokens: int) -> Usage:
@@ -87,55 +114,69 @@ def _token_text(tokenizer: Tokenizer | None, token_id: int, entry: Logprob | Non
   return tokenizer.token_bytes(token_id).decode(errors="replace") if tokenizer is not None else f"token_id:{token_id}"
 
 
-def _logprobs(tokenizer: Tokenizer | None, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None,
+def _logprobs(tokenizer: Tokenizer | None, token_ids: list[int], logprobs: list[dict[int, Logprob] | None],
               offset: int) -> CompletionLogprobs:
-  """OpenAI's legacy logprobs for these tokens; text_offset counts from `offset` (where they start in the choice's text)."""
+  """OpenAI's legacy logprobs for these tokens; text_offset counts from `offset` (where they start in the choice's text).
+  A token without logprobs (an echoed prompt's first) gets null ones."""
   out = CompletionLogprobs()
-  for token_id, entries in zip(token_ids, logprobs or [], strict=False):
-    text = _token_text(tokenizer, token_id, entries.get(token_id))
+  for token_id, entries in zip(token_ids, logprobs, strict=False):
+    text = _token_text(tokenizer, token_id, entries.get(token_id) if entries is not None else None)
     out.tokens.append(text)
+    out.text_offset.append(offset)
+    offset += len(text)
+    if entries is None:
+      out.token_logprobs.append(None)
+      out.top_logprobs.append(None)
+      continue
     out.token_logprobs.append(finite(entries[token_id].logprob))
     ranked = sorted(entries.items(), key=lambda kv: kv[1].rank)
     out.top_logprobs.append({_token_text(tokenizer, t, lp): finite(lp.logprob) for t, lp in ranked})
-    out.text_offset.append(offset)
-    offset += len(text)
   return out
 
 
 class _ChoiceStream:
-  """Per-choice state while streaming: started (echo sent), finished, and the text offset for logprobs."""
+  """Per-choice state while streaming: the echo still to send (its first chunk carries it), finished, and the text
+  offset for logprobs."""
 
   def __init__(self, echo: str):
-    self.echo, self.offset, self.finished = echo, len(echo), False
+    self.echo, self.echoed, self.offset, self.finished = echo, False, 0, False
 
   def chunk_text(self, o: CompletionOutput) -> str:
-    text = self.echo + o.delta_text
-    self.echo = ""
+    text = o.delta_text if self.echoed else self.echo + o.delta_text
+    self.echoed = True
     return text
 
 
+def _delta_logprobs(tokenizer: Tokenizer | None, req: CompletionRequest, c: _ChoiceStream, prompt: Prompt, out: RequestOutput,
+                    o: CompletionOutput) -> CompletionLogprobs:
+  """The logprobs of a chunk's tokens: its new tokens', and first the echoed prompt's."""
+  new = (o.logprobs or [])[-len(o.delta_token_ids):] if o.delta_token_ids else []
+  token_ids, entries = (o.delta_token_ids, list(new)) if c.echoed else _with_echo(req, prompt, out.prompt_logprobs,
+                                                                                  o.delta_token_ids, new)
+  lps = _logprobs(tokenizer, token_ids, entries, c.offset)
+  c.offset += sum(len(t) for t in lps.tokens)
+  return lps
+
+
 async def _stream(state: ServerState, req: CompletionRequest, prompts: list[Prompt], params: list[SamplingParams],
-                  request_id: str, created: int) -> AsyncIterator[str]:
+                  ids: tuple[str, str], created: int) -> AsyncIterator[str]:
+  """Chunks per choice as its text grows ([usage chunk], [DONE]); `ids`: the response's and the engine requests' ids."""
   tokenizer, n, model = state.require_engine().tokenizer, req.n or 1, state.served_model_name
-  choices: dict[int, _ChoiceStream] = {}
-  completion_tokens = 0
+  (request_id, engine_id), choices, completion_tokens = ids, {}, 0
   try:
-    async for i, out in generate_many(state, prompts, params, request_id):
+    async for i, out in generate_many(state, prompts, params, engine_id):
       for o in out.outputs:
         index = i * n + o.index
         c = choices.setdefault(index, _ChoiceStream(_echo_text(tokenizer, prompts[i]) if req.echo else ""))
         if c.finished or not (o.delta_token_ids or o.finished): continue
-        text, lps = c.chunk_text(o), None
-        if req.logprobs is not None:
-          lps = _logprobs(tokenizer, o.delta_token_ids, (o.logprobs or [])[-len(o.delta_token_ids):] if o.delta_token_ids else [],
-                          c.offset)
-          c.offset += sum(len(t) for t in lps.tokens)
+        lps = _delta_logprobs(tokenizer, req, c, prompts[i], out, o) if req.logprobs is not None else None
+        text = c.chunk_text(o)
         if o.finished: c.finished, completion_tokens = True, completion_tokens + len(o.token_ids)
         choice = CompletionChoice(index=index, text=text, logprobs=lps, finish_reason=o.finish_reason, stop_reason=o.stop_reason)
-        chunk = CompletionResponse(id=request_id, created=created, model=model, choices=[choice])
+        chunk = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
         yield sse(chunk_json(chunk, req.include_usage))
     if req.include_usage:
-      chunk = CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=_usage(prompts, completion_tokens))
+      chunk = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[], usage=_usage(prompts, completion_tokens))
       yield sse(chunk.model_dump())
   except Exception as e:
     yield stream_error(e)

@@ -4,7 +4,8 @@ Each step's metadata (tokens, positions, slot mapping, block tables, query layou
 host into one int32 array and copied to the device once (worker/host_io.py). The forward pass plus sampling runs under
 a TinyJit capture per layout (the bucketed shapes of the step, worker/step_layout.py), so a replay costs one copy in,
 the captured kernels and one copy out of the sampled ids. Which layouts are captured is the cudagraph mode: FULL every
-layout, FULL_DECODE_ONLY decode steps only (steps with prompt chunks run eagerly), NONE (--enforce-eager).
+layout, FULL_DECODE_ONLY decode steps only (steps with prompt chunks run eagerly), NONE (--enforce-eager). A step that
+scores prompt tokens (prompt_logprobs, worker/logprobs.py) always runs eagerly: the captures stay as they are.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import functools
 import gc
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from tinygrad import Tensor, TinyJit, dtypes
@@ -21,23 +22,15 @@ from tinyvllm.backend.metadata import AttentionMetadata
 from tinyvllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from tinyvllm.core.sequence import Sequence
 from tinyvllm.kernels.tinygrad_program import collecting_sources, compile_parallel
-from tinyvllm.layers.sampler import SamplingBatch, compute_logprobs
+from tinyvllm.layers.sampler import SamplingBatch
 from tinyvllm.model.llama import StepInputs, TransformerLM
 from tinyvllm.platform import tinygrad_compat as compat
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.host_io import Download, StepIO
 from tinyvllm.worker.input_batch import HostBatch, bucket, prepare_batch
 from tinyvllm.worker.kv_cache import KVCache
+from tinyvllm.worker.logprobs import PromptRows, ScoredPromptChunk, TokenLogprobs, prompt_rows, score, split_chunks
 from tinyvllm.worker.step_layout import StepLayout, covers, logprobs_bucket, packed_fields
-
-
-@dataclass
-class TokenLogprobs:
-  """Per sampled row: the sampled token's logprob and rank, and the top-k alternatives (from the raw logits)."""
-  logprob: np.ndarray        # [R] float32
-  rank: np.ndarray           # [R] int32
-  top_ids: np.ndarray        # [R, k] int32
-  top_logprobs: np.ndarray   # [R, k] float32
 
 
 @dataclass
@@ -45,20 +38,23 @@ class StepResult:
   seqs: list[Sequence]       # each sampled sequence (a fork appears here before it joins the running set)
   token_ids: list[int]
   logprobs: TokenLogprobs | None = None
+  prompt_logprobs: list[ScoredPromptChunk] = field(default_factory=list)   # the prompt tokens the step scored
 
 
 @dataclass
 class LaunchedStep:
-  """A step enqueued on the device; `result()` waits for its sampled tokens."""
+  """A step enqueued on the device; `result()` waits for its sampled tokens (and the logprobs asked for)."""
   seqs: list[Sequence]       # the sequence of each sampling row
   download: Download
   chains: bool               # whether the next step may take these tokens on the device before they are read
+  sample_logprobs: bool = False
+  prompt: PromptRows | None = None
 
   def result(self) -> StepResult:
-    arrays = [a[:len(self.seqs)] for a in self.download.result()]
-    if len(arrays) == 1: return StepResult(self.seqs, arrays[0].tolist())
-    tokens, chosen, rank, top_ids, top_lps = arrays
-    return StepResult(self.seqs, tokens.tolist(), TokenLogprobs(chosen, rank, top_ids, top_lps))
+    arrays, n = self.download.result(), len(self.seqs)
+    logprobs = TokenLogprobs(*(a[:n] for a in arrays[1:5])) if self.sample_logprobs else None
+    prompt = [] if self.prompt is None else split_chunks(self.prompt, TokenLogprobs(*(a[:self.prompt.num_rows] for a in arrays[-4:])))
+    return StepResult(self.seqs, arrays[0][:n].tolist(), logprobs, prompt)
 
 
 def freeze_long_lived_objects() -> None:
@@ -90,23 +86,25 @@ class ModelRunner:
   def launch(self, sched: SchedulerOutput) -> LaunchedStep:
     """Enqueue the step and the copy of its samples to the host; tokens still in flight come from the previous step's
     samples on the device. Penalties need every earlier token on the host, so those rows must have none in flight."""
-    host, layout, packed = self._prepare(sched)
+    host, layout, packed, prompt = self._prepare(sched)
     penalties = layout.variant.penalties
     if penalties and any(item.token_source >= 0 and item.seq.params.uses_penalties for item in sched.scheduled):
       raise RuntimeError("a sequence with penalties was scheduled before its previous token was read")
     if sched.block_copies: self.kv_cache.copy_blocks(sched.block_copies)
     out = self._step_fn(self._covering(layout))(packed)
     chains = len(host.sample_seqs) <= self.chain_rows and not penalties
-    return LaunchedStep(host.sample_seqs, self._io.download_later(out if isinstance(out, tuple) else (out,)), chains)
+    return LaunchedStep(host.sample_seqs, self._io.download_later(out if isinstance(out, tuple) else (out,)), chains,
+                        layout.logprobs >= 0, prompt)
 
-  def _prepare(self, sched: SchedulerOutput) -> tuple[HostBatch, StepLayout, Tensor]:
-    """The step's host batch, its layout, and its packed metadata uploaded to the device."""
+  def _prepare(self, sched: SchedulerOutput) -> tuple[HostBatch, StepLayout, Tensor, PromptRows | None]:
+    """The step's host batch, its layout, its packed metadata uploaded to the device, and the prompt tokens it scores."""
     host = prepare_batch(sched.scheduled, self.kv_cache.block_size, self.min_context, self.min_prefill_rows)
     sampling = self._sampling_batch(host)
-    fields = packed_fields(host, sampling)
+    prompt = prompt_rows(sched.scheduled, host.query_start)
+    fields = packed_fields(host, sampling, prompt)
     layout = StepLayout(tuple((name, a.shape) for name, a in fields.items()), host.context_len, sampling.variant,
-                        logprobs_bucket(host.sample_seqs))
-    return host, layout, self._io.upload(np.concatenate([a.reshape(-1) for a in fields.values()]))
+                        logprobs_bucket(host.sample_seqs), prompt.k if prompt is not None else -1)
+    return host, layout, self._io.upload(np.concatenate([a.reshape(-1) for a in fields.values()])), prompt
 
   def warm_up(self, batch_sizes: list[int]) -> int:
     """Capture the decode step of each batch size (bucketed) now rather than when first met, compiling all their
@@ -116,11 +114,11 @@ class ModelRunner:
     if self.cudagraph_mode == "NONE": return 0
     todo = []
     for sched in (self._warm_up_batch(rows) for rows in sorted({bucket(b) for b in batch_sizes if b >= 1})):
-      _, layout, packed = self._prepare(sched)
+      _, layout, packed, _ = self._prepare(sched)
       if layout not in self._captures: todo.append((sched, layout, packed))
     if self._kernels: self.precompile([(functools.partial(self._forward, layout), packed) for _, layout, packed in todo])
     for sched, _, _ in todo:
-      _, layout, packed = self._prepare(sched)   # again: a same-sized upload buffer may hold another batch's data
+      _, layout, packed, _ = self._prepare(sched)   # again: a same-sized upload buffer may hold another batch's data
       self._step_fn(layout, precompiled=True)(packed)
     return len(todo)
 
@@ -144,7 +142,8 @@ class ModelRunner:
                  and c.logprobs == layout.logprobs and covers(c.variant, layout.variant)), layout)
 
   def _step_fn(self, layout: StepLayout, precompiled: bool = False):
-    eager = self.cudagraph_mode == "NONE" or (layout.query_len > 1 and self.cudagraph_mode == "FULL_DECODE_ONLY")
+    eager = (self.cudagraph_mode == "NONE" or (layout.query_len > 1 and self.cudagraph_mode == "FULL_DECODE_ONLY")
+             or layout.prompt_logprobs >= 0)
     if eager: return lambda packed: self._forward(layout, packed)
     jit = self._captures.get(layout)
     if jit is not None: return jit
@@ -172,24 +171,29 @@ class ModelRunner:
   @property
   def num_captures(self) -> int: return len(self._captures)
 
-  def _step_inputs(self, f: dict[str, Tensor], context_len: int, token_ids: Tensor | None = None) -> StepInputs:
+  def _step_inputs(self, f: dict[str, Tensor], context_len: int, token_ids: Tensor | None = None,
+                   logits_index: Tensor | None = None) -> StepInputs:
     meta = AttentionMetadata(f["slot_mapping"], f["block_tables"], f["query_index"], f["query_pos"], f["output_index"],
                              f["context_lens"], f["query_start"], self.kv_cache.block_size, context_len)
-    return StepInputs(f["token_ids"] if token_ids is None else token_ids, f["positions"], meta, f["logits_index"])
+    return StepInputs(f["token_ids"] if token_ids is None else token_ids, f["positions"], meta,
+                      f["logits_index"] if logits_index is None else logits_index)
 
   def _forward(self, layout: StepLayout, packed: Tensor, realize: bool = True) -> Tensor | tuple[Tensor, ...]:
+    """Outputs: the sampled tokens; then, if asked for, the sampled tokens' logprobs (logprob, rank, top ids, top
+    logprobs) and the scored prompt tokens' (the same four)."""
     f = layout.unpack(packed)
     source = f["token_source"]
     token_ids = (source >= 0).where(self.last_tokens[source.maximum(0)], f["token_ids"])
-    logits, caches = self.model(self._step_inputs(f, layout.context_len, token_ids), self.kv_cache.layers)
+    scores_prompt = layout.prompt_logprobs >= 0   # then the model also returns the prompt rows' logits, after the samples'
+    logits_index = f["logits_index"].cat(f["prompt_index"]) if scores_prompt else None
+    logits, caches = self.model(self._step_inputs(f, layout.context_len, token_ids, logits_index), self.kv_cache.layers)
+    if scores_prompt: logits, prompt_logits = logits[:layout.rows], logits[layout.rows:]
     penalties = None
     if "penalty_index" in f: penalties = (f["penalty_index"], f["penalty_value"].bitcast(dtypes.float32))
     tokens = self.model.backend.sample(logits, f["params"], f["rng"], layout.variant, penalties)
     outputs: tuple[Tensor, ...] = (tokens,)
-    if layout.logprobs >= 0:
-      chosen, top_ids, top_lps = compute_logprobs(logits, tokens, layout.logprobs)
-      rank = (logits.float().log_softmax(1) > chosen[:, None]).sum(1).cast(dtypes.int32) + 1
-      outputs = (tokens, chosen, rank, top_ids, top_lps)
+    if layout.logprobs >= 0: outputs += score(logits, tokens, layout.logprobs)
+    if scores_prompt: outputs += score(prompt_logits, f["prompt_target"], layout.prompt_logprobs)
     if realize:   # (a build that only collects kernel sources must leave no assignment pending)
       kept = min(layout.rows, self.chain_rows)
       self.last_tokens.assign(tokens[:kept].pad((0, self.chain_rows - kept)))

@@ -11,6 +11,7 @@ from tinyvllm.backend.sampling import SamplerVariant
 from tinyvllm.core.sequence import Sequence
 from tinyvllm.layers.sampler import SamplingBatch
 from tinyvllm.worker.input_batch import HostBatch
+from tinyvllm.worker.logprobs import PromptRows, top_k_bucket
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class StepLayout:
   context_len: int     # L
   variant: SamplerVariant
   logprobs: int        # top-k logprobs to return per row; -1: none at all
+  prompt_logprobs: int = -1   # top-k of the prompt tokens scored (fields prompt_index, prompt_target); -1: none
 
   @property
   def rows(self) -> int: return dict(self.shapes)["logits_index"][0]
@@ -35,21 +37,19 @@ class StepLayout:
     return fields
 
 
-def packed_fields(host: HostBatch, sampling: SamplingBatch) -> dict[str, np.ndarray]:
+def packed_fields(host: HostBatch, sampling: SamplingBatch, prompt: PromptRows | None = None) -> dict[str, np.ndarray]:
   """Every int32 array of the step (float sampling settings travel bit-cast), in packing order."""
   fields = dict(host.arrays)
   fields["params"], fields["rng"] = sampling.params.view(np.int32), sampling.rng.view(np.int32)
   if sampling.penalty_index is not None and sampling.penalty_value is not None:
     fields["penalty_index"], fields["penalty_value"] = sampling.penalty_index, sampling.penalty_value.view(np.int32)
+  if prompt is not None: fields["prompt_index"], fields["prompt_target"] = prompt.index, prompt.target
   return fields
 
 
-LOGPROB_BUCKETS = (0, 1, 2, 5, 10, 20)
-
-
 def logprobs_bucket(seqs: list[Sequence]) -> int:
-  wanted = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
-  return -1 if not wanted else next(b for b in LOGPROB_BUCKETS if b >= max(wanted))
+  """The top-k of the sampled rows' logprobs (-1: no row asks for logprobs)."""
+  return top_k_bucket([s.params.logprobs for s in seqs if s.params.logprobs is not None])
 
 
 def covers(captured: SamplerVariant, wanted: SamplerVariant) -> bool:

@@ -1,0 +1,168 @@
+"""Nothing a request asks for is silently ignored: every field of OpenAI's and vLLM's request shapes that the server
+does not implement is a 400 naming it (a value asking for the default behaviour is accepted and changes nothing), and
+a field in no shape is a 400 as OpenAI's server answers it.
+
+The field lists are the APIs' own: the OpenAI client's request types (the installed `openai` package) and vLLM's
+protocol (CompletionRequest, ChatCompletionRequest, TokenizeRequest, old and new fields), written out here with a value that
+asks for something."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.server_process import ServerProcess, model_with_chat_template
+
+MODEL = "stories"
+CMPL, CHAT, TOKENIZE, DETOKENIZE = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
+GOOD_CMPL = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0}
+GOOD_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+
+# what the server implements (tests/test_server.py, tests/test_server_errors.py and tests/test_server_prompt_logprobs.py
+# exercise them)
+IMPLEMENTED_OPENAI_COMPLETION = {"model", "prompt", "echo", "frequency_penalty", "logprobs", "max_tokens", "n", "presence_penalty",
+                                 "seed", "stop", "stream", "stream_options", "temperature", "top_p", "user"}
+IMPLEMENTED_OPENAI_CHAT = {"messages", "model", "frequency_penalty", "logprobs", "max_completion_tokens", "max_tokens", "n",
+                           "presence_penalty", "prompt_cache_key", "safety_identifier", "seed", "stop", "stream", "stream_options",
+                           "temperature", "top_logprobs", "top_p", "user"}
+
+# OpenAI's request fields the server does not implement, each with a value that asks for the feature
+OPENAI_COMPLETION = {"best_of": 3, "logit_bias": {"50256": -100}, "suffix": " The end."}
+OPENAI_CHAT = {
+  "audio": {"voice": "alloy", "format": "wav"}, "function_call": {"name": "get_weather"},
+  "functions": [{"name": "get_weather", "parameters": {}}], "logit_bias": {"5": 10}, "metadata": {"run": "7"},
+  "modalities": ["text", "audio"], "moderation": {"model": "omni-moderation-latest"},
+  "prediction": {"type": "content", "content": "Once upon a time"}, "prompt_cache_options": {"mode": "explicit"},
+  "prompt_cache_retention": "24h", "reasoning_effort": "low", "response_format": {"type": "json_object"},
+  "service_tier": "flex", "store": True, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+  "tools": [TOOL], "verbosity": "low", "web_search_options": {"search_context_size": "low"},
+}
+# vLLM's extra sampling and request fields (both endpoints) the server does not implement
+VLLM_COMMON = {
+  "use_beam_search": True, "length_penalty": 0.5, "min_tokens": 3, "spaces_between_special_tokens": False,
+  "truncate_prompt_tokens": 4, "truncation_side": "left", "allowed_token_ids": [1, 2, 3], "bad_words": ["cat"],
+  "logprob_token_ids": [5], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+  "structured_outputs": {"choice": ["yes", "no"]}, "guided_json": {"type": "object"}, "guided_regex": "[a-z]+",
+  "guided_choice": ["yes", "no"], "guided_grammar": "root ::= \"a\"", "structural_tag": "{}",
+  "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ", "priority": 1, "logits_processors": ["m.P"],
+  "return_tokens_as_token_ids": True, "return_token_ids": True, "return_token_offsets": True, "cache_salt": "s4lt",
+  "kv_transfer_params": {"do_remote_decode": True}, "ec_transfer_params": {"x": 1}, "vllm_xargs": {"k": 1},
+  "repetition_detection": {"max_pattern_size": 4}, "thinking_token_budget": 16, "mm_processor_kwargs": {"size": 2},
+  "media_io_kwargs": {"image": {"mode": "RGB"}},
+}
+VLLM_COMPLETION = {**VLLM_COMMON, "prompt_embeds": "AAAA"}
+VLLM_CHAT = {**VLLM_COMMON, "echo": True, "continue_final_message": True, "chat_template": "{{ messages }}",
+             "include_reasoning": False}
+VLLM_TOKENIZE = {"continue_final_message": True, "chat_template": "{{ messages }}", "tools": [TOOL],
+                 "mm_processor_kwargs": {"size": 2}, "return_token_strs": True}
+# tool_choice and parallel_tool_calls ask for something only beside tools; listed first, they are the field named
+WITH_TOOLS = {"parallel_tool_calls": False, "tools": [TOOL]}
+CHOICE_WITH_TOOLS = {"tool_choice": "required", "tools": [TOOL]}
+
+REFUSED = ([(CMPL, GOOD_CMPL, field, {field: value}) for field, value in {**OPENAI_COMPLETION, **VLLM_COMPLETION}.items()]
+           + [(CHAT, GOOD_CHAT, field, {field: value}) for field, value in {**OPENAI_CHAT, **VLLM_CHAT}.items()]
+           + [(CHAT, GOOD_CHAT, "parallel_tool_calls", WITH_TOOLS), (CHAT, GOOD_CHAT, "tool_choice", CHOICE_WITH_TOOLS),
+              (CMPL, {**GOOD_CMPL, "n": 2}, "best_of", {"best_of": 3})]
+           + [(TOKENIZE, {"messages": GOOD_CHAT["messages"]}, field, {field: value}) for field, value in VLLM_TOKENIZE.items()]
+           + [(CMPL, {**GOOD_CMPL, "stream": True}, "stream_options", {"stream_options": {"include_usage": True, **extra}})
+              for extra in ({"continuous_usage_stats": True}, {"include_obfuscation": True})])
+
+# values that ask for exactly the default behaviour (clients send some of these unasked): accepted, nothing changes
+DEFAULTS_CMPL = {"best_of": 1, "logit_bias": {}, "suffix": None, "response_format": {"type": "text"}, "min_tokens": 0, "priority": 0,
+                 "use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True, "guided_json": None,
+                 "bad_words": [], "return_token_ids": False, "vllm_xargs": {}, "thinking_token_budget": -1}
+DEFAULTS_CHAT = {"tools": [], "tool_choice": "none", "parallel_tool_calls": True, "functions": [], "function_call": "none",
+                 "response_format": {"type": "text"}, "modalities": ["text"], "service_tier": "auto", "store": False,
+                 "metadata": {}, "logit_bias": {"5": 0}, "prompt_cache_retention": "in_memory", "verbosity": "medium",
+                 "include_reasoning": True, "echo": False, "continue_final_message": False, "audio": None}
+ACCEPTED = ([(CMPL, GOOD_CMPL, {field: value}) for field, value in DEFAULTS_CMPL.items()]
+            + [(CMPL, GOOD_CMPL, {"n": 2, "best_of": 2, "temperature": 0}), (CMPL, GOOD_CMPL, DEFAULTS_CMPL)]
+            + [(CHAT, GOOD_CHAT, {field: value}) for field, value in DEFAULTS_CHAT.items()]
+            + [(CHAT, GOOD_CHAT, {"tools": [], "tool_choice": "auto"}), (CHAT, GOOD_CHAT, DEFAULTS_CHAT)])
+
+
+@pytest.fixture(scope="module")
+def server(stories_dir, tmp_path_factory):
+  model = model_with_chat_template(stories_dir, tmp_path_factory.mktemp("model") / "stories-chat")
+  with ServerProcess(model, tmp_path_factory.mktemp("log") / "server.log", "--served-model-name", MODEL, "--num-gpu-blocks", "64") as s:
+    yield s
+
+
+@pytest.fixture(scope="module")
+def http(server):
+  with httpx.Client(base_url=server.url, timeout=120) as c: yield c
+
+
+@pytest.fixture(scope="module")
+def baseline(http) -> dict[str, list]:
+  """The greedy choices of the plain requests, which a default-valued field must not change."""
+  return {path: [(c.get("text"), c.get("message"), c["finish_reason"]) for c in http.post(path, json=body).json()["choices"]]
+          for path, body in ((CMPL, GOOD_CMPL), (CHAT, GOOD_CHAT))}
+
+
+def test_every_field_of_the_openai_shapes_is_implemented_or_refused():
+  """The OpenAI client's own request types list no field that this file neither knows as implemented nor sends."""
+  from openai.types import completion_create_params
+  from openai.types.chat import completion_create_params as chat_create_params
+  completion = set(completion_create_params.CompletionCreateParamsBase.__annotations__) | {"stream"}
+  chat = set(chat_create_params.CompletionCreateParamsBase.__annotations__) | {"stream"}
+  assert completion == IMPLEMENTED_OPENAI_COMPLETION | set(OPENAI_COMPLETION)
+  assert chat == IMPLEMENTED_OPENAI_CHAT | set(OPENAI_CHAT) | {"parallel_tool_calls"}
+
+
+def assert_refused(r: httpx.Response, param: str, needle: str) -> None:
+  assert r.status_code == 400, f"{param}: {r.status_code} {r.text}"
+  err = r.json()["error"]
+  assert err["param"] == param and err["type"] == "invalid_request_error" and needle in err["message"], err
+
+
+@pytest.mark.parametrize("path,good,param,fields", REFUSED,
+                         ids=[f"{path.rsplit('/', 1)[-1]}-{param}-{next(iter(fields))}" for path, _, param, fields in REFUSED])
+def test_an_unimplemented_field_is_a_400_naming_it(http, path, good, param, fields):
+  r = http.post(path, json={**fields, **good})
+  assert_refused(r, param, "is not supported")
+  assert r.json()["error"]["code"] == "unsupported_parameter"
+
+
+@pytest.mark.parametrize("path,good,fields", ACCEPTED, ids=[f"{p.rsplit('/', 1)[-1]}-{'+'.join(f)}"[:60] for p, _, f in ACCEPTED])
+def test_a_default_value_is_accepted_and_changes_nothing(http, baseline, path, good, fields):
+  r = http.post(path, json={**good, **fields})
+  assert r.status_code == 200, r.text
+  choices = [(c.get("text"), c.get("message"), c["finish_reason"]) for c in r.json()["choices"]]
+  assert choices == baseline[path] * len(choices)
+
+
+UNKNOWN = [(CMPL, GOOD_CMPL, "max_token"), (CMPL, GOOD_CMPL, "tools"), (CHAT, GOOD_CHAT, "prompt"), (CHAT, GOOD_CHAT, "suffix"),
+           (TOKENIZE, {"prompt": "hi"}, "add_bos"), (DETOKENIZE, {"tokens": [1, 2]}, "skip_special_tokens")]
+
+
+@pytest.mark.parametrize("path,good,field", UNKNOWN, ids=[f"{p.rsplit('/', 1)[-1]}-{f}" for p, _, f in UNKNOWN])
+def test_an_unknown_field_is_a_400_as_openai_answers_it(http, path, good, field):
+  r = http.post(path, json={**good, field: 1})
+  assert_refused(r, field, f"Unrecognized request argument supplied: {field}")
+
+
+def test_unknown_nested_fields_and_combinations_are_refused(http):
+  r = http.post(CMPL, json={**GOOD_CMPL, "stream": True, "stream_options": {"include_usage": True, "bogus": 1}})
+  assert_refused(r, "stream_options", "Unrecognized request argument supplied: stream_options.bogus")
+  assert_refused(http.post(CHAT, json={**GOOD_CHAT, "stream_options": {"include_usage": True}}), "stream_options", "stream: true")
+  assert_refused(http.post(CMPL, json={**GOOD_CMPL, "stream": True, "prompt_logprobs": 1}), "prompt_logprobs", "stream")
+  assert_refused(http.post(CHAT, json={**GOOD_CHAT, "stream": True, "prompt_logprobs": 0}), "prompt_logprobs", "stream")
+  r = http.post(CHAT, json={**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "x": 1}]}]})
+  assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_cheap_vllm_extras_are_implemented(http, baseline):
+  """request_id names the response; add_special_tokens decides the tokenizer's BOS (its default differs per endpoint);
+  user, safety_identifier and prompt_cache_key identify the caller and change no output."""
+  r = http.post(CMPL, json={**GOOD_CMPL, "request_id": "my-run-7"}).json()
+  assert r["id"] == "cmpl-my-run-7"
+  assert http.post(CHAT, json={**GOOD_CHAT, "request_id": "my-run-7"}).json()["id"] == "chatcmpl-my-run-7"
+  bare = http.post(TOKENIZE, json={"prompt": GOOD_CMPL["prompt"], "add_special_tokens": False}).json()["count"]
+  with_bos = http.post(CMPL, json=GOOD_CMPL).json()["usage"]["prompt_tokens"]
+  assert http.post(CMPL, json={**GOOD_CMPL, "add_special_tokens": False}).json()["usage"]["prompt_tokens"] == bare == with_bos - 1
+  chat_tokens = http.post(CHAT, json=GOOD_CHAT).json()["usage"]["prompt_tokens"]
+  assert http.post(CHAT, json={**GOOD_CHAT, "add_special_tokens": True}).json()["usage"]["prompt_tokens"] == chat_tokens + 1
+  ids = {"user": "u-1", "safety_identifier": "h-2", "prompt_cache_key": "k-3"}
+  r = http.post(CHAT, json={**GOOD_CHAT, **ids})
+  assert [(c.get("text"), c.get("message"), c["finish_reason"]) for c in r.json()["choices"]] == baseline[CHAT]
