@@ -14,7 +14,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tinyvllm"
 LAYERS = {"sampling_params": 0, "outputs": 0, "config": 0, "core": 1, "tokenizer": 1, "platform": 2, "backend": 3,
           "layers": 4, "kernels": 5, "model": 6, "worker": 7, "engine": 8, "bench": 9, "entrypoints": 9, "cli": 10,
           "__init__": 11}
-SEQUENCE_STATE = {"status", "num_computed_tokens", "num_pending", "pending_row", "output_token_ids", "stop_reason"}
+SEQUENCE_STATE = {"status", "num_computed_tokens", "num_pending", "pending_row", "output_token_ids", "stop_reason",
+                  "num_cached_tokens", "first_scheduled_time", "first_token_time", "last_token_time", "finished_time"}
 SCHEDULER_FILES = {"core/scheduler.py", "core/async_scheduling.py"}
 MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "__setitem__", "__delitem__"}
 EXPERIMENT_SWITCHES = ("TV_PHASES", "TV_GRID_SYNCS", "TV_WARM", "TV_KV_TOGETHER", "TV_TIMING", "TV_STAMP", "clock64")
