@@ -72,6 +72,7 @@ class ModelConfig:
     missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
                if k not in raw]
     if missing: raise ConfigError(f"{source}: missing required field(s) {', '.join(missing)}")
+    _refuse_quantized(raw, source)
     heads = int(raw["num_attention_heads"])
     kv_heads = int(raw.get("num_key_value_heads") or heads)
     if heads % kv_heads: raise ConfigError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
@@ -96,6 +97,15 @@ class ModelConfig:
     try: raw = json.loads(path.read_text())
     except json.JSONDecodeError as e: raise ConfigError(f"{path}: not valid JSON ({e})") from e
     return ModelConfig.from_dict(raw, str(path))
+
+
+def _refuse_quantized(raw: dict[str, Any], source: str) -> None:
+  """A quantized checkpoint fails here, naming its method, rather than later at a weight it stores differently."""
+  quant = raw.get("quantization_config")
+  if not quant: return
+  method = str(quant.get("quant_method", "unknown")) if isinstance(quant, dict) else "unknown"
+  raise ConfigError(f"{source}: {method.upper()} checkpoints are not supported yet (quantization_config.quant_method={method!r}); "
+                    "tinyvllm loads unquantized float32 / float16 / bfloat16 weights")
 
 
 def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
