@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
   from tinyvllm.engine.llm import LLM
   from tinyvllm.sampling_params import SamplingParams
   llm = LLM(args.model, **engine_kwargs(args))
-  tokenizer = llm.get_tokenizer()
+  tokenizer = llm.engine.tokenizer
   if tokenizer is None or not tokenizer.has_chat_template:
     print("error: this model's tokenizer has no chat template", file=sys.stderr)
     return 2

@@ -12,7 +12,7 @@ from tinyvllm.config import EngineConfig
 from tinyvllm.engine.llm_engine import LLMEngine, PromptError, PromptType
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
-from tinyvllm.tokenizer import Tokenizer
+from tinyvllm.tokenizer import HFStyleTokenizer
 
 _ids = itertools.count()
 
@@ -31,8 +31,11 @@ class LLM:
     enable_prefix_caching, scheduler, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, ...)."""
     self.engine = LLMEngine(EngineConfig(model=model, tokenizer=tokenizer, dtype=dtype, device=device,
                                          max_model_len=max_model_len, load_format=load_format, seed=seed, **engine_args))
+    self._tokenizer = HFStyleTokenizer(self.engine.tokenizer) if self.engine.tokenizer is not None else None
 
-  def get_tokenizer(self) -> Tokenizer | None: return self.engine.tokenizer
+  def get_tokenizer(self) -> HFStyleTokenizer | None:
+    """The tokenizer with HF transformers' methods and defaults (None without a tokenizer)."""
+    return self._tokenizer
 
   def _add_all(self, prompts: list[PromptType], params: SamplingParams | Sequence[SamplingParams] | None,
                output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> list[str]:
@@ -80,14 +83,15 @@ class LLM:
       self.engine.abort_request(rid)
 
   def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-           use_tqdm: bool = True, add_generation_prompt: bool = True,
+           use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
            chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-    """One conversation (a list of messages) or several, rendered with the model's chat template."""
-    tokenizer = self.get_tokenizer()
+    """One conversation (a list of messages) or several, rendered with the model's chat template (or `chat_template`)."""
+    tokenizer = self.engine.tokenizer
     if tokenizer is None: raise PromptError("chat needs a tokenizer with a chat template")
     conversations = [messages] if messages and isinstance(messages[0], dict) else messages
     prompts: list[PromptType] = []
     for conv in conversations:
-      text = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+      text = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                                           **(chat_template_kwargs or {}))
       prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
     return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
