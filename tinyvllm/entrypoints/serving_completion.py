@@ -44,7 +44,8 @@ def _check_supported(req: CompletionRequest) -> None:
 
 def _prepare(state: ServerState, req: CompletionRequest) -> tuple[list[Prompt], list[SamplingParams]]:
   prompts = [tokenize(state, p, "prompt") for p in _prompt_list(req.prompt)]
-  params = [sampling_params(req, check_context(state, p, req.max_tokens, "prompt"), req.logprobs) for p in prompts]
+  params = [sampling_params(req, check_context(state, p, req.max_tokens, "prompt"), req.logprobs, defaults=state.sampling_defaults)
+            for p in prompts]
   for p, sp in zip(prompts, params, strict=True): check_engine_limits(state, p, sp, "prompt")
   return prompts, params
 
