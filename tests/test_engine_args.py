@@ -237,3 +237,16 @@ def test_every_table_flag_parses_with_vllms_spelling():
   flags = [f"--{arg.name.replace('_', '-')}" for arg in TABLE if arg.kind is not None]
   assert len(flags) >= 30
   for flag in flags: assert flag in build_parser()._subparsers._group_actions[0].choices["serve"].format_help(), flag
+
+
+def test_uds_and_ssl_flags_are_uvicorns_options():
+  uvicorn = pytest.importorskip("uvicorn")
+  args = serve_args("m", "--uds", "/tmp/tinyvllm.sock", "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--ssl-cert-reqs", "2",
+                    "--root-path", "/v")
+  check_server_flags(args)
+  options = server_settings(args).uvicorn_options()
+  config = uvicorn.Config(lambda scope, receive, send: None, **options)
+  assert (config.uds, config.ssl_keyfile, config.ssl_certfile, config.ssl_cert_reqs) == ("/tmp/tinyvllm.sock", "k.pem", "c.pem", 2)
+  assert "host" not in options
+  with pytest.raises(ConfigError, match="--ssl-keyfile and --ssl-certfile go together"):
+    check_server_flags(serve_args("m", "--ssl-keyfile", "k.pem"))
