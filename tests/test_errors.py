@@ -111,3 +111,34 @@ def test_sampling_params_out_of_range(kwargs, param):
 
 def test_unavailable_device(model_dir):
   with pytest.raises(ConfigError, match="device 'CUDA' is not available"): LLM(str(model_dir), device="CUDA")
+
+
+@pytest.mark.parametrize("device, words", [
+  ("CPU:1", ["device 'CPU:1'", "device indices are not supported"]),
+  ("cuda:1", ["device 'cuda:1'", "device indices are not supported"]),
+  ("TPU", ["device 'TPU'", "not a tinygrad backend"]),
+  ("CPU:FOO", ["device 'CPU:FOO'", "no renderer 'FOO'"]),
+])
+def test_a_bad_device_name_is_named(model_dir, device, words):
+  """The device's name is the error (not a dtype problem at the first kernel, as "CPU:1" gave)."""
+  with pytest.raises(ConfigError) as e: LLM(str(model_dir), device=device)
+  for word in words: assert word in str(e.value)
+
+
+def test_vllm_device_names_work(model_dir):
+  assert LLM(str(model_dir), device="cpu").engine.device == "CPU"
+  assert LLM(str(model_dir), device="CPU:0").engine.device == "CPU"
+
+
+@pytest.mark.parametrize("quantization_config, method", [
+  ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, "GPTQ"),
+  ({"quant_method": "awq", "bits": 4, "version": "gemm", "zero_point": True}, "AWQ"),
+  ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, "FP8"),
+  ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "BITSANDBYTES"),
+  ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "COMPRESSED-TENSORS"),
+])
+def test_a_quantized_checkpoint_fails_naming_its_method(model_dir, tmp_path, quantization_config, method):
+  """At config time, naming quantization_config.quant_method (the weights, stored differently, are never reached)."""
+  folder = copy_with(model_dir, tmp_path, quantization_config=quantization_config)
+  named = rf"{method} checkpoints are not supported yet.*quant_method='{quantization_config['quant_method']}'"
+  with pytest.raises(ConfigError, match=named): LLM(str(folder))

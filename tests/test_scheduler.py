@@ -111,6 +111,25 @@ def test_prefix_cache_hit_on_admission():
   s.check_done()
 
 
+def test_the_scheduler_records_cached_tokens_and_times():
+  """What RequestOutput reports: the prefix-cache hit of the first admission (not of a readmission), and the times."""
+  s = sim(num_blocks=5, block_size=4)
+  (a,) = s.add(list(range(12)), max_tokens=3)
+  (b,) = s.add(list(range(40, 48)), max_tokens=3)
+  assert (a.num_cached_tokens, a.first_scheduled_time, a.first_token_time) == (None, None, None)
+  s.step()
+  s.step()   # b is preempted here, and later readmitted with 4 tokens from the prefix cache
+  s.run()
+  assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 0) and s.sched.num_preemptions == 1
+  hits_before = s.alloc.prefix_hits
+  (c,) = s.add([*range(12), 99], max_tokens=2)
+  s.run()
+  assert c.num_cached_tokens == s.alloc.prefix_hits - hits_before == 8   # a's first two blocks are still cached
+  for seq in (a, b, c):
+    assert seq.first_scheduled_time <= seq.first_token_time <= seq.last_token_time <= seq.finished_time
+  s.check_done()
+
+
 def test_preemption_frees_blocks_and_requeues_at_front():
   s = sim(num_blocks=4, block_size=4, prefix=False)
   (a,) = s.add(list(range(8)), max_tokens=8)

@@ -43,7 +43,7 @@ def llm(model_dir): return LLM(str(model_dir), num_gpu_blocks=256, seed=0)
 
 
 @pytest.fixture(scope="module")
-def tokenizer(llm): return llm.get_tokenizer()
+def tokenizer(llm): return llm.engine.tokenizer
 
 
 @pytest.fixture(scope="module")

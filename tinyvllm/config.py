@@ -26,6 +26,9 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTENTION_BACKENDS = ("auto", "portable", "cuda", "metal")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")   # vLLM's names; fp8 = fp8_e4m3
 CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "NONE")   # vLLM's names: which step layouts are captured
+MAX_LOGPROBS = 20   # the most top-k alternatives the sampler returns per token (vLLM's default max_logprobs)
+# the generation_config.json fields that become request defaults (vLLM's list); max_new_tokens is max_tokens
+GENERATION_CONFIG_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
 
 
 class ConfigError(ValueError):
@@ -88,6 +91,7 @@ class ModelConfig:
     missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
                if k not in raw]
     if missing: raise ConfigError(f"{source}: missing required field(s) {', '.join(missing)}")
+    _refuse_quantized(raw, source)
     heads = int(raw["num_attention_heads"])
     kv_heads = int(raw.get("num_key_value_heads") or heads)
     if heads % kv_heads: raise ConfigError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
@@ -133,6 +137,13 @@ def _architecture_fields(arch: str, raw: dict[str, Any], source: str) -> dict[st
   if act != "gelu_pytorch_tanh":
     raise ConfigError(f"{source}: {field_name} {act!r} is not supported for {arch} (gelu_pytorch_tanh is)")
   return {"hidden_act": act, "norm_weight_offset": 1.0, "embed_scale": float(raw["hidden_size"]) ** 0.5}
+def _refuse_quantized(raw: dict[str, Any], source: str) -> None:
+  """A quantized checkpoint fails here, naming its method, rather than later at a weight it stores differently."""
+  quant = raw.get("quantization_config")
+  if not quant: return
+  method = str(quant.get("quant_method", "unknown")) if isinstance(quant, dict) else "unknown"
+  raise ConfigError(f"{source}: {method.upper()} checkpoints are not supported yet (quantization_config.quant_method={method!r}); "
+                    "tinyvllm loads unquantized float32 / float16 / bfloat16 weights")
 
 
 def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
@@ -195,6 +206,13 @@ class EngineConfig:
   # schedule step n+1 while step n runs, its in-flight tokens taken on the device; None: on for CUDA (where the copy of
   # the samples to the host can wait on an event), off elsewhere
   async_scheduling: bool | None = None
+  skip_tokenizer_init: bool = False             # no tokenizer: prompts are token ids, outputs carry ids and no text
+  max_logprobs: int = MAX_LOGPROBS              # the most logprobs / prompt_logprobs one request may ask for
+  # request sampling defaults: "auto" takes the model folder's generation_config.json, "vllm" none (SamplingParams'
+  # own defaults), a folder that folder's file; override_generation_config's fields go on top
+  generation_config: str = "auto"
+  override_generation_config: dict[str, Any] = field(default_factory=dict)
+  disable_log_stats: bool = False               # no periodic throughput / cache line in the log
   extra: dict[str, Any] = field(default_factory=dict)
 
   def __post_init__(self) -> None:
@@ -222,9 +240,16 @@ class EngineConfig:
        f"decode_layer_max_context must be >= 1, got {self.decode_layer_max_context}"),
       (self.hf_token is None or isinstance(self.hf_token, (bool, str)),
        f"hf_token must be a token string or True (the stored token), got {type(self.hf_token).__name__}"),
+      (isinstance(self.max_logprobs, int) and 0 <= self.max_logprobs <= MAX_LOGPROBS,
+       f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the sampler returns at most {MAX_LOGPROBS} alternatives a token), "
+       f"got {self.max_logprobs!r}"),
+      (isinstance(self.generation_config, str) and bool(self.generation_config),
+       f"generation_config must be auto, vllm or a folder, got {self.generation_config!r}"),
     ]
     for ok, message in checks:
       if not ok: raise ConfigError(message)
+    self._check_generation_override()
+    if self.device in ("auto", ""): self.device = None   # vLLM's "auto": detect it
     if self.device is None: self.device = os.environ.get("DEV") or None   # tinygrad's own variable
     if self.cudagraph_mode is not None: self.cudagraph_mode = self.cudagraph_mode.upper()
     if self.enforce_eager: self.cudagraph_mode = "NONE"
@@ -232,6 +257,14 @@ class EngineConfig:
     if self.max_num_batched_tokens < self.max_num_seqs:
       raise ConfigError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}) "
                         "so that every running sequence can decode in each step")
+
+  def _check_generation_override(self) -> None:
+    override = self.override_generation_config
+    if not isinstance(override, dict):
+      raise ConfigError(f"override_generation_config must be a dict of generation_config.json fields, got {override!r}")
+    if unknown := sorted(set(override) - set(GENERATION_CONFIG_FIELDS)):
+      raise ConfigError(f"override_generation_config: {', '.join(unknown)} not among the sampling fields it can set "
+                        f"({', '.join(GENERATION_CONFIG_FIELDS)})")
 
   def kernel_options(self) -> KernelOptions:
     return KernelOptions(self.decode_layer_kernel, self.decode_layer_max_context)

@@ -34,11 +34,24 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+  """When a request reached each point (vLLM's RequestMetrics; wall-clock seconds, time.time()). For n > 1 samples:
+  the first sample's scheduling, the earliest first token, the latest token, the last sample's end."""
+  arrival_time: float
+  last_token_time: float                    # the arrival time until a token is generated
+  first_scheduled_time: float | None = None
+  first_token_time: float | None = None
+  time_in_queue: float | None = None        # first_scheduled_time - arrival_time
+  finished_time: float | None = None
+
+
+@dataclass
 class RequestOutput:
   request_id: str
   prompt: str | None
   prompt_token_ids: list[int]
   outputs: list[CompletionOutput]
   finished: bool
-  num_cached_tokens: int = 0
+  num_cached_tokens: int = 0                # prompt tokens found in the prefix cache when the request was admitted
+  metrics: RequestMetrics | None = None
   prompt_logprobs: PromptLogprobs | None = None   # with SamplingParams.prompt_logprobs (vLLM's)

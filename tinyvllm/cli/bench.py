@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from tinyvllm.cli.args import add_engine_args, engine_kwargs
+from tinyvllm.cli.args import add_engine_args, engine_kwargs, model_of
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -44,7 +44,7 @@ def add_serve_parser(kinds: argparse._SubParsersAction) -> None:
 def run_decode(args: argparse.Namespace) -> int:
   from tinyvllm.bench.decode import run_decode_bench
   from tinyvllm.engine.llm import LLM
-  llm = LLM(args.model, **engine_kwargs(args))
+  llm = LLM(model_of(args), **engine_kwargs(args))
   results = run_decode_bench(llm.engine, args.batch_size, args.prompt_len, args.max_tokens, args.no_kv_cache)
   for r in results: print(r.line())
   if len(results) == 2: print(f"the KV cache makes decoding {results[0].decode_tok_s / results[1].decode_tok_s:.1f}x faster")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tinyvllm.cli.args import add_engine_args, add_sampling_args, engine_kwargs, sampling_kwargs
+from tinyvllm.cli.args import add_engine_args, add_sampling_args, engine_kwargs, model_of, sampling_kwargs, sampling_params_for
 
 HELP = "commands: /reset clears the conversation, /exit (or Ctrl-D) quits"
 
@@ -21,12 +21,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
   from tinyvllm.engine.llm import LLM
   from tinyvllm.sampling_params import SamplingParams
-  llm = LLM(args.model, **engine_kwargs(args))
-  tokenizer = llm.get_tokenizer()
+  SamplingParams(**sampling_kwargs(args))   # a bad flag fails before the model loads
+  llm = LLM(model_of(args), **engine_kwargs(args))
+  tokenizer = llm.engine.tokenizer
   if tokenizer is None or not tokenizer.has_chat_template:
     print("error: this model's tokenizer has no chat template", file=sys.stderr)
     return 2
-  params = SamplingParams(**sampling_kwargs(args))
+  params = sampling_params_for(args, llm.engine.default_sampling_params)
   template_kwargs = {"enable_thinking": False} if args.no_thinking else {}
   system = [{"role": "system", "content": args.system}] if args.system else []
   history: list[dict] = list(system)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tinyvllm.cli.args import add_engine_args, add_sampling_args, engine_kwargs, sampling_kwargs
+from tinyvllm.cli.args import add_engine_args, add_sampling_args, engine_kwargs, model_of, sampling_kwargs, sampling_params_for
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,9 +19,9 @@ def run(args: argparse.Namespace) -> int:
   from tinyvllm.engine.llm import LLM
   from tinyvllm.sampling_params import SamplingParams
   prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-  params = SamplingParams(**sampling_kwargs(args))
-  llm = LLM(args.model, **engine_kwargs(args))
-  for delta in llm.stream(prompt, params):
+  SamplingParams(**sampling_kwargs(args))   # a bad flag fails before the model loads
+  llm = LLM(model_of(args), **engine_kwargs(args))
+  for delta in llm.stream(prompt, sampling_params_for(args, llm.engine.default_sampling_params)):
     sys.stdout.write(delta)
     sys.stdout.flush()
   sys.stdout.write("\n")

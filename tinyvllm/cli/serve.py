@@ -1,38 +1,96 @@
-"""`serve`: the OpenAI-compatible HTTP server (needs the serve extra: pip install -e '.[serve]')."""
+"""`serve`: the OpenAI-compatible HTTP server (needs the serve extra: pip install -e '.[serve]'), with `vllm serve`'s
+form and flags: `serve MODEL [flags]`."""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 
-from tinyvllm.cli.args import add_engine_args, engine_config
+from tinyvllm.cli.args import add_engine_args, engine_config, json_value
 
 SERVE_PACKAGES = {"fastapi", "uvicorn", "starlette", "prometheus_client", "pydantic"}
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# vLLM's server flags for features tinyvllm does not have: each fails, naming itself, when given
+NOT_BUILT = {"enable_auto_tool_choice": "tool calling is not supported yet",
+             "tool_call_parser": "tool calling is not supported yet"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
   p = sub.add_parser("serve", help="serve the model over HTTP with OpenAI's API")
+  p.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model (as `vllm serve MODEL`); or --model")
   add_engine_args(p)
   s = p.add_argument_group("server")
   s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
   s.add_argument("--port", type=int, default=8000)
+  s.add_argument("--uds", help="serve on this Unix domain socket instead of host:port")
   s.add_argument("--api-key", default=os.environ.get("TINYVLLM_API_KEY"),
                  help="require Authorization: Bearer KEY (default: $TINYVLLM_API_KEY; none: no key needed)")
-  s.add_argument("--served-model-name", help="the name clients pass as `model` (default: --model)")
+  s.add_argument("--served-model-name", nargs="+",
+                 help="the names clients may pass as `model`; responses carry the first (default: the model)")
   s.add_argument("--shutdown-timeout", type=float, default=10.0,
                  help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted")
-  s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
-  s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+  s.add_argument("--uvicorn-log-level", "--log-level", dest="uvicorn_log_level", default="info", choices=UVICORN_LOG_LEVELS)
+  s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True, help="log every HTTP request (default: on)")
+  s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log (= --no-access-log)")
+  s.add_argument("--root-path", help="the path prefix a proxy serves the app under (FastAPI's root_path)")
+  s.add_argument("--ssl-keyfile")
+  s.add_argument("--ssl-certfile")
+  s.add_argument("--ssl-ca-certs", help="CA certificates file (to verify clients)")
+  s.add_argument("--ssl-cert-reqs", type=int, default=0, help="whether a client certificate is required (ssl.CERT_*)")
+  s.add_argument("--allowed-origins", type=json_value, default=["*"], help='CORS allowed origins, JSON (default ["*"])')
+  s.add_argument("--allowed-methods", type=json_value, default=["*"], help='CORS allowed methods, JSON (default ["*"])')
+  s.add_argument("--allowed-headers", type=json_value, default=["*"], help='CORS allowed headers, JSON (default ["*"])')
+  s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+  s.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc, /openapi.json (always the case)")
+  s.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                 help="the HTTP server and the engine share one process (always the case)")
+  c = p.add_argument_group("chat and request log")
+  c.add_argument("--chat-template", help="a chat template file, or the template itself, used instead of the model's")
+  c.add_argument("--response-role", default="assistant", help="the role of generated chat messages (assistant only)")
+  c.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                 help="log each request's prompt, sampling parameters and prompt token ids")
+  c.add_argument("--disable-log-requests", action="store_true", help="no request log (the default)")
+  c.add_argument("--max-log-len", type=int, help="the most prompt characters and token ids a request log line shows")
+  for name in NOT_BUILT:
+    c.add_argument(f"--{name.replace('_', '-')}", nargs="?", const=True, default=None, help=f"not supported: {NOT_BUILT[name]}")
   p.set_defaults(run=run)
+
+
+def check_server_flags(args: argparse.Namespace) -> None:
+  """Refuse, naming it, a server flag tinyvllm cannot honour."""
+  from tinyvllm.config import ConfigError
+  for name, why in NOT_BUILT.items():
+    if getattr(args, name) is not None: raise ConfigError(f"--{name.replace('_', '-')}: {why}")
+  if args.response_role != "assistant":
+    raise ConfigError(f"--response-role {args.response_role!r}: only 'assistant' is supported yet")
+  if args.enable_log_requests and args.disable_log_requests:
+    raise ConfigError("--enable-log-requests and --disable-log-requests contradict each other")
+  if args.max_log_len is not None and args.max_log_len < 0: raise ConfigError("--max-log-len must be >= 0")
+  if bool(args.ssl_keyfile) != bool(args.ssl_certfile): raise ConfigError("--ssl-keyfile and --ssl-certfile go together")
+
+
+def server_settings(args: argparse.Namespace):
+  from tinyvllm.entrypoints.api_server import ServerSettings
+  from tinyvllm.tokenizer.chat_template import load_chat_template
+  names = tuple(args.served_model_name or ())
+  return ServerSettings(
+    host=args.host, port=args.port, api_key=args.api_key, served_model_name=names[0] if names else None,
+    shutdown_timeout=args.shutdown_timeout, log_level=args.uvicorn_log_level,
+    access_log=args.access_log and not args.disable_uvicorn_access_log, other_model_names=names[1:],
+    chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
+    log_requests=args.enable_log_requests, max_log_len=args.max_log_len, uds=args.uds, root_path=args.root_path or "",
+    ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+    allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
+    allow_credentials=args.allow_credentials)
 
 
 def run(args: argparse.Namespace) -> int:
   try:
-    from tinyvllm.entrypoints.api_server import ServerSettings, run_server
+    from tinyvllm.entrypoints.api_server import run_server
   except ImportError as e:
     if (e.name or "").split(".")[0] not in SERVE_PACKAGES: raise
     print(f"error: `serve` needs the serve extra ({e.name} is not installed): pip install -e '.[serve]'", file=sys.stderr)
     return 2
-  settings = ServerSettings(args.host, args.port, args.api_key, args.served_model_name, args.shutdown_timeout, args.log_level,
-                            args.access_log)
-  return run_server(engine_config(args), settings)
+  check_server_flags(args)
+  config = engine_config(args)   # every engine flag is checked before the server starts
+  return run_server(config, server_settings(args))

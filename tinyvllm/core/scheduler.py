@@ -18,6 +18,7 @@ in the step that samples its first token, each sampling its own token from the s
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -79,10 +80,12 @@ class SchedulerBase:
     """Land a finished step's sampled tokens (row order of `out.sampling_seqs`) and ask the output processor about
     each; enter the newly full blocks into the prefix cache (now that every token they hold is known), then finish
     what the verdicts end. Returns the sequences that got a token (one that ended while the step ran gets none)."""
-    landed, verdicts = [], []
+    landed, verdicts, now = [], [], time.time()
     for row, (seq, token) in enumerate(zip(out.sampling_seqs, token_ids, strict=True)):
       if not self._land(seq): continue
       seq.output_token_ids.append(token)
+      if seq.first_token_time is None: seq.first_token_time = now
+      seq.last_token_time = now
       landed.append(seq)
       verdicts.append((seq, judge(seq, token, row)))
     for item in out.scheduled:
@@ -121,6 +124,8 @@ class SchedulerBase:
     self.waiting.remove(seq)
     seq.num_computed_tokens = self.allocator.allocate(seq, 1 + len(self.pending_forks.get(seq.seq_id, [])))
     seq.status = SequenceStatus.RUNNING
+    if seq.first_scheduled_time is None:   # its first admission (a preempted sequence comes back with its outputs)
+      seq.first_scheduled_time, seq.num_cached_tokens = time.time(), seq.num_computed_tokens
     self.running.append(seq)
 
   def _can_admit(self, seq: Sequence, num_new: int) -> bool:
@@ -131,11 +136,12 @@ class SchedulerBase:
     self.pending_forks.pop(parent.seq_id, None)
     self.pending_copies.extend(self.allocator.fork(parent, child))
     child.num_computed_tokens, child.status = parent.num_computed_tokens, SequenceStatus.RUNNING
+    child.first_scheduled_time, child.num_cached_tokens = time.time(), parent.num_cached_tokens
     self.running.append(child)
 
   def _finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
     """End a sequence wherever it is; its blocks are free for this very step."""
-    if not seq.is_finished: seq.status, seq.stop_reason = status, stop_reason
+    if not seq.is_finished: seq.status, seq.stop_reason, seq.finished_time = status, stop_reason, time.time()
     if seq in self.running: self.running.remove(seq)
     if seq in self.waiting: self.waiting.remove(seq)
     self.pending_forks.pop(seq.seq_id, None)

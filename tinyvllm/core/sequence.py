@@ -26,8 +26,8 @@ class SequenceStatus(enum.Enum):
 @dataclass(eq=False)
 class Sequence:
   """One generated continuation of a prompt. Its state fields (status, output_token_ids, num_computed_tokens, the
-  in-flight placeholders, stop_reason) are written by the scheduler alone (tests/test_architecture.py enforces it);
-  its KV blocks are the block manager's (`block_table(seq)`)."""
+  in-flight placeholders, stop_reason, what it reports: cached tokens and times) are written by the scheduler alone
+  (tests/test_architecture.py enforces it); its KV blocks are the block manager's (`block_table(seq)`)."""
   request_id: str
   prompt_token_ids: list[int]
   params: SamplingParams
@@ -44,6 +44,12 @@ class Sequence:
   # `pending_row` of the latest such step's samples.
   num_pending: int = 0
   pending_row: int = -1
+  # What RequestOutput reports (num_cached_tokens, metrics), None until it happens; times are time.time()
+  num_cached_tokens: int | None = None        # prompt tokens the prefix cache covered when first admitted
+  first_scheduled_time: float | None = None
+  first_token_time: float | None = None       # when its first token reached the host
+  last_token_time: float | None = None
+  finished_time: float | None = None
 
   @property
   def num_tokens(self) -> int: return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
@@ -98,7 +104,7 @@ class Request:
   prompt_token_ids: list[int]
   params: SamplingParams
   seqs: list[Sequence]
-  arrival_time: float = field(default_factory=time.monotonic)
+  arrival_time: float = field(default_factory=time.time)   # wall clock, as RequestMetrics reports it
 
   @property
   def is_finished(self) -> bool: return all(s.is_finished for s in self.seqs)

@@ -5,14 +5,15 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from tqdm import tqdm
 
-from tinyvllm.config import EngineConfig
-from tinyvllm.engine.llm_engine import LLMEngine, PromptError, PromptType
+from tinyvllm.engine.llm_engine import LLMEngine, PromptError, PromptType, log
+from tinyvllm.engine_args import engine_config
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
-from tinyvllm.tokenizer import Tokenizer
+from tinyvllm.tokenizer import HFStyleTokenizer
 
 _ids = itertools.count()
 
@@ -25,19 +26,25 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
 
 
 class LLM:
-  def __init__(self, model: str, *, tokenizer: str | None = None, dtype: str = "auto", device: str | None = None,
-               max_model_len: int | None = None, load_format: str = "auto", seed: int = 0, **engine_args):
-    """engine_args: the other EngineConfig fields (kv_cache, block_size, kv_cache_memory, num_gpu_blocks,
-    enable_prefix_caching, scheduler, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, ...)."""
-    self.engine = LLMEngine(EngineConfig(model=model, tokenizer=tokenizer, dtype=dtype, device=device,
-                                         max_model_len=max_model_len, load_format=load_format, seed=seed, **engine_args))
+  def __init__(self, model: str, **engine_args: Any):
+    """engine_args: vLLM's engine arguments (tinyvllm/engine_args.py says what each does here; one tinyvllm cannot
+    honour is refused, naming it) and tinyvllm's own EngineConfig fields (kv_cache, scheduler, attention_backend, ...).
+    As vLLM's LLM, it logs no periodic stats unless disable_log_stats=False."""
+    self.engine = LLMEngine(engine_config(model, {"disable_log_stats": True, **engine_args}, log))
+    self._tokenizer = HFStyleTokenizer(self.engine.tokenizer) if self.engine.tokenizer is not None else None
 
-  def get_tokenizer(self) -> Tokenizer | None: return self.engine.tokenizer
+  def get_tokenizer(self) -> HFStyleTokenizer | None:
+    """The tokenizer with HF transformers' methods and defaults (None with skip_tokenizer_init)."""
+    return self._tokenizer
+
+  def get_default_sampling_params(self) -> SamplingParams:
+    """SamplingParams with the model's generation_config.json defaults (vLLM's), used when none are given."""
+    return SamplingParams(**self.engine.default_sampling_params)
 
   def _add_all(self, prompts: list[PromptType], params: SamplingParams | Sequence[SamplingParams] | None,
                output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> list[str]:
     """Validate every prompt first so that a bad one leaves nothing queued, then add them all."""
-    plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+    plist = list(params) if isinstance(params, (list, tuple)) else [params or self.get_default_sampling_params()] * len(prompts)
     if len(plist) != len(prompts): raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
     plist = [dataclasses.replace(p, output_kind=output_kind) for p in plist]   # the caller's objects stay as they were
     for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
@@ -80,14 +87,15 @@ class LLM:
       self.engine.abort_request(rid)
 
   def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-           use_tqdm: bool = True, add_generation_prompt: bool = True,
+           use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
            chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-    """One conversation (a list of messages) or several, rendered with the model's chat template."""
-    tokenizer = self.get_tokenizer()
+    """One conversation (a list of messages) or several, rendered with the model's chat template (or `chat_template`)."""
+    tokenizer = self.engine.tokenizer
     if tokenizer is None: raise PromptError("chat needs a tokenizer with a chat template")
     conversations = [messages] if messages and isinstance(messages[0], dict) else messages
     prompts: list[PromptType] = []
     for conv in conversations:
-      text = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+      text = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                                           **(chat_template_kwargs or {}))
       prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
     return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

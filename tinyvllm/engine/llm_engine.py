@@ -17,7 +17,9 @@ from tinyvllm.core.contiguous_allocator import ContiguousAllocator
 from tinyvllm.core.scheduler import SchedulerConfig
 from tinyvllm.core.scheduler_output import SchedulerOutput
 from tinyvllm.core.sequence import Request, Sequence
+from tinyvllm.engine.generation_config import default_sampling_params
 from tinyvllm.engine.output_processor import OutputProcessor
+from tinyvllm.engine.stats_logger import EngineSnapshot, StatsLogger
 from tinyvllm.kernels.selection import BackendRequest, select_backend
 from tinyvllm.layers.fp8 import FP8_STORAGE
 from tinyvllm.model.hub import resolve_model, resolve_tokenizer
@@ -26,7 +28,7 @@ from tinyvllm.model.presets import PRESETS
 from tinyvllm.outputs import Logprob, RequestOutput
 from tinyvllm.platform import tinygrad_compat as compat
 from tinyvllm.platform.device import check_dtype, is_cpu, select_device
-from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
+from tinyvllm.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from tinyvllm.tokenizer import Tokenizer, load_tokenizer
 from tinyvllm.worker.cache_sizing import num_kv_blocks
 from tinyvllm.worker.host_io import reads_back_asynchronously
@@ -77,6 +79,7 @@ class LLMEngine:
     self.model_config = mc = located.config
     self.max_model_len = self._max_model_len(config, mc)
     self.tokenizer = self._tokenizer(config, located.folder)
+    self.default_sampling_params = self._sampling_defaults(config, located.folder)
     self.dtype = resolve_dtype(config.dtype, mc, self.device)
     check_dtype(self.device, self.dtype)
     self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else FP8_STORAGE
@@ -106,6 +109,7 @@ class LLMEngine:
     self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
     self.requests: dict[str, Request] = {}
     self._seed_rng = random.Random(config.seed)
+    self.stats_logger = None if config.disable_log_stats else StatsLogger(log)
     self._warm_up(config)
     freeze_long_lived_objects()
     log(f"engine ready in {time.perf_counter() - start:.1f} s")
@@ -131,8 +135,18 @@ class LLMEngine:
     return max_model_len
 
   @staticmethod
+  def _sampling_defaults(config: EngineConfig, folder: Path | None) -> dict:
+    """The defaults requests take for the sampling fields they leave unset (vLLM's generation-config handling)."""
+    defaults, origin = default_sampling_params(config, folder)
+    if defaults: log(f"default sampling parameters from {origin}: {defaults} (--generation-config vllm ignores the model's)")
+    return defaults
+
+  @staticmethod
   def _tokenizer(config: EngineConfig, folder: Path | None) -> Tokenizer | None:
     """--tokenizer, else the model folder's own; a folder without tokenizer files serves token-id prompts only."""
+    if config.skip_tokenizer_init:
+      log("skip_tokenizer_init: no tokenizer, prompts must be token ids and outputs carry no text")
+      return None
     if (tokenizer_folder := resolve_tokenizer(config)) is not None: return load_tokenizer(tokenizer_folder)
     if folder is None or not any((folder / f).exists() for f in TOKENIZER_FILES):
       log("no tokenizer: prompts must be token ids")
@@ -182,6 +196,10 @@ class LLMEngine:
       raise PromptError(f"request needs {need} KV cache blocks ({n} prompt + {max_tokens} new tokens, n={params.n}) "
                         f"but the whole cache holds {self.allocator.num_blocks}")
     if params.stop_strings and self.tokenizer is None: raise PromptError("stop strings need a tokenizer")
+    for name in ("logprobs", "prompt_logprobs"):
+      wanted = getattr(params, name)
+      if wanted is not None and wanted > self.config.max_logprobs:
+        raise SamplingParamsError(name, f"{name}={wanted} is more than max_logprobs ({self.config.max_logprobs})")
 
   def _blocks_needed(self, prompt_len: int, max_tokens: int, n: int) -> int:
     if isinstance(self.allocator, ContiguousAllocator): return n
@@ -234,7 +252,25 @@ class LLMEngine:
     if self._in_flight is not None: outputs += self._finish_in_flight()
     self._in_flight = launched
     if launched is not None and not self.async_scheduling: outputs += self._finish_in_flight()
+    if self.stats_logger is not None: self._log_stats(sched)
     return outputs
+
+  def _log_stats(self, sched: SchedulerOutput) -> None:
+    """Count the step's prompt tokens and samples; the stats line goes out once an interval."""
+    assert self.stats_logger is not None
+    prompt_tokens = samples = 0
+    for item in sched.scheduled:
+      prompt_len = len(item.seq.prompt_token_ids)
+      if item.start < prompt_len: prompt_tokens += min(item.start + item.num_new_tokens, prompt_len) - item.start
+      if item.samples: samples += 1 + len(item.forks)
+    self.stats_logger.record(prompt_tokens, samples)
+    self.stats_logger.maybe_log(self._snapshot)
+
+  def _snapshot(self) -> EngineSnapshot:
+    alloc = self.allocator
+    hit_rate = alloc.prefix_hit_rate if isinstance(alloc, BlockManager) and alloc.enable_prefix_caching else None
+    running = len({s.request_id for s in self.scheduler.running})
+    return EngineSnapshot(running, len(self.scheduler.waiting), alloc.num_used_blocks / max(alloc.num_blocks, 1), hit_rate)
 
   def _finish_in_flight(self) -> list[RequestOutput]:
     """Wait for the step in flight, land its tokens, and retire what finished."""

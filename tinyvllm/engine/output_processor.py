@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tinyvllm.core.sequence import Request, Sequence, SequenceStatus, StopVerdict
-from tinyvllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from tinyvllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
 from tinyvllm.tokenizer import IncrementalDetokenizer, Tokenizer
 from tinyvllm.worker.logprobs import ScoredPromptChunk
 
@@ -134,4 +134,19 @@ class OutputProcessor:
     outputs = [self.completion(seq) for seq in request.seqs]
     prompt_logprobs = self.prompt_logprobs.get(request.request_id)
     return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, request.is_finished,
-                         prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None)
+                         request.seqs[0].num_cached_tokens or 0, request_metrics(request),
+                         list(prompt_logprobs) if prompt_logprobs is not None else None)
+
+
+def request_metrics(request: Request) -> RequestMetrics:
+  """The request's times from its sequences' (the scheduler records them)."""
+  seqs = request.seqs
+  scheduled = seqs[0].first_scheduled_time
+  first_tokens = [s.first_token_time for s in seqs if s.first_token_time is not None]
+  last_tokens = [s.last_token_time for s in seqs if s.last_token_time is not None]
+  finished = [s.finished_time for s in seqs if s.finished_time is not None]
+  return RequestMetrics(
+    arrival_time=request.arrival_time, last_token_time=max(last_tokens, default=request.arrival_time),
+    first_scheduled_time=scheduled, first_token_time=min(first_tokens, default=None),
+    time_in_queue=None if scheduled is None else scheduled - request.arrival_time,
+    finished_time=max(finished) if request.is_finished and finished else None)

@@ -14,11 +14,12 @@ import signal
 import threading
 import traceback
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -28,6 +29,7 @@ from tinyvllm.engine.async_engine import AsyncLLMEngine
 from tinyvllm.engine.llm_engine import LLMEngine, log
 from tinyvllm.entrypoints.common import ServerState
 from tinyvllm.entrypoints.errors import APIError, install_error_handlers, parse_body
+from tinyvllm.entrypoints.logger import RequestLogger
 from tinyvllm.entrypoints.metrics import CONTENT_TYPE
 from tinyvllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from tinyvllm.entrypoints.serving_chat import create_chat_completion
@@ -126,8 +128,17 @@ async def _load_engine(state: ServerState, load: Callable[[], LLMEngine], on_fai
   log(f"model ready, serving it as {state.served_model_name!r}")
 
 
+@dataclass(frozen=True)
+class CorsSettings:
+  """CORS (vLLM's defaults: any origin, method and header; no credentials)."""
+  allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+  allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+  allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+  allow_credentials: bool = False
+
+
 def create_app(state: ServerState, load: Callable[[], LLMEngine], on_load_failure: Callable[[], None] = lambda: None,
-               max_body: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body: int = MAX_BODY_BYTES, cors: CorsSettings | None = None, root_path: str = "") -> FastAPI:
   @contextlib.asynccontextmanager
   async def lifespan(_: FastAPI) -> AsyncIterator[None]:
     loading = asyncio.create_task(_load_engine(state, load, on_load_failure))
@@ -138,9 +149,13 @@ def create_app(state: ServerState, load: Callable[[], LLMEngine], on_load_failur
       with contextlib.suppress(asyncio.CancelledError): await loading
       if state.engine is not None: await state.engine.shutdown()
 
-  app = FastAPI(title="tinyvllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+  app = FastAPI(title="tinyvllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None, root_path=root_path)
   install_error_handlers(app)
   app.add_middleware(GuardMiddleware, state=state, max_body=max_body)
+  cors = cors or CorsSettings()
+  # outside the guard, so that a browser's preflight (which carries no API key) gets its CORS answer
+  app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
+                     allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
   _add_routes(app, state)
   return app
 
@@ -215,22 +230,50 @@ class ServerSettings:
   api_key: str | None = None
   served_model_name: str | None = None
   shutdown_timeout: float = 10.0
-  log_level: str = "info"
-  access_log: bool = False
+  log_level: str = "info"                     # uvicorn's (--uvicorn-log-level)
+  access_log: bool = True
+  other_model_names: tuple[str, ...] = ()     # further --served-model-name names requests may use
+  chat_template: str | None = None            # the --chat-template source, used instead of the model's
+  log_requests: bool = False                  # --enable-log-requests
+  max_log_len: int | None = None
+  uds: str | None = None                      # a Unix domain socket instead of host:port
+  root_path: str = ""
+  ssl_keyfile: str | None = None
+  ssl_certfile: str | None = None
+  ssl_ca_certs: str | None = None
+  ssl_cert_reqs: int = 0
+  allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+  allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+  allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+  allow_credentials: bool = False
+
+  def cors(self) -> CorsSettings:
+    return CorsSettings(self.allowed_origins, self.allowed_methods, self.allowed_headers, self.allow_credentials)
+
+  def uvicorn_options(self) -> dict[str, Any]:
+    where = {"uds": self.uds} if self.uds else {"host": self.host, "port": self.port}
+    ssl = {"ssl_keyfile": self.ssl_keyfile, "ssl_certfile": self.ssl_certfile, "ssl_ca_certs": self.ssl_ca_certs,
+           "ssl_cert_reqs": self.ssl_cert_reqs} if self.ssl_certfile else {}
+    # uvicorn's own timeout (it cancels what is left) is only a backstop behind _drain's
+    return {**where, **ssl, "log_level": self.log_level, "access_log": self.access_log, "lifespan": "on",
+            "timeout_graceful_shutdown": self.shutdown_timeout + 5}
+
+
+def server_state(config: EngineConfig, settings: ServerSettings) -> ServerState:
+  return ServerState(settings.served_model_name or config.model, config.model, settings.api_key or None,
+                     other_model_names=settings.other_model_names, chat_template=settings.chat_template,
+                     request_logger=RequestLogger(log, settings.max_log_len) if settings.log_requests else None)
 
 
 def run_server(config: EngineConfig, settings: ServerSettings) -> int:
-  state = ServerState(settings.served_model_name or config.model, config.model, settings.api_key or None)
+  state = server_state(config, settings)
   server: _Server | None = None
 
   def stop() -> None:
     if server is not None: server.should_exit = True
 
-  app = create_app(state, lambda: LLMEngine(config), on_load_failure=stop)
-  # uvicorn's own timeout (it cancels what is left) is only a backstop behind _drain's
-  server = _Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                                  access_log=settings.access_log, timeout_graceful_shutdown=settings.shutdown_timeout + 5,
-                                  lifespan="on"), state, settings.shutdown_timeout)
+  app = create_app(state, lambda: LLMEngine(config), on_load_failure=stop, cors=settings.cors(), root_path=settings.root_path)
+  server = _Server(uvicorn.Config(app, **settings.uvicorn_options()), state, settings.shutdown_timeout)
   try:
     server.run()
   except Exception:

@@ -16,6 +16,7 @@ from fastapi import Request
 from tinyvllm.engine.async_engine import AsyncLLMEngine
 from tinyvllm.engine.llm_engine import PromptError
 from tinyvllm.entrypoints.errors import APIError, bad_request
+from tinyvllm.entrypoints.logger import RequestLogger
 from tinyvllm.entrypoints.metrics import ServerMetrics
 from tinyvllm.entrypoints.protocol import PromptLogprob, SamplingRequest
 from tinyvllm.outputs import PromptLogprobs, RequestOutput
@@ -37,6 +38,9 @@ class ServerState:
   draining: bool = False       # shutting down: in-flight requests may finish, new ones are refused
   metrics: ServerMetrics = field(init=False)
   in_flight: set[asyncio.Queue] = field(default_factory=set)   # one queue per running HTTP request
+  other_model_names: tuple[str, ...] = ()    # further names requests may use (responses carry served_model_name)
+  chat_template: str | None = None           # --chat-template: used instead of the model's
+  request_logger: RequestLogger | None = None
 
   def __post_init__(self) -> None:
     self.metrics = ServerMetrics(lambda: self.engine.engine if self.engine is not None else None)
@@ -60,13 +64,18 @@ class ServerState:
   @property
   def max_model_len(self) -> int: return self.require_engine().engine.max_model_len
 
+  @property
+  def sampling_defaults(self) -> dict[str, Any]:
+    """The model's generation_config.json defaults for request fields left unset."""
+    return self.require_engine().engine.default_sampling_params
+
   def tokenizer(self, purpose: str) -> Tokenizer:
     tokenizer = self.require_engine().tokenizer
     if tokenizer is None: raise bad_request(f"this model has no tokenizer: {purpose} needs one")
     return tokenizer
 
   def check_model(self, model: str | None) -> None:
-    if model is not None and model != self.served_model_name:
+    if model is not None and model != self.served_model_name and model not in self.other_model_names:
       raise APIError(404, f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
                      param="model", code="model_not_found")
 
@@ -119,19 +128,26 @@ _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "pres
 
 
 def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
-                    rename: dict[str, str] | None = None) -> SamplingParams:
-  """The engine's SamplingParams; a bad value is a 400 naming the request's field (`rename`: engine name -> request name)."""
+                    rename: dict[str, str] | None = None, defaults: dict[str, Any] | None = None) -> SamplingParams:
+  """The engine's SamplingParams; a bad value is a 400 naming the request's field (`rename`: engine name -> request name).
+  Fields the request leaves unset take `defaults` (the model's generation_config.json, as vLLM's server), whose
+  max_tokens caps the request's."""
   given = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
+  model_defaults = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
+  max_tokens = min(max_tokens, (defaults or {}).get("max_tokens", max_tokens))
   try:
-    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **given)
+    return SamplingParams(**{**model_defaults, **given}, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
   except SamplingParamsError as e:
     raise bad_request(str(e), (rename or {}).get(e.param, e.param)) from None
 
 
-def check_engine_limits(state: ServerState, prompt: Prompt, params: SamplingParams, param: str) -> None:
-  """What the engine itself refuses (a request bigger than the whole KV cache, stop strings without a tokenizer, ...)."""
+def check_engine_limits(state: ServerState, prompt: Prompt, params: SamplingParams, param: str,
+                        rename: dict[str, str] | None = None) -> None:
+  """What the engine itself refuses (a request bigger than the whole KV cache, stop strings without a tokenizer, more
+  logprobs than --max-logprobs, ...)."""
   try: state.require_engine().validate(prompt.engine_prompt(), params)
   except PromptError as e: raise bad_request(str(e), param) from None
+  except SamplingParamsError as e: raise bad_request(str(e), (rename or {}).get(e.param, e.param)) from None
 
 
 async def generate_many(state: ServerState, prompts: list[Prompt], params: list[SamplingParams],
@@ -139,6 +155,9 @@ async def generate_many(state: ServerState, prompts: list[Prompt], params: list[
   """One engine request per prompt, their outputs interleaved as (prompt index, output) until every one finishes.
   Closing this generator (the client went away) cancels the rest, which aborts them in the engine."""
   engine, queue = state.require_engine(), asyncio.Queue()
+  if state.request_logger is not None:
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+      state.request_logger.log_inputs(f"{request_id}-{i}", prompt.text, prompt.token_ids, p)
 
   async def pump(i: int) -> None:
     tracker = state.metrics.tracker()

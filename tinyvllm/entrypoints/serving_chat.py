@@ -43,7 +43,7 @@ from tinyvllm.outputs import CompletionOutput, Logprob
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import Tokenizer, TokenizerError
 
-_RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "tokenize", "documents"})
+_RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "tokenize", "documents", "chat_template"})
 
 
 def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
@@ -51,13 +51,15 @@ def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_
   """The conversation as the model's chat template writes it (chat_template_kwargs, e.g. enable_thinking, and
   documents, for templates that render them, reach it)."""
   tokenizer = state.tokenizer("chat")
-  if not tokenizer.has_chat_template: raise bad_request("this model has no chat template: use /v1/completions", "messages")
+  if not tokenizer.has_chat_template and state.chat_template is None:
+    raise bad_request("this model has no chat template: use /v1/completions (or start the server with --chat-template)", "messages")
   kwargs = template_kwargs or {}
   if bad := sorted(_RESERVED_TEMPLATE_ARGS & kwargs.keys()):
     raise bad_request(f"chat_template_kwargs cannot set {', '.join(bad)}", "chat_template_kwargs")
   if documents is not None: kwargs = {**kwargs, "documents": documents}
   try:
-    text = tokenizer.apply_chat_template([m.template_dict() for m in messages], add_generation_prompt=add_generation_prompt, **kwargs)
+    text = tokenizer.apply_chat_template([m.template_dict() for m in messages], add_generation_prompt=add_generation_prompt,
+                                         chat_template=state.chat_template, **kwargs)
   except TokenizerError as e:
     raise bad_request(str(e), "messages") from None
   assert isinstance(text, str)
@@ -81,9 +83,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
   param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
   if max_tokens is not None and max_tokens < 1: raise bad_request(f"{param} must be >= 1, got {max_tokens}", param)
   prompt, logprobs = _prepare(state, req)
-  params = sampling_params(req, check_context(state, prompt, max_tokens, "messages"), logprobs, req.prompt_logprobs,
-                           rename={"logprobs": "top_logprobs", "max_tokens": param})
-  check_engine_limits(state, prompt, params, "messages")
+  rename = {"logprobs": "top_logprobs", "max_tokens": param}
+  params = sampling_params(req, check_context(state, prompt, max_tokens, "messages"), logprobs, req.prompt_logprobs, rename,
+                           state.sampling_defaults)
+  check_engine_limits(state, prompt, params, "messages", rename)
   request_id, created, engine_id = response_id("chatcmpl", req), int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
   if req.stream:
     return StreamingResponse(_stream(state, req, prompt, params, (request_id, engine_id), created), media_type="text/event-stream")

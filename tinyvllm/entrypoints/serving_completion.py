@@ -55,7 +55,8 @@ def _prompt_logprobs(req: CompletionRequest) -> int | None:
 
 def _prepare(state: ServerState, req: CompletionRequest) -> tuple[list[Prompt], list[SamplingParams]]:
   prompts = [tokenize(state, p, "prompt", req.add_special_tokens is not False) for p in _prompt_list(req.prompt)]
-  params = [sampling_params(req, check_context(state, p, req.max_tokens, "prompt"), req.logprobs, _prompt_logprobs(req))
+  params = [sampling_params(req, check_context(state, p, req.max_tokens, "prompt"), req.logprobs, _prompt_logprobs(req),
+                            defaults=state.sampling_defaults)
             for p in prompts]
   for p, sp in zip(prompts, params, strict=True): check_engine_limits(state, p, sp, "prompt")
   return prompts, params

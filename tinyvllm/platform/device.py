@@ -29,9 +29,29 @@ def detect_device() -> str:
 def is_cpu(device: str) -> bool: return device.split(":")[0].upper() == "CPU"
 
 
+def check_device_name(device: str) -> str:
+  """`device` as tinygrad's DEV takes it (BACKEND or BACKEND:RENDERER; BACKEND:0 is BACKEND); anything else is refused,
+  naming it (tinygrad reads the part after the colon as a renderer, so "CPU:1" would otherwise fail later, at the first
+  kernel, with an unrelated error)."""
+  backend, _, suffix = device.partition(":")
+  known = compat.backend_names()
+  if backend.upper() not in known:
+    raise ConfigError(f"device {device!r}: {backend!r} is not a tinygrad backend (tinygrad has {', '.join(sorted(known))})")
+  if suffix in ("", "0"): return backend
+  if suffix.isdigit():
+    raise ConfigError(f"device {device!r}: device indices are not supported; tinyvllm runs on one device, the backend's "
+                      "first (pick a GPU with CUDA_VISIBLE_DEVICES)")
+  if not _opens(backend): raise ConfigError(f"device {device!r} is not available on this machine")
+  renderers = compat.renderer_names(backend)
+  if suffix.upper() not in renderers:
+    raise ConfigError(f"device {device!r}: {backend.upper()} has no renderer {suffix!r} (it has {', '.join(renderers)}); "
+                      "a device is BACKEND or BACKEND:RENDERER")
+  return device
+
+
 def select_device(requested: str | None) -> str:
   """The tinygrad device to run on (requested, else detected), made the default for every tensor."""
-  device = requested or detect_device()
+  device = check_device_name(requested) if requested else detect_device()
   if is_cpu(device) and not shutil.which(cpu_c_compiler()):
     raise ConfigError(f"the CPU backend needs a `{cpu_c_compiler()}` binary on PATH (e.g. `apt-get install clang`); none was found")
   if not _opens(device): raise ConfigError(f"device {device!r} is not available on this machine")

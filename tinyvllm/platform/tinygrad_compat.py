@@ -7,7 +7,8 @@ its UOp DSL. What it needs beyond that is here, with the reason:
   launches with dynamic shared memory (tinygrad builds programs as `runtime(elf)`, without CUDAProgram's `smem`);
 - a step's two copies without the scheduler: a Buffer's allocator `_copyin` / `_copyout`, and on CUDA pinned host
   memory, an event and the device's `pending_copyin` list (freed by tinygrad only on a full synchronize);
-- device facts: the CUDA driver's device attributes and free memory, a device's `arch`;
+- device facts: the CUDA driver's device attributes and free memory, a device's `arch`, the backends tinygrad has
+  (`Device._devices`) and a backend's renderer names (`_renderer_name`, the second part of a DEV target);
 - TinyJit capturing on its first call (`cnt`), the default device (`DEV`), `GlobalCounters.mem_used`;
 - one patch, `install()`: tinygrad's process-wide sqlite cache connection becomes one per thread (sqlite refuses a
   connection from a second thread, and the async engine steps on its own).
@@ -51,6 +52,7 @@ def check(device: str | None = None) -> None:
             and hasattr(tinygrad.helpers, "_db_connection"),
             "TinyJit.cnt": lambda: hasattr(TinyJit(lambda: None), "cnt"),
             "DEV.value": lambda: hasattr(DEV, "value"),
+            "Device._devices": lambda: "CPU" in backend_names(),
             "Buffer.allocate / ensure_allocated / _buf": lambda: hasattr(Buffer, "allocate") and hasattr(Buffer, "ensure_allocated"),
             "GlobalCounters.mem_used": lambda: isinstance(GlobalCounters.mem_used, int),
             "UOp.has_buffer_identity": lambda: hasattr(UOp, "has_buffer_identity"),
@@ -92,6 +94,17 @@ def set_default_device(device: str) -> str:
   """Make `device` the default of every new tensor; returns tinygrad's canonical name for it."""
   DEV.value = device
   return Device.DEFAULT
+
+
+def backend_names() -> list[str]:
+  """Every backend tinygrad has (CPU, CUDA, METAL, ...), whether or not it opens here."""
+  return list(Device._devices)
+
+
+def renderer_names(backend: str) -> list[str]:
+  """The renderers a backend can compile with (the RENDERER of DEV=BACKEND:RENDERER); opens the backend."""
+  dev = Device[backend]
+  return [dev._renderer_name(r) for r in dev.renderers]
 
 
 def device_arch(device: str) -> str: return str(getattr(Device[device], "arch", ""))

@@ -2,7 +2,8 @@
 tokenizer.model, and SentencePiece-style BPE tokenizer.json (Llama 2, TinyLlama); chat templates; streaming decode."""
 from tinyvllm.tokenizer.detokenizer import IncrementalDetokenizer
 from tinyvllm.tokenizer.errors import TokenizerError
+from tinyvllm.tokenizer.hf_style import HFStyleTokenizer
 from tinyvllm.tokenizer.loader import load_tokenizer
 from tinyvllm.tokenizer.tokenizer import Tokenizer
 
-__all__ = ["IncrementalDetokenizer", "Tokenizer", "TokenizerError", "load_tokenizer"]
+__all__ = ["HFStyleTokenizer", "IncrementalDetokenizer", "Tokenizer", "TokenizerError", "load_tokenizer"]

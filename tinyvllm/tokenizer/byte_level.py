@@ -25,6 +25,20 @@ def unicode_to_byte() -> dict[int, int]:
   return table
 
 
+@cache
+def byte_to_unicode() -> list[str]:
+  """The printable character GPT-2's table writes each byte as (index: the byte)."""
+  table = ["" for _ in range(256)]
+  for char, byte in unicode_to_byte().items(): table[byte] = chr(char)
+  return table
+
+
+def bytes_to_token(raw: bytes) -> str:
+  """A byte-level vocab's string for these bytes ("Ġworld" for b" world")."""
+  chars = byte_to_unicode()
+  return "".join(chars[b] for b in raw)
+
+
 def token_to_bytes(token: str) -> bytes:
   try:
     return token.translate(unicode_to_byte()).encode("latin-1")
@@ -118,7 +132,7 @@ def build_model(name: str, vocab: dict[str, int], merges: list[tuple[str, str]],
   ranks, rank_to_id = build_ranks(vocab, merges)
   encoding = BPEEncoding(name, pattern, ranks, rank_to_id)
   token_bytes = {i: token_to_bytes(t) for t, i in vocab.items()}
-  return ModelParts(encoding, token_bytes, _prepare(normalize, add_prefix_space))
+  return ModelParts(encoding, token_bytes, _prepare(normalize, add_prefix_space), vocab=vocab)
 
 
 def from_tokenizer_json(name: str, data: dict[str, Any]) -> ModelParts:

@@ -30,6 +30,17 @@ def find_chat_template(folder: Path | None, tokenizer_config: dict[str, Any]) ->
   return value if isinstance(value, str) and value else None
 
 
+def load_chat_template(value: str) -> str:
+  """A chat template given by the user (vLLM's --chat-template): a file's contents, or the value itself when it reads
+  as a template (it has braces or a newline); anything else is a file that is not there."""
+  path = Path(value).expanduser()
+  if path.is_file():
+    return path.read_text(encoding="utf-8")
+  if any(c in value for c in "{}\n"):
+    return value
+  raise TokenizerError(f"chat template {value!r}: no such file, and it is not a template (no braces or newline)")
+
+
 def _raise_exception(message: str) -> None:
   raise jinja2.exceptions.TemplateError(message)
 def _strftime_now(fmt: str) -> str:

@@ -47,3 +47,5 @@ class ModelParts:
   token_bytes: dict[int, bytes]  # id -> the bytes it decodes to, for every id of the base vocab
   prepare: Callable[[str, bool], str]  # (plain-text run, whether it starts the input) -> the text the BPE sees
   strip_leading_space: bool = False  # decode drops one leading space (SentencePiece's prepended "▁")
+  vocab: dict[str, int] | None = None  # the base vocab's token strings as the files write them (None: GPT-2 byte-level
+                                       # strings of token_bytes, as HF's conversion of a tiktoken file writes them)

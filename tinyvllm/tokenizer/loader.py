@@ -14,7 +14,8 @@ from tinyvllm.tokenizer.errors import TokenizerError
 from tinyvllm.tokenizer.tokenizer import Tokenizer
 
 LOOKED_FOR = "tokenizer.json, vocab.json + merges.txt, or tokenizer.model (tiktoken format)"
-_TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# HF's named special tokens, in the order its all_special_tokens lists them
+SPECIAL_TOKEN_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
@@ -36,7 +37,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
                               lookup, template)
   source = find_chat_template(folder, tc)
   return Tokenizer(folder.name or str(folder), parts, added, specials, ChatTemplate(source) if source else None,
-                   _template_tokens(tc, added, specials))
+                   _template_tokens(folder, tc, added, specials))
 
 
 def _load_model(folder: Path, file: Path | None, tc: dict[str, Any]):
@@ -114,18 +115,24 @@ def _lookup(parts: ModelParts, added: list[AddedToken]):
   return lookup
 
 
-def _template_tokens(tc: dict[str, Any], added: list[AddedToken], specials: Specials) -> dict[str, Any]:
-  """The special-token strings chat templates see (bos_token, eos_token, ...), as in HF's special_tokens_map."""
+def _template_tokens(folder: Path, tc: dict[str, Any], added: list[AddedToken], specials: Specials) -> dict[str, Any]:
+  """HF's special_tokens_map (what chat templates see as bos_token, eos_token, ...): the named tokens of
+  tokenizer_config.json, else of special_tokens_map.json, else the ids found for BOS/EOS/PAD; additional_special_tokens
+  (transformers 5 writes them as extra_special_tokens)."""
+  names = read_json(folder / "special_tokens_map.json")
   out: dict[str, Any] = {}
-  for key in _TEMPLATE_TOKENS:
-    content = token_content(tc.get(key))
+  for key in SPECIAL_TOKEN_ATTRIBUTES:
+    content = token_content(tc.get(key, names.get(key)))
     if content is not None:
       out[key] = content
   by_id = {t.id: t.content for t in added}
   for key, token_id in (("bos_token", specials.bos), ("eos_token", specials.eos), ("pad_token", specials.pad)):
     if key not in out and token_id is not None and token_id in by_id:
       out[key] = by_id[token_id]
-  extra = tc.get("additional_special_tokens")
+  extra = next((v for v in (tc.get("additional_special_tokens"), tc.get("extra_special_tokens"),
+                            names.get("additional_special_tokens")) if v), None)
+  if isinstance(extra, dict):
+    extra = list(extra.values())
   if isinstance(extra, list):
     out["additional_special_tokens"] = [token_content(t) for t in extra]
   return out

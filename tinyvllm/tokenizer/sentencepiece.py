@@ -164,7 +164,7 @@ def from_tokenizer_json(name: str, data: dict[str, Any]) -> ModelParts:
   encoding = BPEEncoding(name, pattern, ranks, rank_to_id, expansions)
   token_bytes = {i: _piece_bytes(p, space) for p, i in vocab.items()}
   prepare = _prepare(build_normalizer(data.get("normalizer")), meta)
-  return ModelParts(encoding, token_bytes, prepare, _strips_leading_space(data.get("decoder")))
+  return ModelParts(encoding, token_bytes, prepare, _strips_leading_space(data.get("decoder")), vocab=vocab)
 
 
 def _piece_bytes(piece: str, space: str) -> bytes:

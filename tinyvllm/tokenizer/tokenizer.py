@@ -5,6 +5,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from tinyvllm.tokenizer.added_tokens import AddedToken, AddedTokenSplitter
+from tinyvllm.tokenizer.byte_level import bytes_to_token
 from tinyvllm.tokenizer.chat_template import ChatTemplate
 from tinyvllm.tokenizer.config import Specials
 from tinyvllm.tokenizer.encoding import ModelParts
@@ -21,6 +22,7 @@ class Tokenizer:
     self._splitter = AddedTokenSplitter(added)
     self._specials = specials
     self._chat_template = chat_template
+    self._other_templates: dict[str, ChatTemplate] = {}   # templates given per call (--chat-template), compiled once
     self._template_tokens = template_tokens or {}
     self.added_tokens = {t.content: t.id for t in added}
     self.special_token_ids: frozenset[int] = frozenset(t.id for t in added if t.special)
@@ -58,6 +60,22 @@ class Tokenizer:
   def has_chat_template(self) -> bool:
     return self._chat_template is not None
 
+  @property
+  def chat_template(self) -> str | None:
+    """The model's chat template source (None: it has none)."""
+    return self._chat_template.source if self._chat_template is not None else None
+
+  @property
+  def special_tokens_map(self) -> dict[str, Any]:
+    """HF's special_tokens_map: the bos/eos/unk/sep/pad/cls/mask tokens the config names, additional_special_tokens."""
+    return dict(self._template_tokens)
+
+  def base_vocab(self) -> dict[str, int]:
+    """The vocab without added tokens: token string -> id, the strings as the tokenizer files write them."""
+    if self._parts.vocab is not None:
+      return dict(self._parts.vocab)
+    return {bytes_to_token(raw): i for i, raw in self._parts.token_bytes.items()}
+
   def __repr__(self) -> str:
     return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size})"
 
@@ -94,10 +112,17 @@ class Tokenizer:
     return self._bytes[token_id] if 0 <= token_id < self.vocab_size else b""
 
   def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                          tokenize: bool = False, **kwargs: Any) -> str | list[int]:
-    """The chat rendered by the model's template; tokenize=True encodes it without adding BOS (the template has it)."""
-    if self._chat_template is None:
+                          tokenize: bool = False, chat_template: str | None = None, **kwargs: Any) -> str | list[int]:
+    """The chat rendered by the model's template (or the `chat_template` source given); tokenize=True encodes it
+    without adding BOS (the template has it)."""
+    template = self._chat_template if chat_template is None else self._template_from(chat_template)
+    if template is None:
       raise TokenizerError(f"tokenizer {self.name!r} has no chat template "
                            "(looked for chat_template in tokenizer_config.json and chat_template.jinja)")
-    text = self._chat_template.render(messages, add_generation_prompt, self._template_tokens, **kwargs)
+    text = template.render(messages, add_generation_prompt, self._template_tokens, **kwargs)
     return self.encode(text, add_special_tokens=False) if tokenize else text
+
+  def _template_from(self, source: str) -> ChatTemplate:
+    if source not in self._other_templates:
+      self._other_templates[source] = ChatTemplate(source)
+    return self._other_templates[source]

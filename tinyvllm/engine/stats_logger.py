@@ -1,0 +1,44 @@
+"""The periodic stats line of a running engine (vLLM's LoggingStatLogger): throughput since the last line, running and
+waiting requests, KV cache use, prefix-cache hit rate. Off with disable_log_stats (the offline LLM's default)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+LOG_STATS_INTERVAL_S = 10.0   # vLLM's default interval
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+  running: int
+  waiting: int
+  kv_cache_usage: float      # 0..1
+  prefix_cache_hit_rate: float | None   # 0..1; None without a prefix cache
+
+
+class StatsLogger:
+  def __init__(self, log: Callable[[str], None], interval: float = LOG_STATS_INTERVAL_S,
+               clock: Callable[[], float] = time.monotonic):
+    self.log, self.interval, self.clock = log, interval, clock
+    self.last = clock()
+    self.prompt_tokens = self.generation_tokens = 0
+
+  def record(self, prompt_tokens: int, generation_tokens: int) -> None:
+    self.prompt_tokens += prompt_tokens
+    self.generation_tokens += generation_tokens
+
+  def maybe_log(self, snapshot_of: Callable[[], EngineSnapshot]) -> None:
+    """Log a line when the interval has passed, unless nothing happened and nothing waits (an idle engine stays quiet)."""
+    now = self.clock()
+    if now - self.last < self.interval: return
+    snapshot = snapshot_of()
+    if self.prompt_tokens or self.generation_tokens or snapshot.running or snapshot.waiting:
+      self.log(self.line(snapshot, now - self.last))
+    self.last, self.prompt_tokens, self.generation_tokens = now, 0, 0
+
+  def line(self, snapshot: EngineSnapshot, elapsed: float) -> str:
+    hit = "" if snapshot.prefix_cache_hit_rate is None else f", Prefix cache hit rate: {100 * snapshot.prefix_cache_hit_rate:.1f}%"
+    return (f"Avg prompt throughput: {self.prompt_tokens / elapsed:.1f} tokens/s, "
+            f"Avg generation throughput: {self.generation_tokens / elapsed:.1f} tokens/s, Running: {snapshot.running} reqs, "
+            f"Waiting: {snapshot.waiting} reqs, KV cache usage: {100 * snapshot.kv_cache_usage:.1f}%{hit}")
