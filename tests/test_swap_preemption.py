@@ -167,14 +167,16 @@ def test_kv_cache_swaps_blocks_out_and_back_bit_for_bit(dtype):
   # random bit patterns (finite floats, so that no NaN is canonicalised on the way)
   raw = [(rng.integers(0, 2 ** (8 * dtype.itemsize), (24, 32), dtype=np.uint64) & 0x3F3F3F3F).astype(np_bits) for _ in range(4)]
   cache.layers = [tuple(Tensor(raw[2 * i + j]).bitcast(dtype).contiguous().realize() for j in range(2)) for i in range(2)]
-  cache.swap_out([(1, 2), (4, 0)])   # device blocks 1 and 4 to swap blocks 2 and 0
-  cache.swap_in([(2, 5), (0, 3)])    # and back into device blocks 5 and 3
+  cache.swap_out([(1, 2), (4, 0), (0, 1)])   # device blocks 1, 4, 0 to swap blocks 2, 0, 1 (padded to 4 blocks)
+  cache.swap_in([(2, 5), (0, 3), (1, 2)])    # and back into device blocks 5, 3, 2
   now = [t.bitcast(raw_dtype).numpy() for pair in cache.layers for t in pair]
   for got, was in zip(now, raw, strict=True):
     np.testing.assert_array_equal(got[20:24], was[4:8])     # block 1 -> 5
     np.testing.assert_array_equal(got[12:16], was[16:20])   # block 4 -> 3
-    np.testing.assert_array_equal(got[:12], was[:12])       # the rest untouched
+    np.testing.assert_array_equal(got[8:12], was[0:4])      # block 0 -> 2
+    np.testing.assert_array_equal(got[:8], was[:8])         # the rest untouched (the padding wrote nowhere)
     np.testing.assert_array_equal(got[16:20], was[16:20])
+  np.testing.assert_array_equal(cache.swap[:, 4:8], np.stack(raw)[:, 0:4])   # device block 0 sits in swap block 1
 
 
 # ---- the engine ----
