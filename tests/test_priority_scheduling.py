@@ -11,6 +11,8 @@ import pytest
 
 from tests.conftest import assert_all_free
 from tests.scheduler_sim import plan, random_requests, sim
+from tests.test_invariance import PROMPTS, assert_matches_alone, run_alone
+from tinyvllm import LLM, SamplingParams
 from tinyvllm.config import ConfigError, EngineConfig
 from tinyvllm.core.scheduling_policy import check_priority
 from tinyvllm.core.sequence import SequenceStatus
@@ -208,20 +210,16 @@ def test_bad_policy_settings_are_config_errors(fields, words):
 # ---- the engine ----
 @pytest.fixture(scope="module")
 def lone(stories_dir):
-  from tinyvllm import LLM
   return LLM(str(stories_dir), max_num_seqs=1, num_gpu_blocks=64)
 
 
 def greedy(max_tokens: int):
-  from tinyvllm import SamplingParams
   return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 def test_greedy_outputs_under_priority_preemption_equal_lone_runs(stories_dir, lone, reference, preemption_mode):
-  from tests.test_invariance import PROMPTS, assert_matches_alone, run_alone
-  from tinyvllm import LLM
   prompts = [reference["prompt_ids"], *PROMPTS[4:12]]
   max_tokens = [120, 40, 60, 30, 90, 20, 70, 50, 80]
   refs = run_alone(lone, prompts, max_tokens)
@@ -250,7 +248,6 @@ def test_greedy_outputs_under_priority_preemption_equal_lone_runs(stories_dir, l
 
 
 def test_llm_generate_takes_priorities_in_order(stories_dir):
-  from tinyvllm import LLM
   llm = LLM(str(stories_dir), scheduling_policy="priority", max_num_seqs=1, num_gpu_blocks=64)
   prompts = [[1, 400 + i, 300 + i] for i in range(4)]
   outs = llm.generate(prompts, greedy(3), priority=[3, 0, 2, 1], use_tqdm=False)
@@ -261,7 +258,6 @@ def test_llm_generate_takes_priorities_in_order(stories_dir):
 
 
 def test_priorities_refused_where_they_cannot_be_honoured(stories_dir, lone):
-  from tinyvllm import LLM
   with pytest.raises(ValueError, match=r"priority=1 needs scheduling_policy='priority'"):
     lone.generate([[1, 2, 3], [1, 4]], greedy(2), priority=[0, 1], use_tqdm=False)
   with pytest.raises(ValueError, match=r"priority=-2 needs scheduling_policy='priority'"):

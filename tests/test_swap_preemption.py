@@ -15,12 +15,15 @@ from tinygrad import Tensor, dtypes
 from tests.conftest import assert_all_free
 from tests.scheduler_sim import fake_token, length_verdict, plan, sim
 from tests.test_block_manager import make_seq
+from tests.test_invariance import PROMPTS, SHARED_PROMPTS, assert_matches_alone, run_alone
+from tinyvllm import LLM, SamplingParams
 from tinyvllm.config import ConfigError, EngineConfig, ModelConfig
 from tinyvllm.core.async_scheduling import AsyncScheduler
 from tinyvllm.core.block_manager import BlockManager
 from tinyvllm.core.scheduler import SchedulerConfig
 from tinyvllm.core.sequence import SequenceStatus
 from tinyvllm.core.swap_space import SwapSpace
+from tinyvllm.engine.stats_logger import EngineSnapshot, StatsLogger
 from tinyvllm.platform.device import check_dtype
 from tinyvllm.worker.kv_cache import KVCache
 
@@ -125,7 +128,6 @@ def test_swap_space_blocks_freed_by_a_swap_in_wait_for_the_next_step():
 
 
 def test_the_stats_line_tells_swapped_requests():
-  from tinyvllm.engine.stats_logger import EngineSnapshot, StatsLogger
   lines: list[str] = []
   stats = StatsLogger(lines.append, interval=0.0)
   stats.maybe_log(lambda: EngineSnapshot(running=2, waiting=1, kv_cache_usage=0.5, prefix_cache_hit_rate=None, swapped=3))
@@ -181,18 +183,15 @@ def test_kv_cache_swaps_blocks_out_and_back_bit_for_bit(dtype):
 
 # ---- the engine ----
 def greedy(max_tokens: int, n: int = 1):
-  from tinyvllm import SamplingParams
   return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, n=n)
 
 
 @pytest.fixture(scope="module")
 def lone(stories_dir):
-  from tinyvllm import LLM
   return {kind: LLM(str(stories_dir), max_num_seqs=1, num_gpu_blocks=64, kv_cache_dtype=kind) for kind in ("auto", "fp8")}
 
 
 def swap_engine(stories_dir, **kwargs):
-  from tinyvllm import LLM
   return LLM(str(stories_dir), **{"preemption_mode": "swap", "swap_space": 0.01, "num_gpu_blocks": 24, "max_num_seqs": 6, **kwargs})
 
 
@@ -205,7 +204,6 @@ def assert_swapped(llm) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["auto", "fp8"])
 def test_greedy_outputs_with_forced_swaps_equal_lone_runs(stories_dir, lone, reference, kind):
-  from tests.test_invariance import PROMPTS, assert_matches_alone, run_alone
   prompts, max_tokens = [reference["prompt_ids"], *PROMPTS[6:14]], [100, 60, 40, 80, 30, 70, 50, 90, 45]
   refs = run_alone(lone[kind], prompts, max_tokens)
   llm = swap_engine(stories_dir, kv_cache_dtype=kind)
@@ -225,7 +223,6 @@ def test_greedy_outputs_with_forced_swaps_equal_lone_runs(stories_dir, lone, ref
 
 @pytest.mark.slow
 def test_swaps_with_prefix_caching_forks_and_asynchronous_scheduling(stories_dir, lone, reference):
-  from tests.test_invariance import SHARED_PROMPTS, assert_matches_alone, run_alone
   prompts, max_tokens = SHARED_PROMPTS[:6], [60, 35, 50, 25, 45, 40]
   refs = run_alone(lone["auto"], prompts, max_tokens)
   for asynchronous in (False, True):
@@ -241,7 +238,6 @@ def test_swaps_with_prefix_caching_forks_and_asynchronous_scheduling(stories_dir
 
 @pytest.mark.slow
 def test_a_swap_space_too_small_falls_back_to_recomputation(stories_dir, lone, reference):
-  from tests.test_invariance import PROMPTS, assert_matches_alone, run_alone
   prompts, max_tokens = [reference["prompt_ids"], *PROMPTS[6:14]], [100, 60, 40, 80, 30, 70, 50, 90, 45]
   refs = run_alone(lone["auto"], prompts, max_tokens)
   block_bytes = KVCache.bytes_per_token(ModelConfig.from_folder(stories_dir), dtypes.float32) * 16   # float32 on the CPU
@@ -255,6 +251,5 @@ def test_a_swap_space_too_small_falls_back_to_recomputation(stories_dir, lone, r
 
 
 def test_a_swap_space_smaller_than_a_block_is_refused(stories_dir):
-  from tinyvllm import LLM
   with pytest.raises(ConfigError, match=r"swap_space \(1e-09 GiB\) is smaller than one KV block"):
     LLM(str(stories_dir), preemption_mode="swap", swap_space=1e-9, num_gpu_blocks=8)
