@@ -1,9 +1,10 @@
 """A fake engine loop for driving the schedulers in tests: plain Python, no tensors, no model.
 
-`Sim` does what LLMEngine.step does around the model runner: schedule, run (here: copy blocks and write token ids into
-a fake KV store, then read every computed position back), and hand the scheduler a fake sampled token per sampling row
-with a length verdict. It records each sequence's computed positions, so that a test can prove no token was skipped or
-computed twice (except from scratch after a preemption).
+`Sim` does what LLMEngine.step does around the model runner: schedule, run (here: swap blocks out to a fake swap space
+and back, copy blocks, and write token ids into a fake KV store, then read every computed position back), and hand the
+scheduler a fake sampled token per sampling row with a length verdict. It records each sequence's computed positions,
+so that a test can prove no token was skipped or computed twice (except from scratch after a preemption by
+recomputation; a swapped-out sequence goes on where it was).
 """
 from __future__ import annotations
 
@@ -28,14 +29,15 @@ class Sim:
   def __init__(self, scheduler: Scheduler | StaticScheduler):
     self.sched, self.alloc = scheduler, scheduler.allocator
     self.kv: dict[int, list[int | None]] = {}
+    self.host: dict[int, list[int | None]] = {}    # the swap space's blocks
     self.seqs: list[Sequence] = []
     self.positions: dict[int, list[int]] = {}   # seq id -> positions computed since its last (re)admission
     self.starts: dict[int, int] = {}            # seq id -> first position computed after its last (re)admission
     self.outputs: list[SchedulerOutput] = []
     self.sampled: list[list[int]] = []           # per step: the ids of the sequences that sampled a token
 
-  def add(self, prompt: list[int], max_tokens: int = 4, n: int = 1, rid: str = "r") -> list[Sequence]:
-    seqs = [make_seq(prompt, max_tokens, n, f"{rid}{len(self.seqs)}", i) for i in range(n)]
+  def add(self, prompt: list[int], max_tokens: int = 4, n: int = 1, rid: str = "r", priority: int = 0) -> list[Sequence]:
+    seqs = [make_seq(prompt, max_tokens, n, f"{rid}{len(self.seqs)}", i, priority) for i in range(n)]
     self.seqs += seqs
     self.sched.add(seqs)
     return seqs
@@ -44,12 +46,17 @@ class Sim:
     out = self.sched.schedule()
     self.outputs.append(out)
     for seq in out.preempted:
-      assert self.table(seq) == [] and seq.num_computed_tokens == 0 and seq.status is SequenceStatus.WAITING
-      self.positions.pop(seq.seq_id, None)
-    if not out:  # the engine runs nothing: no copy may be pending, and only a preemption excuses an idle step
-      assert out.block_copies == [] and (out.preempted or not self.sched.has_unfinished())
+      assert self.table(seq) == []
+      if seq.status is SequenceStatus.SWAPPED: assert seq.num_computed_tokens > 0   # it goes on where it was
+      else:
+        assert seq.num_computed_tokens == 0 and seq.status is SequenceStatus.WAITING
+        self.positions.pop(seq.seq_id, None)
+    if not out:  # the engine runs nothing: no block moves, and only a preemption excuses an idle step
+      assert out.block_copies == out.blocks_to_swap_out == out.blocks_to_swap_in == []
+      assert out.preempted or not self.sched.has_unfinished()
       return out
     if isinstance(self.sched, Scheduler): assert out.num_tokens <= self.sched.config.max_num_batched_tokens
+    assert not {id(seq) for seq in out.preempted} & {id(item.seq) for item in out.scheduled}   # not back in the same step
     self._run(out)
     self.sampled.append([item.seq.seq_id for item in out.scheduled if item.samples])
     tokens = [fake_token(seq) for seq in out.sampling_seqs]
@@ -63,6 +70,8 @@ class Sim:
   def _run(self, out: SchedulerOutput) -> None:
     """The model runner's view: copies first, then each scheduled token's K/V is written, then every position read."""
     size = self.alloc.block_size
+    for device, host in out.blocks_to_swap_out: self.host[host] = list(self.kv[device])
+    for host, device in out.blocks_to_swap_in: self.kv[device] = list(self.host[host])
     for src, dst in out.block_copies: self.kv[dst] = list(self.kv[src])
     starts = {item.seq.seq_id: item.start for item in out.scheduled}
     forks = {child.seq_id for item in out.scheduled for child in item.forks}
@@ -95,7 +104,13 @@ class Sim:
     running, waiting = self.sched.running, list(self.sched.waiting)
     assert len(set(map(id, running + waiting))) == len(running) + len(waiting)
     assert all(s.status is SequenceStatus.RUNNING for s in running)
-    assert all(s.status is SequenceStatus.WAITING and self.table(s) == [] for s in waiting)
+    assert all(s.status in (SequenceStatus.WAITING, SequenceStatus.SWAPPED) and self.table(s) == [] for s in waiting)
+    swap = self.sched.swap_space
+    if swap is not None:   # each swapped-out sequence holds one swap-space block per block it held, no block twice
+      held = [b for s in waiting for b in swap.table(s.seq_id)]
+      assert len(held) == len(set(held)) == swap.num_used_blocks and not set(held) & set(swap.free_blocks)
+      assert all(len(swap.table(s.seq_id)) == self.alloc.blocks_for(s.num_computed_tokens) for s in waiting
+                 if s.status is SequenceStatus.SWAPPED)
     assert all(self.table(s) == [] for s in self.seqs if s not in running)  # finished, waiting, or a pending fork
     if isinstance(self.alloc, BlockManager): check_invariants(self.alloc, self.seqs)
 
@@ -115,6 +130,9 @@ class Sim:
       assert seq.status is SequenceStatus.FINISHED_LENGTH and len(seq.output_token_ids) == seq.params.max_tokens
       assert self.table(seq) == []
       assert self.positions[seq.seq_id] == list(range(self.starts[seq.seq_id], seq.num_tokens - 1))
+    assert self.sched.pending_swap_out == self.sched.pending_swap_in == []
+    if self.sched.swap_space is not None:
+      assert self.sched.swap_space.num_used_blocks == 0 and self.sched.swap_space.tables == {}
     if isinstance(self.alloc, BlockManager):
       assert self.alloc.num_free_blocks == self.alloc.num_blocks and self.alloc.num_used_blocks == 0
       assert all(b.ref_count == 0 for b in self.alloc.blocks)
@@ -122,8 +140,11 @@ class Sim:
       assert self.alloc.num_free_blocks == self.alloc.num_blocks and self.alloc.reserved == {}
 
 
-def sim(num_blocks: int = 64, block_size: int = 4, prefix: bool = True, static: bool = False, **config) -> Sim:
+def sim(num_blocks: int = 64, block_size: int = 4, prefix: bool = True, static: bool = False, swap_blocks: int | None = None,
+        **config) -> Sim:
+  """A simulated scheduler; swap_blocks: preemption by swapping, with a swap space of that many blocks."""
   cls = StaticScheduler if static else Scheduler
+  if swap_blocks is not None: config.update(preemption_mode="swap", num_swap_blocks=swap_blocks)
   return Sim(cls(BlockManager(num_blocks, block_size, prefix), SchedulerConfig(**config)))
 
 

@@ -15,7 +15,7 @@ from tinyvllm.engine_args import TABLE, engine_config, translate
 from tinyvllm.sampling_params import SamplingParamsError
 
 # (vLLM keyword arguments, the EngineConfig fields they must give). Those that set nothing are accepted because they
-# describe what tinyvllm does anyway (one device, no remote code, no swapping, ...).
+# describe what tinyvllm does anyway (one device, no remote code, ...).
 WORKS: list[tuple[dict, dict]] = [
   ({"tensor_parallel_size": 1}, {}),
   ({"pipeline_parallel_size": 1}, {}),
@@ -42,11 +42,14 @@ WORKS: list[tuple[dict, dict]] = [
   ({"max_num_batched_tokens": 4096}, {"max_num_batched_tokens": 4096}),
   ({"enable_chunked_prefill": False}, {"enable_chunked_prefill": False}),
   ({"long_prefill_token_threshold": 64}, {"long_prefill_token_threshold": 64}),
-  ({"swap_space": 8}, {}),
+  ({"swap_space": 8}, {"swap_space": 8}),
+  ({"preemption_mode": "swap"}, {"preemption_mode": "swap"}),
+  ({"preemption_mode": None}, {"preemption_mode": "recompute"}),
   ({"cpu_offload_gb": 0}, {}),
   ({"disable_custom_all_reduce": True}, {}),
   ({"max_seq_len_to_capture": 4096}, {}),
-  ({"scheduling_policy": "fcfs"}, {}),
+  ({"scheduling_policy": "fcfs"}, {"scheduling_policy": "fcfs"}),
+  ({"scheduling_policy": "priority"}, {"scheduling_policy": "priority"}),
   ({"disable_log_stats": True}, {"disable_log_stats": True}),
   ({"skip_tokenizer_init": True}, {"skip_tokenizer_init": True}),
   ({"tokenizer_mode": "auto"}, {}),
@@ -80,7 +83,8 @@ REFUSED: list[tuple[dict, list[str]]] = [
   ({"cpu_offload_gb": 4}, ["cpu_offload_gb=4"]),
   ({"enable_lora": True}, ["enable_lora=True", "LoRA"]),
   ({"speculative_config": {"method": "ngram"}}, ["speculative_config", "speculative decoding"]),
-  ({"scheduling_policy": "priority"}, ["scheduling_policy='priority'", "fcfs"]),
+  ({"scheduling_policy": "sjf"}, ["scheduling_policy must be one of fcfs, priority"]),
+  ({"preemption_mode": "swap", "swap_space": 0}, ["preemption_mode=swap needs swap_space > 0"]),
   ({"tokenizer_mode": "mistral"}, ["tokenizer_mode='mistral'"]),
   ({"hf_overrides": {"rope_theta": 1.0}}, ["hf_overrides"]),
   ({"enable_sleep_mode": True}, ["enable_sleep_mode=True"]),
@@ -117,8 +121,8 @@ def test_a_vllm_argument_it_cannot_honour_fails_naming_it(kwargs, words):
 
 def test_accepted_arguments_that_set_nothing_say_so():
   notes: list[str] = []
-  engine_config("m", {"trust_remote_code": True, "swap_space": 16, "tensor_parallel_size": 1}, notes.append)
-  assert [n.split(" accepted")[0] for n in notes] == ["trust_remote_code=True", "swap_space=16"]
+  engine_config("m", {"trust_remote_code": True, "disable_custom_all_reduce": True, "tensor_parallel_size": 1}, notes.append)
+  assert [n.split(" accepted")[0] for n in notes] == ["trust_remote_code=True", "disable_custom_all_reduce=True"]
   assert translate({"trust_remote_code": False})[1] == []   # vLLM's default needs no word
 
 
@@ -172,9 +176,11 @@ SERVE_FLAGS: list[tuple[list[str], dict]] = [
   (["--override-generation-config", '{"temperature": 0.2, "max_new_tokens": 9}'],
    {"override_generation_config": {"temperature": 0.2, "max_new_tokens": 9}}),
   (["--disable-log-stats"], {"disable_log_stats": True}),
-  (["--swap-space", "8"], {}),
+  (["--swap-space", "8"], {"swap_space": 8.0}),
+  (["--preemption-mode", "swap"], {"preemption_mode": "swap"}),
   (["--tokenizer-mode", "auto"], {}),
-  (["--scheduling-policy", "fcfs"], {}),
+  (["--scheduling-policy", "fcfs"], {"scheduling_policy": "fcfs"}),
+  (["--scheduling-policy", "priority"], {"scheduling_policy": "priority"}),
   (["-O", "0"], {"cudagraph_mode": "NONE"}),
   (["--compilation-config", '{"cudagraph_capture_sizes": [1, 4]}'], {"cuda_graph_sizes": [1, 4]}),
   (["--kv-cache-memory-bytes", str(2**30)], {"kv_cache_memory": 1.0}),
@@ -196,7 +202,6 @@ def test_a_serve_flag_works(argv, expected):
   (["-q", "gptq"], ["quantization='gptq'"]),
   (["--speculative-config", '{"method": "ngram"}'], ["speculative_config"]),
   (["--reasoning-parser", "qwen3"], ["reasoning_parser='qwen3'"]),
-  (["--scheduling-policy", "priority"], ["scheduling_policy='priority'"]),
   (["--enable-lora"], ["enable_lora=True"]),
 ])
 def test_a_serve_flag_it_cannot_honour_fails_naming_it(argv, words):

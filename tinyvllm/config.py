@@ -26,6 +26,8 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTENTION_BACKENDS = ("auto", "portable", "cuda", "metal")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")   # vLLM's names; fp8 = fp8_e4m3
 CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "NONE")   # vLLM's names: which step layouts are captured
+SCHEDULING_POLICIES = ("fcfs", "priority")   # vLLM's: first come first served, or by each request's priority
+PREEMPTION_MODES = ("recompute", "swap")     # vLLM's: what happens to a preempted sequence's KV blocks
 MAX_LOGPROBS = 20   # the most top-k alternatives the sampler returns per token (vLLM's default max_logprobs)
 # the generation_config.json fields that become request defaults (vLLM's list); max_new_tokens is max_tokens
 GENERATION_CONFIG_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
@@ -182,6 +184,11 @@ class EngineConfig:
   max_num_batched_tokens: int | None = None     # default: max(2048, max_num_seqs)
   enable_chunked_prefill: bool = True
   long_prefill_token_threshold: int = 0
+  scheduling_policy: str = "fcfs"               # fcfs | priority (each request's priority, lower first; core/scheduling_policy.py)
+  # a preempted sequence's KV blocks: freed and recomputed later, or swapped out to swap_space GiB of host memory and
+  # back (None: vLLM's way of saying the default, recompute)
+  preemption_mode: str = "recompute"
+  swap_space: float = 4                         # GiB (vLLM's default 4), used by preemption_mode swap
   # attention: hand-written kernels (cuda / metal) or tinygrad ops (portable); auto picks by device
   attention_backend: str = "auto"
   # decode batch sizes captured at start-up (bucketed to powers of two); None: every bucket up to max_num_seqs on a GPU,
@@ -248,6 +255,7 @@ class EngineConfig:
     ]
     for ok, message in checks:
       if not ok: raise ConfigError(message)
+    self._check_scheduling()
     self._check_generation_override()
     if self.device in ("auto", ""): self.device = None   # vLLM's "auto": detect it
     if self.device is None: self.device = os.environ.get("DEV") or None   # tinygrad's own variable
@@ -257,6 +265,26 @@ class EngineConfig:
     if self.max_num_batched_tokens < self.max_num_seqs:
       raise ConfigError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}) "
                         "so that every running sequence can decode in each step")
+
+  def _check_scheduling(self) -> None:
+    """The scheduling policy and the preemption mode, and the scheduler and cache they need."""
+    if self.preemption_mode is None: self.preemption_mode = "recompute"
+    checks = [
+      (self.scheduling_policy in SCHEDULING_POLICIES,
+       f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"),
+      (self.preemption_mode in PREEMPTION_MODES,
+       f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}"),
+      (isinstance(self.swap_space, (int, float)) and not isinstance(self.swap_space, bool) and self.swap_space >= 0,
+       f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}"),
+      (self.scheduling_policy == "fcfs" or self.scheduler == "continuous",
+       "scheduling_policy=priority needs the continuous scheduler (the static one admits whole batches first come, first served)"),
+      (self.preemption_mode == "recompute" or (self.scheduler == "continuous" and self.kv_cache == "paged"),
+       "preemption_mode=swap needs the continuous scheduler and the paged KV cache (the static scheduler never preempts, "
+       "and the contiguous baseline's rows are not swapped)"),
+      (self.preemption_mode == "recompute" or self.swap_space > 0, "preemption_mode=swap needs swap_space > 0 GiB"),
+    ]
+    for ok, message in checks:
+      if not ok: raise ConfigError(message)
 
   def _check_generation_override(self) -> None:
     override = self.override_generation_config

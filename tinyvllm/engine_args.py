@@ -43,7 +43,6 @@ def _is(*allowed: Any) -> Callable[[Any], bool]:
 
 def _empty(value: Any) -> bool: return not value
 def _is_bool(value: Any) -> bool: return isinstance(value, bool)
-def _non_negative(value: Any) -> bool: return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
 
 
 def _positive_int(value: Any) -> bool: return isinstance(value, int) and not isinstance(value, bool) and value >= 1
@@ -122,15 +121,12 @@ TABLE: tuple[VllmArg, ...] = (
   VllmArg("seed", lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)), "must be an integer or None",
           _field("seed", lambda v: random.SystemRandom().getrandbits(32) if v is None else v)),   # None: a fresh seed
   # the KV cache
-  VllmArg("swap_space", _non_negative, "must be a number of GiB >= 0", default=4, kind=float,
-          note="preempted sequences are recomputed, never swapped to the CPU (as in vLLM's V1 engine)"),
   VllmArg("cpu_offload_gb", _is(0), "offloading weights to the CPU is not supported", default=0, kind=float),
   VllmArg("kv_cache_memory_bytes", _positive_int, "must be a number of bytes >= 1", _field("kv_cache_memory", _kv_bytes_to_gib),
           kind=int),
   VllmArg("num_gpu_blocks_override", _positive_int, "must be an integer >= 1", _field("num_gpu_blocks"), kind=int),
   VllmArg("calculate_kv_scales", _is(False), "the FP8 KV cache stores E4M3 codes with scale 1", default=False, kind=bool),
   # the scheduler
-  VllmArg("scheduling_policy", _is("fcfs"), "tinyvllm schedules first come, first served (fcfs) only", default="fcfs", kind=str),
   VllmArg("max_num_partial_prefills", _is(1), "one prompt at a time is chunked", default=1, kind=int),
   VllmArg("enable_lora", _is(False, None), "LoRA adapters are not supported yet", default=False, kind=bool),
   VllmArg("speculative_config", _empty, "speculative decoding is not supported yet", kind="json"),

@@ -8,7 +8,16 @@ import random
 import sys
 from typing import Any
 
-from tinyvllm.config import ATTENTION_BACKENDS, CUDAGRAPH_MODES, DTYPES, KV_CACHE_DTYPES, ConfigError, EngineConfig
+from tinyvllm.config import (
+  ATTENTION_BACKENDS,
+  CUDAGRAPH_MODES,
+  DTYPES,
+  KV_CACHE_DTYPES,
+  PREEMPTION_MODES,
+  SCHEDULING_POLICIES,
+  ConfigError,
+  EngineConfig,
+)
 from tinyvllm.engine_args import DTYPE_ALIASES, TABLE, VllmArg
 from tinyvllm.engine_args import engine_config as config_from_arguments
 
@@ -59,6 +68,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
   c.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                  help="run each prompt in one step")
   c.add_argument("--long-prefill-token-threshold", type=int, default=0, help="most prompt tokens of one sequence per step")
+  c.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
+                 help="fcfs: first come, first served; priority: by each request's priority (lower first, ties by arrival), "
+                      "a waiting request preempting running ones of lower priority")
+  c.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES,
+                 help="a preempted sequence's KV blocks: freed and recomputed later, or swapped out to host memory and back")
+  c.add_argument("--swap-space", type=float, default=4, help="GiB of host memory for swapped-out KV blocks (default 4)")
   r = p.add_argument_group("requests")
   r.add_argument("--max-logprobs", type=int, help="the most logprobs a request may ask for (default 20)")
   r.add_argument("--generation-config", help="request sampling defaults: auto (the model's generation_config.json, the "
@@ -92,7 +107,8 @@ ENGINE_FLAGS = ("tokenizer", "dtype", "device", "max_model_len", "load_format", 
                 "gpu_memory_utilization", "num_gpu_blocks", "enable_prefix_caching", "scheduler", "max_num_seqs",
                 "max_num_batched_tokens", "enable_chunked_prefill", "long_prefill_token_threshold", "attention_backend",
                 "cuda_graph_sizes", "async_scheduling", "cudagraph_mode", "enforce_eager", "decode_layer_kernel",
-                "decode_layer_max_context", "download_dir", "revision", "tokenizer_revision", "hf_token")
+                "decode_layer_max_context", "download_dir", "revision", "tokenizer_revision", "hf_token", "scheduling_policy",
+                "preemption_mode", "swap_space")
 # flags passed on only when given (None: the engine's default)
 OPTIONAL_FLAGS = ("max_logprobs", "generation_config", "override_generation_config", "skip_tokenizer_init", "disable_log_stats",
                   *(arg.name for arg in TABLE if arg.kind is not None))

@@ -6,7 +6,8 @@ so the next step can compute its K/V, and the runner takes its id on the device 
 - a sequence whose length limit is already reached by its tokens in flight is not scheduled;
 - a token that lands after its sequence ended (a stop read late, an abort) is dropped; the ended sequence's blocks were
   freed at once (later steps are ordered after it on the device);
-- a sequence preempted with a token in flight waits for it before it is readmitted;
+- a sequence preempted with a token in flight waits for it before it is readmitted (swapped out, its blocks are copied
+  out after that step's writes: the copy is ordered after it on the device);
 - prefix-cache blocks are registered only once their tokens are known (update_from_output does it after landing).
 The engine reads a step before scheduling the next where a row needs every earlier token on the host (penalties).
 """
@@ -42,9 +43,14 @@ class AsyncStaticScheduler(AsyncScheduling, StaticScheduler):
   """Static batching, scheduled one step ahead."""
 
 
-def make_scheduler(policy: str, asynchronous: bool, allocator, config) -> SchedulerBase:
-  """policy: "continuous" or "static"."""
-  if policy not in ("continuous", "static"): raise ValueError(f"unknown scheduler policy {policy!r}")
+def make_scheduler(kind: str, asynchronous: bool, allocator, config) -> SchedulerBase:
+  """kind: "continuous" or "static". The static baseline admits whole batches first come, first served and never
+  preempts, so it takes neither the priority policy nor swapping."""
+  if kind not in ("continuous", "static"): raise ValueError(f"unknown scheduler {kind!r}")
+  if kind == "static" and config.scheduling_policy != "fcfs":
+    raise ValueError(f"scheduling_policy={config.scheduling_policy!r} needs the continuous scheduler (the static one serves fcfs)")
+  if kind == "static" and config.preemption_mode != "recompute":
+    raise ValueError(f"preemption_mode={config.preemption_mode!r} needs the continuous scheduler (the static one never preempts)")
   cls = {("continuous", False): Scheduler, ("static", False): StaticScheduler, ("continuous", True): AsyncScheduler,
-         ("static", True): AsyncStaticScheduler}[(policy, asynchronous)]
+         ("static", True): AsyncStaticScheduler}[(kind, asynchronous)]
   return cls(allocator, config)

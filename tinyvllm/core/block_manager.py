@@ -10,7 +10,7 @@ scheduler is its only caller.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -124,16 +124,27 @@ class BlockManager:
     assert block.ref_count >= 0, f"block {block.block_id} released more often than acquired"
     if block.ref_count == 0: self.free_queue[block.block_id] = block  # most recently used end
 
-  def can_allocate(self, seq: Sequence, num_new_tokens: int, num_seqs: int = 1) -> bool:
+  def can_allocate(self, seq: Sequence, num_new_tokens: int, num_seqs: int = 1, releasing: Seq[Sequence] = ()) -> bool:
     """Whether a waiting sequence can start: room for its cached prefix plus num_new_tokens more (the chunk, which
     cannot run past the sequence's end: a chunk sized before the cache was consulted must not count the cached
-    prefix twice).
+    prefix twice), once the `releasing` sequences (about to be preempted) gave their blocks back.
 
     Forks (num_seqs > 1) share its blocks, so they need nothing now."""
     hits = self.cached_prefix(seq)
-    reusable_free = sum(1 for b in hits if b.ref_count == 0)
     needed = self.blocks_for(min(len(hits) * self.block_size + num_new_tokens, seq.num_tokens)) - len(hits)
-    return needed + reusable_free <= self.num_free_blocks
+    return self._room_for(needed, hits, releasing)
+
+  def _room_for(self, fresh: int, hits: list[Block], releasing: Seq[Sequence]) -> bool:
+    """Whether `fresh` new blocks plus the cached `hits` fit once `releasing` gave their blocks back (a hit on the free
+    list leaves it when it is taken, so it counts against the free blocks)."""
+    freed = self._freed_by(releasing)
+    reusable_free = sum(1 for b in hits if b.ref_count == 0 or b.block_id in freed)
+    return fresh + reusable_free <= self.num_free_blocks + len(freed)
+
+  def _freed_by(self, seqs: Seq[Sequence]) -> set[int]:
+    """The blocks that would be free if seqs released theirs (a block others share stays theirs)."""
+    held = Counter(block_id for seq in seqs for block_id in self.block_table(seq))
+    return {block_id for block_id, count in held.items() if self.blocks[block_id].ref_count == count}
 
   def allocate(self, seq: Sequence, num_seqs: int = 1) -> int:
     """Attach the cached prefix to a waiting sequence; returns how many tokens it covers (now computed)."""
@@ -185,6 +196,36 @@ class BlockManager:
     and forget the sequence."""
     record = self.seqs.pop(seq.seq_id, None)
     for block_id in reversed(record.table if record is not None else []): self._release(self.blocks[block_id])
+
+  # ---- swapping (preemption_mode swap) ----
+  def swap_out(self, seq: Sequence) -> list[int]:
+    """Release seq's device blocks, tail first, and return them in table order: their contents go to the swap space
+    before the next step runs. A block others share stays on the device for them. The sequence keeps its memoised
+    hashes; its blocks are entered in the prefix cache again once it is back."""
+    record = self.seqs[seq.seq_id]
+    table, record.table, record.registered = record.table, [], 0
+    for block_id in reversed(table): self._release(self.blocks[block_id])
+    return table
+
+  def _swap_in_hits(self, seq: Sequence) -> list[Block]:
+    """The leading full blocks of a swapped-out sequence that the prefix cache still holds (no copy needed)."""
+    return self.cached_prefix(seq)[:seq.num_computed_tokens // self.block_size]
+
+  def can_swap_in(self, seq: Sequence, num_new_tokens: int, releasing: Seq[Sequence] = ()) -> bool:
+    """Whether a swapped-out sequence can come back with room for num_new_tokens more (see can_allocate)."""
+    hits = self._swap_in_hits(seq)
+    return self._room_for(self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(hits), hits, releasing)
+
+  def swap_in(self, seq: Sequence, num_blocks: int) -> int:
+    """Give a swapped-out sequence its num_blocks blocks back: the prefix cache's where it still holds them, fresh ones
+    for the rest (their contents come back from the swap space before the step). Returns how many leading blocks
+    came from the prefix cache."""
+    assert not self.block_table(seq), f"sequence {seq.seq_id} already holds blocks"
+    hits = self._swap_in_hits(seq)
+    for block in hits: self._acquire(block)
+    record = self.seqs.setdefault(seq.seq_id, SequenceBlocks())
+    record.table = [b.block_id for b in hits] + [self._take_free().block_id for _ in range(num_blocks - len(hits))]
+    return len(hits)
 
   def reset_prefix_cache(self) -> None:
     for block in self.cached.values(): block.block_hash, block.parent_hash, block.token_ids = None, None, ()

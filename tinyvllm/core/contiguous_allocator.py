@@ -7,6 +7,8 @@ parent's row.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from tinyvllm.core.sequence import Sequence
 
 
@@ -27,8 +29,10 @@ class ContiguousAllocator:
 
   def block_table(self, seq: Sequence) -> list[int]: return self.rows.get(seq.seq_id, [])
 
-  def can_allocate(self, seq: Sequence, num_new_tokens: int, num_seqs: int = 1) -> bool:
-    return len(self.free_rows) >= num_seqs
+  def can_allocate(self, seq: Sequence, num_new_tokens: int, num_seqs: int = 1, releasing: Iterable[Sequence] = ()) -> bool:
+    """Whether seq (and its forks) can have rows, once the `releasing` sequences (about to be preempted) gave theirs back."""
+    freed = sum(len(self.rows.get(s.seq_id, [])) + len(self.reserved.get(s.seq_id, [])) for s in releasing)
+    return len(self.free_rows) + freed >= num_seqs
 
   def allocate(self, seq: Sequence, num_seqs: int = 1) -> int:
     """Give seq a row (and rows for its forks); returns the tokens already computed (none: no prefix reuse here)."""

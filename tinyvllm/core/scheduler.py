@@ -6,8 +6,13 @@ blocks in the prefix cache, and finishes and frees what ended. Nothing else writ
 - `Scheduler` (continuous batching, the default): every step serves the running sequences at their current positions
   (decodes and unfinished prompt chunks) and then admits waiting sequences mid-flight while the token budget
   (--max-num-batched-tokens), --max-num-seqs and free blocks allow. Long prompts are split into chunks (chunked
-  prefill) that share a step with decodes. When a running sequence needs a block and none is free, the newest running
-  sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed later.
+  prefill) that share a step with decodes. The scheduling policy (core/scheduling_policy.py) orders the queue and the
+  batch: first come, first served, or by priority, where a waiting sequence of higher priority is admitted ahead of
+  lower-priority running ones and preempts them if it needs their room. When a running sequence needs a block and
+  none is free, the batch's last sequence (the newest, or the lowest-priority one) is preempted.
+- Preemption (--preemption-mode): `recompute` frees the sequence's blocks, and it is computed again from scratch when
+  readmitted; `swap` copies its blocks to the swap space in host memory (core/swap_space.py) and back into free
+  device blocks when it is readmitted, where it continues exactly where it was (recomputed when the swap space is full).
 - `StaticScheduler` (the baseline): admit a batch, run it until all of it is done, then admit the next.
 - Their asynchronous forms (`AsyncScheduling`, tinyvllm/core/async_scheduling.py) schedule a step while the previous
   one is still in flight.
@@ -21,10 +26,12 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tinyvllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from tinyvllm.core.scheduling_policy import SchedulingPolicy
 from tinyvllm.core.sequence import Sequence, SequenceStatus, StopVerdict
+from tinyvllm.core.swap_space import SwapSpace
 from tinyvllm.sampling_params import SamplingParams
 
 # (sequence, sampled token, its row in the step) -> the output processor's verdict
@@ -37,6 +44,22 @@ class SchedulerConfig:
   max_num_batched_tokens: int = 2048
   enable_chunked_prefill: bool = True
   long_prefill_token_threshold: int = 0   # most prompt tokens of one sequence per step (0: up to the budget)
+  scheduling_policy: str = "fcfs"         # fcfs | priority (core/scheduling_policy.py)
+  preemption_mode: str = "recompute"      # recompute | swap (a preempted sequence's blocks go to the swap space)
+  num_swap_blocks: int = 0                # the swap space's blocks (preemption_mode swap)
+
+
+@dataclass
+class StepPlan:
+  """A step being planned: the token budget left, its items, the sequences it preempted."""
+  budget: int
+  items: list[ScheduledSequence] = field(default_factory=list)
+  preempted: list[Sequence] = field(default_factory=list)
+  outranking_done: bool = False   # priority: no waiting sequence is admitted ahead of running ones for the rest of it
+
+  def add(self, item: ScheduledSequence) -> None:
+    self.items.append(item)
+    self.budget -= item.num_new_tokens
 
 
 class SchedulerBase:
@@ -46,16 +69,32 @@ class SchedulerBase:
     self.running: list[Sequence] = []
     self.pending_forks: dict[int, list[Sequence]] = {}   # first sequence's id -> the samples forked from it
     self.pending_copies: list[tuple[int, int]] = []       # block copies (copy-on-write) the next step must do first
+    self.policy = SchedulingPolicy(config.scheduling_policy)
+    if config.preemption_mode not in ("recompute", "swap"):
+      raise ValueError(f"preemption_mode must be recompute or swap, got {config.preemption_mode!r}")
+    self.swap_space = SwapSpace(config.num_swap_blocks) if config.preemption_mode == "swap" else None
+    self.pending_swap_out: list[tuple[int, int]] = []     # (device, swap-space) block copies the next step must do first
+    self.pending_swap_in: list[tuple[int, int]] = []      # (swap-space, device) block copies, after the swap-outs
     self.num_preemptions = 0
+    self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0   # blocks copied to / from the swap space
+    self.num_swap_fallbacks = 0   # preemptions recomputed because the swap space could not hold the sequence
 
   # ---- requests
   def add(self, seqs: list[Sequence]) -> None:
     """Queue a request's sequences: the first runs, the rest wait to be forked from it."""
     first, *forks = seqs
     if forks: self.pending_forks[first.seq_id] = forks
-    self.waiting.append(first)
+    self.policy.enqueue(self.waiting, first)
 
   def has_unfinished(self) -> bool: return bool(self.waiting or self.running)
+
+  @property
+  def swapped(self) -> list[Sequence]:
+    """The preempted sequences whose blocks are in the swap space (they wait in the queue)."""
+    return [seq for seq in self.waiting if seq.status is SequenceStatus.SWAPPED]
+
+  @property
+  def num_swapped_requests(self) -> int: return len({seq.request_id for seq in self.swapped})
 
   def abort(self, seqs: list[Sequence]) -> None:
     """End sequences wherever they are (a step in flight drops their tokens) and free what they hold."""
@@ -67,11 +106,14 @@ class SchedulerBase:
   # ---- one step
   def schedule(self) -> SchedulerOutput:
     """Decide the next step and move its sequences on: they count its tokens as computed from now on."""
-    items, preempted = self._plan()
-    out = SchedulerOutput(items, preempted, self.pending_copies)
-    self.pending_copies = []
-    for item in items: item.seq.num_computed_tokens += item.num_new_tokens
-    for item in items:
+    plan = self._plan()
+    if self.swap_space is not None: self.swap_space.end_step()
+    # a step that runs nothing moves no blocks either: its swap-outs go first in the next step that runs
+    if not plan.items: return SchedulerOutput([], plan.preempted)
+    out = SchedulerOutput(plan.items, plan.preempted, self.pending_copies, self.pending_swap_out, self.pending_swap_in)
+    self.pending_copies, self.pending_swap_out, self.pending_swap_in = [], [], []
+    for item in plan.items: item.seq.num_computed_tokens += item.num_new_tokens
+    for item in plan.items:
       for child in item.forks: self._start_fork(item.seq, child)
     self._record_in_flight(out)
     return out
@@ -88,8 +130,8 @@ class SchedulerBase:
       seq.last_token_time = now
       landed.append(seq)
       verdicts.append((seq, judge(seq, token, row)))
-    for item in out.scheduled:
-      if not item.seq.is_finished: self.allocator.register_computed(item.seq)
+    for item in out.scheduled:   # (not one preempted meanwhile: its blocks are gone or in the swap space)
+      if item.seq.status is SequenceStatus.RUNNING: self.allocator.register_computed(item.seq)
     for seq, verdict in verdicts:
       if verdict is not None: self._finish(seq, verdict.status, verdict.stop_reason)
     return landed
@@ -108,7 +150,7 @@ class SchedulerBase:
       self.allocator.free(seq)
 
   # ---- the policies' building blocks
-  def _plan(self) -> tuple[list[ScheduledSequence], list[Sequence]]:
+  def _plan(self) -> StepPlan:
     """The step's items and the sequences preempted to make room."""
     raise NotImplementedError
 
@@ -122,14 +164,24 @@ class SchedulerBase:
 
   def _admit(self, seq: Sequence) -> None:
     self.waiting.remove(seq)
-    seq.num_computed_tokens = self.allocator.allocate(seq, 1 + len(self.pending_forks.get(seq.seq_id, [])))
+    if seq.status is SequenceStatus.SWAPPED: self._swap_in(seq)
+    else: seq.num_computed_tokens = self.allocator.allocate(seq, self._width(seq))
     seq.status = SequenceStatus.RUNNING
     if seq.first_scheduled_time is None:   # its first admission (a preempted sequence comes back with its outputs)
       seq.first_scheduled_time, seq.num_cached_tokens = time.time(), seq.num_computed_tokens
-    self.running.append(seq)
+    self.policy.start_running(self.running, seq)
 
-  def _can_admit(self, seq: Sequence, num_new: int) -> bool:
-    return self.allocator.can_allocate(seq, num_new, 1 + len(self.pending_forks.get(seq.seq_id, [])))
+  def _swap_in(self, seq: Sequence) -> None:
+    """Give a swapped-out sequence device blocks again; the runner copies its blocks back before the step."""
+    assert self.swap_space is not None
+    host = self.swap_space.swap_in(seq.seq_id)
+    cached = self.allocator.swap_in(seq, len(host))   # leading blocks the prefix cache still holds: no copy
+    self.pending_swap_in += zip(host[cached:], self.allocator.block_table(seq)[cached:len(host)], strict=True)
+    self.num_swapped_in_blocks += len(host) - cached
+
+  def _width(self, seq: Sequence) -> int:
+    """The sequences seq stands for: itself and the samples still to be forked from it."""
+    return 1 + len(self.pending_forks.get(seq.seq_id, []))
 
   def _start_fork(self, parent: Sequence, child: Sequence) -> None:
     """The parent samples its first token this step: the child shares its blocks and runs from here on."""
@@ -137,7 +189,7 @@ class SchedulerBase:
     self.pending_copies.extend(self.allocator.fork(parent, child))
     child.num_computed_tokens, child.status = parent.num_computed_tokens, SequenceStatus.RUNNING
     child.first_scheduled_time, child.num_cached_tokens = time.time(), parent.num_cached_tokens
-    self.running.append(child)
+    self.policy.start_running(self.running, child)
 
   def _finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
     """End a sequence wherever it is; its blocks are free for this very step."""
@@ -146,6 +198,7 @@ class SchedulerBase:
     if seq in self.waiting: self.waiting.remove(seq)
     self.pending_forks.pop(seq.seq_id, None)
     self.allocator.free(seq)
+    if self.swap_space is not None: self.swap_space.free(seq.seq_id)
 
   # ---- what asynchronous scheduling changes (core/async_scheduling.py)
   def _record_in_flight(self, out: SchedulerOutput) -> None:
@@ -165,7 +218,7 @@ class SchedulerBase:
 
 
 class Scheduler(SchedulerBase):
-  """Continuous batching with chunked prefill and preemption by recomputation (FCFS)."""
+  """Continuous batching with chunked prefill, ordered by the scheduling policy, and preemption."""
 
   def _chunk(self, seq: Sequence, budget: int) -> int:
     num_new = min(seq.num_uncomputed_tokens, budget)
@@ -173,53 +226,95 @@ class Scheduler(SchedulerBase):
       num_new = min(num_new, self.config.long_prefill_token_threshold)
     return num_new
 
-  def _plan(self) -> tuple[list[ScheduledSequence], list[Sequence]]:
-    budget, items, preempted = self.config.max_num_batched_tokens, [], []
-    index = 0
-    while index < len(self.running) and budget > 0:
+  def _plan(self) -> StepPlan:
+    plan, index = StepPlan(self.config.max_num_batched_tokens), 0
+    while index < len(self.running) and plan.budget > 0:
+      if self._admit_ahead_of(index, plan):
+        index += 1   # it went in ahead of running[index], which is next
+        continue
       seq = self.running[index]
       if self._done_in_flight(seq):
         index += 1
         continue
-      num_new = self._chunk(seq, budget)
-      if not self._make_room(seq, num_new, preempted): break
-      items.append(self._item(seq, num_new))
-      budget -= num_new
+      num_new = self._chunk(seq, plan.budget)
+      if not self._make_room(seq, num_new, plan.preempted): break
+      plan.add(self._item(seq, num_new))
       index += 1
-    if not preempted: self._admit_waiting(budget, items)
-    return items, preempted
+    self._admit_waiting(plan)
+    return plan
 
   def _make_room(self, seq: Sequence, num_new: int, preempted: list[Sequence]) -> bool:
-    """Preempt the newest running sequences until seq can take num_new more tokens; False if seq itself went."""
+    """Preempt the batch's last sequences (none scheduled yet) until seq can take num_new more tokens; False if seq
+    itself went."""
     while not self.allocator.can_append(seq, num_new):
       victim = self.running[-1]
       preempted.append(self._preempt(victim))
       if victim is seq: return False
     return True
 
-  def _admit_waiting(self, budget: int, items: list[ScheduledSequence]) -> None:
-    while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+  def _admit_waiting(self, plan: StepPlan) -> None:
+    """Admit waiting sequences in queue order while they fit; never one preempted in this very step (that would undo
+    the preemption, and could do so forever)."""
+    while self.waiting and plan.budget > 0:
       seq = self.waiting[0]
-      if not self._readmittable(seq): return
-      # its pending forks will run too, and so will those of running sequences (a lone wide request still runs)
-      seats = len(self.running) + sum(len(self.pending_forks.get(s.seq_id, [])) for s in self.running)
-      if seats and seats + 1 + len(self.pending_forks.get(seq.seq_id, [])) > self.config.max_num_seqs: return
-      num_new = self._chunk(seq, budget)
-      if num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill: return
-      if not self._can_admit(seq, num_new): return
-      self._admit(seq)
-      num_new = self._chunk(seq, budget)  # the prefix cache may have covered part of it
-      items.append(self._item(seq, num_new))
-      budget -= num_new
+      if seq in plan.preempted or not self._readmittable(seq) or not self._fits(seq, plan.budget): return
+      self._admit_into(seq, plan)
+
+  def _admit_ahead_of(self, index: int, plan: StepPlan) -> bool:
+    """Priority policy: admit the front waiting sequence ahead of running[index] if its priority is higher. If it needs
+    their seats or blocks, the lowest-priority running sequences are preempted for it (from the batch's end, down to
+    running[index]: none is scheduled yet), as few as will do, and none unless enough of them will. Whether it was
+    admitted."""
+    if plan.outranking_done or not self.waiting or not self.policy.outranks(self.waiting[0], self.running[index]):
+      return False
+    seq, victims = self.waiting[0], self.running[index:][::-1]
+    if seq in plan.preempted or not self._readmittable(seq) or not self._fits(seq, plan.budget, victims):
+      plan.outranking_done = True   # it cannot get in this step, and the queue is served in its order
+      return False
+    count = next(n for n in range(len(victims) + 1) if self._fits(seq, plan.budget, victims[:n]))
+    for victim in victims[:count]: plan.preempted.append(self._preempt(victim))
+    self._admit_into(seq, plan)
+    return True
+
+  def _fits(self, seq: Sequence, budget: int, releasing: list[Sequence] | None = None) -> bool:
+    """Whether waiting seq can be admitted now, once the `releasing` running sequences are preempted: a seat for it and
+    its pending forks (and those of running sequences; a lone wide request still runs), a chunk within the budget
+    (without chunked prefill, all of the rest of its prompt), and the blocks for it."""
+    releasing = releasing or []
+    seats = sum(self._width(s) for s in self.running) - sum(self._width(s) for s in releasing)
+    if seats and seats + self._width(seq) > self.config.max_num_seqs: return False
+    num_new = self._chunk(seq, budget)
+    if num_new == 0 or (num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill): return False
+    if seq.status is SequenceStatus.SWAPPED: return self.allocator.can_swap_in(seq, num_new, releasing)
+    return self.allocator.can_allocate(seq, num_new, self._width(seq), releasing)
+
+  def _admit_into(self, seq: Sequence, plan: StepPlan) -> None:
+    self._admit(seq)
+    plan.add(self._item(seq, self._chunk(seq, plan.budget)))   # (the prefix cache may have covered part of it)
 
   def _preempt(self, seq: Sequence) -> Sequence:
-    """Free the newest running sequence's blocks; it restarts from scratch (recomputation) when readmitted."""
+    """Take a running sequence's blocks back: to the swap space (preemption_mode swap, while it has room), else freed,
+    to be recomputed from scratch when it is readmitted. It waits at the queue's front (fcfs) or at its rank."""
     self.running.remove(seq)
-    self.allocator.free(seq)
-    seq.num_computed_tokens, seq.status = 0, SequenceStatus.WAITING
-    self.waiting.appendleft(seq)
+    if self._swap_out(seq): seq.status = SequenceStatus.SWAPPED
+    else:
+      self.allocator.free(seq)
+      seq.num_computed_tokens, seq.status = 0, SequenceStatus.WAITING
+    self.policy.requeue(self.waiting, seq)
     self.num_preemptions += 1
     return seq
+
+  def _swap_out(self, seq: Sequence) -> bool:
+    """Move seq's blocks to the swap space (the runner copies them out before the next step) if it can hold them."""
+    if self.swap_space is None: return False
+    num_blocks = len(self.allocator.block_table(seq))
+    if not self.swap_space.can_hold(num_blocks):
+      self.num_swap_fallbacks += 1
+      return False
+    host = self.swap_space.take(seq.seq_id, num_blocks)
+    self.pending_swap_out += zip(self.allocator.swap_out(seq), host, strict=True)
+    self.num_swapped_out_blocks += num_blocks
+    return True
 
 
 class StaticScheduler(SchedulerBase):
@@ -229,19 +324,19 @@ class StaticScheduler(SchedulerBase):
   cache at once, so a static batch never needs preemption.
   """
 
-  def _plan(self) -> tuple[list[ScheduledSequence], list[Sequence]]:
+  def _plan(self) -> StepPlan:
     if not self.running: self._admit_batch()
-    return [self._item(seq, seq.num_uncomputed_tokens) for seq in self.running if not self._done_in_flight(seq)], []
+    return StepPlan(0, [self._item(seq, seq.num_uncomputed_tokens) for seq in self.running if not self._done_in_flight(seq)])
 
   def _worst_case_blocks(self, seq: Sequence) -> int:
     max_tokens = seq.params.max_tokens or 0
-    return self.allocator.blocks_for(seq.num_tokens + max_tokens) * (1 + len(self.pending_forks.get(seq.seq_id, [])))
+    return self.allocator.blocks_for(seq.num_tokens + max_tokens) * self._width(seq)
 
   def _admit_batch(self) -> None:
     reserved = seats = 0
     while self.waiting:
       seq = self.waiting[0]
-      need, width = self._worst_case_blocks(seq), 1 + len(self.pending_forks.get(seq.seq_id, []))
+      need, width = self._worst_case_blocks(seq), self._width(seq)
       if seats + width > self.config.max_num_seqs and seats: return
       if reserved + need > self.allocator.num_blocks and reserved: return
       reserved, seats = reserved + need, seats + width

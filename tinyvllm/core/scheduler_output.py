@@ -21,9 +21,13 @@ class ScheduledSequence:
 
 @dataclass
 class SchedulerOutput:
+  """One step. Before it runs, the runner moves blocks in this order: swap-outs (a device block they free may be
+  handed out again in this very step), swap-ins, then the block copies."""
   scheduled: list[ScheduledSequence] = field(default_factory=list)
   preempted: list[Sequence] = field(default_factory=list)
   block_copies: list[tuple[int, int]] = field(default_factory=list)   # (source, destination) blocks, before the step
+  blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, swap-space block)
+  blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (swap-space block, device block)
 
   @property
   def num_tokens(self) -> int: return sum(s.num_new_tokens for s in self.scheduled)

@@ -14,6 +14,7 @@ _seq_ids = itertools.count()
 class SequenceStatus(enum.Enum):
   WAITING = "waiting"
   RUNNING = "running"
+  SWAPPED = "swapped"       # preempted with its KV blocks in the swap space (host memory), waiting to come back
   FINISHED_STOPPED = "stop"
   FINISHED_LENGTH = "length"
   FINISHED_ABORTED = "abort"
@@ -33,6 +34,7 @@ class Sequence:
   params: SamplingParams
   seed: int                                   # the sampling seed (the request's, or one drawn for it)
   index: int = 0                              # which of the request's n samples this is
+  priority: int = 0                           # the request's (scheduling_policy priority: lower values are served first)
   seq_id: int = field(default_factory=lambda: next(_seq_ids))
   output_token_ids: list[int] = field(default_factory=list)
   status: SequenceStatus = SequenceStatus.WAITING

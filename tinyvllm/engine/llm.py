@@ -42,22 +42,26 @@ class LLM:
     return SamplingParams(**self.engine.default_sampling_params)
 
   def _add_all(self, prompts: list[PromptType], params: SamplingParams | Sequence[SamplingParams] | None,
-               output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> list[str]:
+               output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, priority: Sequence[int] | None = None) -> list[str]:
     """Validate every prompt first so that a bad one leaves nothing queued, then add them all."""
     plist = list(params) if isinstance(params, (list, tuple)) else [params or self.get_default_sampling_params()] * len(prompts)
     if len(plist) != len(prompts): raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
+    priorities = list(priority) if priority is not None else [0] * len(prompts)
+    if len(priorities) != len(prompts): raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
+    for p in priorities: self.engine.check_priority(p)
     plist = [dataclasses.replace(p, output_kind=output_kind) for p in plist]   # the caller's objects stay as they were
     for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
       try: self.engine.check_request(self.engine.tokenize_prompt(prompt)[1], p)
       except PromptError as e: raise PromptError(f"prompt {i}: {e}") from None
     ids = [f"offline-{next(_ids)}" for _ in prompts]
-    for rid, prompt, p in zip(ids, prompts, plist, strict=True): self.engine.add_request(rid, prompt, p)
+    for rid, prompt, p, rank in zip(ids, prompts, plist, priorities, strict=True): self.engine.add_request(rid, prompt, p, rank)
     return ids
 
   def generate(self, prompts: PromptType | Sequence[PromptType],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-               use_tqdm: bool = True) -> list[RequestOutput]:
-    ids = self._add_all(_as_prompt_list(prompts), sampling_params, RequestOutputKind.FINAL_ONLY)
+               use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+    """priority: one per prompt (vLLM's; scheduling_policy priority only): lower values are served first."""
+    ids = self._add_all(_as_prompt_list(prompts), sampling_params, RequestOutputKind.FINAL_ONLY, priority)
     finals: dict[str, RequestOutput] = {}
     start, generated = time.perf_counter(), 0
     with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:

@@ -16,6 +16,7 @@ from tinyvllm.core.block_manager import BlockManager
 from tinyvllm.core.contiguous_allocator import ContiguousAllocator
 from tinyvllm.core.scheduler import SchedulerConfig
 from tinyvllm.core.scheduler_output import SchedulerOutput
+from tinyvllm.core.scheduling_policy import check_priority
 from tinyvllm.core.sequence import Request, Sequence
 from tinyvllm.engine.generation_config import default_sampling_params
 from tinyvllm.engine.output_processor import OutputProcessor
@@ -30,7 +31,7 @@ from tinyvllm.platform import tinygrad_compat as compat
 from tinyvllm.platform.device import check_dtype, is_cpu, select_device
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from tinyvllm.tokenizer import Tokenizer, load_tokenizer
-from tinyvllm.worker.cache_sizing import num_kv_blocks
+from tinyvllm.worker.cache_sizing import num_kv_blocks, num_swap_blocks
 from tinyvllm.worker.host_io import reads_back_asynchronously
 from tinyvllm.worker.input_batch import bucket
 from tinyvllm.worker.kv_cache import KVCache
@@ -91,17 +92,21 @@ class LLMEngine:
     self.model = load_model(mc, located.folder, config.load_format, self.dtype, self.device, self.max_model_len, backend,
                             config.seed)
     self.allocator = self._allocator()
-    self.kv_cache = KVCache(mc, self.allocator.num_blocks, self.allocator.block_size, self.kv_dtype, self.device)
+    swap_blocks = num_swap_blocks(config, KVCache.bytes_per_token(mc, self.kv_dtype) * config.block_size)
+    self.kv_cache = KVCache(mc, self.allocator.num_blocks, self.allocator.block_size, self.kv_dtype, self.device, swap_blocks)
     sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens or 0, config.enable_chunked_prefill,
-                                   config.long_prefill_token_threshold)
+                                   config.long_prefill_token_threshold, config.scheduling_policy, config.preemption_mode,
+                                   swap_blocks)
     if not config.enable_chunked_prefill and sched_config.max_num_batched_tokens < self.max_model_len:
       raise ConfigError(f"without chunked prefill, max_num_batched_tokens ({sched_config.max_num_batched_tokens}) must be "
                         f">= max_model_len ({self.max_model_len})")
     self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                              else reads_back_asynchronously(self.device))
     self.scheduler = make_scheduler(config.scheduler, self.async_scheduling, self.allocator, sched_config)
-    log(f"{config.scheduler} scheduler, max {config.max_num_seqs} sequences, {sched_config.max_num_batched_tokens} tokens a step"
-        f"{', asynchronous scheduling' if self.async_scheduling else ''}")
+    log(f"{config.scheduler} scheduler ({config.scheduling_policy}), max {config.max_num_seqs} sequences, "
+        f"{sched_config.max_num_batched_tokens} tokens a step{', asynchronous scheduling' if self.async_scheduling else ''}, "
+        f"preemption by {config.preemption_mode}"
+        + (f" ({swap_blocks} blocks of swap space, {config.swap_space} GiB)" if swap_blocks else ""))
     cudagraph_mode = config.cudagraph_mode or ("FULL_DECODE_ONLY" if is_cpu(self.device) else "FULL")
     self.runner = ModelRunner(self.model, self.kv_cache, config.max_num_seqs, self.max_model_len, cudagraph_mode)
     self._in_flight: InFlightStep | None = None
@@ -206,14 +211,20 @@ class LLMEngine:
     blocks = self.allocator.blocks_for
     return blocks(prompt_len) + n * (blocks(prompt_len + max_tokens) - blocks(prompt_len) + 1)
 
-  def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> Request:
+  def check_priority(self, priority: int) -> None:
+    """A request's priority is honoured under scheduling_policy priority only (as in vLLM)."""
+    check_priority(priority, self.config.scheduling_policy)
+
+  def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, priority: int = 0) -> Request:
+    """priority: with scheduling_policy priority, lower values are served first (and preempt higher ones)."""
     params = params or SamplingParams()
     if request_id in self.requests: raise ValueError(f"request id {request_id!r} is already in use")
+    self.check_priority(priority)
     text, prompt_ids = self.tokenize_prompt(prompt)
     self.check_request(prompt_ids, params)
     if params.max_tokens is None: params.max_tokens = self.max_model_len - len(prompt_ids)
     base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-    seqs = [Sequence(request_id, prompt_ids, params, seed=hash((base_seed, i)) if i else base_seed, index=i)
+    seqs = [Sequence(request_id, prompt_ids, params, seed=hash((base_seed, i)) if i else base_seed, index=i, priority=priority)
             for i in range(params.n)]
     request = Request(request_id, text, prompt_ids, params, seqs)
     self.requests[request_id] = request
@@ -269,8 +280,11 @@ class LLMEngine:
   def _snapshot(self) -> EngineSnapshot:
     alloc = self.allocator
     hit_rate = alloc.prefix_hit_rate if isinstance(alloc, BlockManager) and alloc.enable_prefix_caching else None
-    running = len({s.request_id for s in self.scheduler.running})
-    return EngineSnapshot(running, len(self.scheduler.waiting), alloc.num_used_blocks / max(alloc.num_blocks, 1), hit_rate)
+    sched = self.scheduler
+    running = len({s.request_id for s in sched.running})
+    swapped = sched.num_swapped_requests if sched.swap_space is not None else None
+    return EngineSnapshot(running, len(sched.waiting) - len(sched.swapped), alloc.num_used_blocks / max(alloc.num_blocks, 1),
+                          hit_rate, swapped)
 
   def _finish_in_flight(self) -> list[RequestOutput]:
     """Wait for the step in flight, land its tokens, and retire what finished."""

@@ -1,5 +1,6 @@
-"""The periodic stats line of a running engine (vLLM's LoggingStatLogger): throughput since the last line, running and
-waiting requests, KV cache use, prefix-cache hit rate. Off with disable_log_stats (the offline LLM's default)."""
+"""The periodic stats line of a running engine (vLLM's LoggingStatLogger): throughput since the last line, running,
+swapped (with preemption_mode swap, as vLLM's V0 line) and waiting requests, KV cache use, prefix-cache hit rate. Off
+with disable_log_stats (the offline LLM's default)."""
 from __future__ import annotations
 
 import time
@@ -15,6 +16,7 @@ class EngineSnapshot:
   waiting: int
   kv_cache_usage: float      # 0..1
   prefix_cache_hit_rate: float | None   # 0..1; None without a prefix cache
+  swapped: int | None = None   # requests with a sequence in the swap space; None without one (preemption_mode recompute)
 
 
 class StatsLogger:
@@ -33,12 +35,13 @@ class StatsLogger:
     now = self.clock()
     if now - self.last < self.interval: return
     snapshot = snapshot_of()
-    if self.prompt_tokens or self.generation_tokens or snapshot.running or snapshot.waiting:
+    if self.prompt_tokens or self.generation_tokens or snapshot.running or snapshot.waiting or snapshot.swapped:
       self.log(self.line(snapshot, now - self.last))
     self.last, self.prompt_tokens, self.generation_tokens = now, 0, 0
 
   def line(self, snapshot: EngineSnapshot, elapsed: float) -> str:
     hit = "" if snapshot.prefix_cache_hit_rate is None else f", Prefix cache hit rate: {100 * snapshot.prefix_cache_hit_rate:.1f}%"
+    swapped = "" if snapshot.swapped is None else f"Swapped: {snapshot.swapped} reqs, "
     return (f"Avg prompt throughput: {self.prompt_tokens / elapsed:.1f} tokens/s, "
             f"Avg generation throughput: {self.generation_tokens / elapsed:.1f} tokens/s, Running: {snapshot.running} reqs, "
-            f"Waiting: {snapshot.waiting} reqs, KV cache usage: {100 * snapshot.kv_cache_usage:.1f}%{hit}")
+            f"{swapped}Waiting: {snapshot.waiting} reqs, KV cache usage: {100 * snapshot.kv_cache_usage:.1f}%{hit}")

@@ -8,6 +8,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from tinyvllm.core.sequence import SequenceStatus
 from tinyvllm.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -28,10 +29,12 @@ class EngineCollector:
     if engine is None: return
     sched, alloc = engine.scheduler, engine.allocator
     # copies taken in one C call each: the engine thread may be changing these while we read
-    running = {s.request_id for s in list(sched.running)}
-    waiting = {s.request_id for s in list(sched.waiting)} - running
+    running, queued = {s.request_id for s in list(sched.running)}, list(sched.waiting)
+    swapped = {s.request_id for s in queued if s.status is SequenceStatus.SWAPPED}
+    waiting = {s.request_id for s in queued} - running - swapped
     yield _gauge("num_requests_running", "Requests with sequences in the running batch", len(running))
     yield _gauge("num_requests_waiting", "Requests waiting to be scheduled", len(waiting))
+    yield _gauge("num_requests_swapped", "Requests with a sequence preempted into the swap space", len(swapped))
     yield _gauge("kv_cache_blocks_total", "KV cache blocks in the cache", alloc.num_blocks)
     yield _gauge("kv_cache_blocks_used", "KV cache blocks held by sequences", alloc.num_used_blocks)
     yield _gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)", alloc.num_used_blocks / max(alloc.num_blocks, 1))
@@ -39,7 +42,14 @@ class EngineCollector:
                  getattr(alloc, "prefix_hit_rate", 0.0))
     yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", getattr(alloc, "prefix_queries", 0))
     yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache", getattr(alloc, "prefix_hits", 0))
-    yield _counter("num_preemptions", "Sequences preempted (their blocks taken back, recomputed later)", sched.num_preemptions)
+    yield _counter("num_preemptions", "Sequences preempted (their blocks taken back, recomputed or swapped in later)",
+                   sched.num_preemptions)
+    if sched.swap_space is not None:
+      swap = sched.swap_space
+      yield _gauge("cpu_cache_usage_perc", "Fraction of the swap space's blocks in use (0 to 1)", swap.num_used_blocks / swap.num_blocks)
+      yield _counter("swapped_out_blocks", "KV blocks copied to the swap space", sched.num_swapped_out_blocks)
+      yield _counter("swapped_in_blocks", "KV blocks copied back from the swap space", sched.num_swapped_in_blocks)
+      yield _counter("swap_fallbacks", "Preemptions recomputed because the swap space was full", sched.num_swap_fallbacks)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily: return GaugeMetricFamily(f"tinyvllm:{name}", doc, value=value)

@@ -1,5 +1,6 @@
 """How many KV blocks to allocate: --num-gpu-blocks, else --kv-cache-memory, else --gpu-memory-utilization where the
-backend can tell its free memory, else enough for max_num_seqs full contexts (capped at DEFAULT_BUDGET)."""
+backend can tell its free memory, else enough for max_num_seqs full contexts (capped at DEFAULT_BUDGET); and how many
+blocks the swap space in host memory holds (--swap-space)."""
 from __future__ import annotations
 
 from tinyvllm.config import ConfigError, EngineConfig
@@ -28,4 +29,13 @@ def num_kv_blocks(config: EngineConfig, device: str, block_bytes: int, tokens_pe
   if blocks < 1:
     raise ConfigError(f"the KV cache budget ({budget / GiB:.3f} GiB) is smaller than one block ({block_bytes} bytes); "
                       "raise --kv-cache-memory or --gpu-memory-utilization")
+  return blocks
+
+
+def num_swap_blocks(config: EngineConfig, block_bytes: int) -> int:
+  """The swap space's blocks (--swap-space GiB of host memory) for --preemption-mode swap; none otherwise."""
+  if config.preemption_mode != "swap": return 0
+  blocks = int(config.swap_space * GiB) // block_bytes
+  if blocks < 1:
+    raise ConfigError(f"swap_space ({config.swap_space} GiB) is smaller than one KV block ({block_bytes} bytes); raise --swap-space")
   return blocks

@@ -90,6 +90,8 @@ class ModelRunner:
     penalties = layout.variant.penalties
     if penalties and any(item.token_source >= 0 and item.seq.params.uses_penalties for item in sched.scheduled):
       raise RuntimeError("a sequence with penalties was scheduled before its previous token was read")
+    if sched.blocks_to_swap_out: self.kv_cache.swap_out(sched.blocks_to_swap_out)   # first: its blocks may be reused below
+    if sched.blocks_to_swap_in: self.kv_cache.swap_in(sched.blocks_to_swap_in)
     if sched.block_copies: self.kv_cache.copy_blocks(sched.block_copies)
     out = self._step_fn(self._covering(layout))(packed)
     chains = len(host.sample_seqs) <= self.chain_rows and not penalties
