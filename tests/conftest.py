@@ -24,11 +24,10 @@ def require_shared(path: Path) -> Path:
 
 def assert_all_free(llm) -> None:
   """Nothing is left of the engine's requests: no blocks in use, no queued or running sequence, no step in flight,
-  no detokenizer or prompt-logprobs state."""
+  no frontend state (detokenizers, prompt logprobs)."""
   engine = llm.engine
-  assert engine.allocator.num_used_blocks == 0 and not engine.requests and engine._in_flight is None
+  assert engine.allocator.num_used_blocks == 0 and not engine.requests and engine.core._in_flight is None
   assert not engine.scheduler.waiting and not engine.scheduler.running and not engine.output_processor.states
-  assert not engine.output_processor.prompt_logprobs
 
 
 @pytest.fixture(scope="session")
