@@ -15,15 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tinyvllm.config import EngineConfig
+from tinyvllm.engine.exceptions import EngineDeadError
 from tinyvllm.engine.llm_engine import LLMEngine, PromptType
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 
 _ids = itertools.count()
-
-
-class EngineDeadError(RuntimeError):
-  """The engine loop stopped (it crashed, or the engine was shut down); no request can be served."""
+__all__ = ["AsyncLLMEngine", "EngineDeadError"]
 
 
 @dataclass
