@@ -40,9 +40,10 @@ class InFlightStep:
 
 
 class EngineCore:
-  def __init__(self, config: EngineConfig):
+  def __init__(self, config: EngineConfig, log_stats: bool = True):
+    """log_stats: every step's outputs carry a stats snapshot (the server's /metrics and stats line need them)."""
     start = time.perf_counter()
-    self.config = config
+    self.config, self.log_stats = config, log_stats
     parts = build_engine_parts(config)
     self.device, self.model_config, self.model_folder = parts.device, parts.model_config, parts.model_folder
     self.max_model_len, self.dtype, self.kv_dtype = parts.max_model_len, parts.dtype, parts.kv_dtype
@@ -113,7 +114,7 @@ class EngineCore:
     if self._in_flight is not None: self._finish_in_flight(outputs)
     self._in_flight = launched
     if launched is not None and not self.async_scheduling: self._finish_in_flight(outputs)
-    return EngineCoreOutputs(outputs, self.stats(sched), time.time())
+    return EngineCoreOutputs(outputs, self.stats(sched) if self.log_stats else None, time.time())
 
   def _finish_in_flight(self, outputs: list[EngineCoreOutput]) -> None:
     """Wait for the step in flight, land its tokens (the scheduler applies the token-level stops) and report them."""

@@ -23,7 +23,7 @@ class LLMEngine:
   def __init__(self, config: EngineConfig):
     start = time.perf_counter()
     self.config = config
-    self.core = EngineCore(config)
+    self.core = EngineCore(config, log_stats=not config.disable_log_stats)
     files = load_frontend_files(config, self.core.model_folder)
     self.tokenizer, self.default_sampling_params = files.tokenizer, files.default_sampling_params
     self.processor = InputProcessor(self.core.info(), self.tokenizer, config.max_logprobs)
