@@ -62,7 +62,7 @@ class CoreClient:
 
   def _send(self, kind: RequestType, payload: Any) -> None:
     if self.dead is not None or self._exited.done(): return   # nobody would read it (and a send to no peer would block)
-    with contextlib.suppress(zmq.Again): self._input.send_multipart(encode(kind, payload), flags=zmq.NOBLOCK, copy=False)
+    with contextlib.suppress(zmq.Again): self._input.send_multipart(encode(kind, payload), flags=zmq.NOBLOCK)
 
   # ---- from the core
   async def wait_ready(self) -> EngineCoreInfo:

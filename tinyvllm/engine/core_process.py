@@ -120,4 +120,4 @@ class EngineCoreProc:
     outputs.rejected, self.rejected = self.rejected, []
     self._send(OutputType.OUTPUTS, outputs)
 
-  def _send(self, kind: OutputType, payload: Any) -> None: self.output.send_multipart(encode(kind, payload), copy=False)
+  def _send(self, kind: OutputType, payload: Any) -> None: self.output.send_multipart(encode(kind, payload))
