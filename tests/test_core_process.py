@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import signal
 import threading
@@ -133,5 +134,4 @@ def test_a_load_error_in_the_core_is_raised_with_its_message_and_leaves_no_proce
     with pytest.raises(EngineLoadError, match=r"ConfigError: .*unsupported architecture"):
       await AsyncLLM.from_config(EngineConfig(model=str(tmp_path)))
   asyncio.run(main())
-  import multiprocessing
-  assert not multiprocessing.active_children()
+  assert not [p for p in multiprocessing.active_children() if p.name == "tinyvllm-engine-core"]
