@@ -1,13 +1,16 @@
 """Where serving time goes: the OpenAI server under load with timers around each stage, bench-only instrumentation.
 
-Runs `main.py serve` in this process with the engine's and the event loop's stages wrapped in timers, drives it with
+Runs `main.py serve` in this process (the API process) with its stages wrapped in timers, the engine core in the process
+the server spawns (its entry point swapped for one that wraps the core's stages the same way first), drives it with
 `main.py bench serve` in a child process, then writes what each stage cost:
-- the engine thread, per step: scheduling, batch preparation + launch, waiting for the GPU's sampled tokens, landing
-  them (scheduler update with the output processor's stop checks and detokenization inside), building RequestOutputs,
-  adding requests; and the time it sat idle between steps waiting for the event loop to hand it the next one;
-- the event loop thread: busy time by what ran (HTTP parsing and writes, the request handlers' tasks, the engine
-  loop task, SSE encoding), so the host's share of a step is visible.
-The engine thread and the event loop share the GIL: time one spends in Python slows the other.
+- the core process, per step: scheduling, batch preparation + launch, waiting for the GPU's sampled tokens, landing
+  them (scheduler update with the token-level stop checks), building the step's outputs, sending them (msgpack + ZeroMQ),
+  draining the input (requests, aborts), adding requests; the time between steps (the loop's own work) and the time it
+  sat idle, blocked on its input;
+- the API process: the event loop's busy time by what ran (HTTP parsing and writes, the request handlers' tasks, the
+  output handler, SSE encoding), and inside it the frontend's stages: decoding each step's outputs, output processing
+  (detokenization, stop strings, RequestOutputs), input processing (tokenization, validation).
+The two processes share no GIL: the core's loop runs whatever the API process does.
 
 Usage (GPU machine, repo root): DEV=CUDA python3 bench/serve_profile.py --out $OUT/serve_profile.json \
     --bench "--num-prompts 500 --input-len 512 --output-len 128 --request-rate inf" -- \
@@ -17,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -29,6 +34,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+CORE_REPORT_ENV = "SERVE_PROFILE_CORE_REPORT"   # where the core process writes its timers (set for the child by main())
 
 
 class Timers:
@@ -51,49 +57,96 @@ class Timers:
       t = time.perf_counter()
       try: return original(*args, **kwargs)
       finally: self.add(name, time.perf_counter() - t)
-    setattr(owner, attr, timed)
+    setattr(owner, attr, staticmethod(timed) if isinstance(inspect.getattr_static(owner, attr), staticmethod) else timed)
 
   def report(self) -> dict:
     return {name: {"s": round(s, 4), "calls": self.calls[name], "ms_per_call": round(1e3 * s / max(self.calls[name], 1), 4)}
             for name, s in sorted(self.seconds.items(), key=lambda kv: -kv[1])}
 
 
-ENGINE, LOOP = Timers(), Timers()
-STEP_GAPS: list[float] = []
-STEP_ROWS: list[int] = []
-ENGINES: list = []   # the AsyncLLMEngine, once it has run a step
+def gap_report(gaps: list[float]) -> dict:
+  gaps = sorted(gaps)
+  return {"total_s": round(sum(gaps), 4), "median_ms": round(1e3 * gaps[len(gaps) // 2], 4) if gaps else None,
+          "p90_ms": round(1e3 * gaps[int(len(gaps) * 0.9)], 4) if gaps else None}
 
 
-def instrument_engine() -> None:
+# ---------------------------------------------------------------- the core process
+
+def profiled_engine_core(config, input_address: str, output_address: str) -> None:
+  """The core process's entry point with timers on its stages; writes them where $SERVE_PROFILE_CORE_REPORT says."""
   from tinyvllm.core.async_scheduling import AsyncScheduler
   from tinyvllm.core.scheduler import Scheduler, SchedulerBase
-  from tinyvllm.engine.async_engine import AsyncLLMEngine
-  from tinyvllm.engine.llm_engine import LLMEngine
-  from tinyvllm.engine.output_processor import OutputProcessor
+  from tinyvllm.engine import core_process
+  from tinyvllm.engine.core import EngineCore
   from tinyvllm.worker.model_runner import LaunchedStep, ModelRunner
+  timers, gaps, rows, cores = Timers(), [], [], []
   for cls in {Scheduler, AsyncScheduler, SchedulerBase}:
-    if "schedule" in vars(cls): ENGINE.wrap(cls, "schedule", "schedule")
-    if "update_from_output" in vars(cls): ENGINE.wrap(cls, "update_from_output", "update_from_output (land tokens, stop checks)")
-  ENGINE.wrap(ModelRunner, "_prepare", "runner: prepare batch + upload")
-  ENGINE.wrap(ModelRunner, "launch", "runner: launch (prepare + enqueue)")
-  ENGINE.wrap(LaunchedStep, "result", "wait for sampled tokens (GPU)")
-  ENGINE.wrap(OutputProcessor, "process_token", "  of which: process_token (detokenize, stops)")
-  ENGINE.wrap(OutputProcessor, "request_output", "request_output (build outputs)")
-  ENGINE.wrap(LLMEngine, "add_request", "add_request")
-  ENGINE.wrap(LLMEngine, "step", "engine.step (all of it)")
-  original_step = AsyncLLMEngine._step
-  last_end = [0.0]
+    if "schedule" in vars(cls): timers.wrap(cls, "schedule", "schedule")
+    if "update_from_output" in vars(cls): timers.wrap(cls, "update_from_output", "update_from_output (land tokens, stop checks)")
+  timers.wrap(ModelRunner, "_prepare", "runner: prepare batch + upload")
+  timers.wrap(ModelRunner, "launch", "runner: launch (prepare + enqueue)")
+  timers.wrap(LaunchedStep, "result", "wait for sampled tokens (GPU)")
+  timers.wrap(EngineCore, "_output", "  of which: build the step's outputs")
+  timers.wrap(EngineCore, "stats", "stats snapshot")
+  timers.wrap(EngineCore, "add_request", "add_request")
+  timers.wrap(core_process.EngineCoreProc, "send_outputs", "send outputs (msgpack + ZeroMQ)")
+  timers.wrap(core_process.EngineCoreProc, "handle", "apply an input message (decoded)")
+  original_step, original_input, last_end = EngineCore.step, core_process.EngineCoreProc.process_input_queue, [0.0]
 
-  def step(self, adds, aborts):
+  def step(self):
     t = time.perf_counter()
-    if last_end[0]: STEP_GAPS.append(t - last_end[0])
-    if not ENGINES: ENGINES.append(self)
-    try: return original_step(self, adds, aborts)
+    if last_end[0]: gaps.append(t - last_end[0])
+    if not cores: cores.append(self)
+    try: return original_step(self)
     finally:
       last_end[0] = time.perf_counter()
-      ENGINE.add("AsyncLLMEngine._step (engine thread busy)", last_end[0] - t)
-      STEP_ROWS.append(len(self.engine.scheduler.running))
-  AsyncLLMEngine._step = step
+      timers.add("EngineCore.step (all of it)", last_end[0] - t)
+      rows.append(len(self.scheduler.running))
+
+  def process_input_queue(self):
+    idle, t = not self.core.has_unfinished_requests(), time.perf_counter()
+    try: return original_input(self)
+    finally: timers.add("idle: blocked on the input" if idle else "drain the input (no wait)", time.perf_counter() - t)
+  EngineCore.step, core_process.EngineCoreProc.process_input_queue = step, process_input_queue
+  try:
+    core_process.run_engine_core(config, input_address, output_address)
+  finally:
+    runner = cores[0].runner if cores else None
+    report = {"stages": timers.report(), "steps": len(rows), "mean_running": sum(rows) / max(len(rows), 1),
+              "between_steps": gap_report(gaps), "captures": runner.num_captures if runner else None,
+              "capture_s": round(runner.capture_seconds, 3) if runner else None,   # start-up captures included
+              "start_up_capture_s": round(cores[0].warm_up_seconds, 3) if cores else None}
+    Path(os.environ[CORE_REPORT_ENV]).write_text(json.dumps(report, indent=1))
+
+
+# ---------------------------------------------------------------- the API process
+
+API = Timers()
+LOOP = Timers()
+
+
+def instrument_api_process() -> None:
+  """The frontend's stages, and every callback the event loop runs (asyncio.Handle._run), by task coroutine or callback."""
+  from tinyvllm.engine import async_llm, core_client, core_process
+  from tinyvllm.engine.input_processor import InputProcessor
+  from tinyvllm.engine.output_processor import OutputProcessor
+  from tinyvllm.entrypoints import serving_chat, serving_completion
+  core_process.run_engine_core = profiled_engine_core   # what CoreClient spawns
+  API.wrap(core_client, "decode_output", "decode a step's outputs (msgpack)")
+  API.wrap(OutputProcessor, "process_outputs", "output processing (detokenize, stops, RequestOutputs)")
+  API.wrap(OutputProcessor, "request_output", "  of which: request_output (build outputs)")
+  API.wrap(InputProcessor, "process", "input processing (tokenize, validate)")
+  API.wrap(async_llm.AsyncLLM, "_deliver", "deliver to the request streams")
+  original_run = asyncio.events.Handle._run
+
+  def run(self):
+    t = time.perf_counter()
+    try: return original_run(self)
+    finally: LOOP.add(_category(self), time.perf_counter() - t)
+  asyncio.events.Handle._run = run
+  for module in (serving_completion, serving_chat):
+    LOOP.wrap(module, "sse", "  inside tasks: sse (JSON encoding)")
+    LOOP.wrap(module, "chunk_json", "  inside tasks: chunk_json (pydantic dump)")
 
 
 def _category(handle: asyncio.Handle) -> str:
@@ -103,21 +156,6 @@ def _category(handle: asyncio.Handle) -> str:
     coro = task.get_coro()
     return f"task {getattr(coro, '__qualname__', type(coro).__name__)}"
   return f"callback {getattr(callback, '__qualname__', repr(callback))[:80]}"
-
-
-def instrument_loop() -> None:
-  """Time every callback the event loop runs (asyncio.Handle._run), by task coroutine or callback."""
-  original_run = asyncio.events.Handle._run
-
-  def run(self):
-    t = time.perf_counter()
-    try: return original_run(self)
-    finally: LOOP.add(_category(self), time.perf_counter() - t)
-  asyncio.events.Handle._run = run
-  from tinyvllm.entrypoints import serving_chat, serving_completion
-  for module in (serving_completion, serving_chat):
-    LOOP.wrap(module, "sse", "  inside tasks: sse (JSON encoding)")
-    LOOP.wrap(module, "chunk_json", "  inside tasks: chunk_json (pydantic dump)")
 
 
 def wait_healthy(url: str, timeout: float = 600) -> None:
@@ -139,7 +177,7 @@ def drive(url: str, bench_args: str, result_file: Path, done: threading.Event, s
            "--disable-tqdm", *shlex.split(bench_args)]
     t = time.perf_counter()
     subprocess.run(cmd, cwd=REPO, check=True)
-    ENGINE.add("benchmark wall time", time.perf_counter() - t)
+    API.add("benchmark wall time", time.perf_counter() - t)
   finally:
     done.set()
     server_exit()
@@ -153,8 +191,9 @@ def main() -> None:
   p.add_argument("serve_args", nargs=argparse.REMAINDER)
   args = p.parse_args()
   serve_args = [a for a in args.serve_args if a != "--"]
-  instrument_engine()
-  instrument_loop()
+  core_report = Path(args.out).with_name("serve_profile_core.json")
+  os.environ[CORE_REPORT_ENV] = str(core_report)   # the core process inherits it
+  instrument_api_process()
   from tinyvllm.cli import build_parser
   from tinyvllm.cli.args import engine_config
   from tinyvllm.entrypoints import api_server
@@ -174,18 +213,11 @@ def main() -> None:
   threading.Thread(target=drive, args=(f"http://127.0.0.1:{args.port}", args.bench, result_file, done, stop), daemon=True).start()
   api_server.run_server(engine_config(ns), ServerSettings(port=args.port, log_level="warning", shutdown_timeout=1))
   done.wait()
-  gaps = sorted(STEP_GAPS)
-  runner = ENGINES[0].engine.runner if ENGINES else None
   result = {
     "serve_args": serve_args, "bench_args": args.bench,
     "bench": json.loads(result_file.read_text()) if result_file.exists() else None,
-    "engine_thread": ENGINE.report(), "event_loop": LOOP.report(),
-    "captures": runner.num_captures if runner else None,
-    "capture_s": round(runner.capture_seconds, 3) if runner else None,   # start-up captures included
-    "start_up_capture_s": round(ENGINES[0].engine.warm_up_seconds, 3) if ENGINES else None,
-    "steps": len(STEP_ROWS), "mean_running": sum(STEP_ROWS) / max(len(STEP_ROWS), 1),
-    "idle_between_steps": {"total_s": round(sum(gaps), 4), "median_ms": round(1e3 * gaps[len(gaps) // 2], 4) if gaps else None,
-                           "p90_ms": round(1e3 * gaps[int(len(gaps) * 0.9)], 4) if gaps else None},
+    "core_process": json.loads(core_report.read_text()) if core_report.exists() else None,
+    "api_process": {"frontend": API.report(), "event_loop": LOOP.report()},
   }
   Path(args.out).write_text(json.dumps(result, indent=1))
   print(json.dumps({k: v for k, v in result.items() if k != "bench"}, indent=1))

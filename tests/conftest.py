@@ -24,11 +24,10 @@ def require_shared(path: Path) -> Path:
 
 def assert_all_free(llm) -> None:
   """Nothing is left of the engine's requests: no blocks in use (on the device or in the swap space), no queued or
-  running sequence, no step in flight, no block move pending, no detokenizer or prompt-logprobs state."""
+  running sequence, no step in flight, no block move pending, no frontend state (detokenizers, prompt logprobs)."""
   engine, sched = llm.engine, llm.engine.scheduler
-  assert engine.allocator.num_used_blocks == 0 and not engine.requests and engine._in_flight is None
+  assert engine.allocator.num_used_blocks == 0 and not engine.requests and engine.core._in_flight is None
   assert not sched.waiting and not sched.running and not engine.output_processor.states
-  assert not engine.output_processor.prompt_logprobs
   assert sched.swap_space is None or (sched.swap_space.num_used_blocks == 0 and not sched.swap_space.tables)
   assert not sched.pending_copies and not sched.pending_swap_out and not sched.pending_swap_in
 

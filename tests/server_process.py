@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -50,6 +52,12 @@ class ServerProcess:
 
   def log(self) -> str: return self.log_path.read_text()
 
+  def core_pid(self) -> int:
+    """The engine core process's pid (the server logs it when it starts the process)."""
+    found = re.search(r"engine core process started \(pid (\d+)\)", self.log())
+    assert found, f"no engine core process in the log:\n{self.log()}"
+    return int(found.group(1))
+
   def wait_ready(self, timeout: float = 120) -> list[int]:
     """Poll /health until it says 200; returns every status seen on the way (503 while the model loads)."""
     seen, deadline = [], time.monotonic() + timeout
@@ -80,3 +88,26 @@ class ServerProcess:
     return self
 
   def __exit__(self, *exc: object) -> None: self.stop()
+
+
+class StreamReader(threading.Thread):
+  """Reads one streamed completion on a thread; `started` is set at its first chunk."""
+
+  def __init__(self, url: str, body: dict):
+    super().__init__(daemon=True)
+    self.url, self.body, self.started = url, body, threading.Event()
+    self.lines: list[str] = []
+    self.error: Exception | None = None
+
+  def run(self) -> None:
+    try:
+      with httpx.stream("POST", self.url, json=self.body, timeout=120) as r:
+        for line in r.iter_lines():
+          if not line.startswith("data: "): continue
+          self.lines.append(line)
+          self.started.set()
+    except httpx.HTTPError as e:
+      self.error = e
+    self.started.set()
+
+  def chunks(self) -> list[dict]: return [json.loads(line[6:]) for line in self.lines if line != "data: [DONE]"]

@@ -97,7 +97,7 @@ def test_abort_while_a_step_is_in_flight(pair, reference):
   for i in range(4): engine.add_request(f"a{i}", PROMPT, SamplingParams(temperature=0, max_tokens=60))
   engine.add_request("keep", reference["prompt_ids"], SamplingParams(temperature=0, max_tokens=50))
   for _ in range(6): engine.step()
-  assert engine._in_flight is not None and any(s.num_pending for s in engine.requests["a1"].seqs)
+  assert engine.core._in_flight is not None and any(s.num_pending for s in engine.requests["a1"].seqs)
   for i in range(4): engine.abort_request(f"a{i}")
   finals = {}
   while engine.has_unfinished_requests():

@@ -12,8 +12,8 @@ from starlette.testclient import TestClient
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.cli import main
 from tinyvllm.config import ConfigError, EngineConfig
+from tinyvllm.engine.async_llm import AsyncLLM
 from tinyvllm.engine.generation_config import default_sampling_params
-from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.entrypoints.api_server import create_app
 from tinyvllm.entrypoints.common import ServerState
 
@@ -101,7 +101,7 @@ def test_the_cli_takes_the_models_defaults_for_flags_not_given(greedy_model, ref
 @pytest.mark.slow
 def test_the_server_fills_unset_request_fields_from_the_models_defaults(greedy_model, reference):
   state = ServerState("stories", str(greedy_model))
-  with TestClient(create_app(state, lambda: LLMEngine(EngineConfig(str(greedy_model), num_gpu_blocks=64)))) as c:
+  with TestClient(create_app(state, lambda: AsyncLLM.from_config(EngineConfig(str(greedy_model), num_gpu_blocks=64)))) as c:
     while c.get("/health").status_code != 200: pass
     greedy = reference["greedy_ids"]
     unset = c.post("/v1/completions", json={"prompt": reference["prompt_ids"], "max_tokens": 20}).json()

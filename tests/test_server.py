@@ -16,7 +16,7 @@ from starlette.testclient import TestClient
 from tests.server_process import ServerProcess, model_with_chat_template
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.config import EngineConfig
-from tinyvllm.engine.llm_engine import LLMEngine
+from tinyvllm.engine.async_llm import AsyncLLM
 from tinyvllm.entrypoints.api_server import create_app
 from tinyvllm.entrypoints.common import ServerState
 
@@ -291,10 +291,10 @@ def test_metrics_parse_and_move(server, client, tokenizer):
 def test_health_is_503_until_the_engine_has_loaded(stories_dir):
   gate = threading.Event()
 
-  def load() -> LLMEngine:
-    gate.wait(60)
-    return LLMEngine(EngineConfig(model=str(stories_dir), num_gpu_blocks=16))
-  with TestClient(create_app(ServerState(MODEL, str(stories_dir)), load)) as c:
+  async def start() -> AsyncLLM:
+    await asyncio.to_thread(gate.wait, 60)
+    return await AsyncLLM.from_config(EngineConfig(model=str(stories_dir), num_gpu_blocks=16))
+  with TestClient(create_app(ServerState(MODEL, str(stories_dir)), start)) as c:
     r = c.get("/health")
     assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
     assert c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT}).status_code == 503

@@ -6,14 +6,13 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import openai
 import pytest
 
-from tests.server_process import REPO, ServerProcess
+from tests.server_process import REPO, ServerProcess, StreamReader
 
 MODEL = "stories"
 KEY = "sk-test-key"
@@ -207,29 +206,6 @@ def test_disconnect_while_waiting_for_a_whole_completion(server, http, good_text
   m = wait_idle(server, aborted)
   assert m["tinyvllm:request_aborted_total"] == aborted + 1 and m["tinyvllm:kv_cache_blocks_used"] == 0
   assert http.post(CMPL, json=GOOD).json()["choices"][0]["text"] == good_text
-
-
-class StreamReader(threading.Thread):
-  """Reads one streamed completion on a thread; `started` is set at its first chunk."""
-
-  def __init__(self, url: str, body: dict):
-    super().__init__(daemon=True)
-    self.url, self.body, self.started = url, body, threading.Event()
-    self.lines: list[str] = []
-    self.error: Exception | None = None
-
-  def run(self) -> None:
-    try:
-      with httpx.stream("POST", self.url, json=self.body, timeout=120) as r:
-        for line in r.iter_lines():
-          if not line.startswith("data: "): continue
-          self.lines.append(line)
-          self.started.set()
-    except httpx.HTTPError as e:
-      self.error = e
-    self.started.set()
-
-  def chunks(self) -> list[dict]: return [json.loads(line[6:]) for line in self.lines if line != "data: [DONE]"]
 
 
 def shut_down_mid_stream(server: ServerProcess, body: dict, sig: int) -> StreamReader:

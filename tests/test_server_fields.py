@@ -44,7 +44,7 @@ VLLM_COMMON = {
   "logprob_token_ids": [5], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
   "structured_outputs": {"choice": ["yes", "no"]}, "guided_json": {"type": "object"}, "guided_regex": "[a-z]+",
   "guided_choice": ["yes", "no"], "guided_grammar": "root ::= \"a\"", "structural_tag": "{}",
-  "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ", "priority": 1, "logits_processors": ["m.P"],
+  "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ", "logits_processors": ["m.P"],
   "return_tokens_as_token_ids": True, "return_token_ids": True, "return_token_offsets": True, "cache_salt": "s4lt",
   "kv_transfer_params": {"do_remote_decode": True}, "ec_transfer_params": {"x": 1}, "vllm_xargs": {"k": 1},
   "repetition_detection": {"max_pattern_size": 4}, "thinking_token_budget": 16, "mm_processor_kwargs": {"size": 2},
@@ -150,6 +150,13 @@ def test_unknown_nested_fields_and_combinations_are_refused(http):
   assert_refused(http.post(CHAT, json={**GOOD_CHAT, "stream": True, "prompt_logprobs": 0}), "prompt_logprobs", "stream")
   r = http.post(CHAT, json={**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "x": 1}]}]})
   assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_a_priority_under_fcfs_is_a_400_naming_it(http, baseline):
+  """priority is implemented (tests/test_server_priority.py); this server schedules fcfs, which cannot honour one."""
+  for path, good in ((CMPL, GOOD_CMPL), (CHAT, GOOD_CHAT)):
+    assert_refused(http.post(path, json={**good, "priority": 1}), "priority", "scheduling_policy='priority'")
+    assert_refused(http.post(path, json={**good, "priority": "1"}), "priority", "")
 
 
 def test_cheap_vllm_extras_are_implemented(http, baseline):

@@ -8,7 +8,7 @@ import sys
 
 from tinyvllm.cli.args import add_engine_args, engine_config, json_value
 
-SERVE_PACKAGES = {"fastapi", "uvicorn", "starlette", "prometheus_client", "pydantic"}
+SERVE_PACKAGES = {"fastapi", "uvicorn", "starlette", "prometheus_client", "pydantic", "zmq", "msgspec"}
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # vLLM's server flags for features tinyvllm does not have: each fails, naming itself, when given
 NOT_BUILT = {"enable_auto_tool_choice": "tool calling is not supported yet",
@@ -43,7 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
   s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
   s.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc, /openapi.json (always the case)")
   s.add_argument("--disable-frontend-multiprocessing", action="store_true",
-                 help="the HTTP server and the engine share one process (always the case)")
+                 help="the HTTP server and the frontend (tokenization, detokenization) share one process, the engine core "
+                      "runs in its own (always the case)")
   c = p.add_argument_group("chat and request log")
   c.add_argument("--chat-template", help="a chat template file, or the template itself, used instead of the model's")
   c.add_argument("--response-role", default="assistant", help="the role of generated chat messages (assistant only)")

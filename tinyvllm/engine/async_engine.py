@@ -1,4 +1,6 @@
-"""AsyncLLMEngine: the asyncio front of LLMEngine (vLLM's shape), for servers.
+"""AsyncLLMEngine: an asyncio front of the in-process LLMEngine (vLLM's shape), for embedding the engine in an asyncio
+program without a second process. The server uses AsyncLLM instead (engine/async_llm.py: the engine core in its own
+process).
 
 One background loop owns the engine: it applies queued additions and aborts between steps and runs each step on a
 dedicated worker thread, so the event loop stays free while the model computes and the engine is only ever touched
@@ -15,15 +17,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tinyvllm.config import EngineConfig
+from tinyvllm.engine.exceptions import EngineDeadError
 from tinyvllm.engine.llm_engine import LLMEngine, PromptType
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 
 _ids = itertools.count()
-
-
-class EngineDeadError(RuntimeError):
-  """The engine loop stopped (it crashed, or the engine was shut down); no request can be served."""
+__all__ = ["AsyncLLMEngine", "EngineDeadError"]
 
 
 @dataclass

@@ -1,34 +1,27 @@
-"""After each step: detokenize the sampled tokens incrementally, decide stop verdicts (the scheduler applies them),
-build RequestOutputs.
+"""The frontend's side of each step (vLLM v1's OutputProcessor): the core's token ids become text and RequestOutputs.
 
-Stop rules (vLLM's order): EOS (unless ignore_eos) or a stop_token_id ends the sequence with "stop" and its text leaves
-that token out; then max_tokens or the context limit ends it with "length"; a stop string found in the new text ends it
-with "stop" and the text is cut before it (kept with include_stop_str_in_output). While a sequence runs, text that could
-still turn out to be the start of a stop string is held back from the deltas.
+It keeps its own state per request (the core keeps the Sequences): incremental detokenization (never half a UTF-8
+character), stop strings, logprobs with their text, prompt logprobs, and the RequestOutputs (every step with the delta
+beside the whole, CUMULATIVE, or only at the end, FINAL_ONLY).
 
-Prompt logprobs (SamplingParams.prompt_logprobs) are the request's: scored by the steps that compute its prompt
-(worker/logprobs.py), kept here in prompt order, each token once, and handed out with every RequestOutput.
+Stops (vLLM's order): the core ends a sample on EOS (unless ignore_eos) or a stop_token_id ("stop": its text leaves that
+token out unless include_stop_str_in_output) and on max_tokens or the context ("length"); a stop string found in the new
+text ends it here with "stop", the text cut before it (kept with include_stop_str_in_output), and the caller tells the
+core to stop the sample (tokens it produced after that are dropped). While a sample runs, text that could still turn out
+to be the start of a stop string is held back from the deltas.
+
+Prompt logprobs (SamplingParams.prompt_logprobs) are the request's: scored by the steps that compute its prompt, kept here
+in prompt order, each token once, and handed out with every RequestOutput.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
-import numpy as np
-
-from tinyvllm.core.sequence import Request, Sequence, SequenceStatus, StopVerdict
+from tinyvllm.engine.messages import EngineCoreOutput, EngineCoreRequest, LogprobsLists, PromptLogprobsChunk, SampleRef
 from tinyvllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
+from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 from tinyvllm.tokenizer import IncrementalDetokenizer, Tokenizer
-from tinyvllm.worker.logprobs import ScoredPromptChunk
-
-
-@dataclass
-class TextState:
-  detokenizer: IncrementalDetokenizer | None
-  text: str = ""
-  emitted_chars: int = 0
-  emitted_tokens: int = 0
-  logprobs: SampleLogprobs | None = None
-  cumulative_logprob: float = 0.0
 
 
 def find_stop(text: str, new_from: int, stops: list[str]) -> tuple[int, str] | None:
@@ -51,102 +44,175 @@ def partial_stop_len(text: str, stops: list[str]) -> int:
   return longest
 
 
+@dataclass
+class SampleState:
+  """One of a request's n samples, as the frontend sees it."""
+  index: int
+  detokenizer: IncrementalDetokenizer | None
+  token_ids: list[int] = field(default_factory=list)
+  text: str = ""
+  emitted_chars: int = 0
+  emitted_tokens: int = 0
+  logprobs: SampleLogprobs | None = None
+  cumulative_logprob: float = 0.0
+  finish_reason: str | None = None
+  stop_reason: int | str | None = None
+  first_scheduled_time: float | None = None
+  first_token_time: float | None = None
+  last_token_time: float | None = None
+  finished_time: float | None = None
+
+  @property
+  def finished(self) -> bool: return self.finish_reason is not None
+
+  def record_times(self, out: EngineCoreOutput) -> None:
+    """The times the core's scheduler recorded for this sample."""
+    self.first_scheduled_time, self.first_token_time = out.first_scheduled_time, out.first_token_time
+    self.last_token_time, self.finished_time = out.last_token_time, out.finished_time
+
+  def add_token(self, params: SamplingParams, token: int, logprobs: dict[int, Logprob] | None, finish_reason: str | None,
+                stop_reason: int | None) -> None:
+    """One new token: its logprobs, the core's finish, its text and the stop strings."""
+    self.token_ids.append(token)
+    if logprobs is not None:
+      if self.logprobs is None: self.logprobs = []
+      self.logprobs.append(logprobs)
+      self.cumulative_logprob += logprobs[token].logprob
+    self.finish_reason, self.stop_reason = finish_reason, stop_reason
+    stopped_by_token = finish_reason == "stop"
+    if self.detokenizer is None or (stopped_by_token and not params.include_stop_str_in_output): return
+    old_len = len(self.text)
+    self.text += self.detokenizer.add([token])
+    if (hit := find_stop(self.text, old_len, params.stop_strings)) is not None:
+      idx, stop = hit
+      self.text = self.text[:idx + (len(stop) if params.include_stop_str_in_output else 0)]
+      self.finish_reason, self.stop_reason = "stop", stop
+      if self.finished_time is None: self.finished_time = time.time()
+    elif finish_reason is not None:
+      self.text += self.detokenizer.flush()  # bytes of a character the last token left incomplete
+
+
+@dataclass
+class RequestState:
+  request_id: str
+  prompt: str | None
+  prompt_token_ids: list[int]
+  params: SamplingParams
+  arrival_time: float
+  samples: list[SampleState]
+  prompt_logprobs: PromptLogprobs | None = None   # so far
+  num_cached_tokens: int = 0
+
+  @property
+  def finished(self) -> bool: return all(s.finished for s in self.samples)
+
+  def record(self, out: EngineCoreOutput) -> None:
+    """The facts of the request a first sample's output carries (its prefix-cache hit)."""
+    if out.index == 0: self.num_cached_tokens = out.num_cached_tokens
+
+
+@dataclass
+class OutputProcessorOutput:
+  request_outputs: list[RequestOutput]
+  samples_to_stop: list[SampleRef]   # stopped here (a stop string): the core must stop them too
+
+
 class OutputProcessor:
-  def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int], max_model_len: int):
-    self.tokenizer, self.eos_token_ids, self.max_model_len = tokenizer, eos_token_ids, max_model_len
-    self.states: dict[int, TextState] = {}
-    self.prompt_logprobs: dict[str, PromptLogprobs] = {}   # request id -> its prompt logprobs so far
+  def __init__(self, tokenizer: Tokenizer | None):
+    self.tokenizer = tokenizer
+    self.states: dict[str, RequestState] = {}
 
-  def register(self, seq: Sequence) -> None:
-    det = None
-    if self.tokenizer is not None:
-      det = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens)
-    self.states[seq.seq_id] = TextState(det)
-    if seq.index == 0 and seq.params.prompt_logprobs is not None: self.prompt_logprobs[seq.request_id] = [None]
+  def add_request(self, request: EngineCoreRequest, prompt: str | None) -> None:
+    params, ids = request.sampling_params, request.prompt_token_ids
+    detokenizer = lambda: None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+    self.states[request.request_id] = RequestState(
+      request.request_id, prompt, ids, params, request.arrival_time, [SampleState(i, detokenizer()) for i in range(params.n)],
+      [None] if params.prompt_logprobs is not None else None)
 
-  def release(self, seq: Sequence) -> None:
-    self.states.pop(seq.seq_id, None)
-    if seq.index == 0: self.prompt_logprobs.pop(seq.request_id, None)
+  def abort_request(self, request_id: str) -> None: self.states.pop(request_id, None)
 
-  def logprob_entries(self, token: int, logprob: float, rank: int, top_ids: np.ndarray, top_logprobs: np.ndarray) -> dict[int, Logprob]:
+  def has_unfinished_requests(self) -> bool: return bool(self.states)
+
+  def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
+    """Account for a step's outputs; the RequestOutputs due, and the samples a stop string ended."""
+    touched: dict[str, RequestState] = {}
+    to_stop: list[SampleRef] = []
+    for out in outputs:
+      state = self.states.get(out.request_id)
+      if state is None: continue   # aborted or finished here meanwhile
+      if out.prompt_logprobs is not None: self._add_prompt_logprobs(state, out.prompt_logprobs)
+      sample = state.samples[out.index]
+      if sample.finished or not out.new_token_ids: continue
+      state.record(out)
+      sample.record_times(out)
+      self._process_tokens(state, sample, out)
+      if sample.finished and not out.finished: to_stop.append(SampleRef(out.request_id, out.index))
+      touched[out.request_id] = state
+    request_outputs = []
+    for state in touched.values():
+      finished = state.finished
+      if finished or state.params.output_kind is not RequestOutputKind.FINAL_ONLY: request_outputs.append(self.request_output(state))
+      if finished: del self.states[state.request_id]
+    return OutputProcessorOutput(request_outputs, to_stop)
+
+  def _process_tokens(self, state: RequestState, sample: SampleState, out: EngineCoreOutput) -> None:
+    last = len(out.new_token_ids) - 1
+    for i, token in enumerate(out.new_token_ids):
+      entries = None if out.new_logprobs is None else self._entries(out.new_logprobs, i, token)
+      finish = (out.finish_reason, out.stop_reason) if i == last else (None, None)
+      sample.add_token(state.params, token, entries, *finish)
+      if sample.finished: return
+
+  def _entries(self, lists: LogprobsLists, i: int, token: int) -> dict[int, Logprob]:
+    return self.logprob_entries(token, lists.logprobs[i], lists.ranks[i], lists.top_ids[i], lists.top_logprobs[i])
+
+  def logprob_entries(self, token: int, logprob: float, rank: int, top_ids: list[int], top_logprobs: list[float]) -> dict[int, Logprob]:
     """A token's own entry and the top-k alternatives (ranks 1..k), each with its text."""
-    entries = {int(t): Logprob(float(v), r + 1) for r, (t, v) in enumerate(zip(top_ids, top_logprobs, strict=True))}
-    entries.setdefault(token, Logprob(float(logprob), int(rank)))
+    entries = {t: Logprob(v, r + 1) for r, (t, v) in enumerate(zip(top_ids, top_logprobs, strict=True))}
+    entries.setdefault(token, Logprob(logprob, rank))
     if self.tokenizer is not None:
       for token_id, entry in entries.items(): entry.decoded_token = self.tokenizer.token_bytes(token_id).decode(errors="replace")
     return entries
 
-  def add_prompt_logprobs(self, chunk: ScoredPromptChunk) -> None:
-    """Keep a step's scores of a request's prompt tokens: the tokens not scored before, in order (a chunk computed again
-    after a preemption scores them again). Scores for a request that ended meanwhile are dropped."""
-    entries = self.prompt_logprobs.get(chunk.seq.request_id)
+  def _add_prompt_logprobs(self, state: RequestState, chunk: PromptLogprobsChunk) -> None:
+    """Keep a step's scores of the request's prompt tokens: the tokens not scored before, in order (a chunk computed
+    again after a preemption scores them again)."""
+    entries = state.prompt_logprobs
     if entries is None: return
-    k, lp = chunk.seq.params.prompt_logprobs or 0, chunk.logprobs
     for i, token in enumerate(chunk.token_ids):
       if chunk.first + i < len(entries): continue
       assert chunk.first + i == len(entries), f"prompt token {chunk.first + i} scored before token {len(entries)}"
-      entries.append(self.logprob_entries(token, lp.logprob[i], lp.rank[i], lp.top_ids[i][:k], lp.top_logprobs[i][:k]))
+      entries.append(self._entries(chunk.logprobs, i, token))
 
-  def process_token(self, seq: Sequence, token: int, logprobs: dict[int, Logprob] | None = None) -> StopVerdict | None:
-    """Account for the sampled token the scheduler has just appended (its text, its logprobs, if asked for) and say
-    whether it ends the sequence; the scheduler applies the verdict."""
-    params, state = seq.params, self.states[seq.seq_id]
-    if logprobs is not None:
-      if state.logprobs is None: state.logprobs = []
-      state.logprobs.append(logprobs)
-      state.cumulative_logprob += logprobs[token].logprob
-    verdict = self._token_stop(seq, token)
-    if verdict is None and ((params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens)
-                            or seq.num_known_tokens >= self.max_model_len):
-      verdict = StopVerdict(SequenceStatus.FINISHED_LENGTH)
-    stopped_by_token = verdict is not None and verdict.status is SequenceStatus.FINISHED_STOPPED
-    if state.detokenizer is None or (stopped_by_token and not params.include_stop_str_in_output): return verdict
-    old_len = len(state.text)
-    state.text += state.detokenizer.add([token])
-    if (hit := find_stop(state.text, old_len, params.stop_strings)) is not None:
-      idx, stop = hit
-      state.text = state.text[:idx + (len(stop) if params.include_stop_str_in_output else 0)]
-      return StopVerdict(SequenceStatus.FINISHED_STOPPED, stop)
-    if verdict is not None: state.text += state.detokenizer.flush()  # bytes of a character the last token left incomplete
-    return verdict
+  def completion(self, state: RequestState, sample: SampleState) -> CompletionOutput:
+    """The sample's output so far, with what became final since the last call as the delta."""
+    final_chars = len(sample.text)
+    if not sample.finished: final_chars -= partial_stop_len(sample.text, state.params.stop_strings)
+    final_chars = max(final_chars, sample.emitted_chars)
+    delta_text, sample.emitted_chars = sample.text[sample.emitted_chars:final_chars], final_chars
+    delta_tokens, sample.emitted_tokens = sample.token_ids[sample.emitted_tokens:], len(sample.token_ids)
+    text = sample.text if sample.finished else sample.text[:final_chars]
+    wants_logprobs = state.params.logprobs is not None
+    return CompletionOutput(sample.index, text, list(sample.token_ids), sample.finish_reason, sample.stop_reason,
+                            sample.cumulative_logprob if wants_logprobs else None,
+                            list(sample.logprobs or []) if wants_logprobs else None, delta_text=delta_text, delta_token_ids=delta_tokens)
 
-  def _token_stop(self, seq: Sequence, token: int) -> StopVerdict | None:
-    params = seq.params
-    if token in self.eos_token_ids and not params.ignore_eos: return StopVerdict(SequenceStatus.FINISHED_STOPPED)
-    if token in params.stop_token_ids: return StopVerdict(SequenceStatus.FINISHED_STOPPED, token)
-    return None
-
-  def completion(self, seq: Sequence) -> CompletionOutput:
-    """The sequence's output so far, with what became final since the last call as the delta."""
-    state = self.states[seq.seq_id]
-    final_chars = len(state.text)
-    if not seq.is_finished: final_chars -= partial_stop_len(state.text, seq.params.stop_strings)
-    final_chars = max(final_chars, state.emitted_chars)
-    delta_text, state.emitted_chars = state.text[state.emitted_chars:final_chars], final_chars
-    delta_tokens, state.emitted_tokens = seq.output_token_ids[state.emitted_tokens:], len(seq.output_token_ids)
-    text = state.text if seq.is_finished else state.text[:final_chars]
-    logprobs = None if seq.params.logprobs is None else list(state.logprobs or [])
-    cumulative = None if seq.params.logprobs is None else state.cumulative_logprob
-    return CompletionOutput(seq.index, text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason, cumulative,
-                            logprobs, delta_text=delta_text, delta_token_ids=delta_tokens)
-
-  def request_output(self, request: Request) -> RequestOutput:
-    outputs = [self.completion(seq) for seq in request.seqs]
-    prompt_logprobs = self.prompt_logprobs.get(request.request_id)
-    return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, request.is_finished,
-                         request.seqs[0].num_cached_tokens or 0, request_metrics(request),
-                         list(prompt_logprobs) if prompt_logprobs is not None else None)
+  def request_output(self, state: RequestState) -> RequestOutput:
+    outputs = [self.completion(state, sample) for sample in state.samples]
+    prompt_logprobs = list(state.prompt_logprobs) if state.prompt_logprobs is not None else None
+    return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, state.finished, state.num_cached_tokens,
+                         request_metrics(state), prompt_logprobs)
 
 
-def request_metrics(request: Request) -> RequestMetrics:
-  """The request's times from its sequences' (the scheduler records them)."""
-  seqs = request.seqs
-  scheduled = seqs[0].first_scheduled_time
-  first_tokens = [s.first_token_time for s in seqs if s.first_token_time is not None]
-  last_tokens = [s.last_token_time for s in seqs if s.last_token_time is not None]
-  finished = [s.finished_time for s in seqs if s.finished_time is not None]
+def request_metrics(state: RequestState) -> RequestMetrics:
+  """The request's times from its samples' (the core's scheduler records them)."""
+  samples = state.samples
+  scheduled = samples[0].first_scheduled_time
+  first_tokens = [s.first_token_time for s in samples if s.first_token_time is not None]
+  last_tokens = [s.last_token_time for s in samples if s.last_token_time is not None]
+  finished = [s.finished_time for s in samples if s.finished_time is not None]
   return RequestMetrics(
-    arrival_time=request.arrival_time, last_token_time=max(last_tokens, default=request.arrival_time),
+    arrival_time=state.arrival_time, last_token_time=max(last_tokens, default=state.arrival_time),
     first_scheduled_time=scheduled, first_token_time=min(first_tokens, default=None),
-    time_in_queue=None if scheduled is None else scheduled - request.arrival_time,
-    finished_time=max(finished) if request.is_finished and finished else None)
+    time_in_queue=None if scheduled is None else scheduled - state.arrival_time,
+    finished_time=max(finished) if state.finished and finished else None)

@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tinyvllm.engine.messages import SchedulerStats
+
 LOG_STATS_INTERVAL_S = 10.0   # vLLM's default interval
 
 
@@ -29,6 +31,13 @@ class StatsLogger:
   def record(self, prompt_tokens: int, generation_tokens: int) -> None:
     self.prompt_tokens += prompt_tokens
     self.generation_tokens += generation_tokens
+
+  def observe(self, stats: SchedulerStats) -> None:
+    """A core step's stats: count its prompt tokens and samples; the line goes out once an interval."""
+    self.record(stats.step_prompt_tokens, stats.step_generation_tokens)
+    self.maybe_log(lambda: EngineSnapshot(stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage,
+                                          stats.prefix_cache_hit_rate if stats.prefix_caching else None,
+                                          stats.swap.num_swapped_reqs if stats.swap is not None else None))
 
   def maybe_log(self, snapshot_of: Callable[[], EngineSnapshot]) -> None:
     """Log a line when the interval has passed, unless nothing happened and nothing waits (an idle engine stays quiet)."""

@@ -1,6 +1,7 @@
-"""The OpenAI-compatible HTTP server (`python main.py serve`): FastAPI + uvicorn over AsyncLLMEngine.
+"""The OpenAI-compatible HTTP server (`python main.py serve`): FastAPI + uvicorn over AsyncLLM (engine/async_llm.py: the
+frontend in this process, the engine core in its own).
 
-api_server builds the app (routes, auth and body-size guard, background engine load, graceful shutdown); protocol holds
+api_server builds the app (routes, auth and body-size guard, the engine started beside it, graceful shutdown); protocol holds
 the request and response shapes; unsupported the table of request fields the server refuses; serving_completion /
 serving_chat / serving_tokenize the endpoints' logic; common the pieces they share (sampling parameters, prompt checks,
 streaming many engine requests as one); metrics the Prometheus side. Needs the `serve` extra: pip install -e .[serve]

@@ -1,9 +1,11 @@
 """The FastAPI app and its uvicorn server.
 
-The HTTP server starts first and the engine loads on a background thread, so /health answers 503 while the model
-loads and 200 once it is ready. A guard in front of the routes checks the API key and caps the body size before any
+The HTTP server starts first and the engine core process starts loading the model beside it (AsyncLLM, engine/), so
+/health answers 503 while the model loads and 200 once the core reports ready; a load error stops the server with
+status 1 and the core's message. A guard in front of the routes checks the API key and caps the body size before any
 JSON is parsed. SIGINT/SIGTERM stop new connections and requests, give in-flight requests --shutdown-timeout seconds
-to finish, end the rest with an error (aborting them in the engine), shut the engine down and exit 0.
+to finish, end the rest with an error (aborting them in the engine), stop the core process and exit 0. If the core
+process fails or dies, every waiting client gets an error, new requests a 503, and the server exits with status 1.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import hmac
 import signal
 import threading
 import traceback
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +27,9 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tinyvllm.config import EngineConfig
-from tinyvllm.engine.async_engine import AsyncLLMEngine
-from tinyvllm.engine.llm_engine import LLMEngine, log
+from tinyvllm.engine.async_llm import AsyncLLM
+from tinyvllm.engine.core_setup import log
+from tinyvllm.engine.exceptions import EngineDeadError, EngineLoadError
 from tinyvllm.entrypoints.common import ServerState
 from tinyvllm.entrypoints.errors import APIError, install_error_handlers, parse_body
 from tinyvllm.entrypoints.logger import RequestLogger
@@ -99,32 +102,16 @@ def _replay(body: bytes, receive: Receive) -> Receive:
   return replay
 
 
-def _settle(done: asyncio.Future, result: Any, error: BaseException | None) -> None:
-  if done.done(): return
-  if error is not None: done.set_exception(error)
-  else: done.set_result(result)
-
-
-async def _load_engine(state: ServerState, load: Callable[[], LLMEngine], on_failure: Callable[[], None]) -> None:
-  """Build the engine on a daemon thread (a Ctrl-C during the load need not wait for it), then start serving."""
-  loop = asyncio.get_running_loop()
-  done = loop.create_future()
-
-  def work() -> None:
-    result, error = None, None
-    try: result = load()
-    except BaseException as e: error = e
-    with contextlib.suppress(RuntimeError): loop.call_soon_threadsafe(_settle, done, result, error)  # the loop may be gone
-
-  threading.Thread(target=work, name="tinyvllm-load", daemon=True).start()
+async def _start_engine(state: ServerState, start: Callable[[], Awaitable[AsyncLLM]], on_failure: Callable[[], None]) -> None:
+  """Start the engine (its core process loads the model), then serve with it; a load error stops the server."""
   try:
-    engine = await done
+    engine = await start()
   except Exception as e:
-    state.load_error = f"{type(e).__name__}: {e}"
+    state.load_error = str(e) if isinstance(e, EngineLoadError) else f"{type(e).__name__}: {e}"   # the core's names its type
     log(f"loading the model failed: {state.load_error}")
     on_failure()
     return
-  state.engine = AsyncLLMEngine(engine)
+  state.engine = engine
   log(f"model ready, serving it as {state.served_model_name!r}")
 
 
@@ -137,11 +124,12 @@ class CorsSettings:
   allow_credentials: bool = False
 
 
-def create_app(state: ServerState, load: Callable[[], LLMEngine], on_load_failure: Callable[[], None] = lambda: None,
+def create_app(state: ServerState, start: Callable[[], Awaitable[AsyncLLM]], on_load_failure: Callable[[], None] = lambda: None,
                max_body: int = MAX_BODY_BYTES, cors: CorsSettings | None = None, root_path: str = "") -> FastAPI:
+  """`start` makes the engine (AsyncLLM.from_config(config), in the server): it runs once the app has started."""
   @contextlib.asynccontextmanager
   async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-    loading = asyncio.create_task(_load_engine(state, load, on_load_failure))
+    loading = asyncio.create_task(_start_engine(state, start, on_load_failure))
     try:
       yield
     finally:
@@ -272,11 +260,16 @@ def run_server(config: EngineConfig, settings: ServerSettings) -> int:
   def stop() -> None:
     if server is not None: server.should_exit = True
 
-  app = create_app(state, lambda: LLMEngine(config), on_load_failure=stop, cors=settings.cors(), root_path=settings.root_path)
+  def on_engine_dead(error: EngineDeadError) -> None:
+    state.engine_error = str(error)
+    stop()
+
+  start = lambda: AsyncLLM.from_config(config, on_dead=on_engine_dead)
+  app = create_app(state, start, on_load_failure=stop, cors=settings.cors(), root_path=settings.root_path)
   server = _Server(uvicorn.Config(app, **settings.uvicorn_options()), state, settings.shutdown_timeout)
   try:
     server.run()
   except Exception:
     traceback.print_exc()
     return 1
-  return 1 if state.load_error or not server.started else 0
+  return 1 if state.load_error or state.engine_error or not server.started else 0

@@ -13,8 +13,10 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from tinyvllm.engine.async_engine import AsyncLLMEngine
-from tinyvllm.engine.llm_engine import PromptError
+from tinyvllm.core.scheduling_policy import check_priority
+from tinyvllm.engine.async_llm import AsyncLLM
+from tinyvllm.engine.exceptions import EngineDeadError
+from tinyvllm.engine.input_processor import PromptError
 from tinyvllm.entrypoints.errors import APIError, bad_request
 from tinyvllm.entrypoints.logger import RequestLogger
 from tinyvllm.entrypoints.metrics import ServerMetrics
@@ -32,8 +34,9 @@ class ServerState:
   served_model_name: str
   model_path: str
   api_key: str | None = None
-  engine: AsyncLLMEngine | None = None
+  engine: AsyncLLM | None = None
   load_error: str | None = None
+  engine_error: str | None = None   # the engine core failed or died after it was ready
   created: int = field(default_factory=lambda: int(time.time()))
   draining: bool = False       # shutting down: in-flight requests may finish, new ones are refused
   metrics: ServerMetrics = field(init=False)
@@ -43,9 +46,9 @@ class ServerState:
   request_logger: RequestLogger | None = None
 
   def __post_init__(self) -> None:
-    self.metrics = ServerMetrics(lambda: self.engine.engine if self.engine is not None else None)
+    self.metrics = ServerMetrics(lambda: self.engine.stats if self.engine is not None else None)
 
-  def require_ready(self) -> AsyncLLMEngine:
+  def require_ready(self) -> AsyncLLM:
     """The engine, for a new request (503 while loading or shutting down)."""
     if self.draining: raise APIError(503, "the server is shutting down", code="service_unavailable")
     return self.require_engine()
@@ -55,19 +58,20 @@ class ServerState:
     for queue in self.in_flight: queue.put_nowait((-1, APIError(503, "the server shut down before the request finished",
                                                                  code="service_unavailable")))
 
-  def require_engine(self) -> AsyncLLMEngine:
+  def require_engine(self) -> AsyncLLM:
     if self.engine is None:
       message = f"the model failed to load: {self.load_error}" if self.load_error else "the model is still loading"
       raise APIError(503, message, code="service_unavailable")
+    if self.engine_error is not None: raise engine_dead(self.engine_error)
     return self.engine
 
   @property
-  def max_model_len(self) -> int: return self.require_engine().engine.max_model_len
+  def max_model_len(self) -> int: return self.require_engine().max_model_len
 
   @property
   def sampling_defaults(self) -> dict[str, Any]:
     """The model's generation_config.json defaults for request fields left unset."""
-    return self.require_engine().engine.default_sampling_params
+    return self.require_engine().default_sampling_params
 
   def tokenizer(self, purpose: str) -> Tokenizer:
     tokenizer = self.require_engine().tokenizer
@@ -78,6 +82,10 @@ class ServerState:
     if model is not None and model != self.served_model_name and model not in self.other_model_names:
       raise APIError(404, f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
                      param="model", code="model_not_found")
+
+
+def engine_dead(reason: str) -> APIError:
+  return APIError(503, f"the engine has stopped: {reason}", code="service_unavailable")
 
 
 @dataclass
@@ -92,7 +100,7 @@ def tokenize(state: ServerState, prompt: str | list[int], param: str, add_specia
   """A prompt's token ids; a string gets the tokenizer's special tokens (BOS) unless add_special_tokens is false."""
   try:
     if isinstance(prompt, str) and not add_special_tokens: text, ids = prompt, state.tokenizer("a text prompt").encode(prompt, False)
-    else: text, ids = state.require_engine().engine.tokenize_prompt(prompt)
+    else: text, ids = state.require_engine().processor.tokenize_prompt(prompt)
   except PromptError as e: raise bad_request(str(e), param) from None
   if not ids: raise bad_request("the prompt is empty (no tokens)", param)
   return Prompt(text, ids)
@@ -141,6 +149,14 @@ def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
     raise bad_request(str(e), (rename or {}).get(e.param, e.param)) from None
 
 
+def request_priority(state: ServerState, req: SamplingRequest) -> int:
+  """The request's scheduling priority (vLLM's field: lower runs first), refused where the engine cannot honour it."""
+  priority = req.priority or 0
+  try: check_priority(priority, state.require_engine().config.scheduling_policy)
+  except ValueError as e: raise bad_request(str(e), "priority") from None
+  return priority
+
+
 def check_engine_limits(state: ServerState, prompt: Prompt, params: SamplingParams, param: str,
                         rename: dict[str, str] | None = None) -> None:
   """What the engine itself refuses (a request bigger than the whole KV cache, stop strings without a tokenizer, more
@@ -151,7 +167,7 @@ def check_engine_limits(state: ServerState, prompt: Prompt, params: SamplingPara
 
 
 async def generate_many(state: ServerState, prompts: list[Prompt], params: list[SamplingParams],
-                        request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+                        request_id: str, priority: int = 0) -> AsyncIterator[tuple[int, RequestOutput]]:
   """One engine request per prompt, their outputs interleaved as (prompt index, output) until every one finishes.
   Closing this generator (the client went away) cancels the rest, which aborts them in the engine."""
   engine, queue = state.require_engine(), asyncio.Queue()
@@ -162,9 +178,11 @@ async def generate_many(state: ServerState, prompts: list[Prompt], params: list[
   async def pump(i: int) -> None:
     tracker = state.metrics.tracker()
     try:
-      async for out in engine.generate(prompts[i].engine_prompt(), params[i], f"{request_id}-{i}"):
+      async for out in engine.generate(prompts[i].engine_prompt(), params[i], f"{request_id}-{i}", priority):
         tracker.observe(out)
         queue.put_nowait((i, out))
+    except EngineDeadError as e:
+      queue.put_nowait((i, engine_dead(str(e))))
     except Exception as e:
       queue.put_nowait((i, e))
     finally:
@@ -186,9 +204,9 @@ async def generate_many(state: ServerState, prompts: list[Prompt], params: list[
 
 
 async def final_outputs(state: ServerState, prompts: list[Prompt], params: list[SamplingParams],
-                        request_id: str) -> list[RequestOutput]:
+                        request_id: str, priority: int = 0) -> list[RequestOutput]:
   finals: list[RequestOutput | None] = [None] * len(prompts)
-  async for i, out in generate_many(state, prompts, params, request_id):
+  async for i, out in generate_many(state, prompts, params, request_id, priority):
     if out.finished: finals[i] = out
   return [f for f in finals if f is not None]
 

@@ -1,14 +1,14 @@
-"""Prometheus metrics in the server's own registry: engine state read at scrape time, request timings as they happen."""
+"""Prometheus metrics in the server's own registry: the engine core's state as of its latest step, read at scrape time;
+request timings as they happen."""
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from tinyvllm.core.sequence import SequenceStatus
+from tinyvllm.engine.messages import SchedulerStats
 from tinyvllm.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -17,39 +17,35 @@ _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2
 
 
 class EngineCollector:
-  """Gauges read from the engine when /metrics is scraped (nothing while the model loads)."""
+  """Gauges and counters from the engine core's latest stats snapshot (it sends one with every step, and after an
+  abort), read when /metrics is scraped; nothing while the model loads."""
 
-  def __init__(self, get_engine: Callable[[], Any]):
-    self.get_engine = get_engine
+  def __init__(self, get_stats: Callable[[], SchedulerStats | None]):
+    self.get_stats = get_stats
 
   def describe(self) -> list[Metric]: return []
 
   def collect(self) -> Iterator[Metric]:
-    engine = self.get_engine()
-    if engine is None: return
-    sched, alloc = engine.scheduler, engine.allocator
-    # copies taken in one C call each: the engine thread may be changing these while we read
-    running, queued = {s.request_id for s in list(sched.running)}, list(sched.waiting)
-    swapped = {s.request_id for s in queued if s.status is SequenceStatus.SWAPPED}
-    waiting = {s.request_id for s in queued} - running - swapped
-    yield _gauge("num_requests_running", "Requests with sequences in the running batch", len(running))
-    yield _gauge("num_requests_waiting", "Requests waiting to be scheduled", len(waiting))
-    yield _gauge("num_requests_swapped", "Requests with a sequence preempted into the swap space", len(swapped))
-    yield _gauge("kv_cache_blocks_total", "KV cache blocks in the cache", alloc.num_blocks)
-    yield _gauge("kv_cache_blocks_used", "KV cache blocks held by sequences", alloc.num_used_blocks)
-    yield _gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)", alloc.num_used_blocks / max(alloc.num_blocks, 1))
+    stats = self.get_stats()
+    if stats is None: return
+    yield _gauge("num_requests_running", "Requests with sequences in the running batch", stats.num_running_reqs)
+    yield _gauge("num_requests_waiting", "Requests waiting to be scheduled", stats.num_waiting_reqs)
+    if stats.swap is not None:
+      yield _gauge("num_requests_swapped", "Requests with a sequence preempted into the swap space", stats.swap.num_swapped_reqs)
+    yield _gauge("kv_cache_blocks_total", "KV cache blocks in the cache", stats.kv_cache_blocks_total)
+    yield _gauge("kv_cache_blocks_used", "KV cache blocks held by sequences", stats.kv_cache_blocks_used)
+    yield _gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)", stats.kv_cache_usage)
     yield _gauge("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up",
-                 getattr(alloc, "prefix_hit_rate", 0.0))
-    yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", getattr(alloc, "prefix_queries", 0))
-    yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache", getattr(alloc, "prefix_hits", 0))
+                 stats.prefix_cache_hit_rate)
+    yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", stats.prefix_cache_queries)
+    yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache", stats.prefix_cache_hits)
     yield _counter("num_preemptions", "Sequences preempted (their blocks taken back, recomputed or swapped in later)",
-                   sched.num_preemptions)
-    if sched.swap_space is not None:
-      swap = sched.swap_space
-      yield _gauge("cpu_cache_usage_perc", "Fraction of the swap space's blocks in use (0 to 1)", swap.num_used_blocks / swap.num_blocks)
-      yield _counter("swapped_out_blocks", "KV blocks copied to the swap space", sched.num_swapped_out_blocks)
-      yield _counter("swapped_in_blocks", "KV blocks copied back from the swap space", sched.num_swapped_in_blocks)
-      yield _counter("swap_fallbacks", "Preemptions recomputed because the swap space was full", sched.num_swap_fallbacks)
+                   stats.num_preemptions)
+    if (swap := stats.swap) is not None:
+      yield _gauge("cpu_cache_usage_perc", "Fraction of the swap space's blocks in use (0 to 1)", swap.usage)
+      yield _counter("swapped_out_blocks", "KV blocks copied to the swap space", swap.swapped_out_blocks)
+      yield _counter("swapped_in_blocks", "KV blocks copied back from the swap space", swap.swapped_in_blocks)
+      yield _counter("swap_fallbacks", "Preemptions recomputed because the swap space was full", swap.fallbacks)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily: return GaugeMetricFamily(f"tinyvllm:{name}", doc, value=value)
@@ -58,7 +54,7 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 
 
 class ServerMetrics:
-  def __init__(self, get_engine: Callable[[], Any]):
+  def __init__(self, get_stats: Callable[[], SchedulerStats | None]):
     self.registry = r = CollectorRegistry()
     self.prompt_tokens = Counter("tinyvllm:prompt_tokens", "Prompt tokens prefilled", registry=r)
     self.generation_tokens = Counter("tinyvllm:generation_tokens", "Tokens generated", registry=r)
@@ -70,7 +66,7 @@ class ServerMetrics:
     self.tpot = Histogram("tinyvllm:time_per_output_token_seconds", "Time between successive outputs of a request",
                           buckets=_TOKEN_BUCKETS, registry=r)
     self.e2e = Histogram("tinyvllm:e2e_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS, registry=r)
-    r.register(EngineCollector(get_engine))
+    r.register(EngineCollector(get_stats))
 
   def render(self) -> bytes: return generate_latest(self.registry)
 

@@ -50,6 +50,7 @@ class SamplingRequest(StrictModel):
   add_special_tokens: bool | None = None   # default: True for a prompt, False for messages (the template has them)
   user: str | None = None                  # the caller's end user: an identifier, which never changes the output
   request_id: str | None = None            # vLLM's: the response's id is made from it
+  priority: int | None = None              # vLLM's: with --scheduling-policy priority, lower values are served first
   stream: bool | None = False
   stream_options: StreamOptions | None = None
 

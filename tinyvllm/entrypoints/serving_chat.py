@@ -18,6 +18,7 @@ from tinyvllm.entrypoints.common import (
   finite,
   generate_many,
   prompt_logprobs_json,
+  request_priority,
   response_id,
   sampling_params,
   sse,
@@ -79,6 +80,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
   state.require_ready()
   state.check_model(req.model)
   check_streaming(req)
+  priority = request_priority(state, req)
   max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
   param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
   if max_tokens is not None and max_tokens < 1: raise bad_request(f"{param} must be >= 1, got {max_tokens}", param)
@@ -90,7 +92,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
   request_id, created, engine_id = response_id("chatcmpl", req), int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
   if req.stream:
     return StreamingResponse(_stream(state, req, prompt, params, (request_id, engine_id), created), media_type="text/event-stream")
-  finals = await unless_disconnected(request, final_outputs(state, [prompt], [params], engine_id))
+  finals = await unless_disconnected(request, final_outputs(state, [prompt], [params], engine_id, priority))
   if finals is None: return Response(status_code=499)
   tokenizer, out = state.require_engine().tokenizer, finals[0]
   choices = [ChatChoice(index=o.index, message=AssistantMessage(content=o.text), finish_reason=o.finish_reason,
@@ -143,7 +145,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, prompt: Prompt
   finished: set[int] = set()
   completion_tokens = 0
   try:
-    async for _, out in generate_many(state, [prompt], [params], engine_id):
+    async for _, out in generate_many(state, [prompt], [params], engine_id, req.priority or 0):
       for o in out.outputs:
         if o.index in finished: continue
         lps = _delta_logprobs(tokenizer, o, top_k)

@@ -18,6 +18,7 @@ from tinyvllm.entrypoints.common import (
   finite,
   generate_many,
   prompt_logprobs_json,
+  request_priority,
   response_id,
   sampling_params,
   sse,
@@ -66,11 +67,12 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
   state.require_ready()
   state.check_model(req.model)
   check_streaming(req)
+  priority = request_priority(state, req)
   prompts, params = _prepare(state, req)
   request_id, created, engine_id = response_id("cmpl", req), int(time.time()), f"cmpl-{uuid.uuid4().hex}"
   if req.stream:
     return StreamingResponse(_stream(state, req, prompts, params, (request_id, engine_id), created), media_type="text/event-stream")
-  finals = await unless_disconnected(request, final_outputs(state, prompts, params, engine_id))
+  finals = await unless_disconnected(request, final_outputs(state, prompts, params, engine_id, priority))
   if finals is None: return Response(status_code=499)  # nobody is listening
   n = req.n or 1
   choices = [_choice(state, req, prompts[i], out, o, i * n + o.index) for i, out in enumerate(finals) for o in out.outputs]
@@ -165,7 +167,7 @@ async def _stream(state: ServerState, req: CompletionRequest, prompts: list[Prom
   tokenizer, n, model = state.require_engine().tokenizer, req.n or 1, state.served_model_name
   (request_id, engine_id), choices, completion_tokens = ids, {}, 0
   try:
-    async for i, out in generate_many(state, prompts, params, engine_id):
+    async for i, out in generate_many(state, prompts, params, engine_id, req.priority or 0):
       for o in out.outputs:
         index = i * n + o.index
         c = choices.setdefault(index, _ChoiceStream(_echo_text(tokenizer, prompts[i]) if req.echo else ""))

@@ -12,9 +12,7 @@ from tinyvllm.entrypoints.serving_chat import render_chat
 def list_models(state: ServerState) -> dict[str, Any]:
   card: dict[str, Any] = {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "tinyvllm",
                           "root": state.model_path}
-  if state.engine is not None:
-    engine = state.engine.engine
-    card.update(max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size)
+  if state.engine is not None: card.update(max_model_len=state.engine.max_model_len, vocab_size=state.engine.vocab_size)
   return {"object": "list", "data": [card]}
 
 
@@ -35,6 +33,6 @@ def tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
 def detokenize(state: ServerState, req: DetokenizeRequest) -> dict[str, Any]:
   state.require_ready()
   state.check_model(req.model)
-  vocab = state.require_engine().engine.model_config.vocab_size
+  vocab = state.require_engine().vocab_size
   if bad := [t for t in req.tokens if not 0 <= t < vocab]: raise bad_request(f"token ids {bad[:5]} are outside [0, {vocab})", "tokens")
   return {"prompt": state.tokenizer("detokenize").decode(req.tokens)}

@@ -87,8 +87,6 @@ SAMPLING = {
   "logits_processors": Unsupported("custom logits processors are not implemented", empty),
   "repetition_detection": Unsupported("stopping on repeated n-grams is not implemented"),
   "thinking_token_budget": Unsupported("a budget for reasoning tokens is not implemented", one_of(-1)),
-  "priority": Unsupported("scheduling priorities are not implemented (requests are served first come, first served)",
-                          one_of(0)),
   "cache_salt": Unsupported("salting the prefix cache per request is not implemented"),
   "kv_transfer_params": Unsupported("disaggregated serving (KV transfer) is not implemented", empty),
   "ec_transfer_params": Unsupported("disaggregated serving (encoder-cache transfer) is not implemented", empty),

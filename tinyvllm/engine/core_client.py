@@ -1,0 +1,125 @@
+"""The API process's handle on the engine-core process (vLLM v1's AsyncMPClient): it spawns the process, binds the two
+ZeroMQ sockets (requests, aborts and stops out without ever blocking; each step's outputs in, read by asyncio) and
+watches the process: its exit is noticed at once (the process sentinel, on the event loop), and from then on every
+read raises EngineDeadError with the reason (the FAILED message it sent, or its exit status) and sends are dropped.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from tinyvllm.config import EngineConfig
+from tinyvllm.engine import core_process
+from tinyvllm.engine.core_setup import log
+from tinyvllm.engine.exceptions import EngineDeadError, EngineLoadError
+from tinyvllm.engine.messages import EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest, OutputType, RequestType, SampleRef
+from tinyvllm.engine.serialization import decode_output, encode
+
+LAST_WORDS_S = 0.2         # after the process exits, how long its last messages (FAILED) may still take to arrive
+SHUTDOWN_TIMEOUT_S = 10.0  # how long a SHUTDOWN may take before the process is killed
+
+
+class CoreClient:
+  def __init__(self, config: EngineConfig):
+    """Spawn the core process (it starts loading the model at once); call from the event loop that will read it."""
+    self._loop = asyncio.get_running_loop()
+    self._folder = Path(tempfile.mkdtemp(prefix="tinyvllm-"))
+    input_address, output_address = f"ipc://{self._folder}/input", f"ipc://{self._folder}/output"
+    self._context = zmq.Context()
+    self._input = self._context.socket(zmq.PUSH)
+    self._input.setsockopt(zmq.SNDHWM, 0)
+    self._input.bind(input_address)
+    self._output = zmq.asyncio.Context(self._context).socket(zmq.PULL)
+    self._output.setsockopt(zmq.RCVHWM, 0)
+    self._output.bind(output_address)
+    spawn = multiprocessing.get_context("spawn")
+    self.process = spawn.Process(target=core_process.run_engine_core, args=(config, input_address, output_address),
+                                 name="tinyvllm-engine-core", daemon=True)
+    self.process.start()
+    log(f"engine core process started (pid {self.process.pid})")
+    self._exited = self._loop.create_future()
+    self._loop.add_reader(self.process.sentinel, self._on_exit)
+    self._receiving: asyncio.Future | None = None
+    self.dead: EngineDeadError | None = None
+    self.ready = self._closing = False
+
+  def _on_exit(self) -> None:
+    self._loop.remove_reader(self.process.sentinel)
+    if not self._exited.done(): self._exited.set_result(None)
+
+  # ---- to the core
+  def add_request(self, request: EngineCoreRequest) -> None: self._send(RequestType.ADD, request)
+  def abort_requests(self, request_ids: list[str]) -> None: self._send(RequestType.ABORT, request_ids)
+  def stop_samples(self, samples: list[SampleRef]) -> None: self._send(RequestType.STOP_SAMPLES, samples)
+
+  def _send(self, kind: RequestType, payload: Any) -> None:
+    if self.dead is not None or self._exited.done(): return   # nobody would read it (and a send to no peer would block)
+    with contextlib.suppress(zmq.Again): self._input.send_multipart(encode(kind, payload), flags=zmq.NOBLOCK)
+
+  # ---- from the core
+  async def wait_ready(self) -> EngineCoreInfo:
+    """The core's facts once its model is loaded; EngineLoadError with the reason if loading failed."""
+    try:
+      kind, payload = await self._next()
+    except EngineDeadError as e:
+      raise EngineLoadError(str(e)) from None
+    if kind is OutputType.FAILED: raise EngineLoadError(payload)
+    assert kind is OutputType.READY, kind
+    self.ready = True
+    return payload
+
+  async def get_output(self) -> EngineCoreOutputs:
+    """The next step's outputs; EngineDeadError once the core has failed or exited (what it sent before comes first)."""
+    kind, payload = await self._next()
+    if kind is OutputType.FAILED:
+      self.dead = EngineDeadError(f"the engine core failed: {payload}")
+      raise self.dead
+    return payload
+
+  async def _next(self) -> tuple[OutputType, Any]:
+    if self.dead is not None: raise self.dead
+    if self._receiving is None: self._receiving = asyncio.ensure_future(self._output.recv_multipart())
+    if not self._receiving.done(): await asyncio.wait((self._receiving, self._exited), return_when=asyncio.FIRST_COMPLETED)
+    if self._receiving.done():
+      frames, self._receiving = self._receiving.result(), None
+      return decode_output(frames)
+    return await self._last_words()
+
+  async def _last_words(self) -> tuple[OutputType, Any]:
+    """The process has exited: what it sent before (a FAILED message) if anything, else EngineDeadError."""
+    assert self._receiving is not None
+    with contextlib.suppress(asyncio.TimeoutError): await asyncio.wait_for(asyncio.shield(self._receiving), LAST_WORDS_S)
+    if self._receiving.done() and not self._receiving.cancelled():
+      frames, self._receiving = self._receiving.result(), None
+      return decode_output(frames)
+    code = self.process.exitcode
+    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with status {code}"
+    self.dead = EngineDeadError(f"the engine core process (pid {self.process.pid}) {how}")
+    raise self.dead
+
+  # ---- the end
+  async def shutdown(self) -> None:
+    """Stop the core (SHUTDOWN once it is serving, else at once), wait for it, close the sockets. Never leaves it running."""
+    if self._closing: return
+    self._closing = True
+    if self.process.is_alive() and self.ready and self.dead is None:
+      self._send(RequestType.SHUTDOWN, None)
+      with contextlib.suppress(asyncio.TimeoutError): await asyncio.wait_for(asyncio.shield(self._exited), SHUTDOWN_TIMEOUT_S)
+    if self.process.is_alive():
+      self.process.kill()
+    await asyncio.to_thread(self.process.join)
+    self._on_exit()
+    if self._receiving is not None: self._receiving.cancel()
+    self.dead = self.dead or EngineDeadError("the engine core was shut down")
+    self._input.close(linger=0)
+    self._output.close(linger=0)
+    self._context.term()
+    shutil.rmtree(self._folder, ignore_errors=True)

@@ -1,0 +1,123 @@
+"""The server's engine-core process (vLLM v1's EngineCoreProc): an EngineCore behind two ZeroMQ sockets, requests and
+aborts in, each step's outputs out, so that nothing the API process does (HTTP, JSON, tokenization, detokenization,
+stop strings, SSE) shares a GIL with the step loop.
+
+The API process spawns it (multiprocessing's spawn: CUDA must not be initialised in a forked child) and binds both
+sockets; this process connects, loads the model and says READY with the facts the frontend validates requests with
+(or FAILED with the reason, and exits 1). Then a busy loop: drain the input without blocking while there is work, run a
+step, send its outputs; block on the input when idle. A crash in the loop is sent as FAILED before the process exits 1.
+Its life is bound to the API process: SIGINT (a terminal's Ctrl-C reaches the whole process group) is left to the API
+process, which drains and then sends SHUTDOWN; if the API process dies, this one exits at once.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import zmq
+
+from tinyvllm.config import EngineConfig
+from tinyvllm.engine.core import EngineCore
+from tinyvllm.engine.core_setup import log
+from tinyvllm.engine.messages import EngineCoreOutputs, OutputType, RequestType
+from tinyvllm.engine.serialization import decode_input, encode
+
+FAILED_MESSAGE_LINGER_MS = 5000   # how long closing waits for the last message (FAILED) to leave
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
+  """The process's entry point."""
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  exit_with_parent()
+  sys.exit(EngineCoreProc(config, input_address, output_address).run())
+
+
+def exit_with_parent() -> None:
+  """Exit as soon as the API process is gone (killed, crashed): an engine core never outlives it."""
+  parent = multiprocessing.parent_process()
+  if parent is None or parent.sentinel is None: return
+
+  def watch() -> None:
+    multiprocessing.connection.wait([parent.sentinel])
+    log("the API server process is gone: the engine core exits")
+    os._exit(1)
+  threading.Thread(target=watch, name="tinyvllm-parent-watch", daemon=True).start()
+
+
+class EngineCoreProc:
+  def __init__(self, config: EngineConfig, input_address: str, output_address: str):
+    self.config = config
+    self.context = zmq.Context()
+    self.input = self.context.socket(zmq.PULL)
+    self.input.setsockopt(zmq.RCVHWM, 0)
+    self.input.connect(input_address)
+    self.output = self.context.socket(zmq.PUSH)
+    self.output.setsockopt(zmq.SNDHWM, 0)
+    self.output.connect(output_address)
+    self.core: EngineCore | None = None
+    self.shutdown_requested = False
+    self.rejected: list[tuple[str, str]] = []
+
+  def run(self) -> int:
+    """Load, say READY, serve until SHUTDOWN; the exit status (1: loading failed or the loop crashed)."""
+    try:
+      try:
+        self.core = EngineCore(self.config)
+      except Exception as e:
+        self._send(OutputType.FAILED, f"{type(e).__name__}: {e}")
+        return 1
+      self._send(OutputType.READY, self.core.info())
+      try:
+        self.busy_loop()
+      except Exception as e:
+        traceback.print_exc()
+        self._send(OutputType.FAILED, f"{type(e).__name__}: {e}")
+        return 1
+      return 0
+    finally:
+      self.input.close(linger=0)
+      self.output.close(linger=FAILED_MESSAGE_LINGER_MS)
+      self.context.term()
+
+  def busy_loop(self) -> None:
+    while not self.shutdown_requested:
+      changed = self.process_input_queue()
+      if self.shutdown_requested: return
+      assert self.core is not None
+      if self.core.has_unfinished_requests(): self.send_outputs(self.core.step())
+      elif changed or self.rejected:   # an abort freed blocks, say, with no step to report it: the stats alone
+        self.send_outputs(EngineCoreOutputs(scheduler_stats=self.core.stats(), timestamp=time.time()))
+
+  def process_input_queue(self) -> bool:
+    """Apply every message waiting; block for the first one when the core has nothing to do. Whether any came."""
+    assert self.core is not None
+    block, changed = not self.core.has_unfinished_requests(), False
+    while True:
+      try:
+        frames = self.input.recv_multipart(flags=0 if block else zmq.NOBLOCK, copy=True)
+      except zmq.Again:
+        return changed
+      self.handle(*decode_input(frames))
+      block, changed = False, True
+
+  def handle(self, kind: RequestType, payload: Any) -> None:
+    assert self.core is not None
+    if kind is RequestType.ADD:
+      try: self.core.add_request(payload)
+      except ValueError as e: self.rejected.append((payload.request_id, str(e)))
+    elif kind is RequestType.ABORT: self.core.abort_requests(payload)
+    elif kind is RequestType.STOP_SAMPLES: self.core.stop_samples(payload)
+    elif kind is RequestType.SHUTDOWN: self.shutdown_requested = True
+
+  def send_outputs(self, outputs: EngineCoreOutputs) -> None:
+    outputs.rejected, self.rejected = self.rejected, []
+    self._send(OutputType.OUTPUTS, outputs)
+
+  def _send(self, kind: OutputType, payload: Any) -> None: self.output.send_multipart(encode(kind, payload))

@@ -1,0 +1,139 @@
+"""Building what the EngineCore runs from an EngineConfig: the device, the model (located, its backend chosen, loaded),
+the KV cache and its allocator, the scheduler, the model runner and its start-up captures."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tinygrad.dtype import DType
+
+from tinyvllm.backend.interface import FP8_KV_CACHE
+from tinyvllm.config import ConfigError, EngineConfig, ModelConfig
+from tinyvllm.core.async_scheduling import make_scheduler
+from tinyvllm.core.block_manager import BlockManager
+from tinyvllm.core.contiguous_allocator import ContiguousAllocator
+from tinyvllm.core.scheduler import SchedulerBase, SchedulerConfig
+from tinyvllm.kernels.selection import BackendRequest, select_backend
+from tinyvllm.layers.fp8 import FP8_STORAGE
+from tinyvllm.model.hub import resolve_model
+from tinyvllm.model.llama import TransformerLM
+from tinyvllm.model.loader import NAME_OF_DTYPE, load_model, resolve_dtype
+from tinyvllm.model.presets import PRESETS
+from tinyvllm.platform import tinygrad_compat as compat
+from tinyvllm.platform.device import check_dtype, is_cpu, select_device
+from tinyvllm.worker.cache_sizing import num_kv_blocks, num_swap_blocks
+from tinyvllm.worker.host_io import reads_back_asynchronously
+from tinyvllm.worker.input_batch import bucket
+from tinyvllm.worker.kv_cache import KVCache
+from tinyvllm.worker.model_runner import ModelRunner
+
+
+def log(message: str) -> None: print(f"[tinyvllm] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class LocatedModel:
+  config: ModelConfig
+  folder: Path | None
+
+
+def locate_model(cfg: EngineConfig) -> LocatedModel:
+  """A dummy preset name needs no folder; anything else is a local folder or a hub id."""
+  if cfg.load_format == "dummy" and cfg.model in PRESETS:
+    return LocatedModel(ModelConfig.from_dict(PRESETS[cfg.model], f"preset {cfg.model}"), None)
+  folder = resolve_model(cfg.model, cfg.hub_settings(), cfg.revision, weights=cfg.load_format != "dummy")
+  return LocatedModel(ModelConfig.from_folder(folder), folder)
+
+
+@dataclass
+class EngineParts:
+  device: str
+  model_config: ModelConfig
+  model_folder: Path | None
+  max_model_len: int
+  dtype: DType
+  kv_dtype: DType
+  model: TransformerLM
+  allocator: BlockManager | ContiguousAllocator
+  kv_cache: KVCache
+  scheduler: SchedulerBase
+  runner: ModelRunner
+  async_scheduling: bool
+  warm_up_seconds: float
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+  compat.check()   # a tinygrad that lacks an internal we use fails here, not mid-step
+  compat.install()
+  device = select_device(config.device)
+  compat.check(device)
+  located = locate_model(config)
+  mc = located.config
+  max_model_len = check_max_model_len(config, mc)
+  dtype = resolve_dtype(config.dtype, mc, device)
+  check_dtype(device, dtype)
+  kv_dtype = dtype if config.kv_cache_dtype == "auto" else FP8_STORAGE
+  log(f"backend {device}, dtype {dtype.name}, model {mc.architecture} from {located.folder or config.model}")
+  request = BackendRequest(NAME_OF_DTYPE[dtype], "auto" if config.kv_cache_dtype == "auto" else FP8_KV_CACHE, mc.head_dim,
+                           config.block_size, mc.hidden_act)
+  backend = select_backend(config.attention_backend, device, request, config.kernel_options())   # before loading
+  log(f"attention backend {backend.describe()}")
+  model = load_model(mc, located.folder, config.load_format, dtype, device, max_model_len, backend, config.seed)
+  allocator = make_allocator(config, mc, device, kv_dtype, max_model_len)
+  swap_blocks = num_swap_blocks(config, KVCache.bytes_per_token(mc, kv_dtype) * config.block_size)
+  kv_cache = KVCache(mc, allocator.num_blocks, allocator.block_size, kv_dtype, device, swap_blocks)
+  sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens or 0, config.enable_chunked_prefill,
+                                 config.long_prefill_token_threshold, config.scheduling_policy, config.preemption_mode,
+                                 swap_blocks)
+  if not config.enable_chunked_prefill and sched_config.max_num_batched_tokens < max_model_len:
+    raise ConfigError(f"without chunked prefill, max_num_batched_tokens ({sched_config.max_num_batched_tokens}) must be "
+                      f">= max_model_len ({max_model_len})")
+  async_scheduling = config.async_scheduling if config.async_scheduling is not None else reads_back_asynchronously(device)
+  scheduler = make_scheduler(config.scheduler, async_scheduling, allocator, sched_config)
+  log(f"{config.scheduler} scheduler ({config.scheduling_policy}), max {config.max_num_seqs} sequences, "
+      f"{sched_config.max_num_batched_tokens} tokens a step{', asynchronous scheduling' if async_scheduling else ''}, "
+      f"preemption by {config.preemption_mode}"
+      + (f" ({swap_blocks} blocks of swap space, {config.swap_space} GiB)" if swap_blocks else ""))
+  cudagraph_mode = config.cudagraph_mode or ("FULL_DECODE_ONLY" if is_cpu(device) else "FULL")
+  runner = ModelRunner(model, kv_cache, config.max_num_seqs, max_model_len, cudagraph_mode)
+  warm_up_seconds = warm_up(config, runner, device)
+  return EngineParts(device, mc, located.folder, max_model_len, dtype, kv_dtype, model, allocator, kv_cache, scheduler, runner,
+                     async_scheduling, warm_up_seconds)
+
+
+def warm_up(config: EngineConfig, runner: ModelRunner, device: str) -> float:
+  """Capture the decode steps of the configured batch sizes; returns the seconds it took."""
+  sizes = config.cuda_graph_sizes
+  if sizes is None: sizes = [] if is_cpu(device) else [1 << i for i in range(bucket(config.max_num_seqs).bit_length())]
+  t = time.perf_counter()
+  captured = runner.warm_up(sizes)
+  seconds = time.perf_counter() - t
+  if captured: log(f"captured {captured} decode batch sizes in {seconds:.1f} s (other step shapes are captured when first met)")
+  return seconds
+
+
+def check_max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
+  if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
+    raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's context of {mc.max_position_embeddings} tokens")
+  max_model_len = config.max_model_len or mc.max_position_embeddings
+  # attention is never windowed here: a window shorter than the context would change what the model attends to
+  if mc.sliding_window is not None and max_model_len > mc.sliding_window:
+    raise ConfigError(f"the model's sliding_window ({mc.sliding_window} tokens) is shorter than max_model_len ({max_model_len}), "
+                      f"and sliding-window attention is not implemented: pass --max-model-len {mc.sliding_window} (or less)")
+  return max_model_len
+
+
+def make_allocator(cfg: EngineConfig, mc: ModelConfig, device: str, kv_dtype: DType,
+                   max_model_len: int) -> BlockManager | ContiguousAllocator:
+  per_token = KVCache.bytes_per_token(mc, kv_dtype)
+  if cfg.kv_cache == "contiguous":
+    rows = min(cfg.max_num_seqs, num_kv_blocks(cfg, device, per_token * max_model_len, max_model_len, max_model_len))
+    log(f"contiguous KV cache: {rows} rows x {max_model_len} tokens ({rows * max_model_len * per_token / 2**20:.1f} MiB)")
+    return ContiguousAllocator(rows, max_model_len)
+  blocks = num_kv_blocks(cfg, device, per_token * cfg.block_size, cfg.block_size, max_model_len)
+  kind = "FP8 E4M3" if cfg.kv_cache_dtype != "auto" else kv_dtype.name
+  log(f"paged {kind} KV cache: {blocks} blocks of {cfg.block_size} tokens ({blocks * cfg.block_size * per_token / 2**20:.1f} MiB), "
+      f"prefix caching {'on' if cfg.enable_prefix_caching else 'off'}")
+  return BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)
