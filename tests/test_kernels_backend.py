@@ -289,14 +289,14 @@ def test_fused_backend_builds_every_attention_graph(dialect, kv_fp8):
                                                                   ("float32", "fp8", False)])
 def test_the_engine_asks_for_the_models_configuration_by_name(dtype, kv_cache_dtype, fused_takes, stories_dir, monkeypatch):
   """What the engine hands the selection is what the capability records speak of (dtype names, not tinygrad's)."""
-  import tinyvllm.engine.llm_engine as llm_engine
+  import tinyvllm.engine.core_setup as core_setup
   from tinyvllm import LLM
   asked = []
 
   def record(requested, device, request, options=None, probe=True):
     asked.append(request)
     return PortableBackend("recorded")
-  monkeypatch.setattr(llm_engine, "select_backend", record)
+  monkeypatch.setattr(core_setup, "select_backend", record)
   LLM(str(stories_dir), dtype=dtype, kv_cache_dtype=kv_cache_dtype, num_gpu_blocks=8, max_model_len=64)
   assert asked == [BackendRequest(dtype, "auto" if kv_cache_dtype == "auto" else "fp8_e4m3", 8, 16)]
   reason = capabilities(DeviceTarget.nominal("cuda")).unsupported_reason(*vars(asked[0]).values())

@@ -214,7 +214,7 @@ def test_greedy_outputs_with_forced_swaps_equal_lone_runs(stories_dir, lone, ref
   assert_all_free(llm)
   pytest.importorskip("prometheus_client")
   from tinyvllm.entrypoints.metrics import EngineCollector
-  metrics = {m.name: m.samples[0].value for m in EngineCollector(lambda: llm.engine).collect()}
+  metrics = {m.name: m.samples[0].value for m in EngineCollector(lambda: llm.engine.core.stats()).collect()}
   sched = llm.engine.scheduler
   assert metrics["tinyvllm:swapped_out_blocks"] == sched.num_swapped_out_blocks > 0
   assert metrics["tinyvllm:swapped_in_blocks"] == sched.num_swapped_in_blocks > 0
