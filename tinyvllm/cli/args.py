@@ -24,9 +24,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                       "none on the CPU; the flag alone: none)")
   g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                  help="schedule each step while the previous one runs on the device (default: on for CUDA)")
-  g.add_argument("--cudagraph-mode", type=str.upper, choices=CUDAGRAPH_MODES,
-                 help="step layouts run as captured graphs: FULL, FULL_DECODE_ONLY or NONE (default: FULL on a GPU, "
-                      "FULL_DECODE_ONLY on the CPU)")
+  g.add_argument("--cudagraph-mode", type=str.upper, choices=CUDAGRAPH_MODES, default="FULL",
+                 help="step layouts run as captured graphs: FULL, FULL_DECODE_ONLY or NONE (default: FULL; on the CPU a "
+                      "layout with prompt chunks is captured when met the second time)")
   g.add_argument("--enforce-eager", action="store_true", help="run every step eagerly, nothing captured (= --cudagraph-mode NONE)")
   g.add_argument("--decode-layer-kernel", action=argparse.BooleanOptionalAction, default=True,
                  help="CUDA, Hopper: every layer of 1-4-sequence decode steps in one persistent kernel (default: on)")

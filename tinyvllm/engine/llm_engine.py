@@ -99,8 +99,8 @@ class LLMEngine:
     self.scheduler = make_scheduler(config.scheduler, self.async_scheduling, self.allocator, sched_config)
     log(f"{config.scheduler} scheduler, max {config.max_num_seqs} sequences, {sched_config.max_num_batched_tokens} tokens a step"
         f"{', asynchronous scheduling' if self.async_scheduling else ''}")
-    cudagraph_mode = config.cudagraph_mode or ("FULL_DECODE_ONLY" if is_cpu(self.device) else "FULL")
-    self.runner = ModelRunner(self.model, self.kv_cache, config.max_num_seqs, self.max_model_len, cudagraph_mode)
+    self.runner = ModelRunner(self.model, self.kv_cache, config.max_num_seqs, self.max_model_len, config.cudagraph_mode,
+                              capture_repeated_prompt_layouts=is_cpu(self.device))
     self._in_flight: InFlightStep | None = None
     eos = frozenset(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
     self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)

@@ -20,6 +20,7 @@ class StepLayout:
   context_len: int     # L
   variant: SamplerVariant
   logprobs: int        # top-k logprobs to return per row; -1: none at all
+  multi_token: bool = False   # some sequence computes several tokens (a prompt chunk): FULL_DECODE_ONLY runs it eagerly
 
   @property
   def rows(self) -> int: return dict(self.shapes)["logits_index"][0]
