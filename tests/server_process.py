@@ -35,10 +35,12 @@ def free_port() -> int:
 
 
 class ServerProcess:
-  def __init__(self, model: Path, log_path: Path, *args: str, api_key: str | None = None):
+  def __init__(self, model: Path | None, log_path: Path, *args: str, api_key: str | None = None):
+    """model None: no --model (the model shipped in the package)."""
     self.port, self.log_path, self.api_key = free_port(), log_path, api_key
     self.url = f"http://127.0.0.1:{self.port}"
-    cmd = [sys.executable, str(REPO / "main.py"), "serve", "--model", str(model), "--port", str(self.port), "--seed", "0", *args]
+    cmd = [sys.executable, str(REPO / "main.py"), "serve", *(["--model", str(model)] if model is not None else []),
+           "--port", str(self.port), "--seed", "0", *args]
     if api_key: cmd += ["--api-key", api_key]
     self._log = open(log_path, "w")  # noqa: SIM115 -- stays open as long as the process runs
     self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)

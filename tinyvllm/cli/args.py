@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 from typing import Any
 
 from tinyvllm.config import ATTENTION_BACKENDS, CUDAGRAPH_MODES, DTYPES, KV_CACHE_DTYPES, EngineConfig
@@ -10,7 +11,8 @@ from tinyvllm.config import ATTENTION_BACKENDS, CUDAGRAPH_MODES, DTYPES, KV_CACH
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
   g = p.add_argument_group("model and engine")
-  g.add_argument("--model", required=True, help="local HF model folder, hub id, or (with --load-format dummy) a preset name")
+  g.add_argument("--model", help="local HF model folder, hub id, or (with --load-format dummy) a preset name (default: the "
+                                 "stories260K model shipped in the package)")
   g.add_argument("--tokenizer", help="tokenizer folder, if not the model's")
   g.add_argument("--dtype", default="auto", choices=DTYPES, help="compute dtype (auto: checkpoint's on GPU, float32 on CPU)")
   g.add_argument("--device", help="tinygrad backend (CUDA, METAL, CPU, ...); default: detected")
@@ -63,8 +65,17 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
   return {**kwargs, "seed": args.seed if args.seed is not None else random.SystemRandom().getrandbits(32)}
 
 
+def model_or_embedded(args: argparse.Namespace) -> str:
+  """--model, or the folder of the model shipped in the package when none is given (said on stderr)."""
+  if args.model is not None: return args.model
+  from tinyvllm.model.embedded import EMBEDDED_MODEL, embedded_model_path
+  print(f"[tinyvllm] no --model given: running the embedded {EMBEDDED_MODEL} (a 260K-parameter story model from llama2.c, "
+        f"MIT) at {embedded_model_path()}", file=sys.stderr, flush=True)
+  return str(embedded_model_path())
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-  return EngineConfig(model=args.model, **engine_kwargs(args))
+  return EngineConfig(model=model_or_embedded(args), **engine_kwargs(args))
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from tinyvllm.cli.args import add_engine_args, engine_kwargs
+from tinyvllm.cli.args import add_engine_args, engine_kwargs, model_or_embedded
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -67,7 +67,7 @@ def add_serve_parser(kinds: argparse._SubParsersAction) -> None:
 def run_decode(args: argparse.Namespace) -> int:
   from tinyvllm.bench.decode import run_decode_bench
   from tinyvllm.engine.llm import LLM
-  llm = LLM(args.model, **engine_kwargs(args))
+  llm = LLM(model_or_embedded(args), **engine_kwargs(args))
   results = run_decode_bench(llm.engine, args.batch_size, args.prompt_len, args.max_tokens, args.no_kv_cache)
   for r in results: print(r.line())
   if len(results) == 2:
@@ -83,7 +83,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     if getattr(args, name) < 1: return _usage_error(f"--{name.replace('_', '-')} must be >= 1")
   if not 0 <= args.random_range_ratio < 1: return _usage_error("--random-range-ratio must be in [0, 1)")
   if args.num_iters_warmup < 0: return _usage_error("--num-iters-warmup must be >= 0")
-  llm = LLM(args.model, **engine_kwargs(args))
+  llm = LLM(model_or_embedded(args), **engine_kwargs(args))
   engine = llm.engine
   workload = Workload.random(args.num_prompts, args.input_len, args.output_len, args.random_range_ratio,
                              engine.model_config.vocab_size, seed=args.seed if args.seed is not None else 0)
@@ -96,7 +96,7 @@ def run_throughput(args: argparse.Namespace) -> int:
   if args.output_json:
     report = {"config": {**vars(workload), "input_len": args.input_len, "output_len": args.output_len,
                          "random_range_ratio": args.random_range_ratio, "num_iters_warmup": args.num_iters_warmup},
-              "engine": {"model": args.model, "device": engine.device, "attention_backend": engine.model.backend.describe(),
+              "engine": {"model": engine.config.model, "device": engine.device, "attention_backend": engine.model.backend.describe(),
                          **{k: getattr(engine.config, k) for k in ("scheduler", "max_num_seqs", "max_num_batched_tokens",
                                                                   "enable_chunked_prefill", "enable_prefix_caching", "cudagraph_mode")}},
               "machine": machine(),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tinyvllm.cli.args import add_engine_args, add_sampling_args, engine_kwargs, sampling_kwargs
+from tinyvllm.cli.args import add_engine_args, add_sampling_args, engine_kwargs, model_or_embedded, sampling_kwargs
 
 HELP = "commands: /reset clears the conversation, /exit (or Ctrl-D) quits"
 
@@ -21,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
   from tinyvllm.engine.llm import LLM
   from tinyvllm.sampling_params import SamplingParams
-  llm = LLM(args.model, **engine_kwargs(args))
+  llm = LLM(model_or_embedded(args), **engine_kwargs(args))
   tokenizer = llm.get_tokenizer()
   if tokenizer is None or not tokenizer.has_chat_template:
     print("error: this model's tokenizer has no chat template", file=sys.stderr)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tinyvllm.cli.args import add_engine_args, add_sampling_args, engine_kwargs, sampling_kwargs
+from tinyvllm.cli.args import add_engine_args, add_sampling_args, engine_kwargs, model_or_embedded, sampling_kwargs
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
   from tinyvllm.sampling_params import SamplingParams
   prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
   params = SamplingParams(**sampling_kwargs(args))
-  llm = LLM(args.model, **engine_kwargs(args))
+  llm = LLM(model_or_embedded(args), **engine_kwargs(args))
   for delta in llm.stream(prompt, params):
     sys.stdout.write(delta)
     sys.stdout.flush()

@@ -6,6 +6,7 @@ import os
 import sys
 
 from tinyvllm.cli.args import add_engine_args, engine_config
+from tinyvllm.model.embedded import EMBEDDED_MODEL
 
 SERVE_PACKAGES = {"fastapi", "uvicorn", "starlette", "prometheus_client", "pydantic"}
 
@@ -18,7 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
   s.add_argument("--port", type=int, default=8000)
   s.add_argument("--api-key", default=os.environ.get("TINYVLLM_API_KEY"),
                  help="require Authorization: Bearer KEY (default: $TINYVLLM_API_KEY; none: no key needed)")
-  s.add_argument("--served-model-name", help="the name clients pass as `model` (default: --model)")
+  s.add_argument("--served-model-name", help=f"the name clients pass as `model` (default: --model, or {EMBEDDED_MODEL} for the "
+                                              "shipped model)")
   s.add_argument("--shutdown-timeout", type=float, default=10.0,
                  help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted")
   s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -33,6 +35,6 @@ def run(args: argparse.Namespace) -> int:
     if (e.name or "").split(".")[0] not in SERVE_PACKAGES: raise
     print(f"error: `serve` needs the serve extra ({e.name} is not installed): pip install -e '.[serve]'", file=sys.stderr)
     return 2
-  settings = ServerSettings(args.host, args.port, args.api_key, args.served_model_name, args.shutdown_timeout, args.log_level,
-                            args.access_log)
+  served_name = args.served_model_name or (EMBEDDED_MODEL if args.model is None else None)
+  settings = ServerSettings(args.host, args.port, args.api_key, served_name, args.shutdown_timeout, args.log_level, args.access_log)
   return run_server(engine_config(args), settings)
