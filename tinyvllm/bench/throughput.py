@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from tinyvllm.engine.llm import LLM
+from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.sampling_params import SamplingParams
 
 
@@ -100,6 +101,24 @@ def run_throughput(llm: LLM, workload: Workload, warmups: list[Workload] | tuple
   runner = llm.engine.runner
   return ThroughputResult(workload.num_prompts, sum(prompt_lens), sum(output_lens), seconds, warmup_seconds,
                           runner.num_captures, runner.num_captures - before)
+
+
+ENGINE_SETTINGS = ("scheduler", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
+                   "cudagraph_mode")
+
+
+def report_json(result: ThroughputResult, workload: Workload, flags: dict, engine: LLMEngine, model: str) -> dict:
+  """The run as JSON: the workload and the flags that made it, the engine's settings, the machine, then the results
+  (vLLM's keys first)."""
+  return {"config": {**vars(workload), **flags},
+          "engine": {"model": model, "device": engine.device, "attention_backend": engine.model.backend.describe(),
+                     **{name: getattr(engine.config, name) for name in ENGINE_SETTINGS}},
+          "machine": machine(),
+          "elapsed_time": result.seconds, "num_requests": result.requests,
+          "total_num_tokens": result.prompt_tokens + result.output_tokens, "requests_per_second": result.requests_s,
+          "tokens_per_second": result.total_tok_s, "prompt_tokens": result.prompt_tokens, "output_tokens": result.output_tokens,
+          "output_tokens_per_second": result.output_tok_s, "warmup_seconds": result.warmup_seconds, "captures": result.captures,
+          "captures_in_timed_run": result.captures_in_timed_run, "preemptions": engine.scheduler.num_preemptions}
 
 
 def machine() -> dict[str, object]:

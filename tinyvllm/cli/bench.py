@@ -77,7 +77,7 @@ def run_decode(args: argparse.Namespace) -> int:
 
 
 def run_throughput(args: argparse.Namespace) -> int:
-  from tinyvllm.bench.throughput import Workload, machine, run_throughput
+  from tinyvllm.bench.throughput import Workload, report_json, run_throughput
   from tinyvllm.engine.llm import LLM
   for name in ("num_prompts", "input_len", "output_len"):
     if getattr(args, name) < 1: return _usage_error(f"--{name.replace('_', '-')} must be >= 1")
@@ -94,19 +94,9 @@ def run_throughput(args: argparse.Namespace) -> int:
   print(result.line())
   print(result.warmup_line())
   if args.output_json:
-    report = {"config": {**vars(workload), "input_len": args.input_len, "output_len": args.output_len,
-                         "random_range_ratio": args.random_range_ratio, "num_iters_warmup": args.num_iters_warmup},
-              "engine": {"model": engine.config.model, "device": engine.device, "attention_backend": engine.model.backend.describe(),
-                         **{k: getattr(engine.config, k) for k in ("scheduler", "max_num_seqs", "max_num_batched_tokens",
-                                                                  "enable_chunked_prefill", "enable_prefix_caching", "cudagraph_mode")}},
-              "machine": machine(),
-              # vLLM's keys, then ours
-              "elapsed_time": result.seconds, "num_requests": result.requests,
-              "total_num_tokens": result.prompt_tokens + result.output_tokens, "requests_per_second": result.requests_s,
-              "tokens_per_second": result.total_tok_s, "prompt_tokens": result.prompt_tokens,
-              "output_tokens": result.output_tokens, "output_tokens_per_second": result.output_tok_s,
-              "warmup_seconds": result.warmup_seconds, "captures": result.captures,
-              "captures_in_timed_run": result.captures_in_timed_run, "preemptions": engine.scheduler.num_preemptions}
+    flags = {"input_len": args.input_len, "output_len": args.output_len, "random_range_ratio": args.random_range_ratio,
+             "num_iters_warmup": args.num_iters_warmup}
+    report = report_json(result, workload, flags, engine, args.model or "stories260K (shipped)")
     with open(args.output_json, "w") as f: json.dump(report, f, indent=1)
   return 0
 
