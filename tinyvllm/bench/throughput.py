@@ -58,6 +58,7 @@ class ThroughputResult:
   prompt_tokens: int
   output_tokens: int
   seconds: float
+  cpu_seconds: float = 0.0          # this process's CPU time in the timed run: less disturbed by other processes
   warmup_seconds: list[float] = field(default_factory=list)
   captures: int = 0                 # step layouts captured in all, warm-up included
   captures_in_timed_run: int = 0    # of them, captured during the timed run (0 once the warm-up met every layout)
@@ -76,31 +77,43 @@ class ThroughputResult:
             f"{self.seconds:.2f} s: {self.output_tok_s:.0f} output tok/s, {self.total_tok_s:.0f} total tok/s, "
             f"{self.requests_s:.2f} requests/s")
 
+  def cpu_line(self) -> str:
+    return (f"process CPU time of the timed run: {self.cpu_seconds:.2f} s ({self.output_tokens / self.cpu_seconds:.0f} output "
+            "tokens per CPU second)")
+
   def warmup_line(self) -> str:
     runs = ", ".join(f"{s:.2f} s" for s in self.warmup_seconds) or "none"
     return (f"warm-up runs: {runs}; {self.captures} step layouts captured in all, {self.captures_in_timed_run} of them "
             "in the timed run")
 
 
-def run_once(llm: LLM, workload: Workload) -> tuple[float, list[int], list[int]]:
-  """One `generate` of the workload from an empty prefix cache: (seconds, prompt lengths, output lengths)."""
+@dataclass
+class Run:
+  seconds: float
+  cpu_seconds: float
+  prompt_lens: list[int]
+  output_lens: list[int]
+
+
+def run_once(llm: LLM, workload: Workload) -> Run:
+  """One `generate` of the workload from an empty prefix cache."""
   prompts, params = workload.requests()
   llm.engine.reset_prefix_cache()
   gc.collect()   # not inside the timed generate
-  start = time.perf_counter()
+  start, cpu_start = time.perf_counter(), time.process_time()
   outputs = llm.generate(prompts, params, use_tqdm=False)
-  seconds = time.perf_counter() - start
-  return seconds, [len(p) for p in prompts], [len(o.outputs[0].token_ids) for o in outputs]
+  seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+  return Run(seconds, cpu_seconds, [len(p) for p in prompts], [len(o.outputs[0].token_ids) for o in outputs])
 
 
 def run_throughput(llm: LLM, workload: Workload, warmups: list[Workload] | tuple[Workload, ...] = ()) -> ThroughputResult:
   """Each warm-up workload runs untimed, then `workload` once, timed."""
-  warmup_seconds = [run_once(llm, w)[0] for w in warmups]
+  warmup_seconds = [run_once(llm, w).seconds for w in warmups]
   before = llm.engine.runner.num_captures
-  seconds, prompt_lens, output_lens = run_once(llm, workload)
+  run = run_once(llm, workload)
   runner = llm.engine.runner
-  return ThroughputResult(workload.num_prompts, sum(prompt_lens), sum(output_lens), seconds, warmup_seconds,
-                          runner.num_captures, runner.num_captures - before)
+  return ThroughputResult(workload.num_prompts, sum(run.prompt_lens), sum(run.output_lens), run.seconds, run.cpu_seconds,
+                          warmup_seconds, runner.num_captures, runner.num_captures - before)
 
 
 ENGINE_SETTINGS = ("scheduler", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
@@ -117,7 +130,9 @@ def report_json(result: ThroughputResult, workload: Workload, flags: dict, engin
           "elapsed_time": result.seconds, "num_requests": result.requests,
           "total_num_tokens": result.prompt_tokens + result.output_tokens, "requests_per_second": result.requests_s,
           "tokens_per_second": result.total_tok_s, "prompt_tokens": result.prompt_tokens, "output_tokens": result.output_tokens,
-          "output_tokens_per_second": result.output_tok_s, "warmup_seconds": result.warmup_seconds, "captures": result.captures,
+          "output_tokens_per_second": result.output_tok_s, "cpu_seconds": result.cpu_seconds,
+          "output_tokens_per_cpu_second": result.output_tokens / result.cpu_seconds,
+          "warmup_seconds": result.warmup_seconds, "captures": result.captures,
           "captures_in_timed_run": result.captures_in_timed_run, "preemptions": engine.scheduler.num_preemptions}
 
 

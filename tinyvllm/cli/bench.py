@@ -92,6 +92,7 @@ def run_throughput(args: argparse.Namespace) -> int:
                         f"exceeds the context ({engine.max_model_len}): lower --input-len, --output-len or --random-range-ratio")
   result = run_throughput(llm, workload, [workload] * args.num_iters_warmup)
   print(result.line())
+  print(result.cpu_line())
   print(result.warmup_line())
   if args.output_json:
     flags = {"input_len": args.input_len, "output_len": args.output_len, "random_range_ratio": args.random_range_ratio,
