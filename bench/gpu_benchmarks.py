@@ -77,15 +77,16 @@ def part_decode() -> dict:
 
 
 def part_throughput() -> dict:
-  from tinyvllm.bench.throughput import run_throughput
+  from tinyvllm.bench.throughput import nano_vllm_workload, run_throughput
   # 8,192 tokens a step, as vLLM's offline default on this class of GPU (16,384) is also well above our 2,048
   llm, load_s = engine(kv_cache_memory=kv_gib(40), max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192)
   runner = llm.engine.runner
-  r = run_throughput(llm, warmup_requests=int(os.environ.get("BENCH_WARMUP_REQUESTS", "256")))
+  vocab, warmup_requests = llm.engine.model_config.vocab_size, int(os.environ.get("BENCH_WARMUP_REQUESTS", "256"))
+  r = run_throughput(llm, nano_vllm_workload(vocab), [nano_vllm_workload(vocab, warmup_requests, seed=1)])   # another seed
   print(r.line(), f"(whole run incl. warm-up: {runner.num_captures} step layouts captured in {runner.capture_seconds:.1f} s)",
         flush=True)
   return {"load_s": load_s, "start_up_captures_s": llm.engine.warm_up_seconds,
-          "warmup_requests": int(os.environ.get("BENCH_WARMUP_REQUESTS", "256")),
+          "warmup_requests": warmup_requests,
           "requests": r.requests, "output_tokens": r.output_tokens, "prompt_tokens": r.prompt_tokens,
           "seconds": r.seconds, "output_tok_s": r.output_tok_s, "preemptions": llm.engine.scheduler.num_preemptions,
           "captures": runner.num_captures, "capture_s": runner.capture_seconds}

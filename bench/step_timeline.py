@@ -118,15 +118,16 @@ def main() -> None:
   from tinygrad import Device
 
   from tinyvllm import LLM
-  from tinyvllm.bench.throughput import run_throughput, workload
+  from tinyvllm.bench.throughput import nano_vllm_workload, run_throughput
   kv_cache_dtype = os.environ.get("BENCH_KV_CACHE_DTYPE", "auto")   # fp8: the E4M3 KV cache
   llm = LLM("qwen3-0.6b", load_format="dummy", dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory=40,
             max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192, kv_cache_dtype=kv_cache_dtype)
-  run_throughput(llm, num_requests=48, warmup_requests=0)   # captures and compiles outside the timed run
+  vocab = llm.engine.model_config.vocab_size
+  run_throughput(llm, nano_vllm_workload(vocab, 48))   # captures and compiles outside the timed run
   clock = EventClock(Device[llm.engine.model.device])
   steps = record_steps(llm, clock)
   probed = probe(llm, int(os.environ.get("PROBE_STEP", "150")), steps)
-  prompts, params = workload(256, 100, 1024, min(10000, llm.engine.model_config.vocab_size))
+  prompts, params = nano_vllm_workload(vocab).requests()
   start = time.perf_counter()
   outputs = llm.generate(prompts, params, use_tqdm=False)
   seconds = time.perf_counter() - start

@@ -37,11 +37,12 @@ def free_port() -> int:
 
 
 class ServerProcess:
-  def __init__(self, model: Path, log_path: Path, *args: str, api_key: str | None = None, positional: bool = False):
-    """positional: `serve MODEL` (vLLM's form) rather than `serve --model MODEL`."""
+  def __init__(self, model: Path | None, log_path: Path, *args: str, api_key: str | None = None, positional: bool = False):
+    """model None: no model given (the one shipped in the package); positional: `serve MODEL` (vLLM's form) rather than
+    `serve --model MODEL`."""
     self.port, self.log_path, self.api_key = free_port(), log_path, api_key
     self.url = f"http://127.0.0.1:{self.port}"
-    where = [str(model)] if positional else ["--model", str(model)]
+    where = [] if model is None else [str(model)] if positional else ["--model", str(model)]
     cmd = [sys.executable, str(REPO / "main.py"), "serve", *where, "--port", str(self.port), "--seed", "0", *args]
     if api_key: cmd += ["--api-key", api_key]
     self._log = open(log_path, "w")  # noqa: SIM115 -- stays open as long as the process runs

@@ -32,4 +32,12 @@ def test_cli_reports_both(stories_dir):
   run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
   assert run.returncode == 0, run.stderr
   assert "kv cache: batch 1, prompt 16, 8 new tokens" in run.stdout
-  assert "no kv cache: batch 1" in run.stdout and "the KV cache makes decoding" in run.stdout
+  assert "no kv cache: batch 1" in run.stdout and "each step a full prefill of the sequence so far as a fresh request" in run.stdout
+  assert "the KV cache makes decoding" in run.stdout and "faster than a full prefill of the sequence for every token" in run.stdout
+
+
+def test_help_says_what_no_kv_cache_measures():
+  run = subprocess.run([sys.executable, "main.py", "bench", "decode", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
+  assert run.returncode == 0, run.stderr
+  text = " ".join(run.stdout.split())
+  assert "a fresh one-token request over the whole sequence so far" in text and "a full prefill of prompt + tokens so far" in text

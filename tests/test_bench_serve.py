@@ -54,6 +54,18 @@ def test_bench_serve_all_at_once(server, tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_serve_warm_up_requests_reach_the_server_but_are_not_counted(server, tmp_path):
+  before = prompt_tokens(server)
+  out = bench(server, tmp_path / "r.json", "--num-prompts", "2", "--input-len", "20", "--output-len", "4", "--num-warmups", "3")
+  assert out.returncode == 0, out.stderr
+  r = json.loads((tmp_path / "r.json").read_text())
+  assert (r["completed"], r["total_input_tokens"], r["total_output_tokens"]) == (2, 2 * 20, 2 * 4)
+  assert prompt_tokens(server) - before == (1 + 3 + 2) * 20   # the test request, three warm-ups, two timed ones
+  assert r["config"]["num_warmups"] == 3
+  assert bench(server, tmp_path / "r.json", "--warmup", "-1").returncode == 2   # --warmup: the same flag
+
+
+@pytest.mark.slow
 def test_bench_serve_poisson_rate_and_unmet_slo(server, tmp_path):
   out = bench(server, tmp_path / "r.json", "--num-prompts", "4", "--input-len", "24", "--output-len", "8", "--request-rate", "20",
               "--goodput", "ttft:0.001")

@@ -118,7 +118,7 @@ def test_async_streams_and_abort(llm, reference):
 
 
 def test_cudagraph_mode_and_enforce_eager_are_config_fields():
-  assert EngineConfig("m").cudagraph_mode is None   # the engine picks: FULL on GPUs, FULL_DECODE_ONLY on the CPU
+  assert EngineConfig("m").cudagraph_mode == "FULL"
   assert EngineConfig("m", cudagraph_mode="full_decode_only").cudagraph_mode == "FULL_DECODE_ONLY"
   assert EngineConfig("m", enforce_eager=True).cudagraph_mode == "NONE"
   with pytest.raises(ConfigError, match="cudagraph_mode must be one of"): EngineConfig("m", cudagraph_mode="PIECEWISE")

@@ -65,6 +65,42 @@ def test_fields_match_their_per_sequence_meaning(seed: int) -> None:
   assert a["token_ids"].shape == (bucket(flat),) and all(x.dtype == np.int32 for x in a.values())
 
 
+
+@pytest.mark.parametrize("seed", range(40))
+def test_split_runs_give_each_row_a_piece_of_one_sequence(seed: int) -> None:
+  """split_runs (the portable backend): each sequence's run is cut into rows of Tq queries, Tq the power of two that
+  needs the fewest padded query slots; every row means what a sequence's row means, for its piece of the run."""
+  items = random_batch(random.Random(seed))
+  a = prepare_batch(items, BLOCK, min_context=16, split_runs=True).arrays
+  tq = a["query_index"].shape[1]
+  counts = [i.num_new_tokens for i in items]
+  slots = lambda t: bucket(sum(-(-c // t) for c in counts)) * t
+  assert (slots(tq), -tq) == min((slots(t), -t) for t in (1 << i for i in range(bucket(max(counts)).bit_length())))
+  assert a["query_index"].size == slots(tq) <= bucket(len(items)) * bucket(max(counts))
+  flat, row = 0, 0
+  for item in items:
+    c, n, table = item.start, item.num_new_tokens, item.block_table
+    assert a["slot_mapping"][flat:flat + n].tolist() == [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(c, c + n)]
+    for first in range(0, n, tq):
+      k, span = min(tq, n - first), slice(flat + first, flat + first + min(tq, n - first))
+      assert a["query_index"][row, :k].tolist() == list(range(span.start, span.stop))
+      assert a["query_pos"][row, :k].tolist() == list(range(c + first, c + first + k))
+      assert a["output_index"][span].tolist() == [row * tq + j for j in range(k)]
+      assert a["context_lens"][row] == c + first + k and a["query_start"][row] == span.start
+      width = min(len(table), a["block_tables"].shape[1])
+      assert a["block_tables"][row, :width].tolist() == table[:width]
+      row += 1
+    flat += n
+  assert (a["context_lens"][row:] == 0).all() and (a["query_start"][row:] == flat).all()
+
+
+def test_split_runs_put_decodes_beside_a_prompt_chunk_in_short_rows() -> None:
+  """One 64-token chunk and seven decodes: 16 rows of 8 queries (128 slots), not 8 rows of 64 (512)."""
+  seqs = [Sequence("r", list(range(64)), SamplingParams(), seed=0)] + [Sequence("r", [1, 2], SamplingParams(), seed=0)] * 7
+  items = [ScheduledSequence(seqs[0], 0, 64, list(range(16)), True)] + [ScheduledSequence(s, 1, 1, [16], True) for s in seqs[1:]]
+  assert prepare_batch(items, BLOCK, split_runs=True).arrays["query_index"].shape == (16, 8)
+  assert prepare_batch(items, BLOCK).arrays["query_index"].shape == (8, 64)
+
 def test_token_slice_spans_prompt_and_output() -> None:
   seq = Sequence("r", [1, 2, 3], SamplingParams(), seed=0, output_token_ids=[4, 5])
   for start in range(6):

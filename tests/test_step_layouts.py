@@ -1,5 +1,5 @@
-"""Step layouts: start-up captures (--cuda-graph-sizes), captures shared by covering samplers, and the padded prompt-step
-rows of the fused backends; none of them may change a token."""
+"""Step layouts: start-up captures (--cuda-graph-sizes), captures shared by covering samplers, the CPU's capture of a
+prompt layout when met again, and the padded prompt-step rows of the fused backends; none of them may change a token."""
 from __future__ import annotations
 
 import pytest
@@ -28,6 +28,18 @@ def test_no_warm_up_on_the_cpu_by_default(stories_dir):
   assert llm.engine.runner.num_captures == 0
 
 
+
+def test_the_cpu_captures_a_prompt_layout_when_met_again(stories_dir, reference):
+  """First meeting: the prompt step runs eagerly (its decode steps are captured at once); second: it is captured;
+  third: replayed. The three give the reference's tokens."""
+  llm = LLM(str(stories_dir), max_num_seqs=4, num_gpu_blocks=64, enable_prefix_caching=False)
+  captured = lambda multi_token: sum(layout.multi_token == multi_token for layout in llm.engine.runner._captures)
+  zoo = reference["zoo"]
+  for meeting, prompt_captures in ((1, 0), (2, 1), (3, 1)):
+    out = llm.generate([zoo["prompt_ids"]], GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids + out.outputs[0].token_ids == zoo["greedy_ids_64"][:len(zoo["prompt_ids"]) + 8], meeting
+    assert (captured(True), captured(False)) == (prompt_captures, 1), meeting
+
 def test_sampler_cover_rules():
   greedy, rand, filt = SamplerVariant(False, False, False), SamplerVariant(True, False, False), SamplerVariant(True, True, False)
   assert covers(rand, greedy) and covers(filt, rand) and covers(filt, greedy) and covers(greedy, greedy)
@@ -53,12 +65,14 @@ def record_steps(llm: LLM) -> list[tuple[int, int]]:
 
 @pytest.mark.slow
 def test_prompt_steps_padded_to_max_num_seqs_change_no_token(stories_dir, reference):
-  """The fused backends pad steps with prompt chunks to max_num_seqs rows; forced here on the portable path."""
+  """The fused backends pad steps with prompt chunks to max_num_seqs rows of one sequence each; forced here on the
+  portable path."""
   prompts = [reference["prompt_ids"], [1, 2, 3, 4, 5, 6, 7], reference["zoo"]["prompt_ids"]]
   params = SamplingParams(temperature=0, max_tokens=12)
   plain = LLM(str(stories_dir), max_num_seqs=8, num_gpu_blocks=64, max_num_batched_tokens=8)   # chunked prefill
   padded = LLM(str(stories_dir), max_num_seqs=8, num_gpu_blocks=64, max_num_batched_tokens=8)
   padded.engine.runner.min_prefill_rows = 8
+  for llm in (plain, padded): llm.engine.runner.split_runs = False
   rows = {id(llm): record_steps(llm) for llm in (plain, padded)}   # the (query run, padded sequences) of every step
   expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
   assert [o.outputs[0].token_ids for o in padded.generate(prompts, params, use_tqdm=False)] == expected

@@ -1,6 +1,6 @@
 """The package as users install it: a wheel built from the repo, installed into a fresh virtualenv, run from another
-directory. Every kernel source and tuning table ships inside it, found through importlib.resources, and it
-generates stories260K's reference story."""
+directory. Every kernel source and tuning table ships inside it, found through importlib.resources, and so does the
+default model: it generates stories260K's reference story with and without --model."""
 from __future__ import annotations
 
 import json
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+ASSETS = REPO / "tinyvllm" / "assets"
 
 pytestmark = pytest.mark.slow
 
@@ -62,3 +63,15 @@ def test_the_installed_cli_generates_the_reference_story(installed, tmp_path, st
   assert run.returncode == 0, run.stderr[-3000:]
   assert reference["greedy_text"].startswith("Once upon a time" + run.stdout.rstrip("\n"))
   assert len(run.stdout) > 100
+
+
+def test_the_default_model_ships_in_the_wheel(installed, tmp_path):
+  from tests.test_embedded_model import DOCUMENTED_START
+  cli = installed.parent / "tinyvllm"
+  run = subprocess.run([str(cli), "generate", "--prompt", "Once upon a time", "--max-tokens", "40", "--temperature", "0"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert DOCUMENTED_START.startswith("Once upon a time" + run.stdout.rstrip("\n")) and len(run.stdout) > 100
+  where = Path(run.stderr.split("no --model given: running the embedded stories260K")[1].split(" at ")[1].splitlines()[0])
+  assert not where.is_relative_to(REPO) and where.is_relative_to(installed.parents[1])   # the installed copy
+  assert sorted(p.name for p in where.iterdir()) == sorted(p.name for p in (ASSETS / "stories260K").iterdir())

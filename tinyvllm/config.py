@@ -195,9 +195,9 @@ class EngineConfig:
   # none on the CPU; []: none (each layout is then captured when first met)
   cuda_graph_sizes: list[int] | None = None
   # which step layouts run as TinyJit captures (CUDA graphs on CUDA): FULL every layout, FULL_DECODE_ONLY decode steps
-  # only (steps with prompt chunks eager), NONE; None: FULL on GPUs, FULL_DECODE_ONLY on the CPU (where clang compiles
-  # of the many prefill layouts cost more than they save). enforce_eager (vLLM's) is NONE.
-  cudagraph_mode: str | None = None
+  # only (steps with prompt chunks eager), NONE. On the CPU a layout with prompt chunks is captured when met the second
+  # time (worker/model_runner.py says why). enforce_eager (vLLM's) is NONE.
+  cudagraph_mode: str = "FULL"
   enforce_eager: bool = False
   # the persistent decode-layer kernel (CUDA, Hopper): on for the row counts its tuning table bounds; max_context
   # overrides the table's context bound for every row count
@@ -241,7 +241,7 @@ class EngineConfig:
        f"cuda_graph_sizes must be batch sizes >= 1, got {self.cuda_graph_sizes}"),
       (self.attention_backend in ATTENTION_BACKENDS,
        f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"),
-      (self.cudagraph_mode is None or self.cudagraph_mode.upper() in CUDAGRAPH_MODES,
+      (isinstance(self.cudagraph_mode, str) and self.cudagraph_mode.upper() in CUDAGRAPH_MODES,
        f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, got {self.cudagraph_mode!r}"),
       (self.decode_layer_max_context is None or self.decode_layer_max_context >= 1,
        f"decode_layer_max_context must be >= 1, got {self.decode_layer_max_context}"),
@@ -259,7 +259,7 @@ class EngineConfig:
     self._check_generation_override()
     if self.device in ("auto", ""): self.device = None   # vLLM's "auto": detect it
     if self.device is None: self.device = os.environ.get("DEV") or None   # tinygrad's own variable
-    if self.cudagraph_mode is not None: self.cudagraph_mode = self.cudagraph_mode.upper()
+    self.cudagraph_mode = self.cudagraph_mode.upper()
     if self.enforce_eager: self.cudagraph_mode = "NONE"
     if self.max_num_batched_tokens is None: self.max_num_batched_tokens = max(2048, self.max_num_seqs)
     if self.max_num_batched_tokens < self.max_num_seqs:

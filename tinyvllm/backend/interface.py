@@ -55,6 +55,7 @@ class ComputeBackend(Protocol):
   capabilities: BackendCapabilities
   min_context_bucket: int     # the smallest context bucket L its steps may use
   pads_prefill_rows: bool     # whether steps with prompt chunks may be padded to max_num_seqs sequences
+  splits_query_runs: bool     # whether a sequence's new tokens may span query rows (padded queries cost as much as real ones)
   builds_kernels: bool        # whether a new step layout compiles hand-written kernel sources
 
   def describe(self) -> str:

@@ -8,14 +8,16 @@ from tinygrad import Tensor
 
 @dataclass
 class AttentionMetadata:
-  """N flat new tokens from S sequences; queries laid out as [S, Tq] (Tq = the longest query run, 1 for pure decode)."""
+  """N flat new tokens in S query rows, laid out as [S, Tq]. A row is one sequence's run of new tokens (Tq = the longest
+  run, 1 for pure decode), or, for a backend that splits query runs (splits_query_runs), a piece of one: rows of one
+  sequence share its block table."""
   slot_mapping: Tensor   # [N] int32: cache slot (block * block_size + offset) each new token's K/V goes to; -1 = skip
-  block_tables: Tensor   # [S, max_blocks] int32: physical block of each logical block (padding: any valid block)
+  block_tables: Tensor   # [S, max_blocks] int32: physical block of each logical block of the row's sequence (padding: any valid block)
   query_index: Tensor    # [S, Tq] int32: flat token index of each padded query (padding: any valid index)
   query_pos: Tensor      # [S, Tq] int32: position of each padded query in its sequence
   output_index: Tensor   # [N] int32: where each flat token's output sits in the [S * Tq] padded layout
-  context_lens: Tensor   # [S] int32: keys visible to each sequence's last new token (0 for padding sequences)
-  query_start: Tensor    # [S + 1] int32: flat offset of each sequence's first new token
+  context_lens: Tensor   # [S] int32: keys visible to each row's last new token (0 for padding rows)
+  query_start: Tensor    # [S + 1] int32: flat offset of each row's first new token
   block_size: int
   context_len: int       # L: keys gathered per sequence, a multiple of block_size
 

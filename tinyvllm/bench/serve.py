@@ -2,6 +2,8 @@
 
 Random token-id prompts of exactly input_len tokens, ignore_eos and max_tokens output_len (so each request returns
 exactly output_len tokens), Poisson arrivals at request_rate (inf: all at once), at most max_concurrency in flight.
+A test request, then num_warmups warm-up requests (other random prompts of the same lengths, sent together) run
+first, neither timed nor counted.
 TTFT is the time to the first streamed token, ITL the gaps between later chunks, TPOT = (latency - TTFT) / (output
 tokens - 1). This module is a pure client: it does not import the engine or tinygrad.
 """
@@ -38,6 +40,7 @@ class ServeBenchConfig:
   vocab_size: int | None = None
   api_key: str | None = None
   progress: bool = True
+  num_warmups: int = 0
 
 
 @dataclass
@@ -112,9 +115,9 @@ async def _server_model(client: httpx.AsyncClient, cfg: ServeBenchConfig) -> tup
   return card["id"], card.get("vocab_size")
 
 
-def random_prompts(cfg: ServeBenchConfig, vocab_size: int) -> list[list[int]]:
-  rng, high = random.Random(cfg.seed), min(vocab_size, PROMPT_ID_LIMIT)
-  return [[rng.randrange(high) for _ in range(cfg.input_len)] for _ in range(cfg.num_prompts)]
+def random_prompts(cfg: ServeBenchConfig, vocab_size: int, count: int | None = None, seed: int | None = None) -> list[list[int]]:
+  rng, high = random.Random(cfg.seed if seed is None else seed), min(vocab_size, PROMPT_ID_LIMIT)
+  return [[rng.randrange(high) for _ in range(cfg.input_len)] for _ in range(cfg.num_prompts if count is None else count)]
 
 
 def arrival_gaps(cfg: ServeBenchConfig) -> list[float]:
@@ -135,6 +138,7 @@ async def run_benchmark(cfg: ServeBenchConfig) -> dict[str, Any]:
     probe = await send_request(client, cfg, model, prompts[0])   # fail fast (and warm up) before timing anything
     if not probe.success: raise RuntimeError(f"the test request failed: {probe.error}")
     limiter = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+    await _warm_up(client, cfg, model, random_prompts(cfg, vocab, cfg.num_warmups, seed=cfg.seed + 2), limiter)
     bar = tqdm(total=cfg.num_prompts, desc="requests", disable=not cfg.progress, dynamic_ncols=True)
 
     async def one(prompt: list[int]) -> RequestResult:
@@ -151,6 +155,17 @@ async def run_benchmark(cfg: ServeBenchConfig) -> dict[str, Any]:
     duration = time.perf_counter() - start
     bar.close()
   return {"model": model, **summarize(results, duration, cfg.goodput), "config": _config_json(cfg)}
+
+
+async def _warm_up(client: httpx.AsyncClient, cfg: ServeBenchConfig, model: str, prompts: list[list[int]],
+                   limiter: asyncio.Semaphore | None) -> None:
+  """The warm-up requests, all at once (at most max_concurrency in flight): prompts other than the timed ones, so that
+  the timed run finds none of them in the prefix cache."""
+  async def one(prompt: list[int]) -> RequestResult:
+    async with limiter if limiter is not None else contextlib.nullcontext():
+      return await send_request(client, cfg, model, prompt)
+  for result in await asyncio.gather(*(one(p) for p in prompts)):
+    if not result.success: raise RuntimeError(f"a warm-up request failed: {result.error}")
 
 
 def _config_json(cfg: ServeBenchConfig) -> dict[str, Any]:

@@ -24,7 +24,8 @@ from tinyvllm.engine_args import engine_config as config_from_arguments
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
   g = p.add_argument_group("model and engine")
-  g.add_argument("--model", help="local HF model folder, hub id, or (with --load-format dummy) a preset name")
+  g.add_argument("--model", help="local HF model folder, hub id, or (with --load-format dummy) a preset name (default: the "
+                                 "stories260K model shipped in the package)")
   g.add_argument("--tokenizer", help="tokenizer folder, if not the model's")
   g.add_argument("--dtype", default="auto", choices=(*DTYPES, *DTYPE_ALIASES),
                  help="compute dtype (auto: checkpoint's on GPU, float32 on CPU; half = float16, float = float32)")
@@ -39,9 +40,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                       "none on the CPU; the flag alone: none)")
   g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                  help="schedule each step while the previous one runs on the device (default: on for CUDA)")
-  g.add_argument("--cudagraph-mode", type=str.upper, choices=CUDAGRAPH_MODES,
-                 help="step layouts run as captured graphs: FULL, FULL_DECODE_ONLY or NONE (default: FULL on a GPU, "
-                      "FULL_DECODE_ONLY on the CPU)")
+  g.add_argument("--cudagraph-mode", type=str.upper, choices=CUDAGRAPH_MODES, default="FULL",
+                 help="step layouts run as captured graphs: FULL, FULL_DECODE_ONLY or NONE (default: FULL; on the CPU a "
+                      "layout with prompt chunks is captured when met the second time)")
   g.add_argument("--enforce-eager", action="store_true", help="run every step eagerly, nothing captured (= --cudagraph-mode NONE)")
   g.add_argument("--decode-layer-kernel", action=argparse.BooleanOptionalAction, default=True,
                  help="CUDA, Hopper: every layer of 1-4-sequence decode steps in one persistent kernel (default: on)")
@@ -122,11 +123,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def model_of(args: argparse.Namespace) -> str:
-  """The model: `serve MODEL` (vLLM's form) or --model, not both."""
+  """The model: `serve MODEL` (vLLM's form) or --model, not both; neither: the stories260K model shipped in the package
+  (said on stderr)."""
   positional, flag = getattr(args, "model_tag", None), args.model
   if positional and flag: raise ConfigError(f"the model is given twice (MODEL {positional!r} and --model {flag!r}); give one")
-  if not (positional or flag): raise ConfigError("no model given: pass --model (serve also takes it as its first argument)")
-  return positional or flag
+  if positional or flag: return positional or flag
+  from tinyvllm.model.embedded import EMBEDDED_MODEL, embedded_model_path
+  _note(f"no model given: running the embedded {EMBEDDED_MODEL} (a 260K-parameter story model from llama2.c, MIT) at "
+        f"{embedded_model_path()}")
+  return str(embedded_model_path())
 
 
 def _note(message: str) -> None: print(f"[tinyvllm] {message}", file=sys.stderr, flush=True)

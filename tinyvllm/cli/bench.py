@@ -1,4 +1,4 @@
-"""`bench`: speed measurements: decode (in-process) and serve (an HTTP client against a running server)."""
+"""`bench`: speed measurements: decode and throughput (in-process) and serve (an HTTP client against a running server)."""
 from __future__ import annotations
 
 import argparse
@@ -13,14 +13,35 @@ from tinyvllm.cli.args import add_engine_args, engine_kwargs, model_of
 def add_parser(sub: argparse._SubParsersAction) -> None:
   p = sub.add_parser("bench", help="measure speed")
   kinds = p.add_subparsers(dest="bench", required=True)
-  d = kinds.add_parser("decode", help="decode tok/s with the KV cache (and without it, with --no-kv-cache)")
+  d = kinds.add_parser("decode", help="decode tok/s with the KV cache (and, with --no-kv-cache, recomputing the whole sequence "
+                                      "for every token)")
   add_engine_args(d)
   d.add_argument("--batch-size", type=int, default=1)
   d.add_argument("--prompt-len", type=int, default=128)
   d.add_argument("--max-tokens", type=int, default=256, help="new tokens per sequence")
-  d.add_argument("--no-kv-cache", action="store_true", help="also measure decoding that recomputes everything each step")
+  d.add_argument("--no-kv-cache", action="store_true",
+                 help="also time decoding without a KV cache: each new token comes from a fresh one-token request over the "
+                      "whole sequence so far (prefix cache emptied), so a step costs a full prefill of prompt + tokens so far "
+                      "plus a request's set-up")
   d.set_defaults(run=run_decode)
+  add_throughput_parser(kinds)
   add_serve_parser(kinds)
+
+
+def add_throughput_parser(kinds: argparse._SubParsersAction) -> None:
+  t = kinds.add_parser("throughput", help="offline throughput: a seeded mix of random-token requests through one generate call")
+  add_engine_args(t)
+  w = t.add_argument_group("workload (vLLM's random dataset)")
+  w.add_argument("--num-prompts", type=int, default=1000, help="requests in the timed run")
+  w.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (random token ids)")
+  w.add_argument("--output-len", type=int, default=128, help="tokens each request generates (ignore_eos, temperature 1)")
+  w.add_argument("--random-range-ratio", type=float, default=0.0,
+                 help="lengths uniform in [len * (1 - r), len * (1 + r)] (default 0: every request the same lengths)")
+  w.add_argument("--num-iters-warmup", type=int, default=2,
+                 help="untimed runs of the same requests before the timed one (default 2: on the CPU a step layout with "
+                      "prompt chunks is captured when met the second time)")
+  w.add_argument("--output-json", help="write the results, the settings and the machine as JSON here")
+  t.set_defaults(run=run_throughput)
 
 
 def add_serve_parser(kinds: argparse._SubParsersAction) -> None:
@@ -33,6 +54,8 @@ def add_serve_parser(kinds: argparse._SubParsersAction) -> None:
   s.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson arrivals (inf: all at once)")
   s.add_argument("--max-concurrency", type=int, help="most requests in flight at once (default: no cap)")
   s.add_argument("--seed", type=int, default=0)
+  s.add_argument("--num-warmups", "--warmup", type=int, default=0,
+                 help="warm-up requests sent (together) before the timed ones, neither timed nor counted")
   s.add_argument("--goodput", nargs="+", metavar="METRIC:MS", help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
   s.add_argument("--vocab-size", type=int, help="draw prompt ids below this (default: the server's vocab_size)")
   s.add_argument("--api-key", default=os.environ.get("TINYVLLM_API_KEY"), help="default: $TINYVLLM_API_KEY")
@@ -47,7 +70,35 @@ def run_decode(args: argparse.Namespace) -> int:
   llm = LLM(model_of(args), **engine_kwargs(args))
   results = run_decode_bench(llm.engine, args.batch_size, args.prompt_len, args.max_tokens, args.no_kv_cache)
   for r in results: print(r.line())
-  if len(results) == 2: print(f"the KV cache makes decoding {results[0].decode_tok_s / results[1].decode_tok_s:.1f}x faster")
+  if len(results) == 2:
+    print(f"the KV cache makes decoding {results[0].decode_tok_s / results[1].decode_tok_s:.1f}x faster than a full prefill "
+          "of the sequence for every token")
+  return 0
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+  from tinyvllm.bench.throughput import Workload, report_json, run_throughput
+  from tinyvllm.engine.llm import LLM
+  for name in ("num_prompts", "input_len", "output_len"):
+    if getattr(args, name) < 1: return _usage_error(f"--{name.replace('_', '-')} must be >= 1")
+  if not 0 <= args.random_range_ratio < 1: return _usage_error("--random-range-ratio must be in [0, 1)")
+  if args.num_iters_warmup < 0: return _usage_error("--num-iters-warmup must be >= 0")
+  llm = LLM(model_of(args), **engine_kwargs(args))
+  engine = llm.engine
+  workload = Workload.random(args.num_prompts, args.input_len, args.output_len, args.random_range_ratio,
+                             engine.model_config.vocab_size, seed=args.seed if args.seed is not None else 0)
+  if workload.input_lens[1] + workload.output_lens[1] > engine.max_model_len:
+    return _usage_error(f"the longest request ({workload.input_lens[1]} prompt + {workload.output_lens[1]} output tokens) "
+                        f"exceeds the context ({engine.max_model_len}): lower --input-len, --output-len or --random-range-ratio")
+  result = run_throughput(llm, workload, [workload] * args.num_iters_warmup)
+  print(result.line())
+  print(result.cpu_line())
+  print(result.warmup_line())
+  if args.output_json:
+    flags = {"input_len": args.input_len, "output_len": args.output_len, "random_range_ratio": args.random_range_ratio,
+             "num_iters_warmup": args.num_iters_warmup}
+    report = report_json(result, workload, flags, engine, args.model or "stories260K (shipped)")
+    with open(args.output_json, "w") as f: json.dump(report, f, indent=1)
   return 0
 
 
@@ -57,11 +108,13 @@ def run_serve(args: argparse.Namespace) -> int:
     if getattr(args, name) < 1: return _usage_error(f"--{name.replace('_', '-')} must be >= 1")
   if not args.request_rate > 0: return _usage_error("--request-rate must be > 0 (inf: all at once)")
   if args.max_concurrency is not None and args.max_concurrency < 1: return _usage_error("--max-concurrency must be >= 1")
+  if args.num_warmups < 0: return _usage_error("--num-warmups must be >= 0")
   try: goodput = parse_goodput(args.goodput)
   except ValueError as e: return _usage_error(str(e))
   cfg = ServeBenchConfig(url=args.url.rstrip("/"), num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
                          request_rate=args.request_rate, max_concurrency=args.max_concurrency, model=args.model, seed=args.seed,
-                         goodput=goodput, vocab_size=args.vocab_size, api_key=args.api_key, progress=not args.disable_tqdm)
+                         goodput=goodput, vocab_size=args.vocab_size, api_key=args.api_key, progress=not args.disable_tqdm,
+                         num_warmups=args.num_warmups)
   try:
     result = asyncio.run(run_benchmark(cfg))
   except Exception as e:  # the server is unreachable or refused the test request

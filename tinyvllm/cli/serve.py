@@ -7,6 +7,7 @@ import os
 import sys
 
 from tinyvllm.cli.args import add_engine_args, engine_config, json_value
+from tinyvllm.model.embedded import EMBEDDED_MODEL
 
 SERVE_PACKAGES = {"fastapi", "uvicorn", "starlette", "prometheus_client", "pydantic", "zmq", "msgspec"}
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -26,7 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
   s.add_argument("--api-key", default=os.environ.get("TINYVLLM_API_KEY"),
                  help="require Authorization: Bearer KEY (default: $TINYVLLM_API_KEY; none: no key needed)")
   s.add_argument("--served-model-name", nargs="+",
-                 help="the names clients may pass as `model`; responses carry the first (default: the model)")
+                 help=f"the names clients may pass as `model`; responses carry the first (default: the model, or {EMBEDDED_MODEL} "
+                      "for the shipped one)")
   s.add_argument("--shutdown-timeout", type=float, default=10.0,
                  help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted")
   s.add_argument("--uvicorn-log-level", "--log-level", dest="uvicorn_log_level", default="info", choices=UVICORN_LOG_LEVELS)
@@ -73,7 +75,8 @@ def check_server_flags(args: argparse.Namespace) -> None:
 def server_settings(args: argparse.Namespace):
   from tinyvllm.entrypoints.api_server import ServerSettings
   from tinyvllm.tokenizer.chat_template import load_chat_template
-  names = tuple(args.served_model_name or ())
+  shipped = args.model is None and getattr(args, "model_tag", None) is None
+  names = tuple(args.served_model_name or ((EMBEDDED_MODEL,) if shipped else ()))
   return ServerSettings(
     host=args.host, port=args.port, api_key=args.api_key, served_model_name=names[0] if names else None,
     shutdown_timeout=args.shutdown_timeout, log_level=args.uvicorn_log_level,

@@ -96,8 +96,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
       f"{sched_config.max_num_batched_tokens} tokens a step{', asynchronous scheduling' if async_scheduling else ''}, "
       f"preemption by {config.preemption_mode}"
       + (f" ({swap_blocks} blocks of swap space, {config.swap_space} GiB)" if swap_blocks else ""))
-  cudagraph_mode = config.cudagraph_mode or ("FULL_DECODE_ONLY" if is_cpu(device) else "FULL")
-  runner = ModelRunner(model, kv_cache, config.max_num_seqs, max_model_len, cudagraph_mode)
+  runner = ModelRunner(model, kv_cache, config.max_num_seqs, max_model_len, config.cudagraph_mode,
+                       capture_repeated_prompt_layouts=is_cpu(device))
   warm_up_seconds = warm_up(config, runner, device)
   return EngineParts(device, mc, located.folder, max_model_len, dtype, kv_dtype, model, allocator, kv_cache, scheduler, runner,
                      async_scheduling, warm_up_seconds)

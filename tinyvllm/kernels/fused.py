@@ -54,6 +54,7 @@ class FusedBackend:
   # steps with prompt chunks are padded to max_num_seqs sequences: one capture per token bucket rather than one per
   # (tokens, sequences) pair as admissions fill the batch (padding sequences exit at once)
   pads_prefill_rows = True
+  splits_query_runs = False  # its kernels skip padded queries; a row is a sequence
   builds_kernels = True      # a new step layout compiles kernel sources: collect and compile them in parallel first
 
   def __init__(self, target: DeviceTarget, options: KernelOptions | None = None, log=_log):

@@ -61,6 +61,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
   scores = qp.matmul(keys.transpose(-1, -2), dtype=dtypes.float32) * (1.0 / math.sqrt(head_dim))  # [S, KVH, G*Tq, L]
   visible = Tensor.arange(meta.context_len, dtype=dtypes.int32).reshape(1, 1, -1) <= meta.query_pos.unsqueeze(-1)
   visible = visible.unsqueeze(1).expand(s, group, tq, meta.context_len).reshape(s, 1, group * tq, meta.context_len)
-  probs = scores.masked_fill(visible.logical_not(), float("-inf")).softmax(-1).cast(values.dtype)
+  # computed once: fused into the product with the values, tinygrad would recompute every exp for each head dimension
+  # (on the CPU, 0.4 ms of a 0.5 ms attention layer in stories260K's 8-row decode step)
+  probs = scores.masked_fill(visible.logical_not(), float("-inf")).softmax(-1).cast(values.dtype).contiguous()
   out = (probs @ values).reshape(s, kv_heads, group, tq, head_dim).permute(0, 3, 1, 2, 4)      # [S, Tq, KVH, G, D]
   return gather_rows(out.reshape(s * tq, heads * head_dim), meta.output_index)

@@ -20,7 +20,10 @@ def portable_linear(x: Tensor, w: Tensor, bias: Tensor | None = None, *, norm: T
   if silu_mul or gelu_mul:
     half = x.shape[-1] // 2
     gate = x[:, :half]
-    x = (gate.silu() if silu_mul else gate.gelu()) * x[:, half:]   # tinygrad's gelu is the tanh form (HF's gelu_pytorch_tanh)
+    # computed once: fused into the product's reduction, tinygrad would recompute it for every output column (on the
+    # CPU that made stories260K's down product of 8 rows take 0.28 ms instead of ~0.02); tinygrad's gelu is the tanh
+    # form (HF's gelu_pytorch_tanh)
+    x = ((gate.silu() if silu_mul else gate.gelu()) * x[:, half:]).contiguous()
   if out_float32: y = x.matmul(w.T, dtype=dtypes.float32).cast(dtypes.float32) + (0 if bias is None else bias.float())
   else: y = x.linear(w.T, bias)
   return y if residual is None else residual + y

@@ -46,6 +46,7 @@ class PortableBackend:
   capabilities = CAPABILITIES
   min_context_bucket = 16    # it gathers L keys per sequence: the tightest power of two
   pads_prefill_rows = False  # it computes every padded row
+  splits_query_runs = True   # ... and every padded query: decode rows beside a prompt chunk would pad to its length
   builds_kernels = False
 
   def __init__(self, reason: str = ""):

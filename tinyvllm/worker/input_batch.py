@@ -1,8 +1,13 @@
 """Host-side step inputs: one scheduled batch flattened into named int32 arrays, padded to bucket sizes.
 
-Padding keeps the number of distinct shapes (hence compiled kernels and JIT captures) small: N tokens, S sequences,
+Padding keeps the number of distinct shapes (hence compiled kernels and JIT captures) small: N tokens, S query rows,
 the query run Tq and the context length L are each rounded up to a power of two. Padding tokens write nowhere
-(slot -1); padding sequences have context length 0.
+(slot -1); padding rows have context length 0.
+
+A query row is normally one sequence's run of new tokens, so Tq is the longest run. A backend that computes every
+padded query (the portable attention: [S, Tq, L] scores) may have runs cut into rows of a shorter Tq instead, rows
+of one sequence sharing its block table: a step with one 64-token prompt chunk and seven decodes is then 16 rows of 8
+queries (128 query slots) rather than 8 rows of 64 (512).
 """
 from __future__ import annotations
 
@@ -41,8 +46,8 @@ def _empty(n: int, s: int, tq: int, max_blocks: int) -> dict[str, np.ndarray]:
     "output_index": z(n),                       # where each flat token's output sits in the [S * Tq] padded layout
     "block_tables": z(s, max_blocks),           # physical block of each logical block
     "query_index": z(s, tq), "query_pos": z(s, tq),   # flat index and position of each padded query
-    "context_lens": z(s),                       # keys visible to each sequence's last query (0: padding)
-    "query_start": z(s + 1),                    # flat offset of each sequence's first new token (exclusive scan)
+    "context_lens": z(s),                       # keys visible to each row's last query (0: padding)
+    "query_start": z(s + 1),                    # flat offset of each row's first new token (exclusive scan)
   }
 
 
@@ -58,37 +63,53 @@ def _fill_tokens(a: dict[str, np.ndarray], scheduled: list[ScheduledSequence], s
   if in_flight.any(): a["token_source"][(starts[1:] - 1)[in_flight]] = sources[in_flight]
 
 
+def query_run_length(counts: np.ndarray, min_prefill_rows: int = 1, split_runs: bool = False) -> int:
+  """Tq: the longest run rounded up, or (split_runs) the power of two whose rows hold the runs in the fewest padded
+  query slots (rows rounded up as prepare_batch does them), the longer on a tie (fewer rows to gather keys for)."""
+  longest = bucket(int(counts.max()))
+  if not split_runs: return longest
+  def slots(tq: int) -> int: return bucket(int((-(-counts // tq)).sum()), min_prefill_rows if tq > 1 else 1) * tq
+  return min((1 << i for i in range(longest.bit_length())), key=lambda tq: (slots(tq), -tq))
+
+
 def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, min_context: int = 16,
-                  min_prefill_rows: int = 1) -> HostBatch:
-  """`min_context`: the smallest context bucket L; `min_prefill_rows`: the fewest padded sequences (and sampling rows)
+                  min_prefill_rows: int = 1, split_runs: bool = False) -> HostBatch:
+  """`min_context`: the smallest context bucket L; `min_prefill_rows`: the fewest padded query rows (and sampling rows)
   of a step with prompt chunks. The fused kernels take coarse ones, so that few layouts (captures) exist: their padding
-  rows cost nothing, while the portable path computes every padded row.
+  rows cost nothing, while the portable path computes every padded row. `split_runs`: cut query runs into rows of
+  the Tq that needs the fewest padded query slots (see the module docstring).
 
   Vectorised over the flat tokens: at 256 sequences, per-sequence numpy calls cost more than the GPU's whole step."""
-  rows = len(scheduled)
-  counts = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, rows)
-  computed = np.fromiter((item.start for item in scheduled), np.int64, rows)
+  seqs = len(scheduled)
+  counts = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, seqs)
+  computed = np.fromiter((item.start for item in scheduled), np.int64, seqs)
   n_real, ends = int(counts.sum()), computed + counts
-  tq, context_len = bucket(int(counts.max())), bucket(int(ends.max()), min_context)
+  tq, context_len = query_run_length(counts, min_prefill_rows, split_runs), bucket(int(ends.max()), min_context)
   max_blocks = -(-context_len // block_size)
-  padded_rows = bucket(rows, min_prefill_rows if tq > 1 else 1)
-  a = _empty(bucket(n_real), padded_rows, tq, max_blocks)
-  starts = np.zeros(rows + 1, np.int64)
+  rows_of_seq = -(-counts // tq)                  # query rows each sequence's run takes
+  rows = int(rows_of_seq.sum())
+  a = _empty(bucket(n_real), bucket(rows, min_prefill_rows if tq > 1 else 1), tq, max_blocks)
+  starts, first_row = np.zeros(seqs + 1, np.int64), np.zeros(seqs + 1, np.int64)
   np.cumsum(counts, out=starts[1:])
-  row_of = np.repeat(np.arange(rows), counts)     # the sequence of each flat token
-  offset = np.arange(n_real) - starts[row_of]     # its index in the sequence's run
-  pos = computed[row_of] + offset
+  np.cumsum(rows_of_seq, out=first_row[1:])
+  seq_of = np.repeat(np.arange(seqs), counts)     # the sequence of each flat token
+  offset = np.arange(n_real) - starts[seq_of]     # its index in the sequence's run
+  pos = computed[seq_of] + offset
+  row_of = first_row[seq_of] + offset // tq       # its query row
   tables = [item.block_table[:max_blocks] for item in scheduled]
-  held = np.fromiter((len(t) for t in tables), np.int64, rows)
-  a["block_tables"][:rows][np.arange(max_blocks) < held[:, None]] = np.fromiter(chain.from_iterable(tables), np.int32,
-                                                                                int(held.sum()))
+  held = np.fromiter((len(t) for t in tables), np.int64, seqs)
+  seq_tables = np.zeros((seqs, max_blocks), np.int32)
+  seq_tables[np.arange(max_blocks) < held[:, None]] = np.fromiter(chain.from_iterable(tables), np.int32, int(held.sum()))
+  row_seq = np.repeat(np.arange(seqs), rows_of_seq)   # the sequence of each query row
+  row_start = (np.arange(rows) - first_row[row_seq]) * tq   # its first query's index in the sequence's run
+  a["block_tables"][:rows] = seq_tables[row_seq]
   _fill_tokens(a, scheduled, starts, n_real)
   a["positions"][:n_real] = pos
-  a["slot_mapping"][:n_real] = a["block_tables"][row_of, pos // block_size] * block_size + pos % block_size
-  a["output_index"][:n_real] = row_of * tq + offset
-  a["query_index"][row_of, offset], a["query_pos"][row_of, offset] = np.arange(n_real), pos
-  a["context_lens"][:rows] = ends
-  a["query_start"][1:rows + 1], a["query_start"][rows + 1:] = starts[1:], n_real
+  a["slot_mapping"][:n_real] = seq_tables[seq_of, pos // block_size] * block_size + pos % block_size
+  a["output_index"][:n_real] = row_of * tq + offset % tq
+  a["query_index"][row_of, offset % tq], a["query_pos"][row_of, offset % tq] = np.arange(n_real), pos
+  a["context_lens"][:rows] = computed[row_seq] + np.minimum(row_start + tq, counts[row_seq])
+  a["query_start"][:rows], a["query_start"][rows:] = starts[row_seq] + row_start, n_real
   logits_index, sample_seqs, sample_steps = [], [], []
   for item, end in zip(scheduled, starts[1:].tolist(), strict=True):
     if item.samples:

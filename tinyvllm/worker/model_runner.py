@@ -66,18 +66,25 @@ def freeze_long_lived_objects() -> None:
 
 class ModelRunner:
   def __init__(self, model: TransformerLM, kv_cache: KVCache, max_num_seqs: int, max_model_len: int,
-               cudagraph_mode: str = "FULL"):
+               cudagraph_mode: str = "FULL", capture_repeated_prompt_layouts: bool = False):
     """Buckets as coarse as the model's backend allows (its min_context_bucket and pads_prefill_rows); `max_num_seqs`
-    also sizes the sampled tokens each step keeps on the device for the next one (asynchronous scheduling)."""
+    also sizes the sampled tokens each step keeps on the device for the next one (asynchronous scheduling).
+    `capture_repeated_prompt_layouts` (the CPU): a layout with prompt chunks runs eagerly when first met and is captured
+    when met again. There a capture costs 3-4 eager steps (tinygrad lowers the step once more into the graph) and
+    many prompt layouts are met once: capturing each at once made the tests of generation, engine features and the
+    prefix cache 40% slower than running them eagerly."""
     backend = model.backend
     self.model, self.kv_cache, self.cudagraph_mode = model, kv_cache, cudagraph_mode
     self.chain_rows = bucket(max_num_seqs)
     self.last_tokens = Tensor.zeros(self.chain_rows, dtype=dtypes.int32, device=model.device).contiguous().realize()
     self.min_context = min(backend.min_context_bucket, bucket(max_model_len, 16))
     self.min_prefill_rows = bucket(max_num_seqs) if backend.pads_prefill_rows else 1
+    self.split_runs = backend.splits_query_runs
     self._kernels = backend.builds_kernels
     self.vocab_size = model.config.vocab_size
     self._captures: dict[StepLayout, TinyJit] = {}
+    self._capture_when_repeated = capture_repeated_prompt_layouts
+    self._met_once: set[StepLayout] = set()   # prompt layouts run eagerly once, to be captured when met again
     self.capture_seconds = 0.0    # spent in steps that captured a new layout (building + running them)
     self._io = StepIO(model.device)
 
@@ -100,12 +107,13 @@ class ModelRunner:
 
   def _prepare(self, sched: SchedulerOutput) -> tuple[HostBatch, StepLayout, Tensor, PromptRows | None]:
     """The step's host batch, its layout, its packed metadata uploaded to the device, and the prompt tokens it scores."""
-    host = prepare_batch(sched.scheduled, self.kv_cache.block_size, self.min_context, self.min_prefill_rows)
+    host = prepare_batch(sched.scheduled, self.kv_cache.block_size, self.min_context, self.min_prefill_rows, self.split_runs)
     sampling = self._sampling_batch(host)
     prompt = prompt_rows(sched.scheduled, host.query_start)
     fields = packed_fields(host, sampling, prompt)
     layout = StepLayout(tuple((name, a.shape) for name, a in fields.items()), host.context_len, sampling.variant,
-                        logprobs_bucket(host.sample_seqs), prompt.k if prompt is not None else -1)
+                        logprobs_bucket(host.sample_seqs), prompt.k if prompt is not None else -1,
+                        any(item.num_new_tokens > 1 for item in sched.scheduled))
     return host, layout, self._io.upload(np.concatenate([a.reshape(-1) for a in fields.values()])), prompt
 
   def warm_up(self, batch_sizes: list[int]) -> int:
@@ -131,7 +139,7 @@ class ModelRunner:
 
   def logits(self, sched: SchedulerOutput) -> np.ndarray:
     """Float32 logits of each sampling row, without sampling (eager; for scoring and checks, not the hot path)."""
-    host = prepare_batch(sched.scheduled, self.kv_cache.block_size, self.min_context, self.min_prefill_rows)
+    host = prepare_batch(sched.scheduled, self.kv_cache.block_size, self.min_context, self.min_prefill_rows, self.split_runs)
     logits, caches = self.model(self._step_inputs({k: Tensor(a) for k, a in host.arrays.items()}, host.context_len),
                                 self.kv_cache.layers)
     Tensor.realize(logits, *[t for pair in caches for t in pair])
@@ -141,13 +149,17 @@ class ModelRunner:
     """The layout itself, or a captured one with the same inputs whose sampler covers it (see `covers`)."""
     if layout in self._captures: return layout
     return next((c for c in self._captures if c.shapes == layout.shapes and c.context_len == layout.context_len
-                 and c.logprobs == layout.logprobs and covers(c.variant, layout.variant)), layout)
+                 and c.logprobs == layout.logprobs and c.multi_token == layout.multi_token and covers(c.variant, layout.variant)),
+                layout)
 
   def _step_fn(self, layout: StepLayout, precompiled: bool = False):
-    eager = (self.cudagraph_mode == "NONE" or (layout.query_len > 1 and self.cudagraph_mode == "FULL_DECODE_ONLY")
+    eager = (self.cudagraph_mode == "NONE" or (layout.multi_token and self.cudagraph_mode == "FULL_DECODE_ONLY")
              or layout.prompt_logprobs >= 0)
-    if eager: return lambda packed: self._forward(layout, packed)
     jit = self._captures.get(layout)
+    if jit is None and not eager and layout.multi_token and self._capture_when_repeated and layout not in self._met_once:
+      self._met_once.add(layout)
+      eager = True
+    if eager: return lambda packed: self._forward(layout, packed)
     if jit is not None: return jit
     # captured on the first call (~1 s saved per new layout on the GPU): the step has nothing to initialise (weights
     # and caches are realized at load, per-step data comes in through `packed`)

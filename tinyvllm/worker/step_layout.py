@@ -22,6 +22,7 @@ class StepLayout:
   variant: SamplerVariant
   logprobs: int        # top-k logprobs to return per row; -1: none at all
   prompt_logprobs: int = -1   # top-k of the prompt tokens scored (fields prompt_index, prompt_target); -1: none
+  multi_token: bool = False   # some sequence computes several tokens (a prompt chunk): FULL_DECODE_ONLY runs it eagerly
 
   @property
   def rows(self) -> int: return dict(self.shapes)["logits_index"][0]
