@@ -2,7 +2,7 @@
 $OUT/bench_<part>.json as soon as it finishes (a timeout keeps what was done).
 
 Usage (on the GPU machine, from the repo root): DEV=CUDA python bench/gpu_benchmarks.py decode throughput prefill context peers
-Parts: decode, throughput, prefill, context, peers, serve (see docs/benchmarks.md for what each measures).
+Parts: decode, throughput, coldstart, prefill, context, peers, serve (see docs/benchmarks.md for what each measures).
 """
 from __future__ import annotations
 
@@ -92,6 +92,34 @@ def part_throughput() -> dict:
           "captures": runner.num_captures, "capture_s": runner.capture_seconds}
 
 
+def part_coldstart() -> dict:
+  """The issue's cold start: engine start-up, then the first LLM.generate of 256 requests (prompts 100-1024 tokens, 512
+  output tokens each, greedy) and a second identical in shape; a user's defaults otherwise (no warm-up of our own)."""
+  import numpy as np
+
+  from tinyvllm import SamplingParams
+  llm, load_s = engine(kv_cache_memory=kv_gib(40), max_model_len=4096, max_num_seqs=256)
+  vocab = min(10000, llm.engine.model_config.vocab_size)
+
+  def run(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, vocab, int(rng.integers(100, 1025))).tolist() for _ in range(256)]
+    params = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)
+    captures, capture_s = llm.engine.runner.num_captures, llm.engine.runner.capture_seconds
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
+            "new_captures": llm.engine.runner.num_captures - captures, "capture_s": llm.engine.runner.capture_seconds - capture_s}
+  first, second = run(0), run(1)
+  print(f"start-up {load_s:.1f} s; first generate {first['output_tok_s']:,.0f} output tok/s ({first['new_captures']} captures, "
+        f"{first['capture_s']:.1f} s), second {second['output_tok_s']:,.0f} ({second['new_captures']} captures): "
+        f"first / second = {first['output_tok_s'] / second['output_tok_s']:.3f}", flush=True)
+  return {"load_s": load_s, "start_up_captures_s": llm.engine.warm_up_seconds, "first": first, "second": second,
+          "first_over_second": first["output_tok_s"] / second["output_tok_s"]}
+
+
 def part_prefill() -> dict:
   from tinyvllm.bench.prefill import run_prefill_sweep
   out = {}
@@ -135,22 +163,24 @@ def part_peers() -> dict:
   return out
 
 
-def part_serve() -> dict:
-  """Workload 3: 500 prompts of 512 random tokens, 128 output tokens, all sent at once, streamed over HTTP."""
+def serve_workload3(rate: str) -> dict:
+  """Workload 3: 500 prompts of 512 random tokens, 128 output tokens, streamed over HTTP, arriving at `rate` requests/s
+  (inf: all at once); BENCH_SERVE_ARGS adds server flags."""
   port = 8765
-  server = subprocess.Popen([sys.executable, "main.py", "serve", "--model", MODEL, "--load-format", "dummy", "--dtype", DTYPE,
-                             "--port", str(port), "--kv-cache-memory", "40", "--max-num-seqs", "256", "--max-model-len", "4096"],
-                            cwd=REPO)
+  server = subprocess.Popen([sys.executable, "main.py", "serve", MODEL, "--load-format", "dummy", "--dtype", DTYPE,
+                             "--port", str(port), "--kv-cache-memory", "40", "--max-num-seqs", "256", "--max-model-len", "4096",
+                             *os.environ.get("BENCH_SERVE_ARGS", "").split()], cwd=REPO)
   try:
-    result_file = Path(os.environ.get("OUT", "/tmp"), "bench_serve_raw.json")
+    result_file = Path(os.environ.get("OUT", "/tmp"), f"bench_serve_raw_{rate}.json")
     cmd = [sys.executable, "main.py", "bench", "serve", "--url", f"http://127.0.0.1:{port}", "--num-prompts", "500",
-           "--input-len", "512", "--output-len", "128", "--request-rate", "inf", "--result-file", str(result_file),
+           "--input-len", "512", "--output-len", "128", "--request-rate", rate, "--result-file", str(result_file),
            "--disable-tqdm"]
-    for _ in range(300):
+    for _ in range(600):
       try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
           if r.status == 200: break
       except OSError: pass
+      if server.poll() is not None: raise RuntimeError(f"the server exited with {server.returncode}")
       time.sleep(1)
     subprocess.run(cmd, cwd=REPO, check=True)
     return json.loads(result_file.read_text())
@@ -159,8 +189,13 @@ def part_serve() -> dict:
     server.wait(timeout=60)
 
 
-PARTS = {"decode": part_decode, "throughput": part_throughput, "prefill": part_prefill, "context": part_context,
-         "peers": part_peers, "serve": part_serve}
+def part_serve() -> dict: return serve_workload3("inf")
+def part_serve16() -> dict: return serve_workload3("16")
+
+
+PARTS = {"decode": part_decode, "throughput": part_throughput, "coldstart": part_coldstart,
+         "prefill": part_prefill, "context": part_context,
+         "peers": part_peers, "serve": part_serve, "serve16": part_serve16}
 
 
 def main() -> None:

@@ -102,12 +102,13 @@ def test_hf_transformers_loads_it_and_agrees(llm, hf):
 @pytest.mark.slow
 def test_its_chat_template_renders_as_hf_renders_it(llm, hf):
   _, tokenizer = hf
-  ours = llm.get_tokenizer()
-  text = ours.apply_chat_template(MESSAGES, add_generation_prompt=True)
+  ours = llm.get_tokenizer()   # transformers' defaults: apply_chat_template tokenizes unless told not to
+  text = ours.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
   assert text == tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
   assert text == "<s>Once upon a time there was a dog named Max. Max loved to run. One day Max saw a cat."
   hf_ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
   assert ours.encode(text, add_special_tokens=False) == hf_ids
+  assert ours.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True)["input_ids"] == hf_ids
 
 
 def run_cli(*args: str, stdin: str | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -131,7 +132,7 @@ def test_the_readme_run_command_prints_the_story(tmp_path):
   assert "--model" not in args and not any("shared" in a for a in args)
   run = run_cli(*args, cwd=tmp_path)
   assert run.returncode == 0, run.stderr
-  assert "no --model given: running the embedded stories260K" in run.stderr
+  assert "no model given: running the embedded stories260K" in run.stderr
   assert len(run.stdout) > 100 and DOCUMENTED_START.startswith("Once upon a time" + run.stdout.rstrip("\n")[:150])
 
 
@@ -153,4 +154,4 @@ def test_serve_without_a_model_serves_it(tmp_path, llm):
     text = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
   assert [m["id"] for m in models] == ["stories260K"]
   assert text == llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0].text
-  assert "no --model given: running the embedded stories260K" in server.log()
+  assert "no model given: running the embedded stories260K" in server.log()

@@ -161,7 +161,8 @@ def test_serve_takes_the_model_positionally_or_by_flag_not_both():
   assert cli_engine_config(serve_args("some/model")).model == "some/model"
   assert cli_engine_config(serve_args("--model", "some/model")).model == "some/model"
   with pytest.raises(ConfigError, match="given twice"): cli_engine_config(serve_args("a/model", "--model", "b/model"))
-  with pytest.raises(ConfigError, match="no model"): cli_engine_config(serve_args())
+  from tinyvllm.model.embedded import embedded_model_path
+  assert cli_engine_config(serve_args()).model == str(embedded_model_path())   # no model: the one shipped in the package
 
 
 SERVE_FLAGS: list[tuple[list[str], dict]] = [

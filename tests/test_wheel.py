@@ -72,6 +72,6 @@ def test_the_default_model_ships_in_the_wheel(installed, tmp_path):
                        cwd=tmp_path, capture_output=True, text=True, timeout=600)
   assert run.returncode == 0, run.stderr[-3000:]
   assert DOCUMENTED_START.startswith("Once upon a time" + run.stdout.rstrip("\n")) and len(run.stdout) > 100
-  where = Path(run.stderr.split("no --model given: running the embedded stories260K")[1].split(" at ")[1].splitlines()[0])
+  where = Path(run.stderr.split("no model given: running the embedded stories260K")[1].split(" at ")[1].splitlines()[0])
   assert not where.is_relative_to(REPO) and where.is_relative_to(installed.parents[1])   # the installed copy
   assert sorted(p.name for p in where.iterdir()) == sorted(p.name for p in (ASSETS / "stories260K").iterdir())

@@ -40,7 +40,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                       "none on the CPU; the flag alone: none)")
   g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                  help="schedule each step while the previous one runs on the device (default: on for CUDA)")
-  g.add_argument("--cudagraph-mode", type=str.upper, choices=CUDAGRAPH_MODES, default="FULL",
+  g.add_argument("--cudagraph-mode", type=str.upper, choices=CUDAGRAPH_MODES,
                  help="step layouts run as captured graphs: FULL, FULL_DECODE_ONLY or NONE (default: FULL; on the CPU a "
                       "layout with prompt chunks is captured when met the second time)")
   g.add_argument("--enforce-eager", action="store_true", help="run every step eagerly, nothing captured (= --cudagraph-mode NONE)")
@@ -107,11 +107,11 @@ ENGINE_FLAGS = ("tokenizer", "dtype", "device", "max_model_len", "load_format", 
                 "kv_cache_dtype",
                 "gpu_memory_utilization", "num_gpu_blocks", "enable_prefix_caching", "scheduler", "max_num_seqs",
                 "max_num_batched_tokens", "enable_chunked_prefill", "long_prefill_token_threshold", "attention_backend",
-                "cuda_graph_sizes", "async_scheduling", "cudagraph_mode", "enforce_eager", "decode_layer_kernel",
+                "cuda_graph_sizes", "async_scheduling", "enforce_eager", "decode_layer_kernel",
                 "decode_layer_max_context", "download_dir", "revision", "tokenizer_revision", "hf_token", "scheduling_policy",
                 "preemption_mode", "swap_space")
 # flags passed on only when given (None: the engine's default)
-OPTIONAL_FLAGS = ("max_logprobs", "generation_config", "override_generation_config", "skip_tokenizer_init", "disable_log_stats",
+OPTIONAL_FLAGS = ("cudagraph_mode", "max_logprobs", "generation_config", "override_generation_config", "skip_tokenizer_init", "disable_log_stats",
                   *(arg.name for arg in TABLE if arg.kind is not None))
 
 
