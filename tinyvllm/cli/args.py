@@ -111,7 +111,8 @@ ENGINE_FLAGS = ("tokenizer", "dtype", "device", "max_model_len", "load_format", 
                 "decode_layer_max_context", "download_dir", "revision", "tokenizer_revision", "hf_token", "scheduling_policy",
                 "preemption_mode", "swap_space")
 # flags passed on only when given (None: the engine's default)
-OPTIONAL_FLAGS = ("cudagraph_mode", "max_logprobs", "generation_config", "override_generation_config", "skip_tokenizer_init", "disable_log_stats",
+OPTIONAL_FLAGS = ("cudagraph_mode", "max_logprobs", "generation_config", "override_generation_config", "skip_tokenizer_init",
+                  "disable_log_stats",
                   *(arg.name for arg in TABLE if arg.kind is not None))
 
 
