@@ -72,6 +72,24 @@ def query_run_length(counts: np.ndarray, min_prefill_rows: int = 1, split_runs: 
   return min((1 << i for i in range(longest.bit_length())), key=lambda tq: (slots(tq), -tq))
 
 
+def _fill_split_rows(a: dict[str, np.ndarray], seq_tables: np.ndarray, rows_of_seq: np.ndarray, counts: np.ndarray,
+                     computed: np.ndarray, starts: np.ndarray, seq_of: np.ndarray, offset: np.ndarray, pos: np.ndarray,
+                     tq: int) -> None:
+  """The query rows of a step whose runs are cut into rows of Tq (split_runs): each row a piece of its sequence's run,
+  with the sequence's block table."""
+  rows, n_real = int(rows_of_seq.sum()), len(seq_of)
+  first_row = np.zeros(len(counts) + 1, np.int64)
+  np.cumsum(rows_of_seq, out=first_row[1:])
+  row_of = first_row[seq_of] + offset // tq       # each flat token's query row
+  row_seq = np.repeat(np.arange(len(counts)), rows_of_seq)   # the sequence of each query row
+  row_start = (np.arange(rows) - first_row[row_seq]) * tq    # its first query's index in the sequence's run
+  a["block_tables"][:rows] = seq_tables[row_seq]
+  a["output_index"][:n_real] = row_of * tq + offset % tq
+  a["query_index"][row_of, offset % tq], a["query_pos"][row_of, offset % tq] = np.arange(n_real), pos
+  a["context_lens"][:rows] = computed[row_seq] + np.minimum(row_start + tq, counts[row_seq])
+  a["query_start"][:rows], a["query_start"][rows:] = starts[row_seq] + row_start, n_real
+
+
 def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, min_context: int = 16,
                   min_prefill_rows: int = 1, split_runs: bool = False) -> HostBatch:
   """`min_context`: the smallest context bucket L; `min_prefill_rows`: the fewest padded query rows (and sampling rows)
@@ -79,37 +97,36 @@ def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, min_conte
   rows cost nothing, while the portable path computes every padded row. `split_runs`: cut query runs into rows of
   the Tq that needs the fewest padded query slots (see the module docstring).
 
-  Vectorised over the flat tokens: at 256 sequences, per-sequence numpy calls cost more than the GPU's whole step."""
+  Vectorised over the flat tokens: at 256 sequences, per-sequence numpy calls cost more than the GPU's whole step (and
+  at one sequence, each numpy call is a few microseconds of a step that the host must prepare in under a millisecond:
+  a step whose runs each fit one row takes the short path)."""
   seqs = len(scheduled)
   counts = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, seqs)
   computed = np.fromiter((item.start for item in scheduled), np.int64, seqs)
   n_real, ends = int(counts.sum()), computed + counts
   tq, context_len = query_run_length(counts, min_prefill_rows, split_runs), bucket(int(ends.max()), min_context)
   max_blocks = -(-context_len // block_size)
-  rows_of_seq = -(-counts // tq)                  # query rows each sequence's run takes
-  rows = int(rows_of_seq.sum())
+  rows_of_seq = -(-counts // tq) if tq < int(counts.max()) else None   # query rows each run takes, where runs are split
+  rows = seqs if rows_of_seq is None else int(rows_of_seq.sum())
   a = _empty(bucket(n_real), bucket(rows, min_prefill_rows if tq > 1 else 1), tq, max_blocks)
-  starts, first_row = np.zeros(seqs + 1, np.int64), np.zeros(seqs + 1, np.int64)
+  starts = np.zeros(seqs + 1, np.int64)
   np.cumsum(counts, out=starts[1:])
-  np.cumsum(rows_of_seq, out=first_row[1:])
   seq_of = np.repeat(np.arange(seqs), counts)     # the sequence of each flat token
   offset = np.arange(n_real) - starts[seq_of]     # its index in the sequence's run
   pos = computed[seq_of] + offset
-  row_of = first_row[seq_of] + offset // tq       # its query row
   tables = [item.block_table[:max_blocks] for item in scheduled]
   held = np.fromiter((len(t) for t in tables), np.int64, seqs)
-  seq_tables = np.zeros((seqs, max_blocks), np.int32)
+  seq_tables = a["block_tables"][:seqs] if rows_of_seq is None else np.zeros((seqs, max_blocks), np.int32)
   seq_tables[np.arange(max_blocks) < held[:, None]] = np.fromiter(chain.from_iterable(tables), np.int32, int(held.sum()))
-  row_seq = np.repeat(np.arange(seqs), rows_of_seq)   # the sequence of each query row
-  row_start = (np.arange(rows) - first_row[row_seq]) * tq   # its first query's index in the sequence's run
-  a["block_tables"][:rows] = seq_tables[row_seq]
   _fill_tokens(a, scheduled, starts, n_real)
   a["positions"][:n_real] = pos
   a["slot_mapping"][:n_real] = seq_tables[seq_of, pos // block_size] * block_size + pos % block_size
-  a["output_index"][:n_real] = row_of * tq + offset % tq
-  a["query_index"][row_of, offset % tq], a["query_pos"][row_of, offset % tq] = np.arange(n_real), pos
-  a["context_lens"][:rows] = computed[row_seq] + np.minimum(row_start + tq, counts[row_seq])
-  a["query_start"][:rows], a["query_start"][rows:] = starts[row_seq] + row_start, n_real
+  if rows_of_seq is None:   # a row per sequence
+    a["output_index"][:n_real] = seq_of * tq + offset
+    a["query_index"][seq_of, offset], a["query_pos"][seq_of, offset] = np.arange(n_real), pos
+    a["context_lens"][:seqs] = ends
+    a["query_start"][1:seqs + 1], a["query_start"][seqs + 1:] = starts[1:], n_real
+  else: _fill_split_rows(a, seq_tables, rows_of_seq, counts, computed, starts, seq_of, offset, pos, tq)
   logits_index, sample_seqs, sample_steps = [], [], []
   for item, end in zip(scheduled, starts[1:].tolist(), strict=True):
     if item.samples:

@@ -70,9 +70,10 @@ def prompt_rows(scheduled: list[ScheduledSequence], query_start: np.ndarray) -> 
   """The rows of this step's prompt chunks that score a prompt token, or None (the step needs no prompt logprobs)."""
   chunks, index, target = [], [], []
   for row, item in enumerate(scheduled):
+    if item.seq.params.prompt_logprobs is None: continue
     prompt = item.seq.prompt_token_ids
     end = min(item.start + item.num_new_tokens, len(prompt) - 1)   # positions scoring the next prompt token
-    if item.seq.params.prompt_logprobs is None or end <= item.start: continue
+    if end <= item.start: continue
     chunks.append(PromptChunk(item.seq, item.start + 1, end - item.start))
     index.extend(range(int(query_start[row]), int(query_start[row]) + end - item.start))
     target.extend(prompt[item.start + 1:end + 1])
