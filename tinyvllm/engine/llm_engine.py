@@ -16,6 +16,7 @@ from tinyvllm.engine.output_processor import OutputProcessor
 from tinyvllm.engine.stats_logger import StatsLogger
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.worker.model_runner import freeze_long_lived_objects
 
 __all__ = ["LLMEngine", "PromptError", "PromptType", "log"]
 
@@ -30,6 +31,7 @@ class LLMEngine:
     self.processor = InputProcessor(self.core.info(), self.tokenizer, config.max_logprobs, config.scheduling_policy)
     self.output_processor = OutputProcessor(self.tokenizer)
     self.stats_logger = None if config.disable_log_stats else StatsLogger(log)
+    freeze_long_lived_objects()   # the frontend too (its tokenizer's tables): no collection walks them during the steps
     log(f"engine ready in {time.perf_counter() - start:.1f} s")
 
   # ---- what the core holds (tests and benchmarks look inside)
