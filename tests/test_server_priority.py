@@ -18,9 +18,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(stories_dir, tmp_path_factory):
-  # a cache of 24 blocks of 16 tokens holds about four of these requests: later, higher-priority ones preempt
+  # the four prompts grown by MAX_TOKENS need 3, 3, 4 and 4 blocks of 16 tokens: a cache of 8 cannot hold the four
+  # running at once, so running requests are preempted whatever order the requests arrive in
   with ServerProcess(stories_dir, tmp_path_factory.mktemp("priority") / "server.log", "--served-model-name", "stories",
-                     "--scheduling-policy", "priority", "--num-gpu-blocks", "24", "--max-num-seqs", "4") as s:
+                     "--scheduling-policy", "priority", "--num-gpu-blocks", "8", "--max-num-seqs", "4") as s:
     yield s
 
 
