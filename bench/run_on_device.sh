@@ -6,7 +6,8 @@
 # (bench/check_decode_layer.py alone), wheel (the tinyvllm wheel carried in .dist/, installed alone and run
 # from /tmp), bound (bench/layer_bound.py), profile1 / profile256 (bench/gpu_profile.py), gemm (bench/gemm_bench.py),
 # timeline (bench/step_timeline.py), serve_profile (bench/serve_profile.py:
-# workload 3 against the server with timers on each stage; SERVE_ARGS adds server flags), explore (bench/attention_bench.py), sampler (bench/sampler_bench.py), host1 / host256 (bench/step_host.py: a
+# workload 3 against the server with timers on each stage; SERVE_ARGS adds server flags), sweep (bench/serve_sweep.py:
+# 1-256 concurrent clients; plotted here with --replot), explore (bench/attention_bench.py), sampler (bench/sampler_bench.py), host1 / host256 (bench/step_host.py: a
 # decode step's host time by stage), and any part
 # of bench/gpu_benchmarks.py (with the suffix _fp8: the same part with --kv-cache-dtype fp8, e.g. throughput_fp8).
 set -u
@@ -63,6 +64,8 @@ for step in "$@"; do
     host256) cmd=(python3 bench/step_host.py --batch 256 --kv-cache-dtype fp8 --out "$OUT/step_host_b256_fp8.json") ;;
     serve_profile) cmd=(python3 bench/serve_profile.py --out "$OUT/serve_profile.json" -- --model qwen3-0.6b --load-format dummy
                         --dtype bfloat16 --kv-cache-memory 40 --max-num-seqs 256 --max-model-len 4096 ${SERVE_ARGS:-}) ;;
+    sweep) cmd=(python3 bench/serve_sweep.py --out "$OUT/serve_sweep.json" --prompts-per-client 2 -- --model qwen3-0.6b
+                --load-format dummy --dtype bfloat16 --kv-cache-memory 40 --max-num-seqs 256 --max-model-len 4096 ${SERVE_ARGS:-}) ;;
     *_fp8) cmd=(env BENCH_KV_CACHE_DTYPE=fp8 python3 bench/gpu_benchmarks.py "${step%_fp8}") ;;
     *) cmd=(python3 bench/gpu_benchmarks.py "$step") ;;
   esac

@@ -6,6 +6,8 @@ level with its own warm-up, and writes the table (JSON) and a plot.
 
 Usage (GPU machine, repo root): DEV=CUDA python3 bench/serve_sweep.py --out $OUT/serve_sweep.json --plot $OUT/serve_sweep.png \
     -- --model qwen3-0.6b --load-format dummy --dtype bfloat16 --kv-cache-memory 40 --max-num-seqs 256 --max-model-len 4096
+(`bash bench/run_on_device.sh sweep` does this); where the GPU machine lacks matplotlib, plot the JSON elsewhere:
+    python bench/serve_sweep.py --replot serve_sweep.json --plot docs/serve_sweep_h100.png
 """
 from __future__ import annotations
 
@@ -66,7 +68,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def main() -> None:
   p = argparse.ArgumentParser()
-  p.add_argument("--out", required=True, help="JSON result")
+  p.add_argument("--out", help="JSON result")
+  p.add_argument("--replot", help="a sweep's JSON: only plot it (to --plot)")
   p.add_argument("--plot", help="PNG plot")
   p.add_argument("--levels", default="1,2,4,8,16,32,64,128,256")
   p.add_argument("--input-len", type=int, default=512)
@@ -78,6 +81,10 @@ def main() -> None:
   p.add_argument("--title", default="tinyvllm serving: 512 prompt / 128 output tokens per request")
   p.add_argument("serve_args", nargs=argparse.REMAINDER)
   args = p.parse_args()
+  if args.replot:
+    plot(json.loads(Path(args.replot).read_text())["rows"], Path(args.plot), args.title)
+    return
+  if not args.out: p.error("--out is required (or --replot)")
   url = f"http://127.0.0.1:{args.port}"
   serve = [sys.executable, str(REPO / "main.py"), "serve", *[a for a in args.serve_args if a != "--"], "--port", str(args.port),
            "--log-level", "warning"]

@@ -9,7 +9,7 @@ import pytest
 from tinyvllm.core.scheduler_output import ScheduledSequence
 from tinyvllm.core.sequence import Sequence
 from tinyvllm.sampling_params import SamplingParams
-from tinyvllm.worker.input_batch import bucket, prepare_batch
+from tinyvllm.worker.input_batch import COARSE_QUERY_RUNS, StepBuckets, bucket, prepare_batch
 
 BLOCK = 4
 
@@ -33,11 +33,14 @@ def random_batch(rng: random.Random) -> list[ScheduledSequence]:
 @pytest.mark.parametrize("seed", range(40))
 def test_fields_match_their_per_sequence_meaning(seed: int) -> None:
   items = random_batch(random.Random(seed))
-  min_rows = 16 if seed % 3 == 0 else 1
-  host = prepare_batch(items, BLOCK, min_context=16 if seed % 2 else 64, min_prefill_rows=min_rows)
+  min_rows, coarse = 16 if seed % 3 == 0 else 1, seed % 4 == 1   # coarse: the fused kernels' prompt-step buckets
+  buckets = StepBuckets(16 if seed % 2 else 64, min_rows, min_prompt_tokens=32 if coarse else 1, coarse_query_runs=coarse)
+  host = prepare_batch(items, BLOCK, buckets)
   a = host.arrays
-  tq = a["query_index"].shape[1]
-  assert tq == bucket(max(i.num_new_tokens for i in items))
+  tq, longest, n_real = a["query_index"].shape[1], max(i.num_new_tokens for i in items), sum(i.num_new_tokens for i in items)
+  assert a["token_ids"].shape == (bucket(n_real, 32 if coarse and longest > 1 else 1),)
+  if coarse and longest > 1: assert tq == min(next(c for c in COARSE_QUERY_RUNS if c >= longest), a["token_ids"].shape[0])
+  else: assert tq == bucket(longest)
   floor = min_rows if tq > 1 else 1   # only steps with prompt chunks are padded to the row floor
   assert a["context_lens"].shape == (bucket(len(items), floor),)
   assert a["logits_index"].shape == (bucket(sum(1 + len(i.forks) for i in items if i.samples), floor),)
@@ -62,7 +65,7 @@ def test_fields_match_their_per_sequence_meaning(seed: int) -> None:
   assert a["logits_index"][:len(rows_sampled)].tolist() == [i for i, _ in rows_sampled]
   assert host.sample_seqs == [s for _, s in rows_sampled]
   assert host.sample_steps == [len(s.output_token_ids) for _, s in rows_sampled]
-  assert a["token_ids"].shape == (bucket(flat),) and all(x.dtype == np.int32 for x in a.values())
+  assert all(x.dtype == np.int32 for x in a.values())
 
 
 
@@ -71,7 +74,7 @@ def test_split_runs_give_each_row_a_piece_of_one_sequence(seed: int) -> None:
   """split_runs (the portable backend): each sequence's run is cut into rows of Tq queries, Tq the power of two that
   needs the fewest padded query slots; every row means what a sequence's row means, for its piece of the run."""
   items = random_batch(random.Random(seed))
-  a = prepare_batch(items, BLOCK, min_context=16, split_runs=True).arrays
+  a = prepare_batch(items, BLOCK, StepBuckets(16, split_runs=True)).arrays
   tq = a["query_index"].shape[1]
   counts = [i.num_new_tokens for i in items]
   slots = lambda t: bucket(sum(-(-c // t) for c in counts)) * t
@@ -98,7 +101,7 @@ def test_split_runs_put_decodes_beside_a_prompt_chunk_in_short_rows() -> None:
   """One 64-token chunk and seven decodes: 16 rows of 8 queries (128 slots), not 8 rows of 64 (512)."""
   seqs = [Sequence("r", list(range(64)), SamplingParams(), seed=0)] + [Sequence("r", [1, 2], SamplingParams(), seed=0)] * 7
   items = [ScheduledSequence(seqs[0], 0, 64, list(range(16)), True)] + [ScheduledSequence(s, 1, 1, [16], True) for s in seqs[1:]]
-  assert prepare_batch(items, BLOCK, split_runs=True).arrays["query_index"].shape == (16, 8)
+  assert prepare_batch(items, BLOCK, StepBuckets(split_runs=True)).arrays["query_index"].shape == (16, 8)
   assert prepare_batch(items, BLOCK).arrays["query_index"].shape == (8, 64)
 
 def test_token_slice_spans_prompt_and_output() -> None:

@@ -75,6 +75,9 @@ ATTENTION_CASES = {
   "dec_f16_g4_staged_nosplit": ([(1, 1), (300, 1), (33, 1)], 8, 2, 64, "float16", 1, {"stages": 3, "splits": 1}),
   "dec_bf16_g1_d64_staged": ([(500, 1), (17, 1)], 2, 2, 64, "bfloat16", 0, {"stages": 4, "splits": 1}),
   "pre_f16_g8_kv8": ([(33, 33), (20, 5), (15, 1)], 16, 2, 64, "float16", 0, None),
+  # _coarse: a prompt step in the fused backends' coarse buckets (256 token rows, query runs of 256: most queries padded)
+  "pre_bf16_g2_d128_coarse": ([(70, 37), (50, 7), (20, 1)], 4, 2, 128, "bfloat16", 1, None),
+  "pre_f32_g2_coarse": ([(40, 40), (20, 1), (16, 16)], 8, 4, 64, "float32", 0, None),
 }
 # name -> (dtype, kv_heads, head_dim, FP8 caches)
 WRITE_CASES = {"write_f32": ("float32", 2, 64, False), "write_bf16": ("bfloat16", 2, 128, False),
@@ -93,8 +96,9 @@ def quick_or_slow(names) -> list:
 def _case(name: str):
   seqs, heads, kv_heads, head_dim, dtype, share, _ = ATTENTION_CASES[name]
   rng = np.random.default_rng(zlib.crc32(name.encode()))
+  coarse = "_coarse" in name
   return make_case(rng, seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, share=share, pad_seqs=1,
-                   kv_fp8="_kv8" in name)
+                   kv_fp8="_kv8" in name, min_tokens=256 if coarse else 1, min_query_run=256 if coarse else 1)
 
 
 CASES = {name: _case(name) for name in ATTENTION_CASES}

@@ -2,11 +2,14 @@
 prompt layout when met again, and the padded prompt-step rows of the fused backends; none of them may change a token."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.backend.sampling import SamplerVariant
 from tinyvllm.config import ConfigError, EngineConfig
+from tinyvllm.worker.input_batch import StepBuckets
 from tinyvllm.worker.step_layout import covers
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -15,12 +18,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8)
 def test_warm_up_captures_each_bucket_once_and_greedy_reuses_them(stories_dir, reference):
   llm = LLM(str(stories_dir), max_num_seqs=8, num_gpu_blocks=64, cuda_graph_sizes=[1, 3, 4])
   runner = llm.engine.runner
-  assert runner.num_captures == 2                     # buckets 1 and 4
+  assert runner.num_captures == 2                     # buckets 1 and 4 (the portable backend: decode steps only)
   prompts = [reference["prompt_ids"]] * 3              # contexts stay inside the smallest context bucket
   outs = llm.generate(prompts, GREEDY, use_tqdm=False)
   assert runner.num_captures == 2                     # greedy decode ran on the random-sampler captures
   assert all(o.outputs[0].token_ids == reference["greedy_ids"][:8] for o in outs)
-  assert llm.engine.runner.warm_up([2, 4]) == 1       # only bucket 2 is new
+  assert llm.engine.runner.warm_up([2, 4], 64).decode == 1   # only bucket 2 is new
 
 
 def test_no_warm_up_on_the_cpu_by_default(stories_dir):
@@ -48,7 +51,7 @@ def test_sampler_cover_rules():
 
 
 def test_bad_capture_sizes_are_refused():
-  with pytest.raises(ConfigError, match="cuda_graph_sizes must be batch sizes >= 1"):
+  with pytest.raises(ConfigError, match="cuda_graph_sizes must be step sizes >= 1"):
     EngineConfig(model="m", cuda_graph_sizes=[4, 0])
 
 
@@ -71,8 +74,8 @@ def test_prompt_steps_padded_to_max_num_seqs_change_no_token(stories_dir, refere
   params = SamplingParams(temperature=0, max_tokens=12)
   plain = LLM(str(stories_dir), max_num_seqs=8, num_gpu_blocks=64, max_num_batched_tokens=8)   # chunked prefill
   padded = LLM(str(stories_dir), max_num_seqs=8, num_gpu_blocks=64, max_num_batched_tokens=8)
-  padded.engine.runner.min_prefill_rows = 8
-  for llm in (plain, padded): llm.engine.runner.split_runs = False
+  padded.engine.runner.buckets = replace(padded.engine.runner.buckets, min_prefill_rows=8, split_runs=False)
+  plain.engine.runner.buckets = replace(plain.engine.runner.buckets, split_runs=False)
   rows = {id(llm): record_steps(llm) for llm in (plain, padded)}   # the (query run, padded sequences) of every step
   expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
   assert [o.outputs[0].token_ids for o in padded.generate(prompts, params, use_tqdm=False)] == expected
@@ -81,3 +84,30 @@ def test_prompt_steps_padded_to_max_num_seqs_change_no_token(stories_dir, refere
   assert prompt_steps(padded) and all(s == 8 for s in prompt_steps(padded))
   assert any(s < 8 for s in prompt_steps(plain))                      # the padding was not there anyway
   assert [s for tq, s in rows[id(padded)] if tq == 1] == [s for tq, s in rows[id(plain)] if tq == 1]   # decode untouched
+
+
+@pytest.mark.slow
+def test_start_up_captures_every_prompt_layout_met_and_change_no_token(stories_dir, reference):
+  """With the fused kernels' coarse prompt buckets (forced here on the portable path, every context in the smallest
+  context bucket), the start-up captures are every layout that chunked prompts, mixed steps and decodes then meet."""
+  llm = LLM(str(stories_dir), max_num_seqs=4, num_gpu_blocks=128, max_num_batched_tokens=64, enable_prefix_caching=False,
+            cuda_graph_sizes=[])
+  runner = llm.engine.runner
+  runner.buckets = StepBuckets(min_context=512, min_prefill_rows=4, min_prompt_tokens=16, coarse_query_runs=True)
+  done = runner.warm_up([1 << i for i in range(7)], 64)
+  # decode: 1, 2, 4 sequences; prompt steps of 16, 32 and 64 token rows, each with one query-run bucket (min(64, N))
+  assert (done.decode, done.prompt) == (3, 3) and runner.num_captures == 6
+  # greedy text continues greedily: a prompt of the reference's first k tokens is followed by the rest of them
+  story, zoo = reference["prompt_ids"] + reference["greedy_ids"], reference["zoo"]["greedy_ids_64"]
+  cuts = [(story, 1), (story, 90), (story, 150), (zoo, 4), (zoo, 20)]   # chunked by the 64-token budget, or not
+  outs = llm.generate([ids[:k] for ids, k in cuts], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+  assert [o.outputs[0].token_ids for o in outs] == [ids[k:k + 16] for ids, k in cuts]
+  assert runner.num_captures == 6   # nothing met that start-up had not captured
+
+
+def test_coarse_query_runs_of_a_prompt_step():
+  buckets = StepBuckets(min_prompt_tokens=256, coarse_query_runs=True)
+  assert buckets.tokens(3, multi_token=True) == 256 and buckets.tokens(3, multi_token=False) == 4
+  assert buckets.query_runs(256) == [64, 256] and buckets.query_runs(512) == [64, 256, 512]
+  assert buckets.query_runs(2048) == [64, 256, 1024, 2048] and buckets.query_runs(16) == [16]
+  assert StepBuckets().query_runs(16) == [2, 4, 8, 16]

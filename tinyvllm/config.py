@@ -191,8 +191,10 @@ class EngineConfig:
   swap_space: float = 4                         # GiB (vLLM's default 4), used by preemption_mode swap
   # attention: hand-written kernels (cuda / metal) or tinygrad ops (portable); auto picks by device
   attention_backend: str = "auto"
-  # decode batch sizes captured at start-up (bucketed to powers of two); None: every bucket up to max_num_seqs on a GPU,
-  # none on the CPU; []: none (each layout is then captured when first met)
+  # step sizes captured at start-up (vLLM's capture sizes), bucketed to powers of two: decode steps of that many
+  # sequences (up to max_num_seqs) and, on the hand-written kernels, steps with prompt chunks of that many tokens (up to
+  # max_num_batched_tokens; at every query-run bucket). None: every bucket up to the larger of the two on a GPU, none
+  # on the CPU; []: none (each layout is then captured when first met)
   cuda_graph_sizes: list[int] | None = None
   # which step layouts run as TinyJit captures (CUDA graphs on CUDA): FULL every layout, FULL_DECODE_ONLY decode steps
   # only (steps with prompt chunks eager), NONE. On the CPU a layout with prompt chunks is captured when met the second
@@ -238,7 +240,7 @@ class EngineConfig:
       (self.num_gpu_blocks is None or self.num_gpu_blocks >= 1, f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}"),
       (self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0"),
       (self.cuda_graph_sizes is None or all(b >= 1 for b in self.cuda_graph_sizes),
-       f"cuda_graph_sizes must be batch sizes >= 1, got {self.cuda_graph_sizes}"),
+       f"cuda_graph_sizes must be step sizes >= 1, got {self.cuda_graph_sizes}"),
       (self.attention_backend in ATTENTION_BACKENDS,
        f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"),
       (isinstance(self.cudagraph_mode, str) and self.cudagraph_mode.upper() in CUDAGRAPH_MODES,

@@ -90,16 +90,18 @@ class PagedCase:
 
 def make_case(rng: np.random.Generator, seqs: list[tuple[int, int]], *, heads: int, kv_heads: int, head_dim: int,
               block_size: int = 16, dtype: str = "float32", share: int = 0, pad_seqs: int = 0, extra_blocks: int = 7,
-              scale: float = 1.0, kv_fp8: bool = False, min_bucket: int = 16) -> PagedCase:
+              scale: float = 1.0, kv_fp8: bool = False, min_bucket: int = 16, min_tokens: int = 1,
+              min_query_run: int = 1) -> PagedCase:
   """`share`: sequences 1..share start with sequence 0's physical blocks (as many as both fill completely).
   `pad_seqs`: extra padding sequences beyond the power-of-two bucket's own padding. `kv_fp8`: FP8 caches.
-  `min_bucket`: the smallest context bucket (block-table width times block size), as a backend's min_context_bucket."""
+  `min_bucket`: the smallest context bucket (block-table width times block size), as a backend's min_context_bucket.
+  `min_tokens`, `min_query_run`: the fewest token rows and the shortest query run Tq (a prompt step's coarse buckets)."""
   assert all(1 <= new <= ctx for ctx, new in seqs), seqs
   s_real = len(seqs)
   s_pad = bucket(s_real + pad_seqs)
   n_real = sum(new for _, new in seqs)
-  n = bucket(n_real)
-  tq = bucket(max(new for _, new in seqs))
+  n = bucket(n_real, min_tokens)
+  tq = max(bucket(max(new for _, new in seqs)), min_query_run)
   L = bucket(max(ctx for ctx, _ in seqs), min_bucket)
   L = -(-L // block_size) * block_size
   max_blocks = L // block_size

@@ -56,6 +56,8 @@ class ComputeBackend(Protocol):
   min_context_bucket: int     # the smallest context bucket L its steps may use
   pads_prefill_rows: bool     # whether steps with prompt chunks may be padded to max_num_seqs sequences
   splits_query_runs: bool     # whether a sequence's new tokens may span query rows (padded queries cost as much as real ones)
+  min_prompt_tokens: int      # the fewest token rows of a step with prompt chunks (padding rows cost it little)
+  coarse_query_runs: bool     # whether prompt steps' query runs may round up to powers of four (it skips padded queries)
   builds_kernels: bool        # whether a new step layout compiles hand-written kernel sources
 
   def describe(self) -> str:

@@ -36,8 +36,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
   g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                  help="attention kernels: auto (cuda on CUDA, metal on METAL, else portable), portable (tinygrad ops), cuda, metal")
   g.add_argument("--cuda-graph-sizes", type=int, nargs="*",
-                 help="decode batch sizes to capture at start-up (default: powers of two up to --max-num-seqs on a GPU, "
-                      "none on the CPU; the flag alone: none)")
+                 help="step sizes captured at start-up: decode steps of that many sequences and, on the hand-written "
+                      "kernels, prompt steps of that many tokens (default: powers of two up to the larger of --max-num-seqs "
+                      "and --max-num-batched-tokens on a GPU, none on the CPU; the flag alone: none)")
   g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                  help="schedule each step while the previous one runs on the device (default: on for CUDA)")
   g.add_argument("--cudagraph-mode", type=str.upper, choices=CUDAGRAPH_MODES,

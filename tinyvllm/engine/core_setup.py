@@ -3,7 +3,6 @@ the KV cache and its allocator, the scheduler, the model runner and its start-up
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,20 +97,23 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
       + (f" ({swap_blocks} blocks of swap space, {config.swap_space} GiB)" if swap_blocks else ""))
   runner = ModelRunner(model, kv_cache, config.max_num_seqs, max_model_len, config.cudagraph_mode,
                        capture_repeated_prompt_layouts=is_cpu(device))
-  warm_up_seconds = warm_up(config, runner, device)
+  warm_up_seconds = warm_up(config, runner, device, sched_config.max_num_batched_tokens)
   return EngineParts(device, mc, located.folder, max_model_len, dtype, kv_dtype, model, allocator, kv_cache, scheduler, runner,
                      async_scheduling, warm_up_seconds)
 
 
-def warm_up(config: EngineConfig, runner: ModelRunner, device: str) -> float:
-  """Capture the decode steps of the configured batch sizes; returns the seconds it took."""
+def warm_up(config: EngineConfig, runner: ModelRunner, device: str, max_num_batched_tokens: int) -> float:
+  """Capture the step layouts of the configured sizes; returns the seconds it took."""
   sizes = config.cuda_graph_sizes
-  if sizes is None: sizes = [] if is_cpu(device) else [1 << i for i in range(bucket(config.max_num_seqs).bit_length())]
-  t = time.perf_counter()
-  captured = runner.warm_up(sizes)
-  seconds = time.perf_counter() - t
-  if captured: log(f"captured {captured} decode batch sizes in {seconds:.1f} s (other step shapes are captured when first met)")
-  return seconds
+  if sizes is None:
+    top = bucket(max(config.max_num_seqs, max_num_batched_tokens))
+    sizes = [] if is_cpu(device) else [1 << i for i in range(top.bit_length())]
+  done = runner.warm_up(sizes, max_num_batched_tokens)
+  if done.decode or done.prompt:
+    contexts = runner.buckets.min_context
+    log(f"captured {done.decode} decode steps and {done.prompt} prompt-step layouts in {done.seconds:.1f} s "
+        f"(contexts up to {contexts} tokens; a longer context's layouts are captured when first met)")
+  return done.seconds
 
 
 def check_max_model_len(config: EngineConfig, mc: ModelConfig) -> int:

@@ -55,6 +55,11 @@ class FusedBackend:
   # (tokens, sequences) pair as admissions fill the batch (padding sequences exit at once)
   pads_prefill_rows = True
   splits_query_runs = False  # its kernels skip padded queries; a row is a sequence
+  # ... and so take coarse prompt steps: at least 256 token rows (a product of 256 rows costs about what one of 16
+  # does: reading the weights), query runs of 64, 256, 1024 ... tokens. A configuration then meets few prompt layouts,
+  # all captured at start-up.
+  min_prompt_tokens = 256
+  coarse_query_runs = True
   builds_kernels = True      # a new step layout compiles kernel sources: collect and compile them in parallel first
 
   def __init__(self, target: DeviceTarget, options: KernelOptions | None = None, log=_log):

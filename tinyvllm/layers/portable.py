@@ -47,6 +47,8 @@ class PortableBackend:
   min_context_bucket = 16    # it gathers L keys per sequence: the tightest power of two
   pads_prefill_rows = False  # it computes every padded row
   splits_query_runs = True   # ... and every padded query: decode rows beside a prompt chunk would pad to its length
+  min_prompt_tokens = 1
+  coarse_query_runs = False
   builds_kernels = False
 
   def __init__(self, reason: str = ""):

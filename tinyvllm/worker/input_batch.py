@@ -1,8 +1,8 @@
 """Host-side step inputs: one scheduled batch flattened into named int32 arrays, padded to bucket sizes.
 
 Padding keeps the number of distinct shapes (hence compiled kernels and JIT captures) small: N tokens, S query rows,
-the query run Tq and the context length L are each rounded up to a power of two. Padding tokens write nowhere
-(slot -1); padding rows have context length 0.
+the query run Tq and the context length L are each rounded up to a power of two (StepBuckets: a backend whose padding
+costs little takes coarser ones). Padding tokens write nowhere (slot -1); padding rows have context length 0.
 
 A query row is normally one sequence's run of new tokens, so Tq is the longest run. A backend that computes every
 padded query (the portable attention: [S, Tq, L] scores) may have runs cut into rows of a shorter Tq instead, rows
@@ -23,6 +23,31 @@ from tinyvllm.core.sequence import Sequence
 def bucket(n: int, minimum: int = 1) -> int:
   """The smallest power of two >= max(n, minimum)."""
   return 1 << (max(n, minimum) - 1).bit_length()
+
+
+COARSE_QUERY_RUNS = (64, 256, 1024, 4096, 16384, 65536)   # powers of four from 64 (coarse_query_runs)
+
+
+@dataclass(frozen=True)
+class StepBuckets:
+  """How coarsely a backend's steps are padded. The fused kernels skip padding rows and padded queries, so they take
+  coarse buckets for steps with prompt chunks: few enough layouts that all of them (at the smallest context bucket)
+  are captured at start-up."""
+  min_context: int = 16          # the smallest context bucket L
+  min_prefill_rows: int = 1      # the fewest query rows (and sampling rows) of a step with prompt chunks
+  split_runs: bool = False       # cut query runs into rows of the Tq with the fewest padded query slots (module docstring)
+  min_prompt_tokens: int = 1     # the fewest token rows N of a step with prompt chunks
+  coarse_query_runs: bool = False   # Tq of a step with prompt chunks from COARSE_QUERY_RUNS (at most N)
+
+  def tokens(self, n_real: int, multi_token: bool) -> int:
+    """N: the token rows of a step of n_real tokens."""
+    return bucket(n_real, self.min_prompt_tokens if multi_token else 1)
+
+  def query_runs(self, num_tokens: int) -> list[int]:
+    """Every Tq a step with prompt chunks in N = num_tokens token rows may take (runs not split)."""
+    if not self.coarse_query_runs: return [1 << i for i in range(1, num_tokens.bit_length())]
+    # a run of r tokens takes the first coarse Tq >= r: the first takes every short run, the others runs over tq / 4
+    return sorted({min(tq, num_tokens) for tq in COARSE_QUERY_RUNS if tq == COARSE_QUERY_RUNS[0] or tq // 4 < num_tokens})
 
 
 @dataclass
@@ -63,12 +88,15 @@ def _fill_tokens(a: dict[str, np.ndarray], scheduled: list[ScheduledSequence], s
   if in_flight.any(): a["token_source"][(starts[1:] - 1)[in_flight]] = sources[in_flight]
 
 
-def query_run_length(counts: np.ndarray, min_prefill_rows: int = 1, split_runs: bool = False) -> int:
-  """Tq: the longest run rounded up, or (split_runs) the power of two whose rows hold the runs in the fewest padded
-  query slots (rows rounded up as prepare_batch does them), the longer on a tie (fewer rows to gather keys for)."""
+def query_run_length(counts: np.ndarray, buckets: StepBuckets, num_tokens: int) -> int:
+  """Tq: the longest run rounded up (coarse_query_runs: to COARSE_QUERY_RUNS, at most the step's N tokens), or
+  (split_runs) the power of two whose rows hold the runs in the fewest padded query slots (rows rounded up as
+  prepare_batch does them), the longer on a tie (fewer rows to gather keys for)."""
   longest = bucket(int(counts.max()))
-  if not split_runs: return longest
-  def slots(tq: int) -> int: return bucket(int((-(-counts // tq)).sum()), min_prefill_rows if tq > 1 else 1) * tq
+  if longest > 1 and buckets.coarse_query_runs and not buckets.split_runs:
+    return min(next(tq for tq in COARSE_QUERY_RUNS if tq >= longest), num_tokens)
+  if not buckets.split_runs: return longest
+  def slots(tq: int) -> int: return bucket(int((-(-counts // tq)).sum()), buckets.min_prefill_rows if tq > 1 else 1) * tq
   return min((1 << i for i in range(longest.bit_length())), key=lambda tq: (slots(tq), -tq))
 
 
@@ -90,12 +118,9 @@ def _fill_split_rows(a: dict[str, np.ndarray], seq_tables: np.ndarray, rows_of_s
   a["query_start"][:rows], a["query_start"][rows:] = starts[row_seq] + row_start, n_real
 
 
-def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, min_context: int = 16,
-                  min_prefill_rows: int = 1, split_runs: bool = False) -> HostBatch:
-  """`min_context`: the smallest context bucket L; `min_prefill_rows`: the fewest padded query rows (and sampling rows)
-  of a step with prompt chunks. The fused kernels take coarse ones, so that few layouts (captures) exist: their padding
-  rows cost nothing, while the portable path computes every padded row. `split_runs`: cut query runs into rows of
-  the Tq that needs the fewest padded query slots (see the module docstring).
+def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, buckets: StepBuckets = StepBuckets()) -> HostBatch:
+  """The step's arrays padded to `buckets` (the fused kernels take coarse ones, so that few layouts (captures) exist:
+  their padding rows cost nothing, while the portable path computes every padded row).
 
   Vectorised over the flat tokens: at 256 sequences, per-sequence numpy calls cost more than the GPU's whole step (and
   at one sequence, each numpy call is a few microseconds of a step that the host must prepare in under a millisecond:
@@ -104,11 +129,13 @@ def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, min_conte
   counts = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, seqs)
   computed = np.fromiter((item.start for item in scheduled), np.int64, seqs)
   n_real, ends = int(counts.sum()), computed + counts
-  tq, context_len = query_run_length(counts, min_prefill_rows, split_runs), bucket(int(ends.max()), min_context)
+  num_tokens = buckets.tokens(n_real, int(counts.max()) > 1)
+  tq, context_len = query_run_length(counts, buckets, num_tokens), bucket(int(ends.max()), buckets.min_context)
   max_blocks = -(-context_len // block_size)
   rows_of_seq = -(-counts // tq) if tq < int(counts.max()) else None   # query rows each run takes, where runs are split
   rows = seqs if rows_of_seq is None else int(rows_of_seq.sum())
-  a = _empty(bucket(n_real), bucket(rows, min_prefill_rows if tq > 1 else 1), tq, max_blocks)
+  min_rows = buckets.min_prefill_rows if tq > 1 else 1
+  a = _empty(num_tokens, bucket(rows, min_rows), tq, max_blocks)
   starts = np.zeros(seqs + 1, np.int64)
   np.cumsum(counts, out=starts[1:])
   seq_of = np.repeat(np.arange(seqs), counts)     # the sequence of each flat token
@@ -134,6 +161,6 @@ def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, min_conte
         logits_index.append(end - 1)
         sample_seqs.append(target)
         sample_steps.append(item.sample_index if target is item.seq else 0)
-  a["logits_index"] = np.zeros(bucket(len(logits_index), min_prefill_rows if tq > 1 else 1), np.int32)
+  a["logits_index"] = np.zeros(bucket(len(logits_index), min_rows), np.int32)
   a["logits_index"][:len(logits_index)] = logits_index
   return HostBatch(a, context_len, sample_seqs, sample_steps)

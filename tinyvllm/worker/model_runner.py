@@ -27,7 +27,7 @@ from tinyvllm.model.llama import StepInputs, TransformerLM
 from tinyvllm.platform import tinygrad_compat as compat
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.host_io import Download, StepIO
-from tinyvllm.worker.input_batch import HostBatch, bucket, prepare_batch
+from tinyvllm.worker.input_batch import HostBatch, StepBuckets, bucket, prepare_batch
 from tinyvllm.worker.kv_cache import KVCache
 from tinyvllm.worker.logprobs import PromptRows, ScoredPromptChunk, TokenLogprobs, prompt_rows, score, split_chunks
 from tinyvllm.worker.step_layout import StepLayout, covers, logprobs_bucket, packed_fields
@@ -57,6 +57,13 @@ class LaunchedStep:
     return StepResult(self.seqs, arrays[0][:n].tolist(), logprobs, prompt)
 
 
+@dataclass
+class StartUpCaptures:
+  decode: int = 0      # new captures of decode steps
+  prompt: int = 0      # ... of steps with prompt chunks
+  seconds: float = 0.0
+
+
 def freeze_long_lived_objects() -> None:
   """Move everything alive now (weights, captured graphs and their tinygrad objects) out of the garbage collector's
   reach: otherwise every full collection walks them all, which at 256 sequences tripled a step's host time."""
@@ -67,8 +74,8 @@ def freeze_long_lived_objects() -> None:
 class ModelRunner:
   def __init__(self, model: TransformerLM, kv_cache: KVCache, max_num_seqs: int, max_model_len: int,
                cudagraph_mode: str = "FULL", capture_repeated_prompt_layouts: bool = False):
-    """Buckets as coarse as the model's backend allows (its min_context_bucket and pads_prefill_rows); `max_num_seqs`
-    also sizes the sampled tokens each step keeps on the device for the next one (asynchronous scheduling).
+    """Buckets as coarse as the model's backend allows (StepBuckets); `max_num_seqs` also sizes the sampled tokens
+    each step keeps on the device for the next one (asynchronous scheduling).
     `capture_repeated_prompt_layouts` (the CPU): a layout with prompt chunks runs eagerly when first met and is captured
     when met again. There a capture costs 3-4 eager steps (tinygrad lowers the step once more into the graph) and
     many prompt layouts are met once: capturing each at once made the tests of generation, engine features and the
@@ -77,9 +84,10 @@ class ModelRunner:
     self.model, self.kv_cache, self.cudagraph_mode = model, kv_cache, cudagraph_mode
     self.chain_rows = bucket(max_num_seqs)
     self.last_tokens = Tensor.zeros(self.chain_rows, dtype=dtypes.int32, device=model.device).contiguous().realize()
-    self.min_context = min(backend.min_context_bucket, bucket(max_model_len, 16))
-    self.min_prefill_rows = bucket(max_num_seqs) if backend.pads_prefill_rows else 1
-    self.split_runs = backend.splits_query_runs
+    self.buckets = StepBuckets(min(backend.min_context_bucket, bucket(max_model_len, 16)),
+                               bucket(max_num_seqs) if backend.pads_prefill_rows else 1, backend.splits_query_runs,
+                               backend.min_prompt_tokens, backend.coarse_query_runs)
+    self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
     self._kernels = backend.builds_kernels
     self.vocab_size = model.config.vocab_size
     self._captures: dict[StepLayout, TinyJit] = {}
@@ -107,7 +115,7 @@ class ModelRunner:
 
   def _prepare(self, sched: SchedulerOutput) -> tuple[HostBatch, StepLayout, Tensor, PromptRows | None]:
     """The step's host batch, its layout, its packed metadata uploaded to the device, and the prompt tokens it scores."""
-    host = prepare_batch(sched.scheduled, self.kv_cache.block_size, self.min_context, self.min_prefill_rows, self.split_runs)
+    host = prepare_batch(sched.scheduled, self.kv_cache.block_size, self.buckets)
     sampling = self._sampling_batch(host)
     prompt = prompt_rows(sched.scheduled, host.query_start)
     fields = packed_fields(host, sampling, prompt)
@@ -116,30 +124,47 @@ class ModelRunner:
                         any(item.num_new_tokens > 1 for item in sched.scheduled))
     return host, layout, self._io.upload(np.concatenate([a.reshape(-1) for a in fields.values()])), prompt
 
-  def warm_up(self, batch_sizes: list[int]) -> int:
-    """Capture the decode step of each batch size (bucketed) now rather than when first met, compiling all their
-    kernels in parallel first. Decode rows at contexts up to `min_context`, sampled by the random sampler (which
-    covers greedy rows). Their one token's K/V goes to the cache's block 0, so call this before any request runs.
-    Returns the number of new captures."""
-    if self.cudagraph_mode == "NONE": return 0
-    todo = []
-    for sched in (self._warm_up_batch(rows) for rows in sorted({bucket(b) for b in batch_sizes if b >= 1})):
-      _, layout, packed, _ = self._prepare(sched)
-      if layout not in self._captures: todo.append((sched, layout, packed))
-    if self._kernels: self.precompile([(functools.partial(self._forward, layout), packed) for _, layout, packed in todo])
-    for sched, _, _ in todo:
+  def warm_up(self, sizes: list[int], max_num_batched_tokens: int) -> StartUpCaptures:
+    """Capture now rather than when first met, compiling all their kernels in parallel first: the decode steps of
+    `sizes` sequences (bucketed, up to max_num_seqs) and, where the backend takes coarse prompt layouts and FULL
+    captures them, every prompt layout of `sizes` tokens (bucketed, up to max_num_batched_tokens) at each query run it
+    may have. All at contexts up to the smallest context bucket (a longer one is captured when first met), sampled by
+    the random sampler (which covers greedy rows). Their K/V goes to the cache's block 0, so call this before any
+    request runs."""
+    if self.cudagraph_mode == "NONE": return StartUpCaptures()
+    t, decode, prompt = time.perf_counter(), {}, {}
+    for sched in (self._warm_up_batch([1] * rows) for rows in sorted({bucket(b) for b in sizes if 1 <= b <= self.max_num_seqs})):
+      decode.setdefault(self._prepare(sched)[1], sched)
+    if self.cudagraph_mode == "FULL" and self.buckets.coarse_query_runs:
+      for sched in self._prompt_batches(sizes, max_num_batched_tokens): prompt.setdefault(self._prepare(sched)[1], sched)
+    todo = {layout: sched for layout, sched in (decode | prompt).items() if layout not in self._captures}
+    if self._kernels:
+      self.precompile([(functools.partial(self._forward, layout), self._prepare(sched)[2]) for layout, sched in todo.items()])
+    for sched in todo.values():
       _, layout, packed, _ = self._prepare(sched)   # again: a same-sized upload buffer may hold another batch's data
       self._step_fn(layout, precompiled=True)(packed)
-    return len(todo)
+    return StartUpCaptures(sum(layout in todo for layout in decode), sum(layout in todo for layout in prompt),
+                           time.perf_counter() - t)
 
-  @staticmethod
-  def _warm_up_batch(rows: int) -> SchedulerOutput:
-    seqs = [Sequence("warm-up", [0], SamplingParams(temperature=1.0), seed=i) for i in range(rows)]
-    return SchedulerOutput([ScheduledSequence(seq, 0, 1, [0], True) for seq in seqs])
+  def _prompt_batches(self, sizes: list[int], max_num_batched_tokens: int) -> list[SchedulerOutput]:
+    """A step of N token rows whose longest run takes query run Tq, for every (N, Tq) of `sizes` tokens."""
+    batches, longest = [], min(self.max_model_len, max_num_batched_tokens)
+    for n in sorted({self.buckets.tokens(b, True) for b in sizes if 2 <= b <= max_num_batched_tokens}):
+      for tq in self.buckets.query_runs(n):
+        run = min(tq, longest)
+        batches.append(self._warm_up_batch([run] * max(1, min(self.max_num_seqs, n // run))))
+    return batches
+
+  def _warm_up_batch(self, runs: list[int]) -> SchedulerOutput:
+    """Sequences whose first `runs[i]` tokens are computed and sampled; every block table all block 0."""
+    def item(i: int, run: int) -> ScheduledSequence:
+      seq = Sequence("warm-up", [0] * run, SamplingParams(temperature=1.0), seed=i)
+      return ScheduledSequence(seq, 0, run, [0] * -(-run // self.kv_cache.block_size), True)
+    return SchedulerOutput([item(i, run) for i, run in enumerate(runs)])
 
   def logits(self, sched: SchedulerOutput) -> np.ndarray:
     """Float32 logits of each sampling row, without sampling (eager; for scoring and checks, not the hot path)."""
-    host = prepare_batch(sched.scheduled, self.kv_cache.block_size, self.min_context, self.min_prefill_rows, self.split_runs)
+    host = prepare_batch(sched.scheduled, self.kv_cache.block_size, self.buckets)
     logits, caches = self.model(self._step_inputs({k: Tensor(a) for k, a in host.arrays.items()}, host.context_len),
                                 self.kv_cache.layers)
     Tensor.realize(logits, *[t for pair in caches for t in pair])
@@ -153,10 +178,13 @@ class ModelRunner:
                 layout)
 
   def _step_fn(self, layout: StepLayout, precompiled: bool = False):
+    """`precompiled`: a start-up capture, its kernels compiled already (and captured now, even where prompt layouts
+    are captured when met again)."""
     eager = (self.cudagraph_mode == "NONE" or (layout.multi_token and self.cudagraph_mode == "FULL_DECODE_ONLY")
              or layout.prompt_logprobs >= 0)
     jit = self._captures.get(layout)
-    if jit is None and not eager and layout.multi_token and self._capture_when_repeated and layout not in self._met_once:
+    if (jit is None and not eager and not precompiled and layout.multi_token and self._capture_when_repeated
+        and layout not in self._met_once):
       self._met_once.add(layout)
       eager = True
     if eager: return lambda packed: self._forward(layout, packed)
