@@ -56,6 +56,7 @@ WORKS: list[tuple[dict, dict]] = [
   ({"task": "generate"}, {}),
   ({"runner": "generate"}, {}),
   ({"quantization": None}, {}),
+  ({"quantization": "awq"}, {"quantization": "awq"}),
   ({"enable_lora": False}, {}),
   ({"speculative_config": None}, {}),
   ({"hf_overrides": {}}, {}),
@@ -79,7 +80,7 @@ REFUSED: list[tuple[dict, list[str]]] = [
   ({"tensor_parallel_size": 2}, ["tensor_parallel_size=2", "one device", "parallelism is not built yet"]),
   ({"pipeline_parallel_size": 2}, ["pipeline_parallel_size=2", "one device"]),
   ({"data_parallel_size": 4}, ["data_parallel_size=4"]),
-  ({"quantization": "awq"}, ["quantization='awq'", "not supported"]),
+  ({"quantization": "nf4"}, ["quantization must be one of", "'nf4'"]),
   ({"cpu_offload_gb": 4}, ["cpu_offload_gb=4"]),
   ({"enable_lora": True}, ["enable_lora=True", "LoRA"]),
   ({"speculative_config": {"method": "ngram"}}, ["speculative_config", "speculative decoding"]),
@@ -167,6 +168,8 @@ def test_serve_takes_the_model_positionally_or_by_flag_not_both():
 
 SERVE_FLAGS: list[tuple[list[str], dict]] = [
   (["-tp", "1"], {}),
+  (["-q", "gptq"], {"quantization": "gptq"}),
+  (["--quantization", "int4"], {"quantization": "int4"}),
   (["--tensor-parallel-size", "1"], {}),
   (["--trust-remote-code"], {}),
   (["--enforce-eager"], {"cudagraph_mode": "NONE"}),
@@ -200,7 +203,6 @@ def test_a_serve_flag_works(argv, expected):
 
 @pytest.mark.parametrize(("argv", "words"), [
   (["-tp", "2"], ["tensor_parallel_size=2", "one device"]),
-  (["-q", "gptq"], ["quantization='gptq'"]),
   (["--speculative-config", '{"method": "ngram"}'], ["speculative_config"]),
   (["--reasoning-parser", "qwen3"], ["reasoning_parser='qwen3'"]),
   (["--enable-lora"], ["enable_lora=True"]),

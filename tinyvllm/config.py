@@ -28,6 +28,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")   # vLLM's names; fp8 = fp8_e4m3
 CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "NONE")   # vLLM's names: which step layouts are captured
 SCHEDULING_POLICIES = ("fcfs", "priority")   # vLLM's: first come first served, or by each request's priority
 PREEMPTION_MODES = ("recompute", "swap")     # vLLM's: what happens to a preempted sequence's KV blocks
+# weight quantization (vLLM's names): a checkpoint's format (gptq, awq, fp8), or a float checkpoint quantized at load
+# (int8, int4, fp8)
+QUANTIZATION_METHODS = ("gptq", "awq", "fp8", "int8", "int4")
 MAX_LOGPROBS = 20   # the most top-k alternatives the sampler returns per token (vLLM's default max_logprobs)
 # the generation_config.json fields that become request defaults (vLLM's list); max_new_tokens is max_tokens
 GENERATION_CONFIG_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
@@ -72,6 +75,8 @@ class ModelConfig:
   sliding_window: int | None = None  # Mistral's attention window; the engine takes it only where it can never apply
   norm_weight_offset: float = 0.0    # added to every RMSNorm weight at load (Gemma scales by 1 + weight)
   embed_scale: float = 1.0           # multiplies the embeddings (Gemma: sqrt(hidden_size), in the model's dtype)
+  # the checkpoint's quantization_config as written (tinyvllm/model/quantization/config.py reads and checks it)
+  quantization_config: dict[str, Any] | None = field(default=None, compare=False, hash=False)
 
   @property
   def q_size(self) -> int: return self.num_heads * self.head_dim
@@ -93,7 +98,6 @@ class ModelConfig:
     missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
                if k not in raw]
     if missing: raise ConfigError(f"{source}: missing required field(s) {', '.join(missing)}")
-    _refuse_quantized(raw, source)
     heads = int(raw["num_attention_heads"])
     kv_heads = int(raw.get("num_key_value_heads") or heads)
     if heads % kv_heads: raise ConfigError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
@@ -111,6 +115,7 @@ class ModelConfig:
       mlp_bias=bool(raw.get("mlp_bias", False)), qk_norm=arch == "Qwen3ForCausalLM",
       torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
       bos_token_id=raw.get("bos_token_id"), eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+      quantization_config=_quantization_config(raw, source),
       **_architecture_fields(arch, raw, source))
 
   @staticmethod
@@ -120,6 +125,12 @@ class ModelConfig:
     try: raw = json.loads(path.read_text())
     except json.JSONDecodeError as e: raise ConfigError(f"{path}: not valid JSON ({e})") from e
     return ModelConfig.from_dict(raw, str(path))
+
+
+def _quantization_config(raw: dict[str, Any], source: str) -> dict[str, Any] | None:
+  quant = raw.get("quantization_config")
+  if quant is None or isinstance(quant, dict): return quant or None
+  raise ConfigError(f"{source}: quantization_config must be an object, got {type(quant).__name__}")
 
 
 def _architecture_fields(arch: str, raw: dict[str, Any], source: str) -> dict[str, Any]:
@@ -139,15 +150,6 @@ def _architecture_fields(arch: str, raw: dict[str, Any], source: str) -> dict[st
   if act != "gelu_pytorch_tanh":
     raise ConfigError(f"{source}: {field_name} {act!r} is not supported for {arch} (gelu_pytorch_tanh is)")
   return {"hidden_act": act, "norm_weight_offset": 1.0, "embed_scale": float(raw["hidden_size"]) ** 0.5}
-def _refuse_quantized(raw: dict[str, Any], source: str) -> None:
-  """A quantized checkpoint fails here, naming its method, rather than later at a weight it stores differently."""
-  quant = raw.get("quantization_config")
-  if not quant: return
-  method = str(quant.get("quant_method", "unknown")) if isinstance(quant, dict) else "unknown"
-  raise ConfigError(f"{source}: {method.upper()} checkpoints are not supported yet (quantization_config.quant_method={method!r}); "
-                    "tinyvllm loads unquantized float32 / float16 / bfloat16 weights")
-
-
 def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
   """rope_theta and scaling, from either the classic fields or transformers 5's `rope_parameters`."""
   params = dict(raw.get("rope_parameters") or {})
@@ -168,6 +170,7 @@ class EngineConfig:
   device: str | None = None
   max_model_len: int | None = None
   load_format: str = "auto"
+  quantization: str | None = None               # QUANTIZATION_METHODS; None: the checkpoint's own, if any
   tokenizer: str | None = None
   seed: int = 0
   # the KV cache
@@ -229,6 +232,8 @@ class EngineConfig:
       (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"),
       (self.load_format in ("auto", "safetensors", "dummy"), f"load_format must be auto, safetensors or dummy, got {self.load_format!r}"),
       (self.max_model_len is None or self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}"),
+      (self.quantization is None or self.quantization in QUANTIZATION_METHODS,
+       f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}"),
       (self.kv_cache in ("paged", "contiguous"), f"kv_cache must be paged or contiguous, got {self.kv_cache!r}"),
       (self.kv_cache_dtype in KV_CACHE_DTYPES,
        f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"),

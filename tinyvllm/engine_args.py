@@ -94,7 +94,6 @@ TABLE: tuple[VllmArg, ...] = (
   VllmArg("task", _is(None, "auto", "generate"), "tinyvllm only generates text (task generate)", kind=str),
   VllmArg("runner", _is("auto", "generate"), "tinyvllm only generates text (runner generate)", default="auto", kind=str),
   VllmArg("convert", _is("auto", "none"), "tinyvllm converts no model to pooling", default="auto", kind=str),
-  VllmArg("quantization", _is(None), "quantized weights are not supported yet", flag=("-q",), kind=str),
   VllmArg("tokenizer_mode", _is("auto", "hf", "slow"), "tinyvllm has one tokenizer (HF's ids), no mistral or custom mode",
           default="auto", kind=str, note="tinyvllm's one tokenizer gives the ids of HF's, fast or slow"),
   VllmArg("hf_overrides", _empty, "overriding config.json fields is not supported yet", kind="json"),

@@ -17,7 +17,7 @@ from tinygrad import Tensor
 
 from tinyvllm.backend.metadata import AttentionMetadata
 from tinyvllm.backend.sampling import SamplerVariant
-from tinyvllm.backend.weights import DecoderLayerWeights
+from tinyvllm.backend.weights import DecoderLayerWeights, Weight
 
 KVCaches = list[tuple[Tensor, Tensor]]   # per layer: K and V caches [slots, kv_heads * head_dim]
 FP8_KV_CACHE = "fp8_e4m3"                # the FP8 KV cache's storage, as a capability name
@@ -64,7 +64,7 @@ class ComputeBackend(Protocol):
     """One line for the start-up log."""
     ...
 
-  def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None, *, norm: Tensor | None = None, eps: float = 1e-6,
+  def linear(self, x: Tensor, w: Weight, bias: Tensor | None = None, *, norm: Tensor | None = None, eps: float = 1e-6,
              silu_mul: bool = False, gelu_mul: bool = False, residual: Tensor | None = None, out_float32: bool = False) -> Tensor:
     """[residual +] op(x) @ w.T [+ bias], op an RMSNorm (norm weights), the SwiGLU product silu(x1) * x2 of x's two
     halves (silu_mul), the GeGLU product gelu_tanh(x1) * x2 (gelu_mul; only where `capabilities.activations` has

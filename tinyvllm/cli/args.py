@@ -14,6 +14,7 @@ from tinyvllm.config import (
   DTYPES,
   KV_CACHE_DTYPES,
   PREEMPTION_MODES,
+  QUANTIZATION_METHODS,
   SCHEDULING_POLICIES,
   ConfigError,
   EngineConfig,
@@ -32,6 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
   g.add_argument("--device", help="tinygrad backend (CUDA, METAL, CPU, ...); default: detected")
   g.add_argument("--max-model-len", type=int, help="context length limit (default: the model's)")
   g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"), help="dummy: random weights")
+  g.add_argument("-q", "--quantization", choices=QUANTIZATION_METHODS,
+                 help="weight quantization: the checkpoint's (gptq, awq, fp8; read from its config.json when not given) or "
+                      "a float checkpoint's linears quantized at load (int8, int4 group 128, fp8: round-to-nearest)")
   g.add_argument("--seed", type=int, help="random seed: makes sampling reproducible (default: a fresh one each run)")
   g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                  help="attention kernels: auto (cuda on CUDA, metal on METAL, else portable), portable (tinygrad ops), cuda, metal")
@@ -104,7 +108,7 @@ def _flag_options(arg: VllmArg) -> dict[str, Any]:
   return {"type": json_value if arg.kind == "json" else arg.kind, "default": None, "help": help_text}
 
 
-ENGINE_FLAGS = ("tokenizer", "dtype", "device", "max_model_len", "load_format", "kv_cache", "block_size", "kv_cache_memory",
+ENGINE_FLAGS = ("tokenizer", "dtype", "device", "max_model_len", "load_format", "quantization", "kv_cache", "block_size", "kv_cache_memory",
                 "kv_cache_dtype",
                 "gpu_memory_utilization", "num_gpu_blocks", "enable_prefix_caching", "scheduler", "max_num_seqs",
                 "max_num_batched_tokens", "enable_chunked_prefill", "long_prefill_token_threshold", "attention_backend",

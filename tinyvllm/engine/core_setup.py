@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tinygrad.dtype import DType
 
-from tinyvllm.backend.interface import FP8_KV_CACHE
+from tinyvllm.backend.interface import FP8_KV_CACHE, ComputeBackend
 from tinyvllm.config import ConfigError, EngineConfig, ModelConfig
 from tinyvllm.core.async_scheduling import make_scheduler
 from tinyvllm.core.block_manager import BlockManager
@@ -20,6 +20,7 @@ from tinyvllm.model.hub import resolve_model
 from tinyvllm.model.llama import TransformerLM
 from tinyvllm.model.loader import NAME_OF_DTYPE, load_model, resolve_dtype
 from tinyvllm.model.presets import PRESETS
+from tinyvllm.model.quantization.config import resolve as resolve_quantization
 from tinyvllm.platform import tinygrad_compat as compat
 from tinyvllm.platform.device import check_dtype, is_cpu, select_device
 from tinyvllm.worker.cache_sizing import num_kv_blocks, num_swap_blocks
@@ -79,7 +80,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                            config.block_size, mc.hidden_act)
   backend = select_backend(config.attention_backend, device, request, config.kernel_options())   # before loading
   log(f"attention backend {backend.describe()}")
-  model = load_model(mc, located.folder, config.load_format, dtype, device, max_model_len, backend, config.seed)
+  model = load_weights(config, mc, located.folder, dtype, device, max_model_len, backend)
   allocator = make_allocator(config, mc, device, kv_dtype, max_model_len)
   swap_blocks = num_swap_blocks(config, KVCache.bytes_per_token(mc, kv_dtype) * config.block_size)
   kv_cache = KVCache(mc, allocator.num_blocks, allocator.block_size, kv_dtype, device, swap_blocks)
@@ -100,6 +101,19 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
   warm_up_seconds = warm_up(config, runner, device, sched_config.max_num_batched_tokens)
   return EngineParts(device, mc, located.folder, max_model_len, dtype, kv_dtype, model, allocator, kv_cache, scheduler, runner,
                      async_scheduling, warm_up_seconds)
+
+
+def load_weights(config: EngineConfig, mc: ModelConfig, folder: Path | None, dtype: DType, device: str, max_model_len: int,
+                 backend: ComputeBackend) -> TransformerLM:
+  """The model, its linears quantized as the checkpoint or --quantization says; logs the format and the weights' bytes."""
+  quantization = resolve_quantization(config.quantization, mc.quantization_config, str(folder or config.model))
+  loaded = load_model(mc, folder, config.load_format, dtype, device, max_model_len, backend, config.seed, quantization)
+  if quantization is not None:
+    weights = loaded.model.weights
+    log(f"weights: {quantization.describe()} linears, {weights.nbytes() / 2**20:.1f} MiB in all "
+        f"({weights.unquantized_bytes() / 2**20:.1f} MiB unquantized in {dtype.name})")
+  for notice in loaded.notices: log(notice)
+  return loaded.model
 
 
 def warm_up(config: EngineConfig, runner: ModelRunner, device: str, max_num_batched_tokens: int) -> float:

@@ -16,8 +16,9 @@ from tinygrad import Tensor, dtypes
 
 from tinyvllm.backend.interface import BackendCapabilities, KVCaches
 from tinyvllm.backend.metadata import AttentionMetadata
+from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.backend.sampling import SamplerVariant
-from tinyvllm.backend.weights import DecoderLayerWeights
+from tinyvllm.backend.weights import DecoderLayerWeights, Weight
 from tinyvllm.config import KernelOptions
 from tinyvllm.kernels import decode_layer
 from tinyvllm.kernels.attention import attention_shape, kv_write_unsupported_reason, run_attention, run_kv_write
@@ -84,10 +85,13 @@ class FusedBackend:
     return (f"{self.name} (hand-written kernels for {self.target.arch or self.target.device}: fused paged attention, KV write, "
             f"qkv norm/RoPE/write, decode-batch matmuls, sampling{layers})")
 
-  def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None, **fused) -> Tensor:
+  def linear(self, x: Tensor, w: Weight, bias: Tensor | None = None, **fused) -> Tensor:
     """Decode-sized products (and the norm, SwiGLU or residual fused with them) in one kernel; others in tinygrad ops."""
     if fused.get("gelu_mul"):   # never reached through the selection: the capability record has SiLU only
       raise ValueError(f"the {self.name} kernels fuse SwiGLU only; a GeGLU (gelu_pytorch_tanh) model runs on the portable backend")
+    if isinstance(w, QuantizedWeight):   # no dequantizing kernel yet: tinygrad ops, said once per format
+      self._fallback("linear", f"{w.describe()} weights (no {self.name} kernel for them yet)")
+      return portable_linear(x, w, bias, **fused)
     y = fused_linear(self.target, x, w, bias, **fused)
     self.calls["linear" if y is not None else "portable-linear"] += 1
     return y if y is not None else portable_linear(x, w, bias, **fused)
@@ -121,7 +125,7 @@ class FusedBackend:
                     meta: AttentionMetadata, eps: float) -> tuple[Tensor, KVCaches] | None:
     """A small decode step's layers in persistent kernels (csrc/cuda/decode_layer.inc), up to MAX_LAYERS a launch;
     None where they do not take the step (the model then runs each layer op by op)."""
-    if not self.decode_layer_bounds: return None
+    if not self.decode_layer_bounds or layers[0].quantized: return None
     k0, v0 = kv_caches[0]
     shape, reason = decode_layer.step_shape(layers, h, cos, k0, v0, meta, eps, self.target,
                                             self.decode_layer_bounds.get(h.shape[0], 0))

@@ -12,6 +12,7 @@ from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
 
 FP8_STORAGE = dtypes.uint8
+FP8_MAX = 448.0   # the largest finite E4M3 value
 
 
 def is_fp8(cache: Tensor) -> bool: return cache.dtype == FP8_STORAGE

@@ -6,7 +6,7 @@ from tinygrad import Tensor
 
 from tinyvllm.backend.interface import BackendCapabilities, KVCaches
 from tinyvllm.backend.metadata import AttentionMetadata
-from tinyvllm.backend.weights import DecoderLayerWeights
+from tinyvllm.backend.weights import DecoderLayerWeights, Weight
 from tinyvllm.layers.attention import paged_attention, write_kv
 from tinyvllm.layers.linear import portable_linear
 from tinyvllm.layers.norm import rms_norm
@@ -56,7 +56,7 @@ class PortableBackend:
 
   def describe(self) -> str: return "portable (tinygrad ops)" + (f": {self.reason}" if self.reason else "")
 
-  def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None, **fused) -> Tensor: return portable_linear(x, w, bias, **fused)
+  def linear(self, x: Tensor, w: Weight, bias: Tensor | None = None, **fused) -> Tensor: return portable_linear(x, w, bias, **fused)
 
   def qkv_rope_write(self, qkv: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, cos: Tensor, sin: Tensor, k_cache: Tensor,
                      v_cache: Tensor, slot_mapping: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:

@@ -15,6 +15,7 @@ from tinygrad import Tensor
 
 from tinyvllm.backend.interface import ComputeBackend, KVCaches
 from tinyvllm.backend.metadata import AttentionMetadata
+from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.backend.weights import DecoderLayerWeights
 from tinyvllm.config import ModelConfig
 from tinyvllm.layers.scatter import gather_rows
@@ -32,6 +33,16 @@ class ModelWeights:
   def tensors(self) -> list[Tensor]:
     return [self.embed_tokens, self.norm, self.lm_head, self.rope_cos, self.rope_sin,
             *(t for layer in self.layers for t in layer.tensors())]
+
+  def nbytes(self) -> int: return sum(t.nbytes() for t in {id(t): t for t in self.tensors()}.values())
+
+  def unquantized_bytes(self) -> int:
+    """What the weights would take with every linear in the compute dtype."""
+    quantized = [w for layer in self.layers for w in layer.linears() if isinstance(w, QuantizedWeight)]
+    inside = {id(t) for w in quantized for t in w.tensors()}
+    plain = {id(t): t for t in self.tensors() if id(t) not in inside}
+    size = self.embed_tokens.dtype.itemsize
+    return sum(t.nbytes() for t in plain.values()) + sum(w.shape[0] * w.shape[1] * size for w in quantized)
 
 
 @dataclass

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,8 @@ from tinyvllm.backend.weights import DecoderLayerWeights
 from tinyvllm.config import ConfigError, ModelConfig
 from tinyvllm.layers.rotary import rope_tables
 from tinyvllm.model.llama import ModelWeights, TransformerLM
+from tinyvllm.model.quantization.config import QuantizationConfig
+from tinyvllm.model.quantization.source import QuantizedSource
 from tinyvllm.model.safetensors_file import Checkpoint
 
 DTYPE_BY_NAME = {"bfloat16": dtypes.bfloat16, "float16": dtypes.float16, "float32": dtypes.float32}
@@ -20,7 +23,8 @@ NAME_OF_DTYPE = {dtype: name for name, dtype in DTYPE_BY_NAME.items()}   # (tiny
 # Weights that some checkpoints carry but the forward pass recomputes.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-# name -> tensor on the device in the compute dtype; raises KeyError for a missing name
+# (names, shape, kind) -> the tensor on the device in the compute dtype (kind "linear": a layer's projection, which a
+# quantizing source returns as a QuantizedWeight); raises KeyError for a missing name
 TensorSource = Callable[[list[str], tuple[int, ...], str], Tensor]
 
 
@@ -32,6 +36,7 @@ def resolve_dtype(requested: str, config: ModelConfig, device: str) -> DType:
 
 
 def _upload(arr: np.ndarray, stored: str, dtype: DType, device: str) -> Tensor:
+  if stored == "F8_E4M3": raise ConfigError("the checkpoint stores FP8 weights but its config.json has no quantization_config")
   if stored == "BF16" and dtype == dtypes.bfloat16:
     return Tensor(np.ascontiguousarray(arr), device=device).bitcast(dtypes.bfloat16)
   if stored == "BF16": arr = (arr.astype(np.uint32) << 16).view(np.float32)
@@ -69,17 +74,17 @@ def _layer(cfg: ModelConfig, get: TensorSource, i: int) -> DecoderLayerWeights:
   qkv_rows = cfg.q_size + 2 * cfg.kv_size
   return DecoderLayerWeights(
     input_norm=get([p + "input_layernorm.weight"], (d,), "norm"),
-    qkv_proj=get([n + ".weight" for n in qkv_names], (qkv_rows, d), "matrix"),
+    qkv_proj=get([n + ".weight" for n in qkv_names], (qkv_rows, d), "linear"),
     qkv_bias=get([n + ".bias" for n in qkv_names], (qkv_rows,), "bias") if cfg.qkv_bias else None,
     q_norm=get([p + "self_attn.q_norm.weight"], (cfg.head_dim,), "norm") if cfg.qk_norm else None,
     k_norm=get([p + "self_attn.k_norm.weight"], (cfg.head_dim,), "norm") if cfg.qk_norm else None,
-    o_proj=get([p + "self_attn.o_proj.weight"], (d, cfg.q_size), "matrix"),
+    o_proj=get([p + "self_attn.o_proj.weight"], (d, cfg.q_size), "linear"),
     o_bias=get([p + "self_attn.o_proj.bias"], (d,), "bias") if cfg.o_bias else None,
     post_attention_norm=get([p + "post_attention_layernorm.weight"], (d,), "norm"),
-    gate_up_proj=get([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], (2 * cfg.intermediate_size, d), "matrix"),
+    gate_up_proj=get([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], (2 * cfg.intermediate_size, d), "linear"),
     gate_up_bias=get([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"], (2 * cfg.intermediate_size,), "bias")
     if cfg.mlp_bias else None,
-    down_proj=get([p + "mlp.down_proj.weight"], (d, cfg.intermediate_size), "matrix"),
+    down_proj=get([p + "mlp.down_proj.weight"], (d, cfg.intermediate_size), "linear"),
     down_bias=get([p + "mlp.down_proj.bias"], (d,), "bias") if cfg.mlp_bias else None)
 
 
@@ -108,16 +113,24 @@ def build_model(cfg: ModelConfig, get: TensorSource, device: str, max_positions:
 
 
 def load_model(cfg: ModelConfig, folder: Path | None, load_format: str, dtype: DType, device: str, max_positions: int,
-               backend: ComputeBackend, seed: int = 0) -> TransformerLM:
-  """The model with its weights on `device`, its ops run by `backend`."""
-  if load_format == "dummy": return build_model(cfg, dummy_source(dtype, device, seed), device, max_positions, backend)
-  assert folder is not None
-  checkpoint, used = Checkpoint(folder), set()
-  model = build_model(cfg, checkpoint_source(checkpoint, dtype, device, used), device, max_positions, backend)
+               backend: ComputeBackend, seed: int = 0, quantization: QuantizationConfig | None = None) -> LoadedModel:
+  """The model with its weights on `device`, its ops run by `backend`, its linears quantized as `quantization` says."""
+  checkpoint, used = (None, set()) if load_format == "dummy" else (Checkpoint(folder), set())
+  get = dummy_source(dtype, device, seed) if checkpoint is None else checkpoint_source(checkpoint, dtype, device, used)
+  if quantization is not None: get = QuantizedSource(get, quantization, checkpoint, dtype, device, used)
+  model = build_model(cfg, get, device, max_positions, backend)
+  notices = get.notices if isinstance(get, QuantizedSource) else []
+  if checkpoint is None: return LoadedModel(model, notices)
   # a tensor nobody read means the config describes a different model than the checkpoint holds
   extra = [n for n in checkpoint.names() if n not in used and not n.endswith(IGNORED_SUFFIXES)]
   if cfg.tie_word_embeddings and "lm_head.weight" in extra: extra.remove("lm_head.weight")
   if extra:
     raise ConfigError(f"{folder}: checkpoint has tensor(s) that {cfg.architecture} with this config does not use: "
                       f"{', '.join(extra[:5])}{f' and {len(extra) - 5} more' if len(extra) > 5 else ''}")
-  return model
+  return LoadedModel(model, notices)
+
+
+@dataclass
+class LoadedModel:
+  model: TransformerLM
+  notices: list[str]    # what start-up should say about the weights (quantization's fallbacks)

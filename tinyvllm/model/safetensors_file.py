@@ -13,7 +13,8 @@ from tinyvllm.config import ConfigError
 
 # bfloat16 has no numpy dtype: it is read as raw uint16 and converted by the loader.
 NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
-                "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+                "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+                "F8_E4M3": np.uint8}   # FP8 E4M3 weights: their raw codes
 
 
 @dataclass(frozen=True)

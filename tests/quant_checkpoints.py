@@ -1,0 +1,129 @@
+"""Quantized checkpoints for the tests, written from the formats' published descriptions (independently of
+tinyvllm's readers), beside the float weights they stand for: each writer quantizes a float HF model's linears, saves
+the packed checkpoint, and returns the dequantized float32 weights, which HF transformers then runs as the reference.
+
+- GPTQ (AutoGPTQ's Hugging Face layout): qweight int32 [in * bits / 32, out], 32 / bits input rows per word, the first
+  in the lowest bits; qzeros int32 [groups, out * bits / 32] the same along the output, each zero point stored minus
+  one (checkpoint_format "gptq"); scales float16 [groups, out]; g_idx int32 [in].
+- AWQ (AutoAWQ GEMM): qweight int32 [in, out / 8] and qzeros int32 [groups, out / 8], eight output columns a word in
+  the order 0, 2, 4, 6, 1, 3, 5, 7 (nibble i holds column ORDER[i]); scales float16 [groups, out]; w = (q - z) * s.
+- FP8 (Qwen's FP8 releases): weight float8_e4m3fn [out, in]; weight_scale_inv float32 per [rows, cols] block
+  (weight_block_size), or weight_scale per tensor.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+           "mlp.down_proj")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def pack_words(fields: np.ndarray, bits: int) -> np.ndarray:
+  """[..., n] small unsigned ints -> int32 [..., n * bits / 32], consecutive fields from the lowest bits up."""
+  per = 32 // bits
+  grouped = fields.astype(np.uint64).reshape(*fields.shape[:-1], -1, per)
+  words = (grouped << (bits * np.arange(per, dtype=np.uint64))).sum(axis=-1)
+  return words.astype(np.uint32).view(np.int32)
+
+
+def asym_quantize(w: np.ndarray, bits: int, groups_of: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+  """Min/max round-to-nearest per (row, group): codes [out, in], zero points and float16 scales [out, groups], and the
+  dequantized weight computed from the stored (float16) scales."""
+  out, groups = w.shape[0], int(groups_of.max()) + 1
+  top = 2 ** bits - 1
+  scales, zeros = np.zeros((out, groups), np.float16), np.zeros((out, groups), np.int64)
+  for g in range(groups):
+    cols = w[:, groups_of == g]
+    lo, hi = np.minimum(cols.min(axis=1), 0), np.maximum(cols.max(axis=1), 0)
+    scales[:, g] = ((hi - lo) / top).astype(np.float16)
+    zeros[:, g] = np.clip(np.round(-lo / scales[:, g].astype(np.float32)), 0, top)
+  s, z = scales.astype(np.float32)[:, groups_of], zeros[:, groups_of]
+  codes = np.clip(np.round(w / s) + z, 0, top).astype(np.int64)
+  return codes, zeros, scales, ((codes - z) * s).astype(np.float32)
+
+
+def gptq_tensors(w: np.ndarray, bits: int, group: int, order: np.ndarray) -> tuple[dict, np.ndarray]:
+  """`order`: the columns in the order GPTQ quantized them (act-order: by the input's Hessian diagonal, so
+  projections of the same input, q/k/v or gate/up, share it); groups are runs of that order."""
+  cols = w.shape[1]
+  group = cols if group == -1 else group
+  g_idx = np.empty(cols, np.int32)
+  g_idx[order] = np.arange(cols) // group
+  codes, zeros, scales, deq = asym_quantize(w, bits, g_idx)
+  tensors = {"qweight": pack_words(codes.T.reshape(-1, 32 // bits, codes.shape[0]).transpose(0, 2, 1), bits)[..., 0],
+             "qzeros": pack_words(zeros.T - 1, bits), "scales": scales.T.copy(), "g_idx": g_idx}
+  return tensors, deq
+
+
+def awq_tensors(w: np.ndarray, group: int) -> tuple[dict, np.ndarray]:
+  g_idx = np.arange(w.shape[1]) // group
+  codes, zeros, scales, deq = asym_quantize(w, 4, g_idx)
+  def pack(a: np.ndarray) -> np.ndarray:   # [rows, out] -> [rows, out / 8], column ORDER[i] in nibble i
+    chunks = a.reshape(a.shape[0], -1, 8)[:, :, list(AWQ_ORDER)]
+    return pack_words(chunks.reshape(a.shape[0], -1), 4)
+  return {"qweight": pack(codes.T), "qzeros": pack(zeros.T), "scales": scales.T.copy()}, deq
+
+
+def fp8_tensors(w: np.ndarray, block: tuple[int, int] | None) -> tuple[dict, np.ndarray]:
+  rows, cols = (w.shape if block is None else block)
+  out, cin = w.shape
+  r, c = -(-out // rows), -(-cin // cols)
+  scale = np.zeros((r, c), np.float32)
+  for i in range(r):
+    for j in range(c): scale[i, j] = np.abs(w[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols]).max() / 448.0
+  full = np.repeat(np.repeat(scale, rows, 0), cols, 1)[:out, :cin]
+  codes = torch.from_numpy(w / full).to(torch.float8_e4m3fn)
+  deq = (codes.float().numpy() * full).astype(np.float32)
+  scales = {"weight_scale_inv": torch.from_numpy(scale)} if block else {"weight_scale": torch.tensor(scale[0, 0])}
+  return {"weight": codes, **scales}, deq
+
+
+def write_quantized(hf_model, folder: Path, method: str, seed: int = 0, **options) -> dict[str, np.ndarray]:
+  """Save hf_model's folder (config.json, float tensors) with its linears in `method`'s layout; returns the
+  dequantized float32 weights by name, to load into the reference."""
+  rng, state = np.random.default_rng(seed), hf_model.state_dict()
+  tensors, dequantized, orders = {}, {}, {}
+  for name, t in state.items():
+    if name == "lm_head.weight" and hf_model.config.tie_word_embeddings: continue   # the embedding table itself
+    prefix = name.removesuffix(".weight")
+    if not (name.endswith(".weight") and prefix.endswith(LINEARS)):
+      tensors[name] = t.contiguous()
+      continue
+    w = t.float().numpy()
+    if method == "gptq":
+      role = prefix.rsplit(".", 1)[0] + (".in" if prefix.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")) else prefix)
+      if role not in orders: orders[role] = rng.permutation(w.shape[1]) if options.get("desc_act") else np.arange(w.shape[1])
+      packed, deq = gptq_tensors(w, options["bits"], options["group_size"], orders[role])
+    elif method == "awq": packed, deq = awq_tensors(w, options["group_size"])
+    else: packed, deq = fp8_tensors(w, options.get("weight_block_size"))
+    dequantized[name] = deq
+    for suffix, a in packed.items():
+      tensors[f"{prefix}.{suffix}"] = a if isinstance(a, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(a))
+  hf_model.config.save_pretrained(folder)
+  config = json.loads((folder / "config.json").read_text())
+  config["quantization_config"] = quantization_config(method, options)
+  (folder / "config.json").write_text(json.dumps(config))
+  save_file(tensors, str(folder / "model.safetensors"))
+  return dequantized
+
+
+def quantization_config(method: str, options: dict) -> dict:
+  if method == "gptq":
+    return {"quant_method": "gptq", "bits": options["bits"], "group_size": options["group_size"], "sym": False,
+            "desc_act": options.get("desc_act", False), "checkpoint_format": "gptq"}
+  if method == "awq": return {"quant_method": "awq", "bits": 4, "group_size": options["group_size"], "zero_point": True, "version": "gemm"}
+  block = options.get("weight_block_size")
+  return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", **({"weight_block_size": list(block)} if block else {})}
+
+
+def load_dequantized(hf_model, dequantized: dict[str, np.ndarray]):
+  """hf_model with the dequantized float32 weights in place of its linears' (the reference)."""
+  with torch.no_grad():
+    for name, w in dequantized.items(): hf_model.get_parameter(name).copy_(torch.from_numpy(w))
+  return hf_model

@@ -1,0 +1,133 @@
+"""Weight quantization on the portable path: GPTQ, AWQ and FP8 checkpoints (written by tests/quant_checkpoints.py from
+the formats' descriptions) and int8 / int4 / fp8 quantized at load, each against HF transformers run on the
+dequantized float32 weights; and the clear errors of bad quantized checkpoints."""
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from tests.hf_models import assert_same_greedy, hf_greedy, hf_logits, make_model
+from tests.quant_checkpoints import load_dequantized, write_quantized
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.config import ConfigError
+
+PROMPT = [int(x) for x in np.random.default_rng(2).integers(0, 320, 20)]
+
+CHECKPOINTS = {
+  "gptq-4bit-g32-llama": ("llama", "gptq", dict(bits=4, group_size=32)),
+  "gptq-8bit-channel-qwen3": ("qwen3", "gptq", dict(bits=8, group_size=-1)),
+  "gptq-4bit-act-order-llama": ("llama", "gptq", dict(bits=4, group_size=32, desc_act=True)),
+  "awq-g32-qwen3": ("qwen3", "awq", dict(group_size=32)),
+  "awq-g64-llama": ("llama-128", "awq", dict(group_size=64)),
+  "fp8-blocks-qwen3": ("qwen3", "fp8", dict(weight_block_size=(16, 32))),
+  "fp8-tensor-llama": ("llama", "fp8", {}),
+}
+SHAPES = {"qwen3": ("qwen3", dict(head_dim=24, tie_word_embeddings=True)), "llama": ("llama", dict(tie_word_embeddings=False)),
+          "llama-128": ("llama", dict(tie_word_embeddings=False, intermediate_size=128))}   # a group of 64 divides every input
+
+
+def relative_error(ours: np.ndarray, ref: np.ndarray) -> float: return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def check_against(hf, llm: LLM) -> None:
+  assert relative_error(llm.engine.compute_logits(PROMPT), hf_logits(hf, PROMPT)[-1]) < 1e-4
+  ref, ref_logits = hf_greedy(hf, PROMPT, 32)
+  out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)[0]
+  assert_same_greedy(out.outputs[0].token_ids, ref, ref_logits)
+
+
+@pytest.mark.parametrize("case", list(CHECKPOINTS))
+def test_quantized_checkpoint_matches_hf_on_its_dequantized_weights(case, tmp_path):
+  shape, method, options = CHECKPOINTS[case]
+  kind, overrides = SHAPES[shape]
+  hf = make_model(kind, tmp_path / "float", **overrides)
+  dequantized = write_quantized(hf, tmp_path / "q", method, **options)
+  llm = LLM(str(tmp_path / "q"), max_num_seqs=2, num_gpu_blocks=32)
+  linear = llm.engine.model.weights.layers[0].qkv_proj
+  assert linear.method == method and linear.bits == options.get("bits", 4 if method == "awq" else 8)
+  check_against(load_dequantized(hf, dequantized), llm)
+
+
+def rtn(w: np.ndarray, method: str, group: int) -> np.ndarray:
+  """Round-to-nearest, symmetric, per row and group of input columns, dequantized (the published recipe)."""
+  out, cols = w.shape
+  g = w.reshape(out, cols // group, group)
+  top = np.abs(g).max(axis=-1, keepdims=True)
+  scale = np.where(top > 0, top / {"int8": 127, "int4": 7, "fp8": 448}[method], 1).astype(np.float32)
+  if method == "fp8": q = torch.from_numpy(g / scale).to(torch.float8_e4m3fn).float().numpy()
+  else: q = np.clip(np.round(g / scale), -scale.dtype.type(127 if method == "int8" else 7), 127 if method == "int8" else 7)
+  return (q * scale).reshape(out, cols).astype(np.float32)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
+def test_quantized_at_load_matches_hf_on_round_to_nearest_weights(method, tmp_path):
+  # hidden 256 and intermediate 384: int4's group of 128 divides every projection's input
+  hf = make_model("qwen3", tmp_path, hidden_size=256, intermediate_size=384, head_dim=32, tie_word_embeddings=True)
+  llm = LLM(str(tmp_path), quantization=method, max_num_seqs=2, num_gpu_blocks=32)
+  assert llm.engine.model.weights.layers[0].down_proj.group_size == (128 if method == "int4" else 384)
+  names = [n for n, _ in hf.named_parameters() if n.endswith("_proj.weight")]
+  group = lambda w: 128 if method == "int4" else w.shape[1]
+  reference = {n: rtn(hf.get_parameter(n).detach().numpy(), method, group(hf.get_parameter(n))) for n in names}
+  check_against(load_dequantized(hf, reference), llm)
+
+
+def test_int4_says_where_its_group_does_not_divide(stories_dir, capfd):
+  LLM(str(stories_dir), quantization="int4", num_gpu_blocks=16, max_num_seqs=2)
+  err = capfd.readouterr().err
+  assert "int4 (4-bit, group 128, quantized at load)" in err and "down_proj" in err and "172" in err
+
+
+# ---- bad checkpoints and flags: each a clear error naming the field or tensor
+
+@pytest.fixture(scope="module")
+def gptq_folder(tmp_path_factory):
+  folder = tmp_path_factory.mktemp("gptq")
+  write_quantized(make_model("llama", folder / "float"), folder / "q", "gptq", bits=4, group_size=32)
+  return folder / "q"
+
+
+def edited(folder, tmp_path, config_edit=None, drop: str | None = None):
+  import shutil
+
+  from safetensors.numpy import load_file, save_file
+  dest = tmp_path / "edited"
+  shutil.copytree(folder, dest)
+  config = json.loads((dest / "config.json").read_text())
+  if config_edit: config_edit(config["quantization_config"])
+  (dest / "config.json").write_text(json.dumps(config))
+  if drop:
+    tensors = load_file(str(dest / "model.safetensors"))
+    del tensors[drop]
+    save_file(tensors, str(dest / "model.safetensors"))
+  return dest
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+  (lambda q: q.update(quant_method="bitsandbytes"), "quant_method 'bitsandbytes' is not supported"),
+  (lambda q: q.update(bits=3), "quantization_config.bits is 3"),
+  (lambda q: q.update(group_size=48), "group_size 48 does not divide model.layers.0.self_attn.q_proj's input dimension 64"),
+  (lambda q: q.update(checkpoint_format="marlin"), "checkpoint_format 'marlin' is not supported"),
+])
+def test_bad_quantization_config_is_named(gptq_folder, tmp_path, edit, message):
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    LLM(str(edited(gptq_folder, tmp_path, edit)), num_gpu_blocks=16)
+
+
+def test_missing_scales_tensor_is_named(gptq_folder, tmp_path):
+  name = "model.layers.1.mlp.down_proj.scales"
+  with pytest.raises(ConfigError, match=f"GPTQ checkpoint is missing tensor {name}"):
+    LLM(str(edited(gptq_folder, tmp_path, drop=name)), num_gpu_blocks=16)
+
+
+def test_quantization_flag_must_match_the_checkpoint(gptq_folder, stories_dir):
+  mismatch = "--quantization awq does not match the checkpoint's quantization_config.quant_method 'gptq'"
+  with pytest.raises(ConfigError, match=re.escape(mismatch)):
+    LLM(str(gptq_folder), quantization="awq", num_gpu_blocks=16)
+  with pytest.raises(ConfigError, match="--quantization gptq needs a GPTQ checkpoint"):
+    LLM(str(stories_dir), quantization="gptq", num_gpu_blocks=16)
+  with pytest.raises(ConfigError, match=re.escape("quantization must be one of gptq, awq, fp8, int8, int4, got 'nf4'")):
+    LLM(str(stories_dir), quantization="nf4")

@@ -1,0 +1,140 @@
+"""GPTQ, AWQ and FP8 checkpoints' linear weights, read into one unpacked form (numpy, before upload): codes [out, in],
+scales and zero points [out, groups], each column's group where it is not a contiguous run.
+
+The layouts, from the formats' own descriptions:
+- GPTQ (AutoGPTQ / GPTQModel, Hugging Face): `qweight` int32 [in * bits / 32, out], each int32 holding 32 / bits
+  consecutive input rows, the first in the lowest bits; `qzeros` int32 [groups, out * bits / 32] packed the same way
+  along the output; `scales` float16 [groups, out]; `g_idx` int32 [in], each input row's group. checkpoint_format
+  "gptq" (v1) stores each zero point minus one.
+- AWQ (AutoAWQ, GEMM version, 4-bit): `qweight` int32 [in, out / 8] and `qzeros` int32 [groups, out / 8], packed along
+  the output in the order 0, 2, 4, 6, 1, 3, 5, 7 (nibble i holds column ORDER[i] of its eight); `scales` float16
+  [groups, out]; w = (q - zero) * scale.
+- FP8 (Qwen / DeepSeek style): `weight` float8_e4m3fn [out, in] and `weight_scale_inv` float32 [ceil(out / rows),
+  ceil(in / cols)] for weight_block_size [rows, cols], or a per-tensor `weight_scale`; w = e4m3(weight) * scale.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tinyvllm.config import ConfigError
+from tinyvllm.model.quantization.config import QuantizationConfig
+from tinyvllm.model.safetensors_file import Checkpoint
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+@dataclass
+class UnpackedWeight:
+  codes: np.ndarray              # uint8 [out, in]
+  scales: np.ndarray             # [out, groups] float16 / float32
+  zeros: np.ndarray | None       # uint8 [out, groups]; None: symmetric (2 ** (bits - 1))
+  g_idx: np.ndarray | None       # int32 [in]; None: groups are runs of group_size columns
+  group_size: int
+
+
+class Reader:
+  """Reads a checkpoint's tensors for one linear (prefix "model.layers.0.self_attn.q_proj"), recording what it read."""
+
+  def __init__(self, checkpoint: Checkpoint, prefix: str, method: str, used: set[str]):
+    self.checkpoint, self.prefix, self.method, self.used = checkpoint, prefix, method, used
+
+  def has(self, suffix: str) -> bool: return f"{self.prefix}.{suffix}" in self.checkpoint
+
+  def get(self, suffix: str, dtypes: tuple[str, ...]) -> np.ndarray:
+    name = f"{self.prefix}.{suffix}"
+    if name not in self.checkpoint: raise ConfigError(f"{self.method.upper()} checkpoint is missing tensor {name}")
+    if (stored := self.checkpoint.dtype(name)) not in dtypes:
+      raise ConfigError(f"{self.method.upper()} tensor {name} is {stored}, expected {' or '.join(dtypes)}")
+    self.used.add(name)
+    return np.asarray(self.checkpoint.array(name))
+
+  def check(self, suffix: str, a: np.ndarray, shape: tuple[int, ...]) -> None:
+    if a.shape != shape: raise ConfigError(f"{self.method.upper()} tensor {self.prefix}.{suffix} has shape {a.shape}, expected {shape}")
+
+
+def unpack_bits(packed: np.ndarray, bits: int, axis: int) -> np.ndarray:
+  """int32 words -> their 32 / bits fields (lowest bits first), laid out along `axis` in place of each word."""
+  per, mask = 32 // bits, (1 << bits) - 1
+  words = packed.view(np.uint32)
+  fields = (words[..., None] >> (bits * np.arange(per, dtype=np.uint32))) & mask   # [..., words, per]
+  fields = np.moveaxis(fields, -1, axis + 1 if axis >= 0 else axis)                 # the fields after their word
+  shape = list(packed.shape)
+  shape[axis] *= per
+  return fields.reshape(shape).astype(np.uint8)
+
+
+def _group_size(qc: QuantizationConfig, cols: int, r: Reader) -> int:
+  group = cols if qc.group_size == -1 else qc.group_size
+  if cols % group:
+    raise ConfigError(f"quantization_config.group_size {group} does not divide {r.prefix}'s input dimension {cols}")
+  return group
+
+
+def read_gptq(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeight:
+  qweight = r.get("qweight", ("I32",))
+  per = 32 // qc.bits
+  out, group = qweight.shape[1], _group_size(qc, cols, r)
+  r.check("qweight", qweight, (cols // per, out))
+  groups = cols // group
+  scales, qzeros = r.get("scales", ("F16", "F32", "BF16")), r.get("qzeros", ("I32",))
+  r.check("scales", scales, (groups, out))
+  r.check("qzeros", qzeros, (groups, -(-out // per)))
+  zeros = unpack_bits(qzeros, qc.bits, axis=-1)[:, :out].astype(np.int32) + qc.zero_offset
+  g_idx = r.get("g_idx", ("I32",)) if r.has("g_idx") else None
+  if g_idx is not None:
+    r.check("g_idx", g_idx, (cols,))
+    if g_idx.min() < 0 or g_idx.max() >= groups: raise ConfigError(f"GPTQ tensor {r.prefix}.g_idx names groups outside 0..{groups - 1}")
+    if np.array_equal(g_idx, np.arange(cols) // group): g_idx = None   # plain runs (desc_act false)
+  return UnpackedWeight(np.ascontiguousarray(unpack_bits(qweight, qc.bits, axis=0).T), _bf16_safe(scales).T.copy(),
+                        zeros.astype(np.uint8).T.copy(), None if g_idx is None else g_idx.astype(np.int32), group)
+
+
+def read_awq(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeight:
+  qweight = r.get("qweight", ("I32",))
+  out, group = qweight.shape[1] * 8, _group_size(qc, cols, r)
+  r.check("qweight", qweight, (cols, out // 8))
+  scales, qzeros = r.get("scales", ("F16", "F32", "BF16")), r.get("qzeros", ("I32",))
+  r.check("scales", scales, (cols // group, out))
+  r.check("qzeros", qzeros, (cols // group, out // 8))
+  reorder = np.argsort(AWQ_ORDER)   # nibble i holds column AWQ_ORDER[i]: column k is nibble reorder[k]
+  def unpack(packed: np.ndarray) -> np.ndarray:
+    nibbles = unpack_bits(packed, 4, axis=-1).reshape(packed.shape[0], -1, 8)
+    return nibbles[:, :, reorder].reshape(packed.shape[0], -1)
+  return UnpackedWeight(np.ascontiguousarray(unpack(qweight).T), _bf16_safe(scales).T.copy(), unpack(qzeros).T.copy(), None, group)
+
+
+def read_fp8(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeight:
+  codes = r.get("weight", ("F8_E4M3",))
+  out = codes.shape[0]
+  r.check("weight", codes, (out, cols))
+  if qc.block_size is None:
+    scale = r.get("weight_scale", ("F32", "F16", "BF16")).reshape(-1)
+    if scale.size != 1: raise ConfigError(f"FP8 tensor {r.prefix}.weight_scale holds {scale.size} values, expected one (per tensor)")
+    return UnpackedWeight(codes.copy(), np.full((out, 1), _bf16_safe(scale)[0], np.float32), None, None, cols)
+  rows, group = qc.block_size
+  scale_inv = _bf16_safe(r.get("weight_scale_inv", ("F32", "F16", "BF16"))).astype(np.float32)
+  r.check("weight_scale_inv", scale_inv, (-(-out // rows), -(-cols // group)))
+  return UnpackedWeight(codes.copy(), np.repeat(scale_inv, rows, axis=0)[:out].copy(), None, None, group)
+
+
+def _bf16_safe(a: np.ndarray) -> np.ndarray:
+  """bfloat16 arrays (read as raw uint16) as float32; others as they are."""
+  return (a.astype(np.uint32) << 16).view(np.float32) if a.dtype == np.uint16 else a
+
+
+READERS = {"gptq": read_gptq, "awq": read_awq, "fp8": read_fp8}
+
+
+def read_linear(checkpoint: Checkpoint, prefixes: list[str], qc: QuantizationConfig, cols: int, used: set[str]) -> UnpackedWeight:
+  """One linear's weight from its parts (q/k/v, gate/up), stacked along the output rows."""
+  parts = [READERS[qc.method](Reader(checkpoint, p, qc.method, used), qc, cols) for p in prefixes]
+  first = parts[0]
+  if any(p.group_size != first.group_size or p.scales.dtype != first.scales.dtype for p in parts):
+    raise ConfigError(f"{' + '.join(prefixes)}: the parts are quantized with different group sizes or scale dtypes")
+  if len({None if p.g_idx is None else p.g_idx.tobytes() for p in parts}) > 1:
+    raise ConfigError(f"{' + '.join(prefixes)}: the parts have different g_idx (act-order), which one fused product cannot take")
+  zeros = None if first.zeros is None else np.concatenate([p.zeros for p in parts])
+  return UnpackedWeight(np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]), zeros,
+                        first.g_idx, first.group_size)

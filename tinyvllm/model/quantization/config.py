@@ -1,0 +1,94 @@
+"""Which weight quantization a model runs: the checkpoint's `quantization_config` (GPTQ, AWQ, FP8), or --quantization
+quantizing a float checkpoint at load (int8, int4, fp8: round-to-nearest)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tinyvllm.config import ConfigError
+
+CHECKPOINT_METHODS = ("gptq", "awq", "fp8")        # read from a checkpoint's quantization_config
+ON_THE_FLY_METHODS = ("int8", "int4", "fp8")       # quantize a float checkpoint at load
+INT4_GROUP = 128   # on-the-fly int4's group (a layer whose input the group does not divide: one scale per row)
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+  method: str
+  bits: int = 8
+  group_size: int = -1                 # input columns per scale; -1: per output channel
+  symmetric: bool = True               # GPTQ sym (zero points still stored); AWQ zero_point is the opposite
+  desc_act: bool = False               # GPTQ act-order: columns' groups given by g_idx
+  zero_offset: int = 0                 # GPTQ v1 checkpoints store zero - 1
+  block_size: tuple[int, int] | None = None   # FP8 weight_block_size [rows, columns]; None: one scale per tensor
+  from_checkpoint: bool = True         # the checkpoint stores it (else: quantized at load from float weights)
+
+  def describe(self) -> str:
+    grouping = (f"blocks of {self.block_size[0]}x{self.block_size[1]}" if self.block_size else
+                "per tensor" if self.method == "fp8" and self.from_checkpoint else
+                "per channel" if self.group_size < 0 else f"group {self.group_size}")
+    return f"{self.method} ({self.bits}-bit, {grouping}{'' if self.from_checkpoint else ', quantized at load'})"
+
+
+def _field(raw: dict[str, Any], name: str, source: str, default: Any = None) -> Any:
+  value = raw.get(name, default)
+  if value is None: raise ConfigError(f"{source}: quantization_config.{name} is missing")
+  return value
+
+
+def _bits(raw: dict[str, Any], source: str, allowed: tuple[int, ...]) -> int:
+  bits = raw.get("bits", raw.get("w_bit"))
+  if bits not in allowed:
+    raise ConfigError(f"{source}: quantization_config.bits is {bits!r}; tinyvllm runs {' or '.join(map(str, allowed))}-bit "
+                      f"{raw.get('quant_method', '').upper()} weights")
+  return int(bits)
+
+
+def _group(value: Any, source: str, name: str) -> int:
+  if not isinstance(value, int) or (value != -1 and value < 1):
+    raise ConfigError(f"{source}: quantization_config.{name} must be a positive integer or -1, got {value!r}")
+  return value
+
+
+def from_checkpoint(raw: dict[str, Any], source: str) -> QuantizationConfig:
+  """The checkpoint's quantization_config, checked; raises naming the field that tinyvllm cannot run."""
+  method = str(raw.get("quant_method", "")).lower()
+  if method not in CHECKPOINT_METHODS:
+    raise ConfigError(f"{source}: quantization_config.quant_method {raw.get('quant_method')!r} is not supported "
+                      f"(tinyvllm reads {', '.join(CHECKPOINT_METHODS)} checkpoints)")
+  if method == "gptq":
+    version = str(raw.get("checkpoint_format", "gptq"))
+    if version not in ("gptq", "gptq_v2"):
+      raise ConfigError(f"{source}: quantization_config.checkpoint_format {version!r} is not supported (gptq or gptq_v2)")
+    return QuantizationConfig("gptq", _bits(raw, source, (4, 8)), _group(_field(raw, "group_size", source, -1), source, "group_size"),
+                              bool(raw.get("sym", True)), bool(raw.get("desc_act", False)), 1 if version == "gptq" else 0)
+  if method == "awq":
+    version = str(raw.get("version", "gemm")).lower()
+    if version != "gemm": raise ConfigError(f"{source}: quantization_config.version {version!r} is not supported (AWQ's gemm layout is)")
+    group = _group(raw.get("group_size", raw.get("q_group_size", 128)), source, "group_size")
+    if not raw.get("zero_point", True):
+      raise ConfigError(f"{source}: quantization_config.zero_point false is not supported (AWQ's GEMM layout has zero points)")
+    return QuantizationConfig("awq", _bits(raw, source, (4,)), group, symmetric=False)
+  fmt = str(raw.get("fmt", "e4m3")).lower()
+  if fmt != "e4m3": raise ConfigError(f"{source}: quantization_config.fmt {fmt!r} is not supported (E4M3 weights are)")
+  block = raw.get("weight_block_size")
+  if block is not None and (not isinstance(block, list) or len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):
+    raise ConfigError(f"{source}: quantization_config.weight_block_size must be two positive integers, got {block!r}")
+  return QuantizationConfig("fp8", 8, block_size=tuple(block) if block else None)
+
+
+def resolve(requested: str | None, checkpoint: dict[str, Any] | None, source: str) -> QuantizationConfig | None:
+  """The quantization the engine runs: the checkpoint's (--quantization, if given, must name it), or --quantization's
+  on-the-fly method for a float checkpoint."""
+  if checkpoint:
+    config = from_checkpoint(checkpoint, source)
+    if requested is not None and requested != config.method:
+      raise ConfigError(f"--quantization {requested} does not match the checkpoint's quantization_config.quant_method "
+                        f"{config.method!r} ({source})")
+    return config
+  if requested is None: return None
+  if requested not in ON_THE_FLY_METHODS:
+    raise ConfigError(f"--quantization {requested} needs a {requested.upper()} checkpoint (quantization_config in config.json); "
+                      f"a float checkpoint can be quantized at load with {', '.join(ON_THE_FLY_METHODS)}")
+  bits = 4 if requested == "int4" else 8
+  return QuantizationConfig(requested, bits, INT4_GROUP if requested == "int4" else -1, from_checkpoint=False)
