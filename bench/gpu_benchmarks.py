@@ -2,7 +2,7 @@
 $OUT/bench_<part>.json as soon as it finishes (a timeout keeps what was done).
 
 Usage (on the GPU machine, from the repo root): DEV=CUDA python bench/gpu_benchmarks.py decode throughput prefill context peers
-Parts: decode, throughput, coldstart, startup, prefill, context, peers, serve (see docs/benchmarks.md for what each measures).
+Parts: decode, decode_quant, throughput, coldstart, startup, prefill, context, peers, serve (see docs/benchmarks.md for what each measures).
 """
 from __future__ import annotations
 
@@ -74,6 +74,23 @@ def part_decode() -> dict:
           f"{r.slow_steps} over twice the median", flush=True)
   return {"load_s": load_s, "start_up_captures_s": llm.engine.warm_up_seconds, "weight_bytes": wbytes, "kv_bytes_per_token": kv_per_token,
           "attention_backend": llm.engine.model.backend.describe(), "rows": rows}
+
+
+def part_decode_quant() -> dict:
+  """Batch-1 decode (prompt 128, 256 new tokens) with the linears unquantized and quantized at load (int8, fp8, int4),
+  each in its own engine capturing the batch-1 decode step only."""
+  from tinyvllm.bench.decode import run_decode_bench
+  rows = []
+  for quantization in (None, "int8", "fp8", "int4"):
+    llm, load_s = engine(kv_cache_memory=kv_gib(4), max_model_len=4096, max_num_seqs=4, cuda_graph_sizes=[1],
+                         quantization=quantization)
+    r = run_decode_bench(llm.engine, 1, 128, 256, no_kv_cache=False)[0]
+    rows.append({"quantization": quantization, "decode_tok_s": r.decode_tok_s, "median_step_ms": r.median_step_ms,
+                 "weight_bytes": llm.engine.model.weights.nbytes(), "load_s": load_s})
+    print(f"{quantization or 'bf16'}: {r.decode_tok_s:,.0f} tok/s, median step {r.median_step_ms:.3f} ms", flush=True)
+    del llm
+    gc.collect()
+  return {"rows": rows}
 
 
 def part_throughput() -> dict:
@@ -204,7 +221,8 @@ def part_serve() -> dict: return serve_workload3("inf")
 def part_serve16() -> dict: return serve_workload3("16")
 
 
-PARTS = {"decode": part_decode, "throughput": part_throughput, "coldstart": part_coldstart, "startup": part_startup,
+PARTS = {"decode": part_decode, "decode_quant": part_decode_quant, "throughput": part_throughput,
+         "coldstart": part_coldstart, "startup": part_startup,
          "prefill": part_prefill, "context": part_context,
          "peers": part_peers, "serve": part_serve, "serve16": part_serve16}
 

@@ -38,7 +38,8 @@ class QuantizedSource:
   def __init__(self, plain: Source, qc: QuantizationConfig, checkpoint: Checkpoint | None, dtype: DType, device: str,
                used: set[str]):
     self.plain, self.qc, self.checkpoint, self.dtype, self.device, self.used = plain, qc, checkpoint, dtype, device, used
-    self.notices: list[str] = []
+    self._notices: list[str] = []
+    self._per_row: dict[str, int] = {}   # int4: projections whose input the group does not divide -> that input
 
   def __call__(self, names: list[str], shape: tuple[int, ...], kind: str) -> Tensor | QuantizedWeight:
     if kind != "linear": return self.plain(names, shape, kind)
@@ -59,12 +60,17 @@ class QuantizedSource:
     group = cols
     if self.qc.method == "int4":
       group = INT4_GROUP if cols % INT4_GROUP == 0 else cols
-      if group != INT4_GROUP:
-        self._notice(f"int4: input dimension {cols} ({names[0].rsplit('.', 2)[-2]}) is not a multiple of the group "
-                     f"{INT4_GROUP}: one scale per output row there")
+      if group != INT4_GROUP: self._per_row[names[0].rsplit(".", 2)[-2]] = cols
     q = quantize_rtn(weight, self.qc.method, group)
     Tensor.realize(*q.tensors())   # now, so that the float weights are never all held at once
     return q
 
   def _notice(self, text: str) -> None:
-    if text not in self.notices: self.notices.append(text)
+    if text not in self._notices: self._notices.append(text)
+
+  @property
+  def notices(self) -> list[str]:
+    """What start-up says about the weights."""
+    per_row = ", ".join(f"{name} ({cols})" for name, cols in self._per_row.items())
+    return self._notices + ([f"int4: one scale per output row where the input is not a multiple of the group {INT4_GROUP}: "
+                             f"{per_row}"] if per_row else [])
