@@ -82,6 +82,7 @@ def read_gptq(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeight:
   r.check("scales", scales, (groups, out))
   r.check("qzeros", qzeros, (groups, -(-out // per)))
   zeros = unpack_bits(qzeros, qc.bits, axis=-1)[:, :out].astype(np.int32) + qc.zero_offset
+  if qc.desc_act and not r.has("g_idx"): raise ConfigError(f"GPTQ checkpoint with desc_act true is missing tensor {r.prefix}.g_idx")
   g_idx = r.get("g_idx", ("I32",)) if r.has("g_idx") else None
   if g_idx is not None:
     r.check("g_idx", g_idx, (cols,))

@@ -17,8 +17,7 @@ class QuantizationConfig:
   method: str
   bits: int = 8
   group_size: int = -1                 # input columns per scale; -1: per output channel
-  symmetric: bool = True               # GPTQ sym (zero points still stored); AWQ zero_point is the opposite
-  desc_act: bool = False               # GPTQ act-order: columns' groups given by g_idx
+  desc_act: bool = False               # GPTQ act-order: each column's group given by the g_idx tensors
   zero_offset: int = 0                 # GPTQ v1 checkpoints store zero - 1
   block_size: tuple[int, int] | None = None   # FP8 weight_block_size [rows, columns]; None: one scale per tensor
   from_checkpoint: bool = True         # the checkpoint stores it (else: quantized at load from float weights)
@@ -61,14 +60,14 @@ def from_checkpoint(raw: dict[str, Any], source: str) -> QuantizationConfig:
     if version not in ("gptq", "gptq_v2"):
       raise ConfigError(f"{source}: quantization_config.checkpoint_format {version!r} is not supported (gptq or gptq_v2)")
     return QuantizationConfig("gptq", _bits(raw, source, (4, 8)), _group(_field(raw, "group_size", source, -1), source, "group_size"),
-                              bool(raw.get("sym", True)), bool(raw.get("desc_act", False)), 1 if version == "gptq" else 0)
+                              bool(raw.get("desc_act", False)), 1 if version == "gptq" else 0)
   if method == "awq":
     version = str(raw.get("version", "gemm")).lower()
     if version != "gemm": raise ConfigError(f"{source}: quantization_config.version {version!r} is not supported (AWQ's gemm layout is)")
     group = _group(raw.get("group_size", raw.get("q_group_size", 128)), source, "group_size")
     if not raw.get("zero_point", True):
       raise ConfigError(f"{source}: quantization_config.zero_point false is not supported (AWQ's GEMM layout has zero points)")
-    return QuantizationConfig("awq", _bits(raw, source, (4,)), group, symmetric=False)
+    return QuantizationConfig("awq", _bits(raw, source, (4,)), group)
   fmt = str(raw.get("fmt", "e4m3")).lower()
   if fmt != "e4m3": raise ConfigError(f"{source}: quantization_config.fmt {fmt!r} is not supported (E4M3 weights are)")
   block = raw.get("weight_block_size")
