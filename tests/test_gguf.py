@@ -107,7 +107,7 @@ def test_small_llama_matches_hf_on_the_same_file(case, tmp_path, capfd):
 def test_unsupported_architecture_is_named(tmp_path):
   path = write_tiny_llama(tmp_path / "t.gguf", dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
                                                               "ffn_up", "ffn_down"), "Q8_0"), arch="falcon")
-  with pytest.raises(ConfigError, match="general.architecture 'falcon'"): LLM(str(path), device="CPU")
+  with pytest.raises(ConfigError, match=r"general\.architecture 'falcon'"): LLM(str(path), device="CPU")
 
 
 def test_unknown_tensor_type_is_named(tmp_path):
@@ -124,7 +124,7 @@ def test_sentencepiece_tokenizer_is_refused_by_name(tmp_path):
   from tinyvllm.model.gguf.tokenizer import gguf_tokenizer
   path = write_tiny_llama(tmp_path / "t.gguf", dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
                                                               "ffn_up", "ffn_down"), "Q8_0"), tokenizer_model="llama")
-  with pytest.raises(ConfigError, match="tokenizer.ggml.model 'llama'"): gguf_tokenizer(GGUFFile(path))
+  with pytest.raises(ConfigError, match=r"tokenizer\.ggml\.model 'llama'"): gguf_tokenizer(GGUFFile(path))
 
 
 def test_not_a_gguf_file_is_named(tmp_path):
