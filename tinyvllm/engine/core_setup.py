@@ -50,6 +50,7 @@ def locate_model(cfg: EngineConfig) -> LocatedModel:
   if is_gguf_path(cfg.model):
     if cfg.revision is not None:
       raise ConfigError(f"a revision ({cfg.revision!r}) applies to hub ids only, and {cfg.model!r} is a GGUF file")
+    if cfg.load_format == "safetensors": raise ConfigError(f"--load-format safetensors cannot read the GGUF file {cfg.model!r}")
     gguf = GGUFFile(Path(cfg.model).expanduser())
     return LocatedModel(gguf_model_config(gguf), None, gguf)
   folder = resolve_model(cfg.model, cfg.hub_settings(), cfg.revision, weights=cfg.load_format != "dummy")

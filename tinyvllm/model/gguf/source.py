@@ -73,10 +73,10 @@ class GGUFSource:
     if kind == "linear" and len(types) == 1 and (t := types.pop()) in blocks.PACKED_TYPES:
       self.packed[blocks.type_name(t)] += len(infos)
       return self._packed(infos, t)
-    parts = []
+    parts, role = [], "linear" if kind == "linear" else "embedding"
     for i in infos:
       a = blocks.dequantize(self.f.raw(i.name), i.ggml_type, i.shape)
-      if not blocks.BLOCK_FORMATS[i.ggml_type].plain: self.dequantized[f"{i.type_name} ({kind})"] += 1
+      if not blocks.BLOCK_FORMATS[i.ggml_type].plain: self.dequantized[f"{i.type_name} {role}"] += 1
       parts.append(a if (heads := self._heads(i.name)) is None else unpermute_rows(a, heads))
     arr = parts[0] if len(parts) == 1 else np.concatenate(parts)
     t = Tensor(np.ascontiguousarray(arr), device=self.device)
