@@ -159,7 +159,9 @@ def test_smollm2_logits_and_greedy_match_hf(smollm2):
   ids = tok.encode("The capital of France is")
   assert isinstance(llm.engine.model.weights.layers[0].qkv_proj, QuantizedWeight)
   with torch.no_grad(): ref = hf(torch.tensor([ids])).logits[0, -1].numpy()
-  assert relative_error(llm.engine.compute_logits(ids), ref) < 1e-3
+  error = relative_error(llm.engine.compute_logits(ids), ref)
+  print(f"SmolLM2 Q4_1 logits: max relative error {error:.2e} against HF")
+  assert error < 1e-3
   ref_ids = list(ids)   # HF's greedy continuation past EOS (generate's min_new_tokens would mask EOS instead)
   with torch.no_grad():
     for _ in range(32): ref_ids.append(int(hf(torch.tensor([ref_ids])).logits[0, -1].argmax()))
@@ -172,7 +174,7 @@ def test_smollm2_tokenizer_matches_hf(smollm2):
   _, tok, llm = smollm2
   ours = llm.get_tokenizer()
   for text in ["Hello world!", "héllo wörld — 日本語 🤖 naïve", "<|im_start|>user\nhi<|im_end|>\n", "x = 12345 * 3.14\n\tdone",
-               "<|endoftext|>  two  spaces"]:
+               "<|endoftext|>  two  spaces", "a\x04b\x06"]:   # \x04, \x06: bytes SmolLM2's vocab lacks (dropped, as HF does)
     assert ours.encode(text) == tok.encode(text), text
   assert ours.eos_token_id == tok.eos_token_id == 2 and ours.bos_token_id == tok.bos_token_id == 1
 
