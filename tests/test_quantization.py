@@ -129,7 +129,9 @@ def test_quantization_flag_must_match_the_checkpoint(gptq_folder, stories_dir):
     LLM(str(gptq_folder), quantization="awq", num_gpu_blocks=16)
   with pytest.raises(ConfigError, match="--quantization gptq needs a GPTQ checkpoint"):
     LLM(str(stories_dir), quantization="gptq", num_gpu_blocks=16)
-  with pytest.raises(ConfigError, match=re.escape("quantization must be one of gptq, awq, fp8, int8, int4, got 'nf4'")):
+  with pytest.raises(ConfigError, match="--quantization gguf needs a GGUF model file"):
+    LLM(str(stories_dir), quantization="gguf", num_gpu_blocks=16)
+  with pytest.raises(ConfigError, match=re.escape("quantization must be one of gptq, awq, fp8, int8, int4, gguf, got 'nf4'")):
     LLM(str(stories_dir), quantization="nf4")
 
 

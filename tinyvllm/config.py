@@ -30,7 +30,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")   # vLLM's: first come first served, 
 PREEMPTION_MODES = ("recompute", "swap")     # vLLM's: what happens to a preempted sequence's KV blocks
 # weight quantization (vLLM's names): a checkpoint's format (gptq, awq, fp8), or a float checkpoint quantized at load
 # (int8, int4, fp8)
-QUANTIZATION_METHODS = ("gptq", "awq", "fp8", "int8", "int4")
+QUANTIZATION_METHODS = ("gptq", "awq", "fp8", "int8", "int4", "gguf")   # gguf: a .gguf model file's own blocks
 MAX_LOGPROBS = 20   # the most top-k alternatives the sampler returns per token (vLLM's default max_logprobs)
 # the generation_config.json fields that become request defaults (vLLM's list); max_new_tokens is max_tokens
 GENERATION_CONFIG_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")

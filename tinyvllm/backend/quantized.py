@@ -1,7 +1,8 @@
 """A quantized linear weight in the one packed form every format is converted to at load (GPTQ, AWQ, FP8 checkpoints,
 and int8 / int4 / fp8 quantized on the fly), which the backends' linears read.
 
-Integer codes are unsigned with a zero point: w = (code - zero) * scale; FP8 codes are E4M3 bytes: w = e4m3(code) *
+Integer codes are unsigned with a zero point: w = (code - zero) * scale (+ offset, where the format has an additive
+per-group minimum, as GGUF's Q4_1: w = q * d + m, whose -m / d is no integer zero point); FP8 codes are E4M3 bytes: w = e4m3(code) *
 scale. Scales (and zero points) are per output row and per group of `group_size` input columns, or per column's group
 `g_idx[column]` (GPTQ's act-order).
 """
@@ -25,12 +26,13 @@ class QuantizedWeight:
   scales: Tensor                 # [out, groups], float16 or float32
   zeros: Tensor | None = None    # uint8 [out, groups] zero points (int kind); None: 2 ** (bits - 1), symmetric
   g_idx: Tensor | None = None    # int32 [in]: each input column's group, where groups are not contiguous runs
+  offsets: Tensor | None = None  # [out, groups] float16 / float32 added after scaling (int kind); None: no offset
 
   @property
   def groups(self) -> int: return -(-self.shape[1] // self.group_size)
 
   def tensors(self) -> list[Tensor]:
-    return [t for t in (self.codes, self.scales, self.zeros, self.g_idx) if t is not None]
+    return [t for t in (self.codes, self.scales, self.zeros, self.g_idx, self.offsets) if t is not None]
 
   def nbytes(self) -> int: return sum(t.nbytes() for t in self.tensors())
 

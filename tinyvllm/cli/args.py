@@ -35,7 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
   g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"), help="dummy: random weights")
   g.add_argument("-q", "--quantization", choices=QUANTIZATION_METHODS,
                  help="weight quantization: the checkpoint's (gptq, awq, fp8; read from its config.json when not given) or "
-                      "a float checkpoint's linears quantized at load (int8, int4 group 128, fp8: round-to-nearest)")
+                      "a float checkpoint's linears quantized at load (int8, int4 group 128, fp8: round-to-nearest); gguf: a .gguf "
+                      "model file's own blocks (implied by the file)")
   g.add_argument("--seed", type=int, help="random seed: makes sampling reproducible (default: a fresh one each run)")
   g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                  help="attention kernels: auto (cuda on CUDA, metal on METAL, else portable), portable (tinygrad ops), cuda, metal")

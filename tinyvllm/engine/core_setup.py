@@ -16,6 +16,9 @@ from tinyvllm.core.contiguous_allocator import ContiguousAllocator
 from tinyvllm.core.scheduler import SchedulerBase, SchedulerConfig
 from tinyvllm.kernels.selection import BackendRequest, select_backend
 from tinyvllm.layers.fp8 import FP8_STORAGE
+from tinyvllm.model.gguf.config import gguf_model_config, is_gguf_path
+from tinyvllm.model.gguf.loader import load_gguf_model
+from tinyvllm.model.gguf.reader import GGUFFile
 from tinyvllm.model.hub import resolve_model
 from tinyvllm.model.llama import TransformerLM
 from tinyvllm.model.loader import NAME_OF_DTYPE, load_model, resolve_dtype
@@ -37,12 +40,19 @@ def log(message: str) -> None: print(f"[tinyvllm] {message}", file=sys.stderr, f
 class LocatedModel:
   config: ModelConfig
   folder: Path | None
+  gguf: GGUFFile | None = None   # a .gguf model file: config, weights and tokenizer all come from it
 
 
 def locate_model(cfg: EngineConfig) -> LocatedModel:
-  """A dummy preset name needs no folder; anything else is a local folder or a hub id."""
+  """A dummy preset name needs no folder; a .gguf file holds everything; anything else is a local folder or a hub id."""
   if cfg.load_format == "dummy" and cfg.model in PRESETS:
     return LocatedModel(ModelConfig.from_dict(PRESETS[cfg.model], f"preset {cfg.model}"), None)
+  if is_gguf_path(cfg.model):
+    if cfg.revision is not None:
+      raise ConfigError(f"a revision ({cfg.revision!r}) applies to hub ids only, and {cfg.model!r} is a GGUF file")
+    if cfg.load_format == "safetensors": raise ConfigError(f"--load-format safetensors cannot read the GGUF file {cfg.model!r}")
+    gguf = GGUFFile(Path(cfg.model).expanduser())
+    return LocatedModel(gguf_model_config(gguf), None, gguf)
   folder = resolve_model(cfg.model, cfg.hub_settings(), cfg.revision, weights=cfg.load_format != "dummy")
   return LocatedModel(ModelConfig.from_folder(folder), folder)
 
@@ -80,7 +90,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                            config.block_size, mc.hidden_act)
   backend = select_backend(config.attention_backend, device, request, config.kernel_options())   # before loading
   log(f"attention backend {backend.describe()}")
-  model = load_weights(config, mc, located.folder, dtype, device, max_model_len, backend)
+  model = (load_weights(config, mc, located.folder, dtype, device, max_model_len, backend) if located.gguf is None
+           or config.load_format == "dummy" else load_gguf_weights(config, mc, located.gguf, dtype, device, max_model_len, backend))
   allocator = make_allocator(config, mc, device, kv_dtype, max_model_len)
   swap_blocks = num_swap_blocks(config, KVCache.bytes_per_token(mc, kv_dtype) * config.block_size)
   kv_cache = KVCache(mc, allocator.num_blocks, allocator.block_size, kv_dtype, device, swap_blocks)
@@ -113,6 +124,19 @@ def load_weights(config: EngineConfig, mc: ModelConfig, folder: Path | None, dty
     log(f"weights: {quantization.describe()} linears, {weights.nbytes() / 2**20:.1f} MiB in all "
         f"({weights.unquantized_bytes() / 2**20:.1f} MiB unquantized in {dtype.name})")
   for notice in loaded.notices: log(notice)
+  return loaded.model
+
+
+def load_gguf_weights(config: EngineConfig, mc: ModelConfig, gguf: GGUFFile, dtype: DType, device: str, max_model_len: int,
+                      backend: ComputeBackend) -> TransformerLM:
+  """The model from a GGUF file, its Q8_0 / Q4_0 / Q4_1 linears kept packed; logs the formats and the weights' bytes."""
+  if config.quantization not in (None, "gguf"):
+    raise ConfigError(f"--quantization {config.quantization} does not apply to a GGUF file ({gguf.path}): its weights are "
+                      "already quantized (pass --quantization gguf or none)")
+  loaded = load_gguf_model(mc, gguf, dtype, device, max_model_len, backend)
+  weights = loaded.model.weights
+  for notice in loaded.notices: log(notice)
+  log(f"weights: {weights.nbytes() / 2**20:.1f} MiB in all ({weights.unquantized_bytes() / 2**20:.1f} MiB unquantized in {dtype.name})")
   return loaded.model
 
 

@@ -14,6 +14,9 @@ from tinyvllm.core.scheduling_policy import check_priority
 from tinyvllm.engine.core_setup import log
 from tinyvllm.engine.generation_config import default_sampling_params
 from tinyvllm.engine.messages import EngineCoreInfo, EngineCoreRequest
+from tinyvllm.model.gguf.config import is_gguf_path
+from tinyvllm.model.gguf.reader import GGUFFile
+from tinyvllm.model.gguf.tokenizer import gguf_tokenizer
 from tinyvllm.model.hub import resolve_model, resolve_tokenizer
 from tinyvllm.model.presets import PRESETS
 from tinyvllm.sampling_params import SamplingParams, SamplingParamsError
@@ -35,8 +38,9 @@ class FrontendFiles:
 
 
 def model_folder(config: EngineConfig) -> Path | None:
-  """The model's folder for its tokenizer and configs (no weights fetched); None for a dummy preset."""
+  """The model's folder for its tokenizer and configs (no weights fetched); None for a dummy preset or a GGUF file."""
   if config.load_format == "dummy" and config.model in PRESETS: return None
+  if is_gguf_path(config.model): return None
   return resolve_model(config.model, config.hub_settings(), config.revision, weights=False)
 
 
@@ -57,6 +61,7 @@ def _tokenizer(config: EngineConfig, folder: Path | None) -> Tokenizer | None:
     log("skip_tokenizer_init: no tokenizer, prompts must be token ids and outputs carry no text")
     return None
   if (tokenizer_folder := resolve_tokenizer(config)) is not None: return load_tokenizer(tokenizer_folder)
+  if is_gguf_path(config.model): return gguf_tokenizer(GGUFFile(Path(config.model).expanduser()))
   if folder is None or not any((folder / f).exists() for f in TOKENIZER_FILES):
     log("no tokenizer: prompts must be token ids")
     return None

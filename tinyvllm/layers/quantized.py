@@ -30,7 +30,9 @@ def dequantize(w: QuantizedWeight, dtype: DType | None = None) -> Tensor:
   codes = unpack_codes(w)
   values = decode_e4m3(codes, dtypes.float32) if w.kind == "fp8" else codes.float() - (
     2 ** (w.bits - 1) if w.zeros is None else _per_column(w.zeros.float(), w))
-  return (values * _per_column(w.scales.float(), w)).cast(dtype or w.dtype)
+  scaled = values * _per_column(w.scales.float(), w)
+  if w.offsets is not None: scaled = scaled + _per_column(w.offsets.float(), w)
+  return scaled.cast(dtype or w.dtype)
 
 
 def pack_nibbles(q: Tensor) -> Tensor:

@@ -66,20 +66,23 @@ def _ids_follow_merges(vocab: dict[str, int], merged: list[int], byte_ids: dict[
   return len(set(merged)) + len(byte_ids) == len(vocab)
 
 
-def build_ranks(vocab: dict[str, int], merges: list[tuple[str, str]]) -> tuple[dict[bytes, int], list[int] | None]:
-  """tiktoken ranks for a byte-level vocab, and the rank -> id table when the ids do not follow merge order."""
+def build_ranks(vocab: dict[str, int], merges: list[tuple[str, str]],
+                drop_missing_bytes: bool = False) -> tuple[dict[bytes, int], list[int] | None]:
+  """tiktoken ranks for a byte-level vocab, and the rank -> id table when the ids do not follow merge order.
+  `drop_missing_bytes`: a vocab without some single bytes (SmolLM2's lacks 21 that its training text never held)
+  encodes them to nothing, as HF's BPE does with no unk token (they get id -1 here; BPEEncoding drops them)."""
   as_bytes = {token: token_to_bytes(token) for token in vocab}
   byte_ids = {b: vocab[t] for t, b in as_bytes.items() if len(b) == 1}
-  if len(byte_ids) != 256:
+  if len(byte_ids) != 256 and not drop_missing_bytes:
     raise TokenizerError(f"byte-level vocab has {len(byte_ids)} single-byte tokens, not 256")
   try:
     merged = [vocab[a + b] for a, b in merges]
   except KeyError as e:
     raise TokenizerError(f"merge result {e.args[0]!r} is not in the vocab") from None
-  if _ids_follow_merges(vocab, merged, byte_ids):
+  if len(byte_ids) == 256 and _ids_follow_merges(vocab, merged, byte_ids):
     return {as_bytes[t]: i for t, i in vocab.items()}, None
   ranks = {bytes([b]): b for b in range(256)}
-  rank_to_id = [byte_ids[bytes([b])] for b in range(256)]
+  rank_to_id = [byte_ids.get(bytes([b]), -1) for b in range(256)]
   for (a, b), token_id in zip(merges, merged, strict=True):
     piece = as_bytes[a + b]
     if piece not in ranks:
@@ -128,9 +131,10 @@ def check_bpe_options(model: dict[str, Any]) -> None:
 
 
 def build_model(name: str, vocab: dict[str, int], merges: list[tuple[str, str]], pattern: str,
-                normalize: Normalizer = identity, add_prefix_space: bool = False) -> ModelParts:
-  ranks, rank_to_id = build_ranks(vocab, merges)
-  encoding = BPEEncoding(name, pattern, ranks, rank_to_id)
+                normalize: Normalizer = identity, add_prefix_space: bool = False, drop_missing_bytes: bool = False) -> ModelParts:
+  ranks, rank_to_id = build_ranks(vocab, merges, drop_missing_bytes)
+  dropped = {r: [] for r, i in enumerate(rank_to_id or []) if i < 0}   # missing bytes expand to no ids
+  encoding = BPEEncoding(name, pattern, ranks, rank_to_id, dropped)
   token_bytes = {i: token_to_bytes(t) for t, i in vocab.items()}
   return ModelParts(encoding, token_bytes, _prepare(normalize, add_prefix_space), vocab=vocab)
 

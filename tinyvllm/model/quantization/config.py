@@ -86,6 +86,7 @@ def resolve(requested: str | None, checkpoint: dict[str, Any] | None, source: st
                         f"{config.method!r} ({source})")
     return config
   if requested is None: return None
+  if requested == "gguf": raise ConfigError(f"--quantization gguf needs a GGUF model file (--model path/to/model.gguf), not {source}")
   if requested not in ON_THE_FLY_METHODS:
     raise ConfigError(f"--quantization {requested} needs a {requested.upper()} checkpoint (quantization_config in config.json); "
                       f"a float checkpoint can be quantized at load with {', '.join(ON_THE_FLY_METHODS)}")

