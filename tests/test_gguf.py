@@ -14,6 +14,7 @@ from tinyvllm.layers.quantized import dequantize as dequantize_packed
 from tinyvllm.model.gguf import blocks
 from tinyvllm.model.gguf.reader import GGUFFile
 from tinyvllm.model.gguf.source import unpermute_rows
+from tinyvllm.model.quantization.unpacked import upload
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (test extra) writes the test files")
 SMOLLM2 = smollm2_file()
@@ -59,15 +60,11 @@ def test_plain_types_read_as_stored(kind, tmp_path):
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
 def test_packed_form_dequantizes_to_the_same_weights(kind):
-  from tinygrad import Tensor, dtypes
+  from tinygrad import dtypes
   rows, cols = 6, 96
   raw = make_blocks(kind, rows, cols, np.random.default_rng(1)).reshape(-1)
   ggml_type = gguf.GGMLQuantizationType[kind].value
-  p = blocks.unpack(raw, ggml_type, (rows, cols))
-  codes = p.codes[:, 0::2] | (p.codes[:, 1::2] << 4) if p.bits == 4 else p.codes
-  put = lambda a: None if a is None else Tensor(np.ascontiguousarray(a))
-  w = QuantizedWeight(kind, "int", p.bits, (rows, cols), dtypes.float32, 32, put(codes), put(p.scales), put(p.zeros), None,
-                      put(p.offsets))
+  w = upload(blocks.unpack(raw, ggml_type, (rows, cols)), kind, "int", dtypes.float32, "CPU")
   np.testing.assert_allclose(dequantize_packed(w).numpy(), ref_dequantize(kind, raw, rows, cols), rtol=1e-6, atol=1e-7)
 
 

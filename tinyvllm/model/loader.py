@@ -16,7 +16,7 @@ from tinyvllm.layers.rotary import rope_tables
 from tinyvllm.model.llama import ModelWeights, TransformerLM
 from tinyvllm.model.quantization.config import QuantizationConfig
 from tinyvllm.model.quantization.source import QuantizedSource
-from tinyvllm.model.safetensors_file import Checkpoint
+from tinyvllm.model.safetensors_file import Checkpoint, bf16_as_float32
 
 DTYPE_BY_NAME = {"bfloat16": dtypes.bfloat16, "float16": dtypes.float16, "float32": dtypes.float32}
 NAME_OF_DTYPE = {dtype: name for name, dtype in DTYPE_BY_NAME.items()}   # (tinygrad's own names: "float", "__bf16")
@@ -39,7 +39,7 @@ def _upload(arr: np.ndarray, stored: str, dtype: DType, device: str) -> Tensor:
   if stored == "F8_E4M3": raise ConfigError("the checkpoint stores FP8 weights but its config.json has no quantization_config")
   if stored == "BF16" and dtype == dtypes.bfloat16:
     return Tensor(np.ascontiguousarray(arr), device=device).bitcast(dtypes.bfloat16)
-  if stored == "BF16": arr = (arr.astype(np.uint32) << 16).view(np.float32)
+  if stored == "BF16": arr = bf16_as_float32(arr)
   t = Tensor(np.ascontiguousarray(arr), device=device)
   return t if t.dtype == dtype else t.cast(dtype)
 

@@ -17,6 +17,11 @@ NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": 
                 "F8_E4M3": np.uint8}   # FP8 E4M3 weights: their raw codes
 
 
+def bf16_as_float32(a: np.ndarray) -> np.ndarray:
+  """bfloat16 read as raw uint16 -> float32 (exact: its bits are the float32's top half); other arrays as they are."""
+  return (a.astype(np.uint32) << 16).view(np.float32) if a.dtype == np.uint16 else a
+
+
 @dataclass(frozen=True)
 class TensorEntry:
   path: Path

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tinyvllm.model.quantization.unpacked import UnpackedWeight
+from tinyvllm.model.safetensors_file import bf16_as_float32
+
 # ggml's type ids (ggml.h), for naming what a file holds
 TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K",
               12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S",
@@ -41,7 +44,7 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 def _plain(dtype: str) -> Callable[[np.ndarray], np.ndarray]:
   def decode(raw: np.ndarray) -> np.ndarray:
     flat = raw.view(dtype)
-    return (flat.astype(np.uint32) << 16).view(np.float32) if dtype == "<u2" else flat.astype(np.float32)
+    return bf16_as_float32(flat) if dtype == "<u2" else flat.astype(np.float32)
   return decode
 
 
@@ -115,17 +118,7 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.nd
   return fmt.decode(raw.reshape(-1, fmt.nbytes)).reshape(shape)
 
 
-@dataclass
-class PackedBlocks:
-  """A Q8_0 / Q4_0 / Q4_1 matrix as tinyvllm's packed form before upload: w = (code - zero) * scale (+ offset)."""
-  bits: int
-  codes: np.ndarray                # uint8 [rows, cols], column order
-  scales: np.ndarray               # float16 [rows, cols // 32]
-  zeros: np.ndarray | None         # uint8 [rows, groups]; None: 2 ** (bits - 1)
-  offsets: np.ndarray | None       # float16 [rows, groups]: Q4_1's additive min; None: none
-
-
-def unpack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> PackedBlocks:
+def unpack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> UnpackedWeight:
   """The codes and per-block scales of a Q8_0 / Q4_0 / Q4_1 matrix [rows, cols] (32 columns a group)."""
   rows, cols = shape
   fmt = BLOCK_FORMATS[ggml_type]
@@ -133,9 +126,9 @@ def unpack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> PackedBlo
   scales = blocks[:, :, 0:2].copy().view(np.float16).reshape(rows, -1)
   if ggml_type == Q8_0:   # int8 q as unsigned codes about 128: (q + 128) - 128
     codes = (blocks[:, :, 2:] ^ np.uint8(0x80)).reshape(rows, cols)
-    return PackedBlocks(8, codes, scales, None, None)
+    return UnpackedWeight(codes, scales, None, None, 32, 8)
   qs = blocks[:, :, 4:] if ggml_type == Q4_1 else blocks[:, :, 2:]
   codes = np.concatenate([qs & 0xF, qs >> 4], axis=2).reshape(rows, cols)
-  if ggml_type == Q4_0: return PackedBlocks(4, codes, scales, None, None)
+  if ggml_type == Q4_0: return UnpackedWeight(codes, scales, None, None, 32, 4)
   mins = blocks[:, :, 2:4].copy().view(np.float16).reshape(rows, -1)
-  return PackedBlocks(4, codes, scales, np.zeros(scales.shape, np.uint8), mins)
+  return UnpackedWeight(codes, scales, np.zeros(scales.shape, np.uint8), None, 32, 4, mins)

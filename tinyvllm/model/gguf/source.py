@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 from tinygrad import Tensor
@@ -14,6 +15,7 @@ from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.config import ConfigError, ModelConfig
 from tinyvllm.model.gguf import blocks
 from tinyvllm.model.gguf.reader import GGUFFile, TensorInfo
+from tinyvllm.model.quantization.unpacked import stack, upload
 
 GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight"}
@@ -88,15 +90,9 @@ class GGUFSource:
       p = blocks.unpack(self.f.raw(i.name), ggml_type, i.shape)
       if (heads := self._heads(i.name)) is not None:
         fix = lambda a: None if a is None else unpermute_rows(a, heads)
-        p = blocks.PackedBlocks(p.bits, fix(p.codes), fix(p.scales), fix(p.zeros), fix(p.offsets))
+        p = replace(p, codes=fix(p.codes), scales=fix(p.scales), zeros=fix(p.zeros), offsets=fix(p.offsets))
       parts.append(p)
-    join = lambda field: None if getattr(parts[0], field) is None else np.concatenate([getattr(p, field) for p in parts])
-    codes = join("codes")
-    out, cols = codes.shape
-    if parts[0].bits == 4: codes = codes[:, 0::2] | (codes[:, 1::2] << 4)   # two columns a byte, the even one low
-    put = lambda a: None if a is None else Tensor(np.ascontiguousarray(a), device=self.device).contiguous()
-    w = QuantizedWeight(f"gguf {blocks.type_name(ggml_type)}", "int", parts[0].bits, (out, cols), self.dtype, 32, put(codes),
-                        put(join("scales")), put(join("zeros")), None, put(join("offsets")))
+    w = upload(stack(parts, [i.name for i in infos]), f"gguf {blocks.type_name(ggml_type)}", "int", self.dtype, self.device)
     Tensor.realize(*w.tensors())
     return w
 

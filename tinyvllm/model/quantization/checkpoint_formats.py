@@ -14,24 +14,14 @@ The layouts, from the formats' own descriptions:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from tinyvllm.config import ConfigError
 from tinyvllm.model.quantization.config import QuantizationConfig
-from tinyvllm.model.safetensors_file import Checkpoint
+from tinyvllm.model.quantization.unpacked import UnpackedWeight, stack
+from tinyvllm.model.safetensors_file import Checkpoint, bf16_as_float32
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-
-
-@dataclass
-class UnpackedWeight:
-  codes: np.ndarray              # uint8 [out, in]
-  scales: np.ndarray             # [out, groups] float16 / float32
-  zeros: np.ndarray | None       # uint8 [out, groups]; None: symmetric (2 ** (bits - 1))
-  g_idx: np.ndarray | None       # int32 [in]; None: groups are runs of group_size columns
-  group_size: int
 
 
 class Reader:
@@ -88,8 +78,8 @@ def read_gptq(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeight:
     r.check("g_idx", g_idx, (cols,))
     if g_idx.min() < 0 or g_idx.max() >= groups: raise ConfigError(f"GPTQ tensor {r.prefix}.g_idx names groups outside 0..{groups - 1}")
     if np.array_equal(g_idx, np.arange(cols) // group): g_idx = None   # plain runs (desc_act false)
-  return UnpackedWeight(np.ascontiguousarray(unpack_bits(qweight, qc.bits, axis=0).T), _bf16_safe(scales).T.copy(),
-                        zeros.astype(np.uint8).T.copy(), None if g_idx is None else g_idx.astype(np.int32), group)
+  return UnpackedWeight(np.ascontiguousarray(unpack_bits(qweight, qc.bits, axis=0).T), bf16_as_float32(scales).T.copy(),
+                        zeros.astype(np.uint8).T.copy(), None if g_idx is None else g_idx.astype(np.int32), group, qc.bits)
 
 
 def read_awq(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeight:
@@ -103,7 +93,7 @@ def read_awq(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeight:
   def unpack(packed: np.ndarray) -> np.ndarray:
     nibbles = unpack_bits(packed, 4, axis=-1).reshape(packed.shape[0], -1, 8)
     return nibbles[:, :, reorder].reshape(packed.shape[0], -1)
-  return UnpackedWeight(np.ascontiguousarray(unpack(qweight).T), _bf16_safe(scales).T.copy(), unpack(qzeros).T.copy(), None, group)
+  return UnpackedWeight(np.ascontiguousarray(unpack(qweight).T), bf16_as_float32(scales).T.copy(), unpack(qzeros).T.copy(), None, group, 4)
 
 
 def read_fp8(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeight:
@@ -113,16 +103,11 @@ def read_fp8(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeight:
   if qc.block_size is None:
     scale = r.get("weight_scale", ("F32", "F16", "BF16")).reshape(-1)
     if scale.size != 1: raise ConfigError(f"FP8 tensor {r.prefix}.weight_scale holds {scale.size} values, expected one (per tensor)")
-    return UnpackedWeight(codes.copy(), np.full((out, 1), _bf16_safe(scale)[0], np.float32), None, None, cols)
+    return UnpackedWeight(codes.copy(), np.full((out, 1), bf16_as_float32(scale)[0], np.float32), None, None, cols, 8)
   rows, group = qc.block_size
-  scale_inv = _bf16_safe(r.get("weight_scale_inv", ("F32", "F16", "BF16"))).astype(np.float32)
+  scale_inv = bf16_as_float32(r.get("weight_scale_inv", ("F32", "F16", "BF16"))).astype(np.float32)
   r.check("weight_scale_inv", scale_inv, (-(-out // rows), -(-cols // group)))
-  return UnpackedWeight(codes.copy(), np.repeat(scale_inv, rows, axis=0)[:out].copy(), None, None, group)
-
-
-def _bf16_safe(a: np.ndarray) -> np.ndarray:
-  """bfloat16 arrays (read as raw uint16) as float32; others as they are."""
-  return (a.astype(np.uint32) << 16).view(np.float32) if a.dtype == np.uint16 else a
+  return UnpackedWeight(codes.copy(), np.repeat(scale_inv, rows, axis=0)[:out].copy(), None, None, group, 8)
 
 
 READERS = {"gptq": read_gptq, "awq": read_awq, "fp8": read_fp8}
@@ -131,11 +116,4 @@ READERS = {"gptq": read_gptq, "awq": read_awq, "fp8": read_fp8}
 def read_linear(checkpoint: Checkpoint, prefixes: list[str], qc: QuantizationConfig, cols: int, used: set[str]) -> UnpackedWeight:
   """One linear's weight from its parts (q/k/v, gate/up), stacked along the output rows."""
   parts = [READERS[qc.method](Reader(checkpoint, p, qc.method, used), qc, cols) for p in prefixes]
-  first = parts[0]
-  if any(p.group_size != first.group_size or p.scales.dtype != first.scales.dtype for p in parts):
-    raise ConfigError(f"{' + '.join(prefixes)}: the parts are quantized with different group sizes or scale dtypes")
-  if len({None if p.g_idx is None else p.g_idx.tobytes() for p in parts}) > 1:
-    raise ConfigError(f"{' + '.join(prefixes)}: the parts have different g_idx (act-order), which one fused product cannot take")
-  zeros = None if first.zeros is None else np.concatenate([p.zeros for p in parts])
-  return UnpackedWeight(np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]), zeros,
-                        first.g_idx, first.group_size)
+  return stack(parts, prefixes)

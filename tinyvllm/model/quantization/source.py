@@ -5,30 +5,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 from tinygrad import Tensor
 from tinygrad.dtype import DType
 
 from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.config import ConfigError
 from tinyvllm.layers.quantized import quantize_rtn
-from tinyvllm.model.quantization.checkpoint_formats import UnpackedWeight, read_linear
+from tinyvllm.model.quantization.checkpoint_formats import read_linear
 from tinyvllm.model.quantization.config import INT4_GROUP, QuantizationConfig
+from tinyvllm.model.quantization.unpacked import upload
 from tinyvllm.model.safetensors_file import Checkpoint
 
 Source = Callable[[list[str], tuple[int, ...], str], "Tensor | QuantizedWeight"]
-
-
-def upload(w: UnpackedWeight, qc: QuantizationConfig, dtype: DType, device: str) -> QuantizedWeight:
-  out, cols = w.codes.shape
-  codes = w.codes
-  if qc.bits == 4:   # two columns a byte, the even one low
-    padded = np.pad(codes, ((0, 0), (0, cols % 2)))
-    codes = padded[:, 0::2] | (padded[:, 1::2] << 4)
-  put = lambda a: Tensor(np.ascontiguousarray(a), device=device).contiguous()
-  return QuantizedWeight(qc.method, "fp8" if qc.method == "fp8" else "int", qc.bits, (out, cols), dtype, w.group_size,
-                         put(codes.astype(np.uint8)), put(w.scales), None if w.zeros is None else put(w.zeros),
-                         None if w.g_idx is None else put(w.g_idx))
 
 
 class QuantizedSource:
@@ -54,7 +42,7 @@ class QuantizedSource:
       if f"{p}.input_scale" in self.checkpoint:
         self.used.add(f"{p}.input_scale")
         self._notice("the checkpoint's input_scale tensors are not used: activations stay in the compute dtype")
-    return upload(w, self.qc, self.dtype, self.device)
+    return upload(w, self.qc.method, "fp8" if self.qc.method == "fp8" else "int", self.dtype, self.device)
 
   def _quantize(self, weight: Tensor, cols: int, names: list[str]) -> QuantizedWeight:
     group = cols
