@@ -28,12 +28,14 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
+from serve_sweep import wait_healthy  # (this script's folder is on sys.path)
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
 CORE_REPORT_ENV = "SERVE_PROFILE_CORE_REPORT"   # where the core process writes its timers (set for the child by main())
 
 
@@ -156,17 +158,6 @@ def _category(handle: asyncio.Handle) -> str:
     coro = task.get_coro()
     return f"task {getattr(coro, '__qualname__', type(coro).__name__)}"
   return f"callback {getattr(callback, '__qualname__', repr(callback))[:80]}"
-
-
-def wait_healthy(url: str, timeout: float = 600) -> None:
-  deadline = time.time() + timeout
-  while time.time() < deadline:
-    try:
-      with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-        if r.status == 200: return
-    except OSError: pass
-    time.sleep(0.5)
-  raise TimeoutError("the server did not become healthy")
 
 
 def drive(url: str, bench_args: str, result_file: Path, done: threading.Event, server_exit) -> None:

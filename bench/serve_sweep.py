@@ -25,10 +25,11 @@ METRICS = ("output_throughput", "median_ttft_ms", "p90_ttft_ms", "median_tpot_ms
            "request_throughput", "completed", "failed")
 
 
-def wait_healthy(url: str, server: subprocess.Popen, timeout: float = 900) -> None:
+def wait_healthy(url: str, server: subprocess.Popen | None = None, timeout: float = 900) -> None:
+  """Poll the server's /health until it answers 200 (failing at once if its process, when given, exits)."""
   deadline = time.time() + timeout
   while time.time() < deadline:
-    if server.poll() is not None: raise RuntimeError(f"the server exited with {server.returncode}")
+    if server is not None and server.poll() is not None: raise RuntimeError(f"the server exited with {server.returncode}")
     try:
       with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
         if r.status == 200: return
