@@ -88,11 +88,11 @@ def _fill_tokens(a: dict[str, np.ndarray], scheduled: list[ScheduledSequence], s
   if in_flight.any(): a["token_source"][(starts[1:] - 1)[in_flight]] = sources[in_flight]
 
 
-def query_run_length(counts: np.ndarray, buckets: StepBuckets, num_tokens: int) -> int:
+def query_run_length(counts: np.ndarray, longest_run: int, buckets: StepBuckets, num_tokens: int) -> int:
   """Tq: the longest run rounded up (coarse_query_runs: to COARSE_QUERY_RUNS, at most the step's N tokens), or
   (split_runs) the power of two whose rows hold the runs in the fewest padded query slots (rows rounded up as
   prepare_batch does them), the longer on a tie (fewer rows to gather keys for)."""
-  longest = bucket(int(counts.max()))
+  longest = bucket(longest_run)
   if longest > 1 and buckets.coarse_query_runs and not buckets.split_runs:
     return min(next(tq for tq in COARSE_QUERY_RUNS if tq >= longest), num_tokens)
   if not buckets.split_runs: return longest
@@ -128,11 +128,11 @@ def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, buckets: 
   seqs = len(scheduled)
   counts = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, seqs)
   computed = np.fromiter((item.start for item in scheduled), np.int64, seqs)
-  n_real, ends = int(counts.sum()), computed + counts
-  num_tokens = buckets.tokens(n_real, int(counts.max()) > 1)
-  tq, context_len = query_run_length(counts, buckets, num_tokens), bucket(int(ends.max()), buckets.min_context)
+  n_real, ends, longest = int(counts.sum()), computed + counts, int(counts.max())
+  num_tokens = buckets.tokens(n_real, longest > 1)
+  tq, context_len = query_run_length(counts, longest, buckets, num_tokens), bucket(int(ends.max()), buckets.min_context)
   max_blocks = -(-context_len // block_size)
-  rows_of_seq = -(-counts // tq) if tq < int(counts.max()) else None   # query rows each run takes, where runs are split
+  rows_of_seq = -(-counts // tq) if tq < longest else None   # query rows each run takes, where runs are split
   rows = seqs if rows_of_seq is None else int(rows_of_seq.sum())
   min_rows = buckets.min_prefill_rows if tq > 1 else 1
   a = _empty(num_tokens, bucket(rows, min_rows), tq, max_blocks)
