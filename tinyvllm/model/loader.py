@@ -115,19 +115,21 @@ def build_model(cfg: ModelConfig, get: TensorSource, device: str, max_positions:
 def load_model(cfg: ModelConfig, folder: Path | None, load_format: str, dtype: DType, device: str, max_positions: int,
                backend: ComputeBackend, seed: int = 0, quantization: QuantizationConfig | None = None) -> LoadedModel:
   """The model with its weights on `device`, its ops run by `backend`, its linears quantized as `quantization` says."""
-  checkpoint, used = (None, set()) if load_format == "dummy" else (Checkpoint(folder), set())
+  checkpoint, used = None if load_format == "dummy" else Checkpoint(folder), set()
   get = dummy_source(dtype, device, seed) if checkpoint is None else checkpoint_source(checkpoint, dtype, device, used)
   if quantization is not None: get = QuantizedSource(get, quantization, checkpoint, dtype, device, used)
   model = build_model(cfg, get, device, max_positions, backend)
   notices = get.notices if isinstance(get, QuantizedSource) else []
   if checkpoint is None: return LoadedModel(model, notices)
-  # a tensor nobody read means the config describes a different model than the checkpoint holds
   extra = [n for n in checkpoint.names() if n not in used and not n.endswith(IGNORED_SUFFIXES)]
   if cfg.tie_word_embeddings and "lm_head.weight" in extra: extra.remove("lm_head.weight")
-  if extra:
-    raise ConfigError(f"{folder}: checkpoint has tensor(s) that {cfg.architecture} with this config does not use: "
-                      f"{', '.join(extra[:5])}{f' and {len(extra) - 5} more' if len(extra) > 5 else ''}")
+  check_all_used(extra, f"{folder}: checkpoint has tensor(s) that {cfg.architecture} with this config does not use")
   return LoadedModel(model, notices)
+
+
+def check_all_used(extra: list[str], what: str) -> None:
+  """A tensor nobody read means the config describes a different model than the file holds: fail naming them."""
+  if extra: raise ConfigError(f"{what}: {', '.join(extra[:5])}{f' and {len(extra) - 5} more' if len(extra) > 5 else ''}")
 
 
 @dataclass
