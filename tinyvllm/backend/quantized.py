@@ -1,10 +1,10 @@
 """A quantized linear weight in the one packed form every format is converted to at load (GPTQ, AWQ, FP8 checkpoints,
-and int8 / int4 / fp8 quantized on the fly), which the backends' linears read.
+GGUF blocks, and int8 / int4 / fp8 quantized on the fly), which the backends' linears read.
 
-Integer codes are unsigned with a zero point: w = (code - zero) * scale (+ offset, where the format has an additive
-per-group minimum, as GGUF's Q4_1: w = q * d + m, whose -m / d is no integer zero point); FP8 codes are E4M3 bytes: w = e4m3(code) *
-scale. Scales (and zero points) are per output row and per group of `group_size` input columns, or per column's group
-`g_idx[column]` (GPTQ's act-order).
+Integer codes are unsigned: w = code * scale + shift (shift = -zero * scale, plus GGUF Q4_1's additive min); FP8 codes
+are E4M3 bytes: w = e4m3(code) * scale. Scales and shifts are float32, per output row and group of `group_size` input
+columns, or per column's group `g_idx[column]` (GPTQ's act-order). For the formats' float16 scales and small integer
+zero points, code * scale + shift is exactly (code - zero) * scale.
 """
 from __future__ import annotations
 
@@ -23,16 +23,15 @@ class QuantizedWeight:
   dtype: DType                   # the compute dtype it dequantizes to
   group_size: int                # input columns per scale group (in_features: one scale per row)
   codes: Tensor                  # uint8 [out, in] (8 bits) or [out, in // 2] (4 bits: column 2j low nibble, 2j+1 high)
-  scales: Tensor                 # [out, groups], float16 or float32
-  zeros: Tensor | None = None    # uint8 [out, groups] zero points (int kind); None: 2 ** (bits - 1), symmetric
+  scales: Tensor                 # float32 [out, groups]
+  shifts: Tensor | None = None   # float32 [out, groups] (int kind); None for FP8
   g_idx: Tensor | None = None    # int32 [in]: each input column's group, where groups are not contiguous runs
-  offsets: Tensor | None = None  # [out, groups] float16 / float32 added after scaling (int kind); None: no offset
 
   @property
   def groups(self) -> int: return -(-self.shape[1] // self.group_size)
 
   def tensors(self) -> list[Tensor]:
-    return [t for t in (self.codes, self.scales, self.zeros, self.g_idx, self.offsets) if t is not None]
+    return [t for t in (self.codes, self.scales, self.shifts, self.g_idx) if t is not None]
 
   def nbytes(self) -> int: return sum(t.nbytes() for t in self.tensors())
 

@@ -28,10 +28,9 @@ def _per_column(t: Tensor, w: QuantizedWeight) -> Tensor:
 def dequantize(w: QuantizedWeight, dtype: DType | None = None) -> Tensor:
   """The weight [out, in] in `dtype` (default: its compute dtype), computed in float32."""
   codes = unpack_codes(w)
-  values = decode_e4m3(codes, dtypes.float32) if w.kind == "fp8" else codes.float() - (
-    2 ** (w.bits - 1) if w.zeros is None else _per_column(w.zeros.float(), w))
-  scaled = values * _per_column(w.scales.float(), w)
-  if w.offsets is not None: scaled = scaled + _per_column(w.offsets.float(), w)
+  values = decode_e4m3(codes, dtypes.float32) if w.kind == "fp8" else codes.float()
+  scaled = values * _per_column(w.scales, w)
+  if w.shifts is not None: scaled = scaled + _per_column(w.shifts, w)
   return scaled.cast(dtype or w.dtype)
 
 
@@ -51,10 +50,11 @@ def quantize_rtn(weight: Tensor, method: str, group_size: int) -> QuantizedWeigh
   top = groups.abs().max(axis=-1, keepdim=True)
   limit = FP8_MAX if kind == "fp8" else 2 ** (bits - 1) - 1
   scale = (top > 0).where(top / limit, 1.0)   # an all-zero group keeps scale 1
-  scaled = groups / scale
+  scaled, zero = groups / scale, 2 ** (bits - 1)
   if kind == "fp8": codes = encode_e4m3(scaled.reshape(out, cols))
   else:
-    q = scaled.round().clip(-limit, limit).reshape(out, cols) + 2 ** (bits - 1)
+    q = scaled.round().clip(-limit, limit).reshape(out, cols) + zero
     codes = pack_nibbles(q) if bits == 4 else q.cast(dtypes.uint8)
-  return QuantizedWeight(method, kind, bits, (out, cols), weight.dtype, group_size, codes.contiguous(),
-                         scale.reshape(out, -1).contiguous())
+  scales = scale.reshape(out, -1)
+  return QuantizedWeight(method, kind, bits, (out, cols), weight.dtype, group_size, codes.contiguous(), scales.contiguous(),
+                         None if kind == "fp8" else (scales * -zero).contiguous())
