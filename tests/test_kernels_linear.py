@@ -58,3 +58,69 @@ def test_shapes_the_kernel_refuses():
   assert "rows" in unsupported_reason(LinearShape("bfloat16", 17, 64, 8, False, None, False, False, False))
   assert "multiple of 8" in unsupported_reason(LinearShape("bfloat16", 4, 60, 8, False, None, False, False, False))
   assert "together" in unsupported_reason(LinearShape("bfloat16", 4, 64, 8, False, 1e-6, True, False, False))
+
+
+# packed (quantized) weights: name -> (dtype, rows, K, NOUT, weight codes, group, norm, silu_mul, residual)
+PACKED = {
+  "int8_f32_g32_norm": ("float32", 3, 128, 10, "int8", 32, True, False, False),
+  "int4_bf16_g64_silu_residual": ("bfloat16", 4, 192, 17, "int4", 64, False, True, True),
+  "int4_f16_channel": ("float16", 1, 256, 24, "int4", 256, False, False, False),
+  "fp8_bf16_g128_norm": ("bfloat16", 2, 256, 9, "fp8", 128, True, False, False),
+  "int8_bf16_16rows_tail": ("bfloat16", 16, 264, 12, "int8", 8, False, False, True),
+}
+
+
+def _packed_shape(name: str) -> LinearShape:
+  dtype, m, k, o, weight, group, norm, silu, res = PACKED[name]
+  return LinearShape(dtype, m, k, o, False, EPS if norm else None, silu, res, False, weight, group)
+
+
+@pytest.fixture(scope="module")
+def emu_packed(dialect: str) -> LazyKernels:
+  return emulate(dialect, [Spec(name, "linear", (p := linear_plan(_packed_shape(name))).defines, (p.launch,)) for name in PACKED])
+
+
+def _packed_weight(name: str, rng: np.random.Generator):
+  """The weight in the packed form: integer codes with random zero points (GPTQ/AWQ-like, an offset as GGUF's Q4_1)
+  through the loaders' upload, or FP8 by round-to-nearest."""
+  from tinygrad import Tensor, dtypes
+
+  from tinyvllm.layers.quantized import quantize_rtn
+  from tinyvllm.model.quantization.unpacked import UnpackedWeight, upload
+  _, _, k, o, weight, group, *_ = PACKED[name]
+  if weight == "fp8": return quantize_rtn(Tensor(rng.standard_normal((o, k)).astype(np.float32) * 0.1), "fp8", group)
+  bits = 4 if weight == "int4" else 8
+  groups = (o, k // group)
+  w = UnpackedWeight(rng.integers(0, 2 ** bits, (o, k)).astype(np.uint8), (rng.random(groups) * 0.02).astype(np.float16),
+                     rng.integers(0, 2 ** bits, groups).astype(np.uint8), None, group, bits,
+                     (rng.standard_normal(groups) * 0.01).astype(np.float32))
+  return upload(w, weight, "int", dtypes.float32, "CPU")
+
+
+@pytest.mark.parametrize("name", list(PACKED))
+def test_packed_weight_linear_matches_portable(emu_packed, name):
+  from tinygrad import Tensor
+
+  from tinyvllm.layers.linear import portable_linear
+  shape, rng = _packed_shape(name), np.random.default_rng(len(name))
+  assert unsupported_reason(shape) is None
+  qw = _packed_weight(name, rng)
+  a = {key: v for key, v in linear_inputs(rng, shape).items() if key != "w"}
+  out = poisoned(shape.rows * shape.out_features, shape.dtype)
+  shifts = qw.shifts if qw.shifts is not None else qw.scales   # FP8: a placeholder the kernel never reads
+  weights = [qw.codes.numpy().reshape(-1), qw.scales.numpy().reshape(-1), shifts.numpy().reshape(-1)]
+  extras = [to_bits(a[key], shape.dtype).reshape(-1) for key in ("norm", "residual") if key in a]
+  emu_packed.launch(name, 0, [out, to_bits(a["x"], shape.dtype).reshape(-1), *weights, *extras])
+  got = from_bits(out, shape.dtype).reshape(shape.rows, shape.out_features)
+  t = {key: Tensor(v) for key, v in a.items()}
+  ref = portable_linear(t["x"], qw, norm=t.get("norm"), eps=EPS, silu_mul=shape.silu_mul, residual=t.get("residual")).numpy()
+  assert not np.isnan(got).any(), "an output element was never written"
+  assert np.abs(got - ref).max() / np.abs(ref).max() < TOLERANCE[shape.dtype]
+
+
+def test_packed_weights_the_kernel_refuses():
+  packed = lambda k, weight, group: LinearShape("bfloat16", 2, k, 8, False, None, False, False, False, weight, group)
+  assert unsupported_reason(packed(128, "int4", 32)) is None
+  assert "group 12" in unsupported_reason(packed(96, "int8", 12))          # not a multiple of the 8-element vector
+  assert "group 64" in unsupported_reason(packed(96, "int4", 64))          # does not divide K
+  assert "nf4 weights" in unsupported_reason(packed(128, "nf4", 32))

@@ -22,7 +22,9 @@ class QuantizedWeight:
   shape: tuple[int, int]         # (out_features, in_features) of the weight it stands for
   dtype: DType                   # the compute dtype it dequantizes to
   group_size: int                # input columns per scale group (in_features: one scale per row)
-  codes: Tensor                  # uint8 [out, in] (8 bits) or [out, in // 2] (4 bits: column 2j low nibble, 2j+1 high)
+  # uint32 [out, ceil(in * bits / 32)]: each row's codes as 32-bit words, column j of a word's 32 / bits in its bits
+  # j * bits and up (the last word of a row padded with zero codes); what a kernel reads, 16 bytes at a time
+  codes: Tensor
   scales: Tensor                 # float32 [out, groups]
   shifts: Tensor | None = None   # float32 [out, groups] (int kind); None for FP8
   g_idx: Tensor | None = None    # int32 [in]: each input column's group, where groups are not contiguous runs

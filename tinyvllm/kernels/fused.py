@@ -22,7 +22,7 @@ from tinyvllm.backend.weights import DecoderLayerWeights, Weight
 from tinyvllm.config import KernelOptions
 from tinyvllm.kernels import decode_layer
 from tinyvllm.kernels.attention import attention_shape, kv_write_unsupported_reason, run_attention, run_kv_write
-from tinyvllm.kernels.linear import fused_linear
+from tinyvllm.kernels.linear import MAX_ROWS, fused_linear
 from tinyvllm.kernels.plan import AttentionShape, unsupported_reason
 from tinyvllm.kernels.qkv_rope import qkv_rope_shape, run_qkv_rope_write
 from tinyvllm.kernels.sample import fused_sample, takes
@@ -86,13 +86,15 @@ class FusedBackend:
             f"qkv norm/RoPE/write, decode-batch matmuls, sampling{layers})")
 
   def linear(self, x: Tensor, w: Weight, bias: Tensor | None = None, **fused) -> Tensor:
-    """Decode-sized products (and the norm, SwiGLU or residual fused with them) in one kernel; others in tinygrad ops."""
+    """Decode-sized products (and the norm, SwiGLU or residual fused with them) in one kernel, packed (quantized)
+    weights dequantized in its registers; others in tinygrad ops (a packed weight's larger products included, said
+    once per format: no dequantizing gemm yet)."""
     if fused.get("gelu_mul"):   # never reached through the selection: the capability record has SiLU only
       raise ValueError(f"the {self.name} kernels fuse SwiGLU only; a GeGLU (gelu_pytorch_tanh) model runs on the portable backend")
-    if isinstance(w, QuantizedWeight):   # no dequantizing kernel yet: tinygrad ops, said once per format
-      self._fallback("linear", f"{w.describe()} weights (no {self.name} kernel for them yet)")
-      return portable_linear(x, w, bias, **fused)
     y = fused_linear(self.target, x, w, bias, **fused)
+    if y is None and isinstance(w, QuantizedWeight):
+      self._fallback("linear", f"{w.describe()} weights beyond the decode kernel (over {MAX_ROWS} rows, or act-order groups)")
+      return portable_linear(x, w, bias, **fused)
     self.calls["linear" if y is not None else "portable-linear"] += 1
     return y if y is not None else portable_linear(x, w, bias, **fused)
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from tinygrad import Tensor, dtypes
 
+from tinyvllm.backend.quantized import QuantizedWeight
+from tinyvllm.backend.weights import Weight
 from tinyvllm.kernels.gemm import GemmTiles, gemm_source
 from tinyvllm.kernels.gemm import unsupported_reason as gemm_unsupported_reason
 from tinyvllm.kernels.plan import DTYPE_CODES, ELEM_BYTES, Launch, Param, dtype_code
@@ -37,6 +39,8 @@ class LinearShape:
   silu_mul: bool
   residual: bool
   out_float32: bool  # y in float32 (the logits) instead of the input dtype
+  weight: str = "elem"   # "elem" (w in the activation dtype) or a packed QuantizedWeight's codes: int8, int4, fp8
+  group: int = 0         # input columns per scale of a packed weight
 
 
 @dataclass(frozen=True)
@@ -46,11 +50,18 @@ class LinearPlan:
   launch: Launch = field(compare=False)
 
 
+PACKED_WEIGHTS = {"int8": (1, 8), "int4": (2, 4), "fp8": (3, 8)}   # codes -> (TV_WQ, bits)
+
+
 def unsupported_reason(shape: LinearShape) -> str | None:
   if shape.dtype not in DTYPE_CODES: return f"dtype {shape.dtype}"
   if not 1 <= shape.rows <= MAX_ROWS: return f"{shape.rows} rows (the kernel takes 1 to {MAX_ROWS})"
   vec = 16 // ELEM_BYTES[dtype_code(shape.dtype)]
   if shape.in_features % vec: return f"in_features {shape.in_features} not a multiple of {vec}"
+  if shape.weight != "elem":
+    if shape.weight not in PACKED_WEIGHTS: return f"{shape.weight} weights"
+    if shape.group % vec or shape.in_features % shape.group: return f"group {shape.group} (a multiple of {vec} dividing K)"
+    if shape.in_features * PACKED_WEIGHTS[shape.weight][1] % 32: return f"in_features {shape.in_features} (whole words of codes a row)"
   if shape.norm_eps is not None and shape.silu_mul: return "norm and silu_mul together"
   return None
 
@@ -62,9 +73,16 @@ def linear_plan(shape: LinearShape) -> LinearPlan:
   blocks = -(-shape.out_features // (rpw * (threads // 32)))
   m, k, o = shape.rows, shape.in_features, shape.out_features
   params = [Param("y", "float" if shape.out_float32 else "elem", True, m * o),
-            Param("x", "elem", False, m * k * (2 if shape.silu_mul else 1)), Param("w", "elem", False, o * k)]
+            Param("x", "elem", False, m * k * (2 if shape.silu_mul else 1))]
   defines: dict[str, int | str] = {"TV_DTYPE": dtype_code(shape.dtype), "TV_M": m, "TV_K": k, "TV_NOUT": o, "TV_RPW": rpw,
                                    "TV_NT": threads}
+  if shape.weight == "elem": params.append(Param("w", "elem", False, o * k))
+  else:   # codes as 32-bit words, float32 scales and shifts per (row, group)
+    code, bits = PACKED_WEIGHTS[shape.weight]
+    groups = o * (k // shape.group)
+    params += [Param("w", "uint", False, o * k * bits // 32), Param("wscale", "float", False, groups),
+               Param("wshift", "float", False, groups)]
+    defines.update({"TV_WQ": code, "TV_WGROUP": shape.group})
   for flag, name, numel in (("TV_BIAS", "bias", o), ("TV_PRO_NORM", "g", k), ("TV_RESIDUAL", "residual", m * o)):
     wanted = {"TV_BIAS": shape.bias, "TV_PRO_NORM": shape.norm_eps is not None, "TV_RESIDUAL": shape.residual}[flag]
     if wanted:
@@ -86,23 +104,29 @@ def pick_kernel(target: DeviceTarget, shape: LinearShape) -> str | None:
   """"skinny" (linear.inc) up to the tuning table's rows, "gemm" (tensor cores, CUDA) above, the skinny one up to
   MAX_ROWS where the gemm cannot run (Metal, float32); None: neither takes the shape."""
   skinny = unsupported_reason(shape) is None
+  if shape.weight != "elem": return "skinny" if skinny else None   # no packed-weight gemm yet
   if skinny and shape.rows <= tuning_for(target.kind).linear.skinny_max_rows: return "skinny"
   if gemm_unsupported_reason(shape.dtype, shape.rows, shape.in_features, shape.out_features, target) is None: return "gemm"
   return "skinny" if skinny else None
 
 
-def linear_shape(x: Tensor, w: Tensor, bias: Tensor | None, norm: Tensor | None, eps: float, silu_mul: bool,
+def linear_shape(x: Tensor, w: Weight, bias: Tensor | None, norm: Tensor | None, eps: float, silu_mul: bool,
                  residual: Tensor | None, out_float32: bool) -> LinearShape | None:
-  """The static shape of one product, None where no kernel dtype or layout fits."""
+  """The static shape of one product, None where no kernel dtype or layout fits (a packed weight with act-order
+  groups, say)."""
   dtype = DTYPE_NAMES.get(w.dtype)
   if dtype is None or x.ndim != 2: return None
   k = x.shape[1] // 2 if silu_mul else x.shape[1]
   if w.shape[1] != k: return None
+  packed = {}
+  if isinstance(w, QuantizedWeight):
+    if w.g_idx is not None: return None
+    packed = {"weight": f"{w.kind}{w.bits}" if w.kind == "int" else w.kind, "group": w.group_size}
   return LinearShape(dtype, x.shape[0], k, w.shape[0], bias is not None, eps if norm is not None else None, silu_mul,
-                     residual is not None, out_float32)
+                     residual is not None, out_float32, **packed)
 
 
-def fused_linear(target: DeviceTarget, x: Tensor, w: Tensor, bias: Tensor | None = None, norm: Tensor | None = None,
+def fused_linear(target: DeviceTarget, x: Tensor, w: Weight, bias: Tensor | None = None, norm: Tensor | None = None,
                  eps: float = 1e-6, silu_mul: bool = False, residual: Tensor | None = None, out_float32: bool = False
                  ) -> Tensor | None:
   """The kernels' result, or None when no kernel takes the shape (the caller then uses tinygrad ops)."""
@@ -111,7 +135,7 @@ def fused_linear(target: DeviceTarget, x: Tensor, w: Tensor, bias: Tensor | None
   return run_linear(target, shape, kernel, x, w, bias, norm, residual)
 
 
-def run_linear(target: DeviceTarget, shape: LinearShape, kernel: str, x: Tensor, w: Tensor, bias: Tensor | None = None,
+def run_linear(target: DeviceTarget, shape: LinearShape, kernel: str, x: Tensor, w: Weight, bias: Tensor | None = None,
                norm: Tensor | None = None, residual: Tensor | None = None, tiles: GemmTiles | None = None) -> Tensor:
   """The product on the "skinny" or the "gemm" kernel (with `tiles`, else the planner's)."""
   y = Tensor.empty(shape.rows, shape.out_features, dtype=dtypes.float32 if shape.out_float32 else w.dtype, device=x.device)
@@ -119,7 +143,15 @@ def run_linear(target: DeviceTarget, shape: LinearShape, kernel: str, x: Tensor,
                                              (("bias", bias), ("norm", norm), ("residual", residual)) if t is not None}
   if kernel == "gemm": return _run_gemm(shape, target, tiles, y, x, w, extras)
   plan, source = skinny_source(target.dialect, shape)
-  return run_kernel(plan.launch, source, [y, x, w, *extras.values()])[0]
+  weights = [w] if isinstance(w, Tensor) else _packed_operands(w)
+  return run_kernel(plan.launch, source, [y, x, *weights, *extras.values()])[0]
+
+
+def _packed_operands(w: QuantizedWeight) -> list[Tensor]:
+  """A packed weight's buffers as the kernel takes them: codes, scales, shifts (FP8 has none: its scales stand in,
+  never read)."""
+  shifts = w.shifts if w.shifts is not None else w.scales
+  return [w.codes.reshape(-1), w.scales.reshape(-1), shifts.reshape(-1)]
 
 
 def _run_gemm(shape: LinearShape, target: DeviceTarget, tiles: GemmTiles | None, y: Tensor, x: Tensor, w: Tensor,

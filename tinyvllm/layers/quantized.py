@@ -10,11 +10,21 @@ from tinyvllm.layers.fp8 import FP8_MAX, decode_e4m3, encode_e4m3
 
 
 def unpack_codes(w: QuantizedWeight) -> Tensor:
-  """The codes as [out, in] integers (uint8 for 8 bits; the two nibbles of each byte for 4)."""
-  if w.bits == 8: return w.codes
+  """The codes as [out, in] integers."""
   out, cols = w.shape
-  low, high = w.codes.bitwise_and(0xF), w.codes.rshift(4)
-  return low.unsqueeze(-1).cat(high.unsqueeze(-1), dim=-1).reshape(out, -1)[:, :cols]
+  per, mask = 32 // w.bits, (1 << w.bits) - 1
+  fields = [w.codes.rshift(j * w.bits).bitwise_and(mask).unsqueeze(-1) for j in range(per)]
+  return fields[0].cat(*fields[1:], dim=-1).reshape(out, -1)[:, :cols]
+
+
+def pack_words(q: Tensor, bits: int) -> Tensor:
+  """[out, in] codes below 2 ** bits -> uint32 [out, ceil(in * bits / 32)], the first column in the lowest bits."""
+  per = 32 // bits
+  if q.shape[1] % per: q = q.pad((None, (0, per - q.shape[1] % per)))
+  fields = q.cast(dtypes.uint32).reshape(q.shape[0], -1, per)
+  words = fields[:, :, 0]
+  for j in range(1, per): words = words.bitwise_or(fields[:, :, j].lshift(j * bits))
+  return words
 
 
 def _per_column(t: Tensor, w: QuantizedWeight) -> Tensor:
@@ -34,13 +44,6 @@ def dequantize(w: QuantizedWeight, dtype: DType | None = None) -> Tensor:
   return scaled.cast(dtype or w.dtype)
 
 
-def pack_nibbles(q: Tensor) -> Tensor:
-  """[out, in] codes 0..15 -> uint8 [out, ceil(in / 2)], column 2j in the low nibble."""
-  if q.shape[1] % 2: q = q.pad((None, (0, 1)))
-  pairs = q.cast(dtypes.uint8).reshape(q.shape[0], -1, 2)
-  return pairs[:, :, 0].bitwise_or(pairs[:, :, 1].lshift(4))
-
-
 def quantize_rtn(weight: Tensor, method: str, group_size: int) -> QuantizedWeight:
   """Round-to-nearest, symmetric, one scale per row and group of `group_size` input columns (a multiple of in):
   int8 (codes 1..255 about 128), int4 (1..15 about 8) or fp8 (E4M3, the group's largest magnitude at 448)."""
@@ -51,10 +54,8 @@ def quantize_rtn(weight: Tensor, method: str, group_size: int) -> QuantizedWeigh
   limit = FP8_MAX if kind == "fp8" else 2 ** (bits - 1) - 1
   scale = (top > 0).where(top / limit, 1.0)   # an all-zero group keeps scale 1
   scaled, zero = groups / scale, 2 ** (bits - 1)
-  if kind == "fp8": codes = encode_e4m3(scaled.reshape(out, cols))
-  else:
-    q = scaled.round().clip(-limit, limit).reshape(out, cols) + zero
-    codes = pack_nibbles(q) if bits == 4 else q.cast(dtypes.uint8)
+  q = encode_e4m3(scaled.reshape(out, cols)) if kind == "fp8" else scaled.round().clip(-limit, limit).reshape(out, cols) + zero
+  codes = pack_words(q, bits)
   scales = scale.reshape(out, -1)
   return QuantizedWeight(method, kind, bits, (out, cols), weight.dtype, group_size, codes.contiguous(), scales.contiguous(),
                          None if kind == "fp8" else (scales * -zero).contiguous())

@@ -36,18 +36,17 @@ def stack(parts: list[UnpackedWeight], names: list[str]) -> UnpackedWeight:
 
 
 def upload(w: UnpackedWeight, method: str, kind: str, dtype: DType, device: str) -> QuantizedWeight:
-  """The packed form on the device: 4-bit codes two a byte, the even column in the low nibble; float32 scales and
-  shifts (exact for float16 scales and small zero points: every product and their difference fit float32)."""
+  """The packed form on the device: each row's codes as 32-bit words; float32 scales and shifts (exact for float16
+  scales and small zero points: every product and their difference fit float32)."""
   out, cols = w.codes.shape
-  codes = w.codes
-  if w.bits == 4:
-    padded = np.pad(codes, ((0, 0), (0, cols % 2)))
-    codes = padded[:, 0::2] | (padded[:, 1::2] << 4)
+  per = 32 // w.bits
+  fields = np.pad(w.codes, ((0, 0), (0, -cols % per))).astype(np.uint32).reshape(out, -1, per)
+  codes = (fields << (w.bits * np.arange(per, dtype=np.uint32))).sum(axis=-1, dtype=np.uint32)   # fields never overlap
   scales = w.scales.astype(np.float32)
   shifts = None
   if kind == "int":   # w = (code - zero) * scale (+ offset) as code * scale + shift
     zeros = np.float32(2 ** (w.bits - 1)) if w.zeros is None else w.zeros.astype(np.float32)
     shifts = -zeros * scales + (0 if w.offsets is None else w.offsets.astype(np.float32))
   put = lambda a: None if a is None else Tensor(np.ascontiguousarray(a), device=device).contiguous()
-  return QuantizedWeight(method, kind, w.bits, (out, cols), dtype, w.group_size, put(codes.astype(np.uint8)), put(scales),
+  return QuantizedWeight(method, kind, w.bits, (out, cols), dtype, w.group_size, put(codes), put(scales),
                          put(shifts), put(w.g_idx))

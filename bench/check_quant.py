@@ -1,0 +1,49 @@
+"""The packed-weight (quantized) product on the GPU, as part of bench/check_kernels.py: the decode kernel
+(csrc/neutral/linear.inc with TV_WQ) against the portable path (tinygrad ops dequantizing the same packed weight on the
+same device) for int8, int4 and FP8 codes, integer codes with arbitrary zero points (GPTQ / AWQ / GGUF-like), 1-16
+rows, with the RMSNorm and SwiGLU prologues and the residual; bf16 activations, Qwen3-0.6B's widths. Returns records
+for $OUT/kernels.json; raises AssertionError."""
+from __future__ import annotations
+
+import numpy as np
+
+TOL = 2.5e-2   # bf16 outputs: max |kernel - portable| / max |portable|
+
+
+def _weight(kind: str, out: int, cols: int, group: int, device: str, rng: np.random.Generator):
+  from tinygrad import Tensor, dtypes
+
+  from tinyvllm.layers.quantized import quantize_rtn
+  from tinyvllm.model.quantization.unpacked import UnpackedWeight, upload
+  if kind in ("int8", "int4", "fp8"):
+    w = Tensor(rng.standard_normal((out, cols)).astype(np.float32) * 0.05, device=device).cast(dtypes.bfloat16)
+    return quantize_rtn(w, kind, group)
+  bits = 4   # "asym4": GPTQ/AWQ-style codes with zero points
+  groups = (out, cols // group)
+  u = UnpackedWeight(rng.integers(0, 16, (out, cols)).astype(np.uint8), (rng.random(groups) * 0.01).astype(np.float16),
+                     rng.integers(0, 16, groups).astype(np.uint8), None, group, bits)
+  return upload(u, "gptq", "int", dtypes.bfloat16, device)
+
+
+def check_quant(target, device: str) -> list[dict]:
+  from tinygrad import Tensor, dtypes
+
+  from tinyvllm.kernels.linear import fused_linear
+  from tinyvllm.layers.linear import portable_linear
+  rng, records = np.random.default_rng(0), []
+  # (weight kind, rows, in, out, group, prologue): Qwen3-0.6B's qkv (1024 -> 4096), down (3072 -> 1024, SwiGLU in)
+  cases = [("int8", 1, 1024, 4096, 1024, "norm"), ("int4", 4, 1024, 4096, 128, "norm"), ("fp8", 16, 1024, 4096, 1024, "norm"),
+           ("asym4", 2, 3072, 1024, 128, "silu"), ("int4", 1, 3072, 1024, 128, "silu"), ("int8", 8, 1024, 1024, 1024, "residual")]
+  for kind, rows, cols, out, group, prologue in cases:
+    w = _weight(kind, out, cols, group, device, rng)
+    bf16 = lambda a: Tensor(a.astype(np.float32), device=device).cast(dtypes.bfloat16)
+    x = bf16(rng.standard_normal((rows, 2 * cols if prologue == "silu" else cols)))
+    extra = {"norm": {"norm": bf16(1 + 0.3 * rng.standard_normal(cols))}, "silu": {"silu_mul": True},
+             "residual": {"residual": bf16(rng.standard_normal((rows, out)))}}[prologue]
+    got = fused_linear(target, x, w, **extra)
+    assert got is not None, f"{kind} {rows}x{cols}->{out}: the kernel did not take the shape"
+    ref = portable_linear(x, w, **extra).float().numpy()
+    err = float(np.abs(got.float().numpy() - ref).max() / np.abs(ref).max())
+    records.append({"weight": kind, "rows": rows, "in": cols, "out": out, "group": group, "prologue": prologue, "rel_err": err})
+    assert err < TOL, f"{kind} {rows}x{cols}->{out} ({prologue}): relative error {err:.3g}"
+  return records
