@@ -45,7 +45,7 @@ def dequantize(w: QuantizedWeight, dtype: DType | None = None) -> Tensor:
 
 
 def quantize_rtn(weight: Tensor, method: str, group_size: int) -> QuantizedWeight:
-  """Round-to-nearest, symmetric, one scale per row and group of `group_size` input columns (a multiple of in):
+  """Round-to-nearest, symmetric, one scale per row and group of `group_size` input columns (dividing in):
   int8 (codes 1..255 about 128), int4 (1..15 about 8) or fp8 (E4M3, the group's largest magnitude at 448)."""
   out, cols = weight.shape
   bits, kind = {"int8": (8, "int"), "int4": (4, "int"), "fp8": (8, "fp8")}[method]
