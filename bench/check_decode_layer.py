@@ -4,9 +4,9 @@ command:
   DEV=CUDA python3 bench/check_decode_layer.py      (bash bench/run_on_device.sh layer; `check` runs it too)
 
 1. Random layers (Qwen3-0.6B's shape at 1-4 rows, 1-4 layers a launch, bf16 and FP8 caches; a GQA-4 head_dim-64 shape
-   with a qkv bias in float16): the kernel against the same layers op by op, on the per-op CUDA kernels and on the
-   portable path in float32. h within bf16 tolerance (per layer), every layer's new K/V written, no other cache slot
-   touched, every row finite.
+   with a qkv bias in float16; weights in the activations' dtype and packed: int8, int4, FP8, mixed): the kernel against
+   the same layers op by op, on the per-op CUDA kernels and on the portable path in float32. h within bf16 tolerance
+   (per layer), every layer's new K/V written, no other cache slot touched, every row finite.
 2. A TinyJit capture of three layers in two launches (MAX_LAYERS lowered to 2) replayed over steps with different
    contexts: the barrier counters reset at every launch (a stale counter would let blocks run ahead) and the layers
    match the per-op kernels each step.
@@ -28,13 +28,20 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 QWEN3 = dict(hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=128, qk_norm=True, qkv_bias=False)
 GQA4 = dict(hidden=1024, intermediate=2816, heads=16, kv_heads=4, head_dim=64, qk_norm=False, qkv_bias=True)
-# (name, shape, contexts, dtype, FP8 cache, layers)
-CASES = [("qwen3 b1 ctx 300 4 layers", QWEN3, [300], "bfloat16", False, 4),
-         ("qwen3 b1 ctx 2000 fp8", QWEN3, [2000], "bfloat16", True, 1),
-         ("qwen3 b1 ctx 6000 (bucket 8192)", QWEN3, [6000], "bfloat16", False, 2),
-         ("qwen3 b3 2 layers", QWEN3, [5, 900, 1500], "bfloat16", False, 2),
-         ("qwen3 b4 fp8 3 layers", QWEN3, [1, 17, 400, 2048], "bfloat16", True, 3),
-         ("gqa4 bias b2 f16 2 layers", GQA4, [33, 1200], "float16", False, 2)]
+ELEM = (("elem", 0),) * 4
+# (name, shape, contexts, dtype, FP8 cache, layers, each product's weight form and scale group)
+CASES = [("qwen3 b1 ctx 300 4 layers", QWEN3, [300], "bfloat16", False, 4, ELEM),
+         ("qwen3 b1 ctx 2000 fp8", QWEN3, [2000], "bfloat16", True, 1, ELEM),
+         ("qwen3 b1 ctx 6000 (bucket 8192)", QWEN3, [6000], "bfloat16", False, 2, ELEM),
+         ("qwen3 b3 2 layers", QWEN3, [5, 900, 1500], "bfloat16", False, 2, ELEM),
+         ("qwen3 b4 fp8 3 layers", QWEN3, [1, 17, 400, 2048], "bfloat16", True, 3, ELEM),
+         ("gqa4 bias b2 f16 2 layers", GQA4, [33, 1200], "float16", False, 2, ELEM),
+         # packed (quantized) weights: random codes, scales, zero points and offsets (tests/emulator/cases.packed_weight)
+         ("qwen3 b1 int8 per channel 2 layers", QWEN3, [300], "bfloat16", False, 2,
+          (("int8", 1024), ("int8", 2048), ("int8", 1024), ("int8", 3072))),
+         ("qwen3 b2 int4 g128 2 layers", QWEN3, [40, 1500], "bfloat16", False, 2, (("int4", 128),) * 4),
+         ("qwen3 b4 fp8 g128 fp8 cache", QWEN3, [1, 17, 400, 2048], "bfloat16", True, 1, (("fp8", 128),) * 4),
+         ("gqa4 bias b1 f16 mixed", GQA4, [700], "float16", False, 2, (("int4", 64), ("elem", 0), ("fp8", 1024), ("int8", 128)))]
 RESULTS: dict = {"cases": [], "jit": [], "engine": {}, "failures": []}
 
 
@@ -47,9 +54,11 @@ def fused_backend(device: str):
   return FusedBackend(device_target(device))
 
 
-def check_case(name: str, dims: dict, contexts: list[int], dtype: str, fp8: bool, layers: int, device: str) -> None:
+def check_case(name: str, dims: dict, contexts: list[int], dtype: str, fp8: bool, layers: int, weights: tuple,
+               device: str) -> None:
   from tests.emulator.cases import layer_outputs, layer_tensors, make_layer_case
-  case = make_layer_case(np.random.default_rng(len(name)), contexts, **dims, dtype=dtype, kv_fp8=fp8, layers=layers)
+  case = make_layer_case(np.random.default_rng(len(name)), contexts, **dims, dtype=dtype, kv_fp8=fp8, layers=layers,
+                         weights=weights)
   backend = fused_backend(device)
   model, stack, (h, cos, sin, caches, meta) = layer_tensors(case, device, dtype)
   fused = backend.decode_layers(stack, h, cos, sin, caches, meta, case.eps)

@@ -39,10 +39,10 @@ def save(part: str, result: dict) -> None:
   if out := os.environ.get("OUT"): Path(out, f"bench_{part}{suffix}.json").write_text(json.dumps(result, indent=1))
 
 
-def engine(**kwargs):
+def engine(model: str = MODEL, **kwargs):
   from tinyvllm import LLM
   t0 = time.perf_counter()
-  llm = LLM(MODEL, **{**COMMON, **kwargs})
+  llm = LLM(model, **{**COMMON, **kwargs})
   return llm, time.perf_counter() - t0
 
 
@@ -77,19 +77,27 @@ def part_decode() -> dict:
 
 
 def part_decode_quant() -> dict:
-  """Batch-1 decode (prompt 128, 256 new tokens) with the linears unquantized and quantized at load (int8, fp8, int4),
-  each in its own engine capturing the batch-1 decode step only."""
+  """Batch-1 decode (prompt 128, 256 new tokens) of Qwen3-0.6B and Llama-3.2-1B (BENCH_QUANT_MODELS) with the linears
+  unquantized and quantized at load (int8, fp8, int4), each in its own engine capturing the batch-1 decode step only;
+  where the persistent layer kernel took the quantized steps, again with the per-op kernels for comparison."""
   from tinyvllm.bench.decode import run_decode_bench
   rows = []
-  for quantization in (None, "int8", "fp8", "int4"):
-    llm, load_s = engine(kv_cache_memory=kv_gib(4), max_model_len=4096, max_num_seqs=4, cuda_graph_sizes=[1],
-                         quantization=quantization)
-    r = run_decode_bench(llm.engine, 1, 128, 256, no_kv_cache=False)[0]
-    rows.append({"quantization": quantization, "decode_tok_s": r.decode_tok_s, "median_step_ms": r.median_step_ms,
-                 "weight_bytes": llm.engine.model.weights.nbytes(), "load_s": load_s})
-    print(f"{quantization or 'bf16'}: {r.decode_tok_s:,.0f} tok/s, median step {r.median_step_ms:.3f} ms", flush=True)
-    del llm
-    gc.collect()
+  for model in os.environ.get("BENCH_QUANT_MODELS", "qwen3-0.6b,llama-3.2-1b").split(","):
+    for quantization in (None, "int8", "fp8", "int4"):
+      for layer_kernel in (True, False):
+        llm, load_s = engine(model, kv_cache_memory=kv_gib(4), max_model_len=4096, max_num_seqs=4, cuda_graph_sizes=[1],
+                             quantization=quantization, decode_layer_kernel=layer_kernel)
+        r = run_decode_bench(llm.engine, 1, 128, 256, no_kv_cache=False)[0]
+        calls = dict(llm.engine.model.backend.calls)
+        rows.append({"model": model, "quantization": quantization, "decode_layer_kernel": layer_kernel,
+                     "layer_kernel_ran": calls.get("decode-layers", 0) > 0, "decode_tok_s": r.decode_tok_s,
+                     "median_step_ms": r.median_step_ms, "weight_bytes": weight_bytes(llm), "load_s": load_s})
+        print(f"{model} {quantization or 'bf16'} ({'layer kernel' if rows[-1]['layer_kernel_ran'] else 'per-op kernels'}): "
+              f"{r.decode_tok_s:,.0f} tok/s, median step {r.median_step_ms:.3f} ms, {rows[-1]['weight_bytes'] / 1e6:,.0f} MB "
+              "of weights a step", flush=True)
+        del llm
+        gc.collect()
+        if not rows[-1]["layer_kernel_ran"] or quantization is None: break   # (no per-op run to compare with)
   return {"rows": rows}
 
 

@@ -23,7 +23,9 @@ from tinyvllm.kernels.decode_layer import (
   DecodeLayerShape,
   decode_layer_plan,
   decode_layer_source,
+  max_layers,
   shared_bytes,
+  shared_layout,
   step_shape,
   unsupported_reason,
 )
@@ -49,18 +51,32 @@ CASES = {
   # not fit the shared-memory copy
   "qwen3_global_tables": ("qwen3", [300, 7], False, "bfloat16", 9, 64, 2, 32768),
 }
-# the case that runs in a few seconds with `-m "not slow"` (its own small library); the rest are marked slow
-QUICK = frozenset({"qwen3_split_rows"})
+# packed (quantized) weights: name -> (model, decode contexts, kv_fp8, dtype, blocks, threads, layers, each product's
+# (form, group) in qkv, o, gate_up, down order). The blocks' first scales sit at every offset of their 16-byte windows:
+# qwen3's 128 qkv rows over 9 blocks are 15 a block, its per-channel scales 60 bytes a block; qwen2's 192 gate_up rows
+# over 5 are 39, 312 bytes of scales at group 32.
+channel = lambda form, *ks: tuple((form, k) for k in ks)
+PACKED = {
+  "qwen3_int8_channel": ("qwen3", [300, 40], False, "bfloat16", 9, 64, 2, channel("int8", 48, 64, 48, 80)),
+  "qwen2_int4_g32": ("qwen2", [33, 5], False, "float16", 5, 128, 1, (("int4", 32),) * 4),
+  "qwen3_fp8_g16_fp8_cache": ("qwen3", [70, 1], True, "bfloat16", 9, 64, 1, (("fp8", 16),) * 4),
+  # GGUF-like: each product its own form, o left in the activations' dtype
+  "qwen2_mixed": ("qwen2", [300, 17], False, "float16", 5, 128, 2, (("int8", 32), ("elem", 0), ("fp8", 64), ("int4", 32))),
+}
+CASES.update({name: case[:7] for name, case in PACKED.items()})
+# the cases that run in a few seconds with `-m "not slow"` (their own small library); the rest are marked slow
+QUICK = frozenset({"qwen3_split_rows", "qwen2_mixed"})
 
 
 def make(name: str) -> tuple[LayerCase, DecodeLayerShape]:
   model, contexts, kv_fp8, dtype, blocks, threads, layers, *bucket = CASES[name]
+  weights = PACKED[name][7] if name in PACKED else (("elem", 0),) * 4
   case = make_layer_case(np.random.default_rng(len(name)), contexts, **MODELS[model], dtype=dtype, kv_fp8=kv_fp8, layers=layers,
-                         min_bucket=bucket[0] if bucket else 16)
+                         min_bucket=bucket[0] if bucket else 16, weights=weights)
   d, p = case.dims, case.paged
   shape = DecodeLayerShape(dtype, case.rows, d["hidden"], d["heads"], d["kv_heads"], d["head_dim"], d["intermediate"], d["qk_norm"],
                            d["qkv_bias"], case.eps, p.shape.block_size, p.arrays["block_tables"].shape[1], p.k_cache.shape[0],
-                           kv_fp8, blocks, threads, layers=layers)
+                           kv_fp8, blocks, threads, layers=layers, weights=weights)
   return case, shape
 
 
@@ -70,7 +86,10 @@ def run_emulated(emu: LazyKernels, name: str, case: LayerCase, shape: DecodeLaye
   given = {"h_in": to_bits(case.h_in, case.dtype), "rope_cos": case.cos, "rope_sin": case.sin,
            **{k: case.paged.arrays[k] for k in ("slot_mapping", "block_tables", "context_lens", "query_start")}}
   for li, (weights, (k_cache, v_cache)) in enumerate(zip(case.weights, case.caches, strict=True)):
-    given.update({f"{k}_{li}": to_bits(v, case.dtype) for k, v in weights.items()})
+    for k, v in weights.items():
+      if isinstance(v, np.ndarray): given[f"{k}_{li}"] = to_bits(v, case.dtype)
+      else: given.update({f"{k}_{li}": v.codes.numpy(), f"{k}_scale_{li}": v.scales.numpy(),
+                          **({f"{k}_shift_{li}": v.shifts.numpy()} if v.shifts is not None else {})})
     given.update({f"k_cache_{li}": to_bits(k_cache, kv), f"v_cache_{li}": to_bits(v_cache, kv)})
   poison = {"float": np.float32(np.nan), "uint": 0, "elem": 0x7FC0 if case.dtype == "bfloat16" else 0x7E00}
   buffers = []
@@ -145,6 +164,43 @@ def test_plan_fits_qwen3_06b_on_h100():
     assert d["TV_CHUNK"] == 128 * rows   # about one attention item per block at full context
 
 
+def test_packed_plan_fits_qwen3_06b_on_h100():
+  """Packed weights on 132 SMs: int4 g128's codes, scales and shifts fit an SM with room to spare; their 18 pointers a
+  layer let 27 layers into CUDA's 4 KB of arguments, so a 28-layer step is two launches of 14 (one specialisation); FP8
+  (no shifts, 14 pointers a layer) keeps all 28 in one."""
+  base = dict(dtype="bfloat16", rows=1, hidden=1024, heads=16, kv_heads=8, head_dim=128, intermediate=3072, qk_norm=True,
+              qkv_bias=False, eps=1e-6, block_size=16, max_blocks=128, num_slots=4096, kv_fp8=False, blocks=132)
+  bf16 = DecodeLayerShape(**base, layers=28)
+  int4 = DecodeLayerShape(**base, layers=14, weights=(("int4", 128),) * 4)
+  assert max_layers(int4) == 27 and unsupported_reason(int4, H100) is None
+  assert "28 layers in one launch (it takes 1 to 27)" in unsupported_reason(replace(int4, layers=28), H100)
+  plan = decode_layer_plan(int4, H100)
+  assert len(plan.launch.params) == 14 + 14 * 18 and 8 * len(plan.launch.params) <= 4096
+  assert shared_bytes(int4) < shared_bytes(bf16) <= 227 * 1024
+  layout = shared_layout(int4)   # gate_up's 47 rows: 47 x 512 bytes of codes, 47 x 8 scales and shifts in 16-byte windows
+  assert layout["TV_A_BYTES"] == 47 * 512 + 2 * (47 * 8 * 4 + 16)
+  d = plan.defines
+  assert (d["TV_WQ_QKV"], d["TV_WG_QKV"], d["TV_P_QKV_S"], d["TV_P_QKV_Z"]) == (2, 128, 10, 11)
+  fp8 = DecodeLayerShape(**base, layers=28, weights=(("fp8", 128),) * 4)
+  assert max_layers(fp8) == 32 and unsupported_reason(fp8, H100) is None
+  d = decode_layer_plan(fp8, H100).defines
+  assert (d["TV_WQ_QKV"], d["TV_P_QKV_S"], d["TV_P_QKV_Z"]) == (3, 10, 3)   # no shifts: the codes' slot, never read
+  mixed = DecodeLayerShape(**base, weights=(("int8", 1024), ("elem", 0), ("fp8", 1024), ("int4", 128)))
+  d = decode_layer_plan(mixed, H100).defines
+  assert (d["TV_WQ_O"], d["TV_P_O_S"], d["TV_P_O_Z"]) == (0, 4, 4)   # no scales: the codes' own slot, never read
+
+
+def test_packed_shapes_say_why():
+  base = dict(dtype="bfloat16", rows=1, hidden=1024, heads=16, kv_heads=8, head_dim=128, intermediate=3072, qk_norm=True,
+              qkv_bias=False, eps=1e-6, block_size=16, max_blocks=128, num_slots=4096, kv_fp8=False, blocks=132)
+  packed = lambda *forms: unsupported_reason(DecodeLayerShape(**base, weights=forms), H100)
+  assert "qkv scale group 12" in packed(("int8", 12), ("elem", 0), ("elem", 0), ("elem", 0))
+  assert "o scale group 96" in packed(("elem", 0), ("int4", 96), ("elem", 0), ("elem", 0))   # does not divide 2,048
+  assert "nf4 weights (gu)" in packed(("elem", 0), ("elem", 0), ("nf4", 64), ("elem", 0))
+  odd = DecodeLayerShape(**{**base, "hidden": 1000, "heads": 8, "head_dim": 125}, weights=(("int4", 8),) + (("elem", 0),) * 3)
+  assert "whole 16-byte rows of codes" in unsupported_reason(odd, H100)
+
+
 def test_unsupported_shapes_say_why():
   base = dict(dtype="bfloat16", rows=1, hidden=1024, heads=16, kv_heads=8, head_dim=128, intermediate=3072, qk_norm=True,
               qkv_bias=False, eps=1e-6, block_size=16, max_blocks=128, num_slots=4096, kv_fp8=False, blocks=132)
@@ -162,12 +218,16 @@ def test_unsupported_shapes_say_why():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed (the CUDA compile check needs it)")
-@pytest.mark.parametrize("rows,kv_fp8", [(1, False), (4, True)])
-def test_cuda_source_compiles_without_spills(tmp_path, rows, kv_fp8):
-  """Qwen3-0.6B's 28 layers as an H100 plans them, through nvcc (sm_90a): no errors, and within the 512 threads' 128
-  registers at most a few loop-invariant words in local memory (the bf16 build keeps ~40 bytes there: barrier and copy
-  bookkeeping, read a few times a phase, never in a product's or an attention tile's loop)."""
-  shape = DecodeLayerShape("bfloat16", rows, 1024, 16, 8, 128, 3072, True, False, 1e-6, 16, 128, 1 << 16, kv_fp8, 132, layers=28)
+@pytest.mark.parametrize("rows,kv_fp8,weights", [(1, False, None), (4, True, None), (1, False, ("int4", 128)),
+                                                 (4, False, ("int8", 128)), (1, True, ("fp8", 128))])
+def test_cuda_source_compiles_without_spills(tmp_path, rows, kv_fp8, weights):
+  """Qwen3-0.6B's 28 layers as an H100 plans them (14 a launch with int8 / int4 weights' scales and shifts), through nvcc
+  (sm_90a): no errors, and within the 512 threads' 128 registers at most a few loop-invariant words in local memory
+  (the bf16 build keeps ~40 bytes there: barrier and copy bookkeeping, read a few times a phase, never in a product's
+  or an attention tile's loop)."""
+  layers = 14 if weights and weights[0] != "fp8" else 28
+  shape = DecodeLayerShape("bfloat16", rows, 1024, 16, 8, 128, 3072, True, False, 1e-6, 16, 128, 1 << 16, kv_fp8, 132,
+                           layers=layers, weights=(weights,) * 4 if weights else (("elem", 0),) * 4)
   path = tmp_path / "layer.cu"
   path.write_text(decode_layer_source(shape, H100)[1])
   run = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-o", str(tmp_path / "layer.cubin"),
@@ -224,6 +284,35 @@ def test_backend_takes_only_small_decode_steps_it_supports():
   for _ in range(2): assert backend.decode_layers(stack, h, cos, sin, caches, meta, case.eps) is None
   assert len(messages) == 1 and "group above 4" in messages[0] and "per-op kernels" in messages[0]
   assert backend.calls["decode-layers"] == 1
+
+
+@pytest.mark.slow
+def test_backend_takes_packed_layers(monkeypatch):
+  """Packed (int4 g128) layers through FusedBackend on CPU tensors with the nominal H100: the step's shape carries each
+  product's form; with the arguments' room cut to two layers a launch, three layers run as launches of 2 and 1 (two
+  specialisations, both built); act-order weights (g_idx) are refused, once in the log."""
+  from dataclasses import replace as swap
+
+  from tinygrad import Tensor, dtypes
+
+  from tinyvllm.kernels import decode_layer
+  from tinyvllm.kernels.fused import FusedBackend
+  from tinyvllm.kernels.tinygrad_program import collecting_sources
+  messages: list[str] = []
+  backend = FusedBackend(replace(H100, device="CPU"), log=messages.append)
+  qwen3 = dict(hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=128, qk_norm=True, qkv_bias=False)
+  case = make_layer_case(np.random.default_rng(0), [40], **qwen3, dtype="float16", layers=3, weights=(("int4", 128),) * 4)
+  _, stack, (h, cos, sin, caches, meta) = layer_tensors(case, dtype="float16")
+  shape, reason = step_shape(stack, h, cos, *caches[0], meta, case.eps, backend.target, 8192)
+  assert reason is None and shape.weights == (("int4", 128),) * 4 and shape.layers == 3
+  monkeypatch.setattr(decode_layer, "ARGUMENT_POINTERS", decode_layer.STEP_PARAMS + 2 * len(shape.layer_params))
+  with collecting_sources() as pending:
+    fused = backend.decode_layers(stack, h, cos, sin, caches, meta, case.eps)
+  assert fused is not None and len(fused[1]) == 3 and len(pending) == 2 and not messages
+  act_order = [swap(layer, qkv_proj=swap(layer.qkv_proj, g_idx=Tensor.zeros(1024, dtype=dtypes.int32).contiguous()))
+               for layer in stack]
+  for _ in range(2): assert backend.decode_layers(act_order, h, cos, sin, caches, meta, case.eps) is None
+  assert len(messages) == 1 and "act-order (g_idx) weights" in messages[0]
 
 
 def test_backend_decode_layer_options():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.emulator.cases import from_bits, linear_inputs, portable_linear_reference, to_bits
+from tests.emulator.cases import from_bits, linear_inputs, packed_weight, portable_linear_reference, to_bits
 from tests.emulator.emulator import LazyKernels, Spec, emulate, poisoned
 from tinyvllm.kernels.linear import LinearShape, linear_plan, unsupported_reason
 
@@ -67,6 +67,7 @@ PACKED = {
   "int4_f16_channel": ("float16", 1, 256, 24, "int4", 256, False, False, False),
   "fp8_bf16_g128_norm": ("bfloat16", 2, 256, 9, "fp8", 128, True, False, False),
   "int8_bf16_16rows_tail": ("bfloat16", 16, 264, 12, "int8", 8, False, False, True),
+  "int4_f32_g16_halfwords": ("float32", 2, 96, 7, "int4", 16, False, False, False),   # 4-element vectors: half a word
 }
 
 
@@ -81,20 +82,8 @@ def emu_packed(dialect: str) -> LazyKernels:
 
 
 def _packed_weight(name: str, rng: np.random.Generator):
-  """The weight in the packed form: integer codes with random zero points (GPTQ/AWQ-like, an offset as GGUF's Q4_1)
-  through the loaders' upload, or FP8 by round-to-nearest."""
-  from tinygrad import Tensor, dtypes
-
-  from tinyvllm.layers.quantized import quantize_rtn
-  from tinyvllm.model.quantization.unpacked import UnpackedWeight, upload
   _, _, k, o, weight, group, *_ = PACKED[name]
-  if weight == "fp8": return quantize_rtn(Tensor(rng.standard_normal((o, k)).astype(np.float32) * 0.1), "fp8", group)
-  bits = 4 if weight == "int4" else 8
-  groups = (o, k // group)
-  w = UnpackedWeight(rng.integers(0, 2 ** bits, (o, k)).astype(np.uint8), (rng.random(groups) * 0.02).astype(np.float16),
-                     rng.integers(0, 2 ** bits, groups).astype(np.uint8), None, group, bits,
-                     (rng.standard_normal(groups) * 0.01).astype(np.float32))
-  return upload(w, weight, "int", dtypes.float32, "CPU")
+  return packed_weight(rng, weight, o, k, group)
 
 
 @pytest.mark.parametrize("name", list(PACKED))

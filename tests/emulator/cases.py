@@ -204,6 +204,26 @@ def portable_linear_reference(a: dict[str, np.ndarray], shape) -> np.ndarray:
                          silu_mul=shape.silu_mul, residual=t.get("residual"), out_float32=shape.out_float32).numpy()
 
 
+def packed_weight(rng: np.random.Generator, form: str, out: int, k: int, group: int, magnitude: float = 0.1,
+                  device: str | None = None):
+  """A random weight of about `magnitude` in the packed form (tinyvllm/backend/quantized.py), float32 on the CPU: int8 /
+  int4 codes with random float16 scales, zero points about the middle and additive offsets (GPTQ/AWQ-like, GGUF Q4_1's
+  min) through the loaders' upload, or FP8 ("fp8") by round-to-nearest. On `device` (default: tinygrad's)."""
+  from tinygrad import Tensor, dtypes
+
+  from tinyvllm.layers.quantized import quantize_rtn
+  from tinyvllm.model.quantization.unpacked import UnpackedWeight, upload
+  if form == "fp8":
+    return quantize_rtn(Tensor(rng.standard_normal((out, k)).astype(np.float32) * magnitude, device=device), "fp8", group)
+  bits, groups = int(form.removeprefix("int")), (out, k // group)
+  scales = (rng.random(groups) + 0.5) * magnitude / 2 ** (bits - 2)
+  w = UnpackedWeight(rng.integers(0, 2 ** bits, (out, k)).astype(np.uint8), scales.astype(np.float16),
+                     (2 ** (bits - 1) + rng.integers(-(2 ** (bits - 3)), 2 ** (bits - 3) + 1, groups)).astype(np.uint8), None,
+                     group, bits,
+                     (rng.standard_normal(groups) * magnitude * 0.1).astype(np.float32))
+  return upload(w, form, "int", dtypes.float32, device)
+
+
 @dataclass
 class LayerCase:
   """Decoder layers' inputs for a decode step (one new token per sequence): weights and activations rounded to `dtype`,
@@ -212,7 +232,9 @@ class LayerCase:
   paged: PagedCase
   dims: dict[str, int | bool]   # hidden, intermediate, heads, kv_heads, head_dim, qk_norm, qkv_bias
   h_in: np.ndarray              # [N, hidden]
-  weights: list[dict[str, np.ndarray]]   # per layer: input_norm, w_qkv, w_o, post_norm, w_gu, w_down (+ q_norm, k_norm, qkv_bias)
+  # per layer: input_norm, w_qkv, w_o, post_norm, w_gu, w_down (+ q_norm, k_norm, qkv_bias); a w_* may be a packed
+  # QuantizedWeight (float32, CPU)
+  weights: list[dict]
   caches: list[tuple[np.ndarray, np.ndarray]]   # per layer: k_cache, v_cache [slots, KVH * D] (representable in kv_dtype)
   cos: np.ndarray               # [N, head_dim / 2] float32
   sin: np.ndarray
@@ -225,7 +247,10 @@ class LayerCase:
 
 def make_layer_case(rng: np.random.Generator, contexts: list[int], *, hidden: int, intermediate: int, heads: int, kv_heads: int,
                     head_dim: int, qk_norm: bool, qkv_bias: bool, dtype: str = "bfloat16", kv_fp8: bool = False,
-                    block_size: int = 16, theta: float = 10000.0, layers: int = 1, min_bucket: int = 16) -> LayerCase:
+                    block_size: int = 16, theta: float = 10000.0, layers: int = 1, min_bucket: int = 16,
+                    weights: tuple[tuple[str, int], ...] = ()) -> LayerCase:
+  """`weights`: each product's (form, group) as kernels.decode_layer.DecodeLayerShape.weights has them (default: all in
+  `dtype`); a packed one is a random QuantizedWeight (packed_weight)."""
   paged = make_case(rng, [(c, 1) for c in contexts], heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
                     dtype=dtype, kv_fp8=kv_fp8, min_bucket=min_bucket)
   n, qkv_width = len(paged.arrays["slot_mapping"]), (heads + 2 * kv_heads) * head_dim
@@ -237,6 +262,10 @@ def make_layer_case(rng: np.random.Generator, contexts: list[int], *, hidden: in
          "w_gu": r(2 * intermediate, hidden, scale=hidden ** -0.5), "w_down": r(hidden, intermediate, scale=intermediate ** -0.5)}
     if qk_norm: w.update(q_norm=r(head_dim, scale=0.3, offset=1), k_norm=r(head_dim, scale=0.3, offset=1))
     if qkv_bias: w["qkv_bias"] = r(qkv_width, scale=0.3)
+    for product, (form, group) in zip(("qkv", "o", "gu", "down"), weights or (("elem", 0),) * 4, strict=True):
+      if form != "elem":
+        out, k = w[f"w_{product}"].shape
+        w[f"w_{product}"] = packed_weight(rng, form, out, k, group, magnitude=k ** -0.5)
     return w
   caches = [(paged.k_cache, paged.v_cache)] + [(r(*paged.k_cache.shape, to=paged.kv_dtype), r(*paged.v_cache.shape, to=paged.kv_dtype))
                                                for _ in range(layers - 1)]
@@ -261,7 +290,7 @@ def layer_tensors(case: LayerCase, device: str | None = None, dtype: str = "floa
   put = lambda v: Tensor(np.ascontiguousarray(v), device=device).cast(tdtype).contiguous().realize()
   layers = []
   for weights in case.weights:
-    w = {k: put(v) for k, v in weights.items()}
+    w = {k: put(v) if isinstance(v, np.ndarray) else _packed_to(v, device, tdtype) for k, v in weights.items()}
     layers.append(DecoderLayerWeights(w["input_norm"], w["w_qkv"], w.get("qkv_bias"), w.get("q_norm"), w.get("k_norm"), w["w_o"],
                                       None, w["post_norm"], w["w_gu"], None, w["w_down"], None))
   d = case.dims
@@ -275,6 +304,13 @@ def layer_tensors(case: LayerCase, device: str | None = None, dtype: str = "floa
   inputs = (put(case.h_in), Tensor(case.cos, device=device), Tensor(case.sin, device=device), caches,
             metadata_tensors(case.paged, device))
   return model, layers, inputs
+
+
+def _packed_to(w, device: str | None, dtype):
+  """A packed weight's buffers on `device`, dequantizing to `dtype`."""
+  from dataclasses import replace
+  move = lambda t: None if t is None else t.to(device).contiguous().realize()
+  return replace(w, dtype=dtype, codes=move(w.codes), scales=move(w.scales), shifts=move(w.shifts), g_idx=move(w.g_idx))
 
 
 def layer_outputs(case: LayerCase, h, caches) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:

@@ -33,10 +33,6 @@ class DecoderLayerWeights:
 
   def linears(self) -> list[Weight]: return [self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj]
 
-  @property
-  def quantized(self) -> bool:
-    return any(isinstance(getattr(self, f.name), QuantizedWeight) for f in fields(self))
-
   def signature(self) -> tuple:
     """Each weight's shape and dtype (None for an absent one): layers with equal signatures share a specialisation."""
     return tuple(None if t is None else (t.shape, t.dtype) for t in (getattr(self, f.name) for f in fields(self)))

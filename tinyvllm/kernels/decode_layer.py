@@ -7,7 +7,9 @@ phase's weights into shared memory one phase ahead (the next layer's qkv slice d
 block must be resident at once (the barriers spin), so the grid is the GPU's SM count and a block takes the shared
 memory of a whole SM; shapes whose slices do not fit use the per-op kernels. A launch takes up to MAX_LAYERS layers
 (each layer's buffers are kernel arguments: CUDA's 4 KB of them bound the count). Metal has no grid barrier with a
-forward-progress guarantee, so there the per-op kernels run. It uses Hopper's bulk copies (sm_90).
+forward-progress guarantee, so there the per-op kernels run. It uses Hopper's bulk copies (sm_90). Each product's
+weights may be packed (quantized: int8, int4, FP8 codes with per-group scales), staged as codes and dequantized in
+registers.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from dataclasses import dataclass, replace
 from tinygrad import Tensor, dtypes
 
 from tinyvllm.backend.metadata import AttentionMetadata
-from tinyvllm.backend.weights import DecoderLayerWeights
+from tinyvllm.backend.quantized import QuantizedWeight
+from tinyvllm.backend.weights import DecoderLayerWeights, Weight
 from tinyvllm.kernels.plan import Launch, Param, cdiv, dtype_code
 from tinyvllm.kernels.sources import kernel_source
 from tinyvllm.kernels.tinygrad_program import run_kernel
@@ -27,13 +30,18 @@ from tinyvllm.layers.fp8 import is_fp8
 from tinyvllm.platform.target import DeviceTarget
 
 MAX_ROWS = 4          # decode rows (sequences) it takes: x' of 4 rows of the widest input fits beside the weight slices
-MAX_LAYERS = 32       # layers a launch takes: (14 + 11 x 32) pointers stay inside CUDA's 4 KB of kernel arguments
+MAX_LAYERS = 32       # layers a launch takes at most (fewer where a layer's pointers would pass ARGUMENT_POINTERS)
+ARGUMENT_POINTERS = 512   # CUDA's 4 KB of kernel arguments
+STEP_PARAMS = 14          # the step's own buffers, before the layers'
 MAX_GROUP = 4         # query heads per KV head (the attention phase holds G x 8 q values and accumulators a thread)
 THREADS = 512
 TILE_KEYS = 128       # keys an attention tile covers at least
 
 
 LAYER_PARAMS = ("k_cache", "v_cache", "input_norm", "w_qkv", "w_o", "post_norm", "w_gu", "w_down")
+PRODUCTS = ("qkv", "o", "gu", "down")   # the layer's four products, in DecodeLayerShape.weights' order
+PACKED_FORMATS = {"elem": (0, 16), "int8": (1, 8), "int4": (2, 4), "fp8": (3, 8)}   # weight form -> (TV_WQ_*, bits)
+ELEM = ("elem", 0)   # a product whose weight is in the activations' dtype
 
 
 @dataclass(frozen=True)
@@ -55,17 +63,27 @@ class DecodeLayerShape:
   blocks: int         # the grid: the GPU's SM count
   threads: int = THREADS   # a block's (smaller in the CPU emulator's tests)
   layers: int = 1          # decoder layers a launch runs, one after the other
+  # each product's weight form (PACKED_FORMATS) and scale group (input columns), in PRODUCTS' order
+  weights: tuple[tuple[str, int], ...] = (ELEM,) * 4
 
   @property
   def layer_params(self) -> tuple[str, ...]:
-    """Each layer's buffers, in the kernel's table order (decode_layer.inc's TV_P_* slots)."""
-    return (LAYER_PARAMS + (("q_norm", "k_norm") if self.qk_norm else ()) + (("qkv_bias",) if self.qkv_bias else ()))
+    """Each layer's buffers, in the kernel's table order (decode_layer.inc's TV_P_* slots): a packed product's scales
+    and (integer codes) shifts after the rest."""
+    packed = tuple(f"w_{p}_{part}" for p, (form, _) in zip(PRODUCTS, self.weights, strict=True) if form != "elem"
+                   for part in (("scale",) if form == "fp8" else ("scale", "shift")))
+    return (LAYER_PARAMS + (("q_norm", "k_norm") if self.qk_norm else ()) + (("qkv_bias",) if self.qkv_bias else ()) + packed)
 
   @property
   def group(self) -> int: return self.heads // self.kv_heads
 
   @property
   def qkv_width(self) -> int: return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+  def product_dims(self) -> dict[str, tuple[int, int]]:
+    """Each product's (rows, input columns)."""
+    return {"qkv": (self.qkv_width, self.hidden), "o": (self.hidden, self.heads * self.head_dim),
+            "gu": (2 * self.intermediate, self.hidden), "down": (self.hidden, self.intermediate)}
 
 
 @dataclass(frozen=True)
@@ -107,6 +125,15 @@ def _meta_ints(shape: DecodeLayerShape) -> int:
   return 3 * shape.rows + 1 + (shape.rows * shape.max_blocks if _caches_tables(shape) else 0)
 
 
+def _slice_bytes(shape: DecodeLayerShape, product: str, rows: int) -> int:
+  """Bytes of a block's slice of `rows` rows of a product in its buffer: the codes, then the scales' and shifts' windows
+  (decode_layer_ops.inc, TV_DL_SCALE_BYTES)."""
+  form, group = shape.weights[PRODUCTS.index(product)]
+  k, bits = shape.product_dims()[product][1], PACKED_FORMATS[form][1]
+  if form == "elem": return rows * k * bits // 8
+  return rows * k * bits // 8 + (_align(rows * (k // group) * 4) + 16) * (1 if form == "fp8" else 2)
+
+
 def shared_layout(shape: DecodeLayerShape) -> dict[str, int]:
   """Bytes of the shared-memory regions (csrc/cuda/decode_layer_ops.inc): A, B (weight slices), X (x'), S, Y, T (the
   buffers' mbarriers and a flag, the layers' pointers, the step's metadata)."""
@@ -115,8 +142,9 @@ def shared_layout(shape: DecodeLayerShape) -> dict[str, int]:
   g, d = s.group, s.head_dim
   attention = (g + 1) * d + g * tile + cdiv(4 * (g + 1), 4) * 4 + 8 * (d // 8) + max(nw * g, 3) * d
   red_rows, keep_rows = max(*r.values(), nw), max(r["TV_R_O"], r["TV_R_DN"])
-  return {"TV_A_BYTES": _align(2 * max(r["TV_R_QKV"], r["TV_R_GU"]) * s.hidden),
-          "TV_B_BYTES": _align(2 * max(r["TV_R_O"] * s.heads * d, r["TV_R_DN"] * s.intermediate)),
+  slice_bytes = lambda product, rows: _slice_bytes(s, product, r[rows])
+  return {"TV_A_BYTES": _align(max(slice_bytes("qkv", "TV_R_QKV"), slice_bytes("gu", "TV_R_GU"))),
+          "TV_B_BYTES": _align(max(slice_bytes("o", "TV_R_O"), slice_bytes("down", "TV_R_DN"))),
           "TV_X_BYTES": _align(2 * s.rows * max(s.hidden, s.heads * d, s.intermediate)),
           "TV_S_BYTES": _align(4 * max(attention, s.rows * s.hidden // 8)),
           "TV_Y_BYTES": _align(4 * (s.rows * red_rows + s.rows + s.rows * keep_rows)),
@@ -135,7 +163,8 @@ def unsupported_reason(shape: DecodeLayerShape, target: DeviceTarget) -> str | N
     return f"device {target.arch or target.device} (the layer kernel needs a grid barrier and Hopper's bulk copies)"
   if s.dtype not in ("float16", "bfloat16"): return f"dtype {s.dtype} (the layer kernel takes float16 and bfloat16)"
   if not 1 <= s.rows <= MAX_ROWS: return f"{s.rows} rows (the layer kernel takes 1 to {MAX_ROWS})"
-  if not 1 <= s.layers <= MAX_LAYERS: return f"{s.layers} layers in one launch (it takes 1 to {MAX_LAYERS})"
+  if not 1 <= s.layers <= (most := max_layers(s)): return f"{s.layers} layers in one launch (it takes 1 to {most})"
+  if (reason := _packed_reason(s)) is not None: return reason
   if s.heads % s.kv_heads or s.group > MAX_GROUP: return f"{s.heads} query heads over {s.kv_heads} KV heads (group above {MAX_GROUP})"
   dv = s.head_dim // 8
   if s.head_dim % 8 or dv > 32 or dv & (dv - 1): return f"head_dim {s.head_dim} (8 times a power of two up to 32)"
@@ -146,8 +175,31 @@ def unsupported_reason(shape: DecodeLayerShape, target: DeviceTarget) -> str | N
   return None
 
 
+def max_layers(shape: DecodeLayerShape) -> int:
+  """Layers one launch takes: up to MAX_LAYERS, as many as CUDA's kernel arguments hold the pointers of."""
+  return min(MAX_LAYERS, (ARGUMENT_POINTERS - STEP_PARAMS) // len(shape.layer_params))
+
+
+def _packed_reason(shape: DecodeLayerShape) -> str | None:
+  """Why a product's packed weight does not fit the kernel's slices, or None."""
+  for product, (form, group) in zip(PRODUCTS, shape.weights, strict=True):
+    rows, k = shape.product_dims()[product]
+    if form not in PACKED_FORMATS: return f"{form} weights ({product})"
+    if form == "elem": continue
+    bits = PACKED_FORMATS[form][1]
+    if group <= 0 or group % 8 or k % group: return f"{product} scale group {group} (a multiple of 8 dividing {k})"
+    if k * bits % 128: return f"{product}'s {k} {form} columns are not whole 16-byte rows of codes"
+    if rows * (k // group) % 4: return f"{product}'s {rows} x {k // group} scales are not whole 16-byte units"
+  return None
+
+
 def _layer_param(shape: DecodeLayerShape, name: str) -> Param:
   s, hd = shape, shape.heads * shape.head_dim
+  product = name[2:].removesuffix("_scale").removesuffix("_shift")
+  if name.startswith("w_") and (form := s.weights[PRODUCTS.index(product)])[0] != "elem":
+    rows, k = s.product_dims()[product]
+    if name.endswith(("_scale", "_shift")): return Param(name, "float", False, rows * (k // form[1]))
+    return Param(name, "uint", False, rows * k * PACKED_FORMATS[form[0]][1] // 32)
   numel = {"k_cache": s.num_slots * s.kv_heads * s.head_dim, "v_cache": s.num_slots * s.kv_heads * s.head_dim,
            "input_norm": s.hidden, "w_qkv": s.qkv_width * s.hidden, "w_o": s.hidden * hd, "post_norm": s.hidden,
            "w_gu": 2 * s.intermediate * s.hidden, "w_down": s.hidden * s.intermediate, "q_norm": s.head_dim,
@@ -155,14 +207,25 @@ def _layer_param(shape: DecodeLayerShape, name: str) -> Param:
   return Param(name, "kv" if name.endswith("cache") else "elem", name.endswith("cache"), numel)
 
 
+ARG_TYPES = {"kv": "TV_KV_ELEM", "elem": "TV_ELEM", "float": "float", "uint": "uint"}
+
+
 def _layer_defines(shape: DecodeLayerShape, first_index: int) -> dict[str, int | str]:
-  """The generated kernel text for the per-layer arguments (`name_l`, in table order) and the table's fill."""
+  """The generated kernel text for the per-layer arguments (`name_l`, in table order), the table's fill and each
+  product's weight form (TV_WQ_*, TV_WG_*) and scale / shift slots (TV_P_*_S, TV_P_*_Z: the codes' slot where absent)."""
   names = [f"{name}_{li}" for li in range(shape.layers) for name in shape.layer_params]
-  args = "".join(f", {'TV_ARG' if p.written else 'TV_ARG_RO'}({'TV_KV_ELEM' if p.kind == 'kv' else 'TV_ELEM'}, {n}, {first_index + i})"
-                 for i, (n, p) in enumerate(zip(names, (_layer_param(shape, n.rsplit("_", 1)[0]) for n in names), strict=True)))
+  params = [_layer_param(shape, n.rsplit("_", 1)[0]) for n in names]
+  args = "".join(f", {'TV_ARG' if p.written else 'TV_ARG_RO'}({ARG_TYPES[p.kind]}, {n}, {first_index + i})"
+                 for i, (n, p) in enumerate(zip(names, params, strict=True)))
   defines: dict[str, int | str] = {"TV_L": shape.layers, "TV_LP": len(shape.layer_params), "TV_LAYER_ARGS": args,
                                    "TV_FILL_TABLE": " ".join(f"tv_tab[{i}] = (void*){n};" for i, n in enumerate(names))}
   if shape.qkv_bias: defines["TV_P_QKV_BIAS"] = shape.layer_params.index("qkv_bias")
+  defines["TV_FP8_WEIGHTS"] = 1   # common.inc's E4M3 decoding: every product's template has an FP8 branch
+  slot = lambda name, fallback: shape.layer_params.index(name if name in shape.layer_params else fallback)
+  for product, (form, group) in zip(PRODUCTS, shape.weights, strict=True):
+    tag, codes = product.upper(), f"w_{product}"
+    defines.update({f"TV_WQ_{tag}": PACKED_FORMATS[form][0], f"TV_WG_{tag}": group or shape.product_dims()[product][1],
+                    f"TV_P_{tag}_S": slot(f"{codes}_scale", codes), f"TV_P_{tag}_Z": slot(f"{codes}_shift", codes)})
   return defines
 
 
@@ -209,11 +272,25 @@ def layer_arguments(layers: list[DecoderLayerWeights], h: Tensor, cos: Tensor, s
            "block_tables": meta.block_tables, "context_lens": meta.context_lens, "query_start": meta.query_start}
   for li, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
     named.update({f"k_cache_{li}": k_cache, f"v_cache_{li}": v_cache, f"input_norm_{li}": layer.input_norm,
-                  f"w_qkv_{li}": layer.qkv_proj, f"w_o_{li}": layer.o_proj, f"post_norm_{li}": layer.post_attention_norm,
-                  f"w_gu_{li}": layer.gate_up_proj, f"w_down_{li}": layer.down_proj, f"q_norm_{li}": layer.q_norm,
-                  f"k_norm_{li}": layer.k_norm, f"qkv_bias_{li}": layer.qkv_bias})
+                  f"post_norm_{li}": layer.post_attention_norm, f"q_norm_{li}": layer.q_norm, f"k_norm_{li}": layer.k_norm,
+                  f"qkv_bias_{li}": layer.qkv_bias})
+    for product, weight in zip(PRODUCTS, layer.linears(), strict=True):
+      named.update(_weight_arguments(f"w_{product}", li, weight))
   written = {"sync", *(f"{c}_cache_{li}" for li in range(len(layers)) for c in "kv")}
   return {k: t if k in written else t.contiguous() for k, t in named.items() if t is not None}
+
+
+def _weight_arguments(name: str, li: int, weight: Weight) -> dict[str, Tensor | None]:
+  """A product's buffers: the weight, or a packed one's codes, scales and shifts (flat)."""
+  if not isinstance(weight, QuantizedWeight): return {f"{name}_{li}": weight}
+  flat = lambda t: None if t is None else t.reshape(-1)
+  return {f"{name}_{li}": flat(weight.codes), f"{name}_scale_{li}": flat(weight.scales), f"{name}_shift_{li}": flat(weight.shifts)}
+
+
+def weight_form(weight: Weight) -> tuple[str, int]:
+  """A product's entry in DecodeLayerShape.weights."""
+  if not isinstance(weight, QuantizedWeight): return ELEM
+  return (f"int{weight.bits}" if weight.kind == "int" else weight.kind, weight.group_size)
 
 
 def run_decode_layer(shape: DecodeLayerShape, target: DeviceTarget, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -236,8 +313,11 @@ def step_shape(layers: list[DecoderLayerWeights], h: Tensor, cos: Tensor, k_cach
     return None, None
   head_dim, kv_fp8, layer = 2 * cos.shape[1], is_fp8(k_cache), layers[0]
   dtype = {dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}.get(h.dtype)
+  forms = tuple(weight_form(w) for w in layer.linears())
   reason = next((r for bad, r in (
     (any(x.signature() != layer.signature() for x in layers), "layers of different shapes"),
+    (any(tuple(map(weight_form, x.linears())) != forms for x in layers), "layers of different weight formats"),
+    (any(isinstance(w, QuantizedWeight) and w.g_idx is not None for w in layer.linears()), "act-order (g_idx) weights"),
     (any(b is not None for b in (layer.o_bias, layer.gate_up_bias, layer.down_bias)), "o / MLP biases"),
     (dtype is None or layer.qkv_proj.dtype != h.dtype, f"activations {h.dtype.name}, weights {layer.qkv_proj.dtype.name}"),
     (v_cache.dtype != k_cache.dtype or (not kv_fp8 and k_cache.dtype != h.dtype), "cache dtype"),
@@ -247,7 +327,8 @@ def step_shape(layers: list[DecoderLayerWeights], h: Tensor, cos: Tensor, k_cach
   if reason is not None or dtype is None: return None, reason or "dtype"
   shape = DecodeLayerShape(dtype, rows, h.shape[1], layer.o_proj.shape[1] // head_dim, k_cache.shape[1] // head_dim, head_dim,
                            layer.down_proj.shape[1], layer.q_norm is not None, layer.qkv_bias is not None, eps, meta.block_size,
-                           meta.block_tables.shape[1], k_cache.shape[0], kv_fp8, target.multiprocessors,
-                           layers=min(len(layers), MAX_LAYERS))
+                           meta.block_tables.shape[1], k_cache.shape[0], kv_fp8, target.multiprocessors, weights=forms)
+  launches = cdiv(len(layers), max_layers(shape))   # as few as the arguments allow, of equal size (one specialisation)
+  shape = replace(shape, layers=cdiv(len(layers), launches))
   reason = unsupported_reason(shape, target)
   return (shape, None) if reason is None else (None, reason)

@@ -125,9 +125,9 @@ class FusedBackend:
 
   def decode_layers(self, layers: list[DecoderLayerWeights], h: Tensor, cos: Tensor, sin: Tensor, kv_caches: KVCaches,
                     meta: AttentionMetadata, eps: float) -> tuple[Tensor, KVCaches] | None:
-    """A small decode step's layers in persistent kernels (csrc/cuda/decode_layer.inc), up to MAX_LAYERS a launch;
-    None where they do not take the step (the model then runs each layer op by op)."""
-    if not self.decode_layer_bounds or layers[0].quantized: return None
+    """A small decode step's layers in persistent kernels (csrc/cuda/decode_layer.inc), as many a launch as the shape
+    says; None where they do not take the step (the model then runs each layer op by op)."""
+    if not self.decode_layer_bounds: return None
     k0, v0 = kv_caches[0]
     shape, reason = decode_layer.step_shape(layers, h, cos, k0, v0, meta, eps, self.target,
                                             self.decode_layer_bounds.get(h.shape[0], 0))
@@ -138,8 +138,8 @@ class FusedBackend:
       return None
     self.calls["decode-layers"] += 1
     sync, new_caches = self._sync_base, []
-    for first in range(0, len(layers), decode_layer.MAX_LAYERS):
-      chunk, caches = layers[first:first + decode_layer.MAX_LAYERS], kv_caches[first:first + decode_layer.MAX_LAYERS]
+    for first in range(0, len(layers), shape.layers):
+      chunk, caches = layers[first:first + shape.layers], kv_caches[first:first + shape.layers]
       arguments = decode_layer.layer_arguments(chunk, h, cos, sin, caches, meta, sync)
       out = decode_layer.run_decode_layer(replace(shape, layers=len(chunk)), self.target, arguments)
       h, sync = out["h_out"].reshape(h.shape), out["sync"]
