@@ -1,8 +1,9 @@
-"""The packed-weight (quantized) product on the GPU, as part of bench/check_kernels.py: the decode kernel
-(csrc/neutral/linear.inc with TV_WQ) against the portable path (tinygrad ops dequantizing the same packed weight on the
-same device) for int8, int4 and FP8 codes, integer codes with arbitrary zero points (GPTQ / AWQ / GGUF-like), 1-16
-rows, with the RMSNorm and SwiGLU prologues and the residual; bf16 activations, Qwen3-0.6B's widths. Returns records
-for $OUT/kernels.json; raises AssertionError."""
+"""The packed-weight (quantized) products on the GPU, as part of bench/check_kernels.py: the decode kernel
+(csrc/neutral/linear.inc with TV_WQ, 1-4 rows) and the tensor-core kernel (csrc/cuda/gemm_tc.inc with TV_WQ: decode
+batches and prompt chunks, wgmma and mma.sync tiles, split K) against the portable path (tinygrad ops dequantizing the
+same packed weight on the same device) for int8, int4 and FP8 codes, integer codes with arbitrary zero points (GPTQ /
+AWQ / GGUF-like), with the RMSNorm and SwiGLU prologues and the residual; bf16 activations, Qwen3-0.6B's widths.
+Returns records for $OUT/kernels.json; raises AssertionError."""
 from __future__ import annotations
 
 import numpy as np
@@ -28,22 +29,28 @@ def _weight(kind: str, out: int, cols: int, group: int, device: str, rng: np.ran
 def check_quant(target, device: str) -> list[dict]:
   from tinygrad import Tensor, dtypes
 
-  from tinyvllm.kernels.linear import fused_linear
+  from tinyvllm.kernels.linear import fused_linear, linear_shape, pick_kernel
   from tinyvllm.layers.linear import portable_linear
   rng, records = np.random.default_rng(0), []
   # (weight kind, rows, in, out, group, prologue): Qwen3-0.6B's qkv (1024 -> 4096), down (3072 -> 1024, SwiGLU in)
   cases = [("int8", 1, 1024, 4096, 1024, "norm"), ("int4", 4, 1024, 4096, 128, "norm"), ("fp8", 16, 1024, 4096, 1024, "norm"),
-           ("asym4", 2, 3072, 1024, 128, "silu"), ("int4", 1, 3072, 1024, 128, "silu"), ("int8", 8, 1024, 1024, 1024, "residual")]
+           ("asym4", 2, 3072, 1024, 128, "silu"), ("int4", 1, 3072, 1024, 128, "silu"), ("int8", 8, 1024, 1024, 1024, "residual"),
+           # the tensor-core kernel: decode batches (mma.sync, wgmma 64x64, split K) and a prompt chunk (wgmma 128x128)
+           ("int8", 64, 1024, 4096, 1024, "norm"), ("int4", 256, 1024, 6144, 128, "norm"), ("asym4", 256, 3072, 1024, 128, "silu"),
+           ("fp8", 256, 2048, 1024, 2048, "residual"), ("int4", 2048, 1024, 4096, 128, "norm"), ("fp8", 2048, 3072, 1024, 3072, "silu")]
   for kind, rows, cols, out, group, prologue in cases:
     w = _weight(kind, out, cols, group, device, rng)
     bf16 = lambda a: Tensor(a.astype(np.float32), device=device).cast(dtypes.bfloat16)
     x = bf16(rng.standard_normal((rows, 2 * cols if prologue == "silu" else cols)))
     extra = {"norm": {"norm": bf16(1 + 0.3 * rng.standard_normal(cols))}, "silu": {"silu_mul": True},
              "residual": {"residual": bf16(rng.standard_normal((rows, out)))}}[prologue]
+    shape = linear_shape(x, w, None, extra.get("norm"), 1e-6, prologue == "silu", extra.get("residual"), False)
+    kernel = pick_kernel(target, shape)
     got = fused_linear(target, x, w, **extra)
     assert got is not None, f"{kind} {rows}x{cols}->{out}: the kernel did not take the shape"
     ref = portable_linear(x, w, **extra).float().numpy()
     err = float(np.abs(got.float().numpy() - ref).max() / np.abs(ref).max())
-    records.append({"weight": kind, "rows": rows, "in": cols, "out": out, "group": group, "prologue": prologue, "rel_err": err})
+    records.append({"weight": kind, "rows": rows, "in": cols, "out": out, "group": group, "prologue": prologue, "kernel": kernel,
+                    "rel_err": err})
     assert err < TOL, f"{kind} {rows}x{cols}->{out} ({prologue}): relative error {err:.3g}"
   return records

@@ -5,7 +5,9 @@ ceiling) for Qwen3-0.6B's projections.
 
 Usage (GPU machine): DEV=CUDA python bench/gemm_bench.py [--quick] [--rows 1,32,256]; writes $OUT/gemm_bench.json when
 OUT is set. Environment: GEMM_ONLY_PLANNED=1 times the planner's tiles alone (with the prologue in the loop and as its
-own pass), GEMM_ONLY_WGMMA=1 the planner's and the wgmma tiles, GEMM_WGMMA=0 leaves the wgmma tiles out.
+own pass), GEMM_ONLY_WGMMA=1 the planner's and the wgmma tiles, GEMM_WGMMA=0 leaves the wgmma tiles out;
+GEMM_QUANT=int8|int4|fp8 times the weights quantized by round-to-nearest (int4 in groups of 128) with the planner's
+kernel; GEMM_NO_CHECK=1 skips the correctness checks.
 Timing: each variant is captured with TinyJit as R calls on R different weight copies (so weights come from HBM, not
 L2, as in a decode step), replayed; time per call = wall time / (replays * R).
 """
@@ -40,6 +42,10 @@ def inputs(m: int, o: int, k: int, opts: dict, device: str, copies: int = 1, see
   bf = dtypes.bfloat16
   x = Tensor(rng.standard_normal((m, 2 * k if opts.get("silu_mul") else k)).astype(np.float32), device=device).cast(bf)
   ws = [(Tensor.randn(o, k, device=device, dtype=bf) * 0.05).realize() for _ in range(copies)]
+  if method := os.environ.get("GEMM_QUANT"):
+    from tinyvllm.layers.quantized import quantize_rtn
+    ws = [quantize_rtn(w, method, 128 if method == "int4" else k) for w in ws]
+    for w in ws: Tensor.realize(*w.tensors())
   extra = {}
   if opts.get("norm"): extra["norm"] = Tensor((1 + 0.2 * rng.standard_normal(k)).astype(np.float32), device=device).cast(bf)
   if opts.get("residual"): extra["residual"] = Tensor(rng.standard_normal((m, o)).astype(np.float32), device=device).cast(bf)
@@ -197,6 +203,7 @@ def variants_for(m: int, o: int, k: int, opts: dict) -> list[dict]:
   # the planner's tiles with the prologue in the loop and as its own pass
   xprime = [{"kind": "gemm", "tiles": dataclasses.replace(planned, xprime=flag)} for flag in (False, True)] \
     if opts.get("norm") or silu else []
+  if os.environ.get("GEMM_QUANT"): return [{"kind": "gemm"}] + ([{"kind": "skinny"}] if m <= 16 else [])
   if os.environ.get("GEMM_ONLY_PLANNED"): return [v for v in [{"kind": "gemm"}, *xprime] if plannable(m, o, k, opts, v)]
   out += xprime
   if os.environ.get("GEMM_ONLY_WGMMA"): return [v for v in out if plannable(m, o, k, opts, v)]
@@ -214,7 +221,7 @@ def variants_for(m: int, o: int, k: int, opts: dict) -> list[dict]:
 
 def bench(device: str, rows: list[int], replays: int) -> None:
   for name, o, k, opts in PROJECTIONS:
-    wbytes = o * k * 2
+    wbytes = o * k * {"int8": 1, "fp8": 1, "int4": 0.5}.get(os.environ.get("GEMM_QUANT", ""), 2)
     copies = max(2, min(16, math.ceil(256e6 / wbytes)))
     for m in rows:
       if name == "lm_head" and m > 256: continue
@@ -245,7 +252,7 @@ def main() -> None:
   device = Device.DEFAULT
   t0 = time.perf_counter()
   try:
-    check(device)
+    if not os.environ.get("GEMM_NO_CHECK"): check(device)
     rows = [1, 32, 256] if args.quick else [int(r) for r in args.rows.split(",")]
     bench(device, rows, replays=5 if args.quick else 20)
   finally:

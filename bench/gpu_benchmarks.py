@@ -27,6 +27,8 @@ KV_CACHE_DTYPE = os.environ.get("BENCH_KV_CACHE_DTYPE", "auto")   # fp8: the E4M
 COMMON = dict(load_format="dummy", dtype=DTYPE, enable_prefix_caching=False, kv_cache_dtype=KV_CACHE_DTYPE)
 # the persistent decode-layer kernel's context bound for every row count (e.g. very large: it takes every context)
 if bound := os.environ.get("BENCH_DECODE_LAYER_MAX_CONTEXT"): COMMON["decode_layer_max_context"] = int(bound)
+QUANTIZATION = os.environ.get("BENCH_QUANTIZATION")   # int8, int4, fp8: the linears quantized at load (results *_int8.json)
+if QUANTIZATION: COMMON["quantization"] = QUANTIZATION
 SMALL = os.environ.get("BENCH_SMALL") == "1"   # a CPU smoke test: small caches and sweeps
 
 
@@ -35,7 +37,7 @@ def kv_gib(gib: float) -> float: return 0.05 if SMALL else gib
 
 def save(part: str, result: dict) -> None:
   print(json.dumps(result)[:2000], flush=True)
-  suffix = "" if KV_CACHE_DTYPE == "auto" else f"_{KV_CACHE_DTYPE}"
+  suffix = ("" if KV_CACHE_DTYPE == "auto" else f"_{KV_CACHE_DTYPE}") + (f"_{QUANTIZATION}" if QUANTIZATION else "")
   if out := os.environ.get("OUT"): Path(out, f"bench_{part}{suffix}.json").write_text(json.dumps(result, indent=1))
 
 
@@ -85,8 +87,8 @@ def part_decode_quant() -> dict:
   for model in os.environ.get("BENCH_QUANT_MODELS", "qwen3-0.6b,llama-3.2-1b").split(","):
     for quantization in (None, "int8", "fp8", "int4"):
       for layer_kernel in (True, False):
-        llm, load_s = engine(model, kv_cache_memory=kv_gib(4), max_model_len=4096, max_num_seqs=4, cuda_graph_sizes=[1],
-                             quantization=quantization, decode_layer_kernel=layer_kernel)
+        llm, load_s = engine(model, quantization=quantization, kv_cache_memory=kv_gib(4), max_model_len=4096, max_num_seqs=4,
+                             cuda_graph_sizes=[1], decode_layer_kernel=layer_kernel)
         r = run_decode_bench(llm.engine, 1, 128, 256, no_kv_cache=False)[0]
         calls = dict(llm.engine.model.backend.calls)
         rows.append({"model": model, "quantization": quantization, "decode_layer_kernel": layer_kernel,

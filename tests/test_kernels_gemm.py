@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.emulator.cases import from_bits, linear_inputs, portable_linear_reference, to_bits
+from tests.emulator.cases import from_bits, linear_inputs, packed_weight, portable_linear_reference, to_bits
 from tests.emulator.emulator import EmulatedKernels, EmulatorError, Spec, find_compiler, poisoned
 from tinyvllm.kernels.gemm import GemmTiles, choose_tiles, gemm_plan, unsupported_reason
 from tinyvllm.kernels.linear import LinearShape, pick_kernel
@@ -237,3 +237,66 @@ def test_wgmma_tiles_and_target():
   cuda_target = lambda arch: DeviceTarget.nominal("cuda", arch=arch).cuda_target
   assert (cuda_target("sm_90"), cuda_target("sm_89"), cuda_target("sm_100")) == ("sm_90a", "sm_89", "sm_100")
   assert HOPPER.wgmma and not any(DeviceTarget.nominal("cuda", arch=a).wgmma for a in ("sm_80", "sm_89", "sm_100"))
+
+
+# packed (quantized) weights: name -> (dtype, rows, K, NOUT, weight codes, group, norm, silu_mul, residual, tiles or None)
+PACKED = {
+  "int8_bf16_m33_norm_channel": ("bfloat16", 33, 256, 72, "int8", 256, True, False, False, None),
+  "int4_f16_m70_g32_silu_residual_bk64": ("float16", 70, 128, 64, "int4", 32, False, True, True, GemmTiles(64, 64, 2, 2, 1, bk=64)),
+  # 32-wide slices of int4: one 16-byte chunk of codes a row; K split with its reduce
+  "int4_bf16_m40_g128_residual_split2_bk32": ("bfloat16", 40, 512, 130, "int4", 128, False, False, True, GemmTiles(32, 64, 2, 2, 2)),
+  "fp8_bf16_m130_g64_wgmma_128x128": ("bfloat16", 130, 320, 136, "fp8", 64, False, False, False, GemmTiles.warpgroup(128, 128)),
+  "int8_bf16_m65_g128_wgmma_norm_xprime": ("bfloat16", 65, 384, 330, "int8", 128, True, False, False, GemmTiles.warpgroup(64, 64)),
+}
+
+
+def _packed_shape(name: str) -> LinearShape:
+  dtype, m, k, o, weight, group, norm, silu, res, _ = PACKED[name]
+  return LinearShape(dtype, m, k, o, False, EPS if norm else None, silu, res, False, weight, group)
+
+
+@pytest.fixture(scope="module")
+def emu_packed() -> EmulatedKernels:
+  find_compiler()
+  return EmulatedKernels("cuda", [Spec(name, "gemm_tc", *gemm_plan(_packed_shape(name), HOPPER, PACKED[name][-1])) for name in PACKED])
+
+
+@pytest.mark.parametrize("name", list(PACKED))
+def test_packed_weight_gemm_matches_portable(emu_packed, name):
+  """The codes staged in the ring and dequantized into the w tile, against the portable path on the same packed weight
+  (integer codes with random zero points and offsets, or FP8): a wrong scale, shift, group or chunk shows."""
+  from tinygrad import Tensor
+
+  from tinyvllm.layers.linear import portable_linear
+  shape, rng = _packed_shape(name), np.random.default_rng(len(name))
+  qw = packed_weight(rng, shape.weight, shape.out_features, shape.in_features, shape.group)
+  a = {key: v for key, v in linear_inputs(rng, shape).items() if key != "w"}
+  bits = {key: to_bits(v, shape.dtype).reshape(-1) for key, v in a.items()}
+  shifts = qw.shifts if qw.shifts is not None else qw.scales   # FP8: a placeholder the kernel never reads
+  buffers = {**bits, "g": bits.get("norm"), "y": poisoned(shape.rows * shape.out_features, shape.dtype),
+             "w": qw.codes.numpy().reshape(-1), "wscale": qw.scales.numpy().reshape(-1), "wshift": shifts.numpy().reshape(-1)}
+  for i, launch in enumerate(emu_packed.specs[name].launches):
+    for p in launch.params:
+      if buffers.get(p.name) is None:
+        buffers[p.name] = np.full(p.numel, np.nan, np.float32) if p.kind == "float" else poisoned(p.numel, shape.dtype)
+    emu_packed.launch(name, i, [buffers[p.name] for p in launch.params], "random")
+  got = from_bits(buffers["y"], shape.dtype).reshape(shape.rows, shape.out_features)
+  t = {key: Tensor(v) for key, v in a.items()}
+  ref = portable_linear(t["x"], qw, norm=t.get("norm"), eps=EPS, silu_mul=shape.silu_mul, residual=t.get("residual")).numpy()
+  assert not np.isnan(got).any(), "an output element was never written"
+  assert np.abs(got - ref).max() / np.abs(ref).max() < TOLERANCE[shape.dtype]
+
+
+def test_packed_weights_take_the_gemm_above_the_skinny_rows():
+  """A packed product of more rows than the skinny kernel's goes to the tensor-core kernel, whose ring stages codes (and
+  two w tiles); a group that splits a 16-byte chunk of codes is refused."""
+  packed = lambda rows, weight="int4", group=128: LinearShape("bfloat16", rows, 1024, 4096, False, None, False, False, False,
+                                                              weight, group)
+  assert pick_kernel(HOPPER, packed(4)) == "skinny" and pick_kernel(HOPPER, packed(5)) == "gemm"
+  assert pick_kernel(HOPPER, packed(3000, "fp8", 1024)) == "gemm"
+  assert pick_kernel(DeviceTarget.nominal("metal"), packed(17)) is None   # no tensor-core kernel there; the portable path runs
+  for rows in (5, 64, 256, 8192):   # as many stages as the plain ring, in no more shared memory than its blocks an SM allow
+    plain, quantized = gemm_plan(packed(rows, "elem", 0), HOPPER)[0], gemm_plan(packed(rows, "int8", 1024), HOPPER)[0]
+    assert quantized["TV_WQ"] == 1 and quantized["TV_STAGES"] == plain["TV_STAGES"]
+    assert quantized["TV_SMEM_BYTES"] <= HOPPER.sm_shared_bytes // quantized["TV_MIN_BLOCKS"] - 1024
+  with pytest.raises(ValueError, match="group 12"): gemm_plan(packed(64, "int8", 12), HOPPER)

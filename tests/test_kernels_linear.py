@@ -68,6 +68,9 @@ PACKED = {
   "fp8_bf16_g128_norm": ("bfloat16", 2, 256, 9, "fp8", 128, True, False, False),
   "int8_bf16_16rows_tail": ("bfloat16", 16, 264, 12, "int8", 8, False, False, True),
   "int4_f32_g16_halfwords": ("float32", 2, 96, 7, "int4", 16, False, False, False),   # 4-element vectors: half a word
+  # 16-byte code spans a lane (TV_WSPAN): whole steps of 32 lanes, and whole steps with a tail
+  "int8_bf16_k1024_span_steps": ("bfloat16", 2, 1024, 12, "int8", 128, True, False, False),
+  "int4_bf16_k1536_span_steps_tail": ("bfloat16", 3, 1536, 9, "int4", 128, False, True, False),
 }
 
 

@@ -22,7 +22,7 @@ from tinygrad import Tensor, dtypes
 from tinyvllm.backend.metadata import AttentionMetadata
 from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.backend.weights import DecoderLayerWeights, Weight
-from tinyvllm.kernels.plan import Launch, Param, cdiv, dtype_code
+from tinyvllm.kernels.plan import PACKED_WEIGHTS, Launch, Param, cdiv, dtype_code
 from tinyvllm.kernels.sources import kernel_source
 from tinyvllm.kernels.tinygrad_program import run_kernel
 from tinyvllm.kernels.tuning import tuning_for
@@ -40,7 +40,7 @@ TILE_KEYS = 128       # keys an attention tile covers at least
 
 LAYER_PARAMS = ("k_cache", "v_cache", "input_norm", "w_qkv", "w_o", "post_norm", "w_gu", "w_down")
 PRODUCTS = ("qkv", "o", "gu", "down")   # the layer's four products, in DecodeLayerShape.weights' order
-PACKED_FORMATS = {"elem": (0, 16), "int8": (1, 8), "int4": (2, 4), "fp8": (3, 8)}   # weight form -> (TV_WQ_*, bits)
+PACKED_FORMATS = {"elem": (0, 16), **PACKED_WEIGHTS}   # weight form -> (TV_WQ_*, bits a weight)
 ELEM = ("elem", 0)   # a product whose weight is in the activations' dtype
 
 

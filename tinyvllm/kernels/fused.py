@@ -86,14 +86,15 @@ class FusedBackend:
             f"qkv norm/RoPE/write, decode-batch matmuls, sampling{layers})")
 
   def linear(self, x: Tensor, w: Weight, bias: Tensor | None = None, **fused) -> Tensor:
-    """Decode-sized products (and the norm, SwiGLU or residual fused with them) in one kernel, packed (quantized)
-    weights dequantized in its registers; others in tinygrad ops (a packed weight's larger products included, said
-    once per format: no dequantizing gemm yet)."""
+    """Products (and the norm, SwiGLU or residual fused with them) in one kernel: the skinny one for decode rows, the
+    tensor-core one above (CUDA), packed (quantized) weights dequantized in registers or shared memory; others in
+    tinygrad ops (a packed weight no kernel takes, act-order groups say, said once per format)."""
     if fused.get("gelu_mul"):   # never reached through the selection: the capability record has SiLU only
       raise ValueError(f"the {self.name} kernels fuse SwiGLU only; a GeGLU (gelu_pytorch_tanh) model runs on the portable backend")
     y = fused_linear(self.target, x, w, bias, **fused)
     if y is None and isinstance(w, QuantizedWeight):
-      self._fallback("linear", f"{w.describe()} weights beyond the decode kernel (over {MAX_ROWS} rows, or act-order groups)")
+      self._fallback("linear", f"{w.describe()} weights no kernel takes here (act-order groups, or over {MAX_ROWS} rows "
+                               "without the tensor-core kernel)")
       return portable_linear(x, w, bias, **fused)
     self.calls["linear" if y is not None else "portable-linear"] += 1
     return y if y is not None else portable_linear(x, w, bias, **fused)

@@ -6,14 +6,15 @@ tinygrad's generated GEMMs for these shapes (without a beam search) use tensor c
 loads. The planner picks a block tile for the rows, then splits K (grid z, float32 partials + a reduce kernel) until
 the grid covers the GPU, as long as the partial sums cost less traffic than the weights; on Hopper it picks wgmma
 tiles where they win. Its measured choices are the `gemm` section of the tuning table (tinyvllm/kernels/tuning.py).
-tv_gemm's ring of K slices is dynamic shared memory: its Launch carries the bytes (`shared_bytes`).
+tv_gemm's ring of K slices is dynamic shared memory: its Launch carries the bytes (`shared_bytes`). Packed (quantized)
+weights stage their codes in the ring and are dequantized into one w tile in shared memory, slice by slice.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
 
-from tinyvllm.kernels.plan import Launch, Param, cdiv, dtype_code
+from tinyvllm.kernels.plan import PACKED_WEIGHTS, Launch, Param, cdiv, dtype_code
 from tinyvllm.kernels.tuning import GemmTuning, Tile, tuning_for
 from tinyvllm.platform.target import DeviceTarget
 
@@ -86,6 +87,18 @@ def unsupported_reason(dtype: str, rows: int, in_features: int, out_features: in
   return None
 
 
+def packed_reason(shape, bk: int = 64) -> str | None:
+  """Why the kernel cannot stream a LinearShape's packed weight (its rows' codes in 16-byte chunks), or None."""
+  if shape.weight == "elem": return None
+  if shape.weight not in PACKED_WEIGHTS: return f"{shape.weight} weights"
+  bits = PACKED_WEIGHTS[shape.weight][1]
+  if shape.group % 8 or shape.in_features % shape.group: return f"group {shape.group} (a multiple of 8 dividing K)"
+  if shape.in_features * bits % 128 or min(BK, bk) * bits % 128:
+    return f"{shape.weight} rows of {shape.in_features} codes (whole 16-byte chunks)"
+  if shape.group % (128 // bits): return f"group {shape.group} (whole 16-byte chunks of codes, {128 // bits} columns, a group)"
+  return None
+
+
 def wgmma_tiles(rows: int, in_features: int, out_features: int, t: GemmTuning) -> GemmTiles | None:
   """Hopper's wgmma tiles where they beat mma.sync's, None elsewhere: the 128x128 tile with 3 stages (two blocks an
   SM) for prompt chunks and wide outputs (the logits), a 64x64 tile for the other decode-batch products and, for long
@@ -153,15 +166,30 @@ def _deep_slices(tile: Tile, k: int, o: int, silu_mul: bool, target: DeviceTarge
   return tiles if tiles.stages(target) >= 3 else None
 
 
+def _packed_ring(t: GemmTiles, bits: int, stages: int, target: DeviceTarget) -> tuple[int, int]:
+  """(stages, shared bytes) of a packed weight's ring: x and the codes a stage, two w tiles the dequantized slices go
+  to; as many stages as the plain weight's ring has, fewer where the blocks an SM it plans for would not fit."""
+  rb = row_bytes(t.bk, t.wgmma)
+  need = lambda n: n * (t.bm * rb + t.bn * t.bk * bits // 8) + 2 * t.bn * rb + 4 * t.bm + (ALIGN_SLACK if t.wgmma else 0)
+  limit = min(target.max_shared_bytes, target.sm_shared_bytes // t.min_blocks(target) - BLOCK_SHARED_OVERHEAD)
+  while stages > 2 and need(stages) > limit: stages -= 1
+  return stages, need(stages)
+
+
 def gemm_plan(shape, target: DeviceTarget, tiles: GemmTiles | None = None) -> tuple[dict[str, int | str], tuple[Launch, ...]]:
   """Defines and launches (tv_gemm_xprime when the prologue runs as its own pass, tv_gemm, then tv_gemm_reduce when K
   is split) for a LinearShape, with the given tiles (None: the planner's)."""
   m, k, o = shape.rows, shape.in_features, shape.out_features
   t = tiles or choose_tiles(m, k, o, target, shape.silu_mul)
-  prologue = shape.norm_eps is not None or shape.silu_mul
-  xprime = prologue and (x_prime_pass(o, t.bn, tuning_for(target.kind).gemm) if t.xprime is None else t.xprime)
+  prologue, packed = shape.norm_eps is not None or shape.silu_mul, shape.weight != "elem"
+  # (a packed weight's loop dequantizes w: its x' always comes from the prologue's own pass)
+  xprime = prologue and (packed or (x_prime_pass(o, t.bn, tuning_for(target.kind).gemm) if t.xprime is None else t.xprime))
   staged_silu = shape.silu_mul and not xprime
   stages, smem = t.stages(target, staged_silu), t.shared_bytes(target, staged_silu)
+  if packed:
+    if (reason := packed_reason(shape, t.bk)) is not None: raise ValueError(f"packed weights: {reason}")
+    code, bits = PACKED_WEIGHTS[shape.weight]
+    stages, smem = _packed_ring(t, bits, stages, target)
   if t.bk not in (32, 64): raise ValueError(f"tiles {t}: K slices of {t.bk} (the kernel steps in 32 or 64)")
   if (reason := t.wgmma_error()) is not None: raise ValueError(reason)
   if k % (t.bk * t.splits): raise ValueError(f"tiles {t}: K = {k} does not split into {t.splits} runs of {t.bk}-wide slices")
@@ -175,7 +203,9 @@ def gemm_plan(shape, target: DeviceTarget, tiles: GemmTiles | None = None) -> tu
   y = Param("y", "float" if shape.out_float32 else "elem", True, m * o)
   part = Param("part", "float", True, t.splits * m * o)
   x = Param("x", "elem", False, m * k * (2 if shape.silu_mul else 1))
-  gemm = [part if t.splits > 1 else y, Param("xp", "elem", False, m * k) if xprime else x, Param("w", "elem", False, o * k)]
+  w = ([Param("w", "uint", False, o * k * bits // 32), Param("wscale", "float", False, o * (k // shape.group)),
+        Param("wshift", "float", False, o * (k // shape.group))] if packed else [Param("w", "elem", False, o * k)])
+  gemm = [part if t.splits > 1 else y, Param("xp", "elem", False, m * k) if xprime else x, *w]
   epilogue = [y, Param("part", "float", False, t.splits * m * o)] if t.splits > 1 else gemm
   pre = [Param("xp", "elem", True, m * k), x]
   if shape.norm_eps is not None:
@@ -183,6 +213,7 @@ def gemm_plan(shape, target: DeviceTarget, tiles: GemmTiles | None = None) -> tu
     (pre if xprime else gemm).append(Param("g", "elem", False, k))
   if shape.silu_mul: defines["TV_PRO_SILU"] = 1
   if t.wgmma: defines["TV_WGMMA"] = t.bn
+  if packed: defines.update({"TV_WQ": code, "TV_WGROUP": shape.group})
   if xprime: defines["TV_XPRIME_PASS"] = 1
   if shape.out_float32: defines["TV_OUT_F32"] = 1
   for flag, name, numel, wanted in (("TV_BIAS", "bias", o, shape.bias), ("TV_RESIDUAL", "residual", m * o, shape.residual)):

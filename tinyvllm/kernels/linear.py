@@ -15,9 +15,9 @@ from tinygrad import Tensor, dtypes
 
 from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.backend.weights import Weight
-from tinyvllm.kernels.gemm import GemmTiles, gemm_source
+from tinyvllm.kernels.gemm import GemmTiles, gemm_source, packed_reason
 from tinyvllm.kernels.gemm import unsupported_reason as gemm_unsupported_reason
-from tinyvllm.kernels.plan import DTYPE_CODES, ELEM_BYTES, Launch, Param, dtype_code
+from tinyvllm.kernels.plan import DTYPE_CODES, ELEM_BYTES, PACKED_WEIGHTS, Launch, Param, dtype_code
 from tinyvllm.kernels.sources import kernel_source
 from tinyvllm.kernels.tinygrad_program import run_kernel
 from tinyvllm.kernels.tuning import tuning_for
@@ -50,8 +50,6 @@ class LinearPlan:
   launch: Launch = field(compare=False)
 
 
-PACKED_WEIGHTS = {"int8": (1, 8), "int4": (2, 4), "fp8": (3, 8)}   # codes -> (TV_WQ, bits)
-
 
 def unsupported_reason(shape: LinearShape) -> str | None:
   if shape.dtype not in DTYPE_CODES: return f"dtype {shape.dtype}"
@@ -83,6 +81,7 @@ def linear_plan(shape: LinearShape) -> LinearPlan:
     params += [Param("w", "uint", False, o * k * bits // 32), Param("wscale", "float", False, groups),
                Param("wshift", "float", False, groups)]
     defines.update({"TV_WQ": code, "TV_WGROUP": shape.group})
+    if k % (span := 128 // bits) == 0 and shape.group % span == 0: defines["TV_WSPAN"] = span   # whole 16-byte code loads
   for flag, name, numel in (("TV_BIAS", "bias", o), ("TV_PRO_NORM", "g", k), ("TV_RESIDUAL", "residual", m * o)):
     wanted = {"TV_BIAS": shape.bias, "TV_PRO_NORM": shape.norm_eps is not None, "TV_RESIDUAL": shape.residual}[flag]
     if wanted:
@@ -104,9 +103,9 @@ def pick_kernel(target: DeviceTarget, shape: LinearShape) -> str | None:
   """"skinny" (linear.inc) up to the tuning table's rows, "gemm" (tensor cores, CUDA) above, the skinny one up to
   MAX_ROWS where the gemm cannot run (Metal, float32); None: neither takes the shape."""
   skinny = unsupported_reason(shape) is None
-  if shape.weight != "elem": return "skinny" if skinny else None   # no packed-weight gemm yet
   if skinny and shape.rows <= tuning_for(target.kind).linear.skinny_max_rows: return "skinny"
-  if gemm_unsupported_reason(shape.dtype, shape.rows, shape.in_features, shape.out_features, target) is None: return "gemm"
+  if gemm_unsupported_reason(shape.dtype, shape.rows, shape.in_features, shape.out_features, target) is None \
+      and packed_reason(shape) is None: return "gemm"
   return "skinny" if skinny else None
 
 
@@ -141,9 +140,9 @@ def run_linear(target: DeviceTarget, shape: LinearShape, kernel: str, x: Tensor,
   y = Tensor.empty(shape.rows, shape.out_features, dtype=dtypes.float32 if shape.out_float32 else w.dtype, device=x.device)
   x, extras = x.cast(w.dtype).contiguous(), {n: t.cast(w.dtype).contiguous() for n, t in
                                              (("bias", bias), ("norm", norm), ("residual", residual)) if t is not None}
-  if kernel == "gemm": return _run_gemm(shape, target, tiles, y, x, w, extras)
-  plan, source = skinny_source(target.dialect, shape)
   weights = [w] if isinstance(w, Tensor) else _packed_operands(w)
+  if kernel == "gemm": return _run_gemm(shape, target, tiles, y, x, weights, w.dtype, extras)
+  plan, source = skinny_source(target.dialect, shape)
   return run_kernel(plan.launch, source, [y, x, *weights, *extras.values()])[0]
 
 
@@ -154,16 +153,17 @@ def _packed_operands(w: QuantizedWeight) -> list[Tensor]:
   return [w.codes.reshape(-1), w.scales.reshape(-1), shifts.reshape(-1)]
 
 
-def _run_gemm(shape: LinearShape, target: DeviceTarget, tiles: GemmTiles | None, y: Tensor, x: Tensor, w: Tensor,
-              extras: dict[str, Tensor]) -> Tensor:
-  """The plan's launches in order, each buffer found by its parameter's name (scratch ones made when first written)."""
+def _run_gemm(shape: LinearShape, target: DeviceTarget, tiles: GemmTiles | None, y: Tensor, x: Tensor, weights: list[Tensor],
+              dtype, extras: dict[str, Tensor]) -> Tensor:
+  """The plan's launches in order, each buffer found by its parameter's name (scratch ones made when first written).
+  `weights`: w, or a packed weight's codes, scales and shifts; `dtype` the activations'."""
   launches, source = gemm_source(shape, target, tiles)
-  buffers = {"y": y, "x": x, "w": w, **({"g": extras["norm"]} if "norm" in extras else {}),
-             **{n: extras[n] for n in ("bias", "residual") if n in extras}}
+  buffers = {"y": y, "x": x, **dict(zip(("w", "wscale", "wshift"), weights, strict=False)),
+             **({"g": extras["norm"]} if "norm" in extras else {}), **{n: extras[n] for n in ("bias", "residual") if n in extras}}
   for launch in launches:
     for p in launch.params:
       if p.name not in buffers:
-        buffers[p.name] = Tensor.empty(p.numel, dtype=dtypes.float32 if p.kind == "float" else w.dtype, device=x.device)
+        buffers[p.name] = Tensor.empty(p.numel, dtype=dtypes.float32 if p.kind == "float" else dtype, device=x.device)
     after = run_kernel(launch, source, [buffers[p.name] for p in launch.params])
     buffers.update({p.name: t for p, t in zip(launch.params, after, strict=True) if p.written})
   return buffers["y"]

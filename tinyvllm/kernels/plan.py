@@ -29,6 +29,10 @@ TC_PREFILL_ROWS, TC_PREFILL_KEYS = 64, 64   # tensor-core prefill: 4 warps of 16
 TC_PREFILL_MAX_HEAD_DIM = 128               # its O accumulators take head_dim / 2 registers a thread
 
 
+# packed (quantized) weight codes -> (the kernels' TV_WQ, bits a code): tinyvllm/backend/quantized.py's forms
+PACKED_WEIGHTS = {"int8": (1, 8), "int4": (2, 4), "fp8": (3, 8)}
+
+
 def cdiv(a: int, b: int) -> int: return -(-a // b)
 
 

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Weight quantization on the GPU in one device call (docs/benchmarks.md, section 10): the packed-weight products against
+# the portable path (bench/check_quant.py), workload 2 with bf16 and with int8 / int4 / fp8 weights quantized at load,
+# and batch-1 decode of Qwen3-0.6B and Llama-3.2-1B in each format (gpu_benchmarks.py decode_quant).
+#   bash bench/quant_on_device.sh            (QUANT_STEPS="check throughput decode" by default)
+set -u
+steps=${QUANT_STEPS:-check throughput decode}
+failed=0
+for step in $steps; do
+  case $step in
+    check) bash bench/run_on_device.sh quant || failed=1 ;;
+    throughput)
+      for q in none int8 int4 fp8; do
+        if [ "$q" = none ]; then env BENCH_WARMUP_REQUESTS=32 bash bench/run_on_device.sh throughput || failed=1
+        else env BENCH_WARMUP_REQUESTS=32 BENCH_QUANTIZATION=$q bash bench/run_on_device.sh throughput || failed=1; fi
+      done ;;
+    decode) bash bench/run_on_device.sh decode_quant || failed=1 ;;
+  esac
+done
+exit $failed
