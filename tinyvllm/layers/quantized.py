@@ -32,7 +32,7 @@ def _per_column(t: Tensor, w: QuantizedWeight) -> Tensor:
   out, cols = w.shape
   if w.g_idx is not None: return t[:, w.g_idx]
   if cols % w.group_size == 0: return t.reshape(out, -1, 1).expand(out, w.groups, w.group_size).reshape(out, cols)
-  return t[:, Tensor.arange(cols, device=t.device) // w.group_size]
+  return t[:, Tensor.arange(cols).to(t.device) // w.group_size]
 
 
 def dequantize(w: QuantizedWeight, dtype: DType | None = None) -> Tensor:
