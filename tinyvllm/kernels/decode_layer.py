@@ -220,7 +220,7 @@ def _layer_defines(shape: DecodeLayerShape, first_index: int) -> dict[str, int |
   defines: dict[str, int | str] = {"TV_L": shape.layers, "TV_LP": len(shape.layer_params), "TV_LAYER_ARGS": args,
                                    "TV_FILL_TABLE": " ".join(f"tv_tab[{i}] = (void*){n};" for i, n in enumerate(names))}
   if shape.qkv_bias: defines["TV_P_QKV_BIAS"] = shape.layer_params.index("qkv_bias")
-  defines["TV_FP8_WEIGHTS"] = 1   # common.inc's E4M3 decoding: every product's template has an FP8 branch
+  defines["TV_PACKED_WEIGHTS"] = 1   # common.inc's dequantization: every product's template may take packed codes
   slot = lambda name, fallback: shape.layer_params.index(name if name in shape.layer_params else fallback)
   for product, (form, group) in zip(PRODUCTS, shape.weights, strict=True):
     tag, codes = product.upper(), f"w_{product}"

@@ -87,14 +87,14 @@ def unsupported_reason(dtype: str, rows: int, in_features: int, out_features: in
   return None
 
 
-def packed_reason(shape, bk: int = 64) -> str | None:
-  """Why the kernel cannot stream a LinearShape's packed weight (its rows' codes in 16-byte chunks), or None."""
+def packed_reason(shape) -> str | None:
+  """Why the kernel cannot stream a LinearShape's packed weight (its rows' codes in 16-byte chunks; a K slice of 32 or
+  64 is always whole chunks of 4- or 8-bit codes), or None."""
   if shape.weight == "elem": return None
   if shape.weight not in PACKED_WEIGHTS: return f"{shape.weight} weights"
   bits = PACKED_WEIGHTS[shape.weight][1]
   if shape.group % 8 or shape.in_features % shape.group: return f"group {shape.group} (a multiple of 8 dividing K)"
-  if shape.in_features * bits % 128 or min(BK, bk) * bits % 128:
-    return f"{shape.weight} rows of {shape.in_features} codes (whole 16-byte chunks)"
+  if shape.in_features * bits % 128: return f"{shape.weight} rows of {shape.in_features} codes (whole 16-byte chunks)"
   if shape.group % (128 // bits): return f"group {shape.group} (whole 16-byte chunks of codes, {128 // bits} columns, a group)"
   return None
 
@@ -187,7 +187,7 @@ def gemm_plan(shape, target: DeviceTarget, tiles: GemmTiles | None = None) -> tu
   staged_silu = shape.silu_mul and not xprime
   stages, smem = t.stages(target, staged_silu), t.shared_bytes(target, staged_silu)
   if packed:
-    if (reason := packed_reason(shape, t.bk)) is not None: raise ValueError(f"packed weights: {reason}")
+    if (reason := packed_reason(shape)) is not None: raise ValueError(f"packed weights: {reason}")
     code, bits = PACKED_WEIGHTS[shape.weight]
     stages, smem = _packed_ring(t, bits, stages, target)
   if t.bk not in (32, 64): raise ValueError(f"tiles {t}: K slices of {t.bk} (the kernel steps in 32 or 64)")
