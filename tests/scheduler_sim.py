@@ -4,7 +4,10 @@
 and back, copy blocks, and write token ids into a fake KV store, then read every computed position back), and hand the
 scheduler a fake sampled token per sampling row with a length verdict. It records each sequence's computed positions,
 so that a test can prove no token was skipped or computed twice (except from scratch after a preemption by
-recomputation; a swapped-out sequence goes on where it was).
+recomputation, or a rejected proposal's position; a swapped-out sequence goes on where it was).
+
+With `speculate` (a random.Random), every decoding sequence gets random proposals before each step, and a step keeps a
+random number of them: the accepted ones become the sequence's next tokens, followed by one more.
 """
 from __future__ import annotations
 
@@ -26,8 +29,8 @@ def length_verdict(seq: Sequence, token: int, row: int) -> StopVerdict | None:
 
 
 class Sim:
-  def __init__(self, scheduler: Scheduler | StaticScheduler):
-    self.sched, self.alloc = scheduler, scheduler.allocator
+  def __init__(self, scheduler: Scheduler | StaticScheduler, speculate: random.Random | None = None, k: int = 3):
+    self.sched, self.alloc, self.speculate, self.k = scheduler, scheduler.allocator, speculate, k
     self.kv: dict[int, list[int | None]] = {}
     self.host: dict[int, list[int | None]] = {}    # the swap space's blocks
     self.seqs: list[Sequence] = []
@@ -43,6 +46,7 @@ class Sim:
     return seqs
 
   def step(self) -> SchedulerOutput:
+    if self.speculate is not None: self._propose()
     out = self.sched.schedule()
     self.outputs.append(out)
     for seq in out.preempted:
@@ -59,11 +63,31 @@ class Sim:
     assert not {id(seq) for seq in out.preempted} & {id(item.seq) for item in out.scheduled}   # not back in the same step
     self._run(out)
     self.sampled.append([item.seq.seq_id for item in out.scheduled if item.samples])
-    tokens = [fake_token(seq) for seq in out.sampling_seqs]
+    tokens = self._tokens(out)
     landed = self.sched.update_from_output(out, tokens, length_verdict)
     assert landed == out.sampling_seqs
+    for item in out.scheduled:   # rejected proposals' positions are computed again
+      if item.spec_token_ids and item.seq.seq_id in self.positions:
+        del self.positions[item.seq.seq_id][max(item.seq.num_computed_tokens - self.starts[item.seq.seq_id], 0):]
     self.check()
     return out
+
+  def _propose(self) -> None:
+    rng, proposals = self.speculate, {}
+    for seq in self.sched.running:
+      room = min(self.k, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+      if seq.decoding and room > 0: proposals[seq] = [rng.randrange(500) for _ in range(rng.randint(0, room))]
+    self.sched.set_proposals(proposals)
+
+  def _tokens(self, out: SchedulerOutput) -> list[list[int]]:
+    """Each sampling row's new tokens: a random number of its proposals (if any), then a fake token."""
+    proposed = {id(item.seq): item.spec_token_ids for item in out.scheduled}
+    rows = []
+    for seq in out.sampling_seqs:
+      drafts = proposed.get(id(seq), ())
+      kept = list(drafts[:self.speculate.randint(0, len(drafts))]) if drafts and self.speculate else []
+      rows.append([*kept, fake_token(seq)])
+    return rows
 
   def table(self, seq: Sequence) -> list[int]: return self.alloc.block_table(seq)
 
@@ -80,20 +104,23 @@ class Sim:
     for item in out.scheduled:
       seq, start = item.seq, item.start
       assert seq.status is SequenceStatus.RUNNING and item.num_new_tokens > 0
-      assert seq.num_computed_tokens == start + item.num_new_tokens <= seq.num_tokens  # moved on when scheduled
+      # moved on when scheduled (past its known tokens by the proposals it verifies)
+      assert seq.num_computed_tokens == start + item.num_new_tokens <= seq.num_tokens + len(item.spec_token_ids)
       assert item.block_table is self.table(seq)
       if seq.seq_id not in self.positions:
         assert start % size == 0  # from scratch, or after a cached prefix of whole blocks
         self.positions[seq.seq_id], self.starts[seq.seq_id] = [], start
       done = self.positions[seq.seq_id]
       assert start == (done[-1] + 1 if done else self.starts[seq.seq_id])
-      for p in range(start, start + item.num_new_tokens):
-        self.kv.setdefault(item.block_table[p // size], [None] * size)[p % size] = seq.token_ids[p]
+      run = seq.token_ids[start:start + item.num_new_tokens - len(item.spec_token_ids)] + list(item.spec_token_ids)
+      for p, token in enumerate(run, start):
+        self.kv.setdefault(item.block_table[p // size], [None] * size)[p % size] = token
         done.append(p)
       for child in item.forks:
         assert child.status is SequenceStatus.RUNNING and child.num_computed_tokens == seq.num_computed_tokens
         self.positions[child.seq_id], self.starts[child.seq_id] = [], child.num_computed_tokens
-    for item in out.scheduled: self._read(item.seq, item.start + item.num_new_tokens)  # (forks: once their copies ran)
+    for item in out.scheduled:   # (forks: once their copies ran; proposals: what was written, as checked above)
+      self._read(item.seq, item.start + item.num_new_tokens - len(item.spec_token_ids))
 
   def _read(self, seq: Sequence, upto: int) -> None:
     size = self.alloc.block_size
@@ -141,11 +168,12 @@ class Sim:
 
 
 def sim(num_blocks: int = 64, block_size: int = 4, prefix: bool = True, static: bool = False, swap_blocks: int | None = None,
-        **config) -> Sim:
-  """A simulated scheduler; swap_blocks: preemption by swapping, with a swap space of that many blocks."""
+        speculate: random.Random | None = None, **config) -> Sim:
+  """A simulated scheduler; swap_blocks: preemption by swapping, with a swap space of that many blocks; speculate:
+  random proposals, randomly accepted (Sim)."""
   cls = StaticScheduler if static else Scheduler
   if swap_blocks is not None: config.update(preemption_mode="swap", num_swap_blocks=swap_blocks)
-  return Sim(cls(BlockManager(num_blocks, block_size, prefix), SchedulerConfig(**config)))
+  return Sim(cls(BlockManager(num_blocks, block_size, prefix), SchedulerConfig(**config)), speculate)
 
 
 def plan(out: SchedulerOutput) -> list[tuple[int, int]]:

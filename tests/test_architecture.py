@@ -15,7 +15,8 @@ LAYERS = {"sampling_params": 0, "outputs": 0, "config": 0, "engine_args": 1, "co
           "backend": 3, "layers": 4, "kernels": 5, "model": 6, "worker": 7, "engine": 8, "bench": 9, "entrypoints": 9, "cli": 10,
           "__init__": 11}
 SEQUENCE_STATE = {"status", "num_computed_tokens", "num_pending", "pending_row", "output_token_ids", "stop_reason",
-                  "num_cached_tokens", "first_scheduled_time", "first_token_time", "last_token_time", "finished_time"}
+                  "num_cached_tokens", "first_scheduled_time", "first_token_time", "last_token_time", "finished_time",
+                  "spec_token_ids", "num_draft_tokens", "num_accepted_tokens"}
 SCHEDULER_FILES = {"core/scheduler.py", "core/async_scheduling.py"}
 MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "__setitem__", "__delitem__"}
 EXPERIMENT_SWITCHES = ("TV_PHASES", "TV_GRID_SYNCS", "TV_WARM", "TV_KV_TOGETHER", "TV_TIMING", "TV_STAMP", "clock64")

@@ -198,7 +198,7 @@ def test_forks_share_the_parents_blocks():
   assert [s.alloc.blocks[i].ref_count for i in (0, 1)] == [3, 3]
   assert c1.num_computed_tokens == c2.num_computed_tokens == 6 and s.sched.running == [parent, c1, c2]
   assert s.sched.pending_forks == {}
-  s.sched.update_from_output(out, [fake_token(seq) for seq in out.sampling_seqs], length_verdict)
+  s.sched.update_from_output(out, [[fake_token(seq)] for seq in out.sampling_seqs], length_verdict)
   out = s.sched.schedule()  # each write lands in shared block 1: two copies, the last sharer writes in place
   assert plan(out) == [(parent.seq_id, 1), (c1.seq_id, 1), (c2.seq_id, 1)]
   assert out.block_copies == [(1, 2), (1, 3)]
@@ -274,7 +274,7 @@ def test_a_stop_verdict_ends_a_sequence_in_the_step_it_lands():
   (a,) = s.add(list(range(5)), max_tokens=5)
   out = s.sched.schedule()
   stop = lambda seq, token, row: StopVerdict(SequenceStatus.FINISHED_STOPPED, token)
-  assert s.sched.update_from_output(out, [42], stop) == [a]
+  assert s.sched.update_from_output(out, [[42]], stop) == [a]
   assert a.status is SequenceStatus.FINISHED_STOPPED and a.stop_reason == 42 and a.output_token_ids == [42]
   assert s.alloc.num_used_blocks == 0 and not s.sched.has_unfinished()
 

@@ -105,7 +105,7 @@ def test_the_swap_outs_of_a_step_that_runs_nothing_go_first_in_the_next():
   assert not idle and idle.preempted == [b] and b.status is SequenceStatus.SWAPPED and b.num_pending == 1
   assert idle.blocks_to_swap_out == [] and len(sched.pending_swap_out) == 2
   carried = list(sched.pending_swap_out)
-  sched.update_from_output(first, [fake_token(seq) for seq in first.sampling_seqs], length_verdict)
+  sched.update_from_output(first, [[fake_token(seq)] for seq in first.sampling_seqs], length_verdict)
   assert a.is_finished and b.num_pending == 0
   out = sched.schedule()
   assert plan(out) == [(b.seq_id, 1)] and out.blocks_to_swap_out == carried

@@ -31,6 +31,7 @@ PREEMPTION_MODES = ("recompute", "swap")     # vLLM's: what happens to a preempt
 # weight quantization (vLLM's names): a checkpoint's format (gptq, awq, fp8), or a float checkpoint quantized at load
 # (int8, int4, fp8)
 QUANTIZATION_METHODS = ("gptq", "awq", "fp8", "int8", "int4", "gguf")   # gguf: a .gguf model file's own blocks
+SPECULATIVE_METHODS = ("ngram", "draft_model")   # vLLM's speculative_config methods tinyvllm runs
 MAX_LOGPROBS = 20   # the most top-k alternatives the sampler returns per token (vLLM's default max_logprobs)
 # the generation_config.json fields that become request defaults (vLLM's list); max_new_tokens is max_tokens
 GENERATION_CONFIG_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
@@ -162,6 +163,50 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
                             float(scaling.get("high_freq_factor", 4.0)), int(scaling["original_max_position_embeddings"]))
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+  """Speculative decoding (vLLM's speculative_config): up to num_speculative_tokens proposals per sequence and step,
+  verified by the target model in one pass; `ngram` finds them in the sequence's own tokens (prompt lookup),
+  `draft_model` runs a smaller model with the same tokenizer."""
+  method: str
+  num_speculative_tokens: int
+  model: str | None = None                  # the draft model (draft_model): a folder, hub id or preset
+  prompt_lookup_min: int = 5                # ngram: the shortest and longest suffix matched (vLLM's defaults: 5 and 5)
+  prompt_lookup_max: int = 5
+  disable_by_batch_size: int | None = None  # no proposals while this many or more requests run (vLLM's key)
+
+  KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
+          "draft_tensor_parallel_size")
+
+  @staticmethod
+  def from_dict(raw: dict[str, Any]) -> SpeculativeConfig:
+    """vLLM's keys: method (ngram, or draft_model, implied by model), model, num_speculative_tokens, prompt_lookup_min
+    and _max (one given: the other takes its value), disable_by_batch_size, draft_tensor_parallel_size (1)."""
+    if not isinstance(raw, dict): raise ConfigError(f"speculative_config must be a JSON object, got {raw!r}")
+    if unknown := sorted(set(raw) - set(SpeculativeConfig.KEYS)):
+      raise ConfigError(f"speculative_config: {', '.join(unknown)} not supported (tinyvllm takes {', '.join(SpeculativeConfig.KEYS)})")
+    if raw.get("draft_tensor_parallel_size", 1) != 1:
+      raise ConfigError("speculative_config: draft_tensor_parallel_size must be 1 (tinyvllm runs on one device)")
+    method = raw.get("method") or ("draft_model" if raw.get("model") else None)
+    if method not in SPECULATIVE_METHODS:
+      raise ConfigError(f"speculative_config: method {method!r} is not supported (tinyvllm runs {', '.join(SPECULATIVE_METHODS)}; "
+                        "draft_model is implied by a model)")
+    k = raw.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+      raise ConfigError(f"speculative_config: num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+    if method == "draft_model" and not isinstance(raw.get("model"), str):
+      raise ConfigError("speculative_config: method draft_model needs a model (a folder, hub id or preset)")
+    lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+    lo, hi = (lo if lo is not None else hi or 5), (hi if hi is not None else lo or 5)
+    if method == "ngram" and not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+      raise ConfigError(f"speculative_config: prompt_lookup_min ({lo!r}) and prompt_lookup_max ({hi!r}) must be integers "
+                        "with 1 <= min <= max")
+    off = raw.get("disable_by_batch_size")
+    if off is not None and (not isinstance(off, int) or isinstance(off, bool) or off < 1):
+      raise ConfigError(f"speculative_config: disable_by_batch_size must be an integer >= 1, got {off!r}")
+    return SpeculativeConfig(method, k, raw.get("model"), lo, hi, off)
+
+
 @dataclass
 class EngineConfig:
   """Everything the engine needs besides the model's own config (vLLM's flag names)."""
@@ -225,6 +270,7 @@ class EngineConfig:
   generation_config: str = "auto"
   override_generation_config: dict[str, Any] = field(default_factory=dict)
   disable_log_stats: bool = False               # no periodic throughput / cache line in the log
+  speculative_config: SpeculativeConfig | None = None   # speculative decoding (a dict is read as vLLM's keys)
   extra: dict[str, Any] = field(default_factory=dict)
 
   def __post_init__(self) -> None:
@@ -264,6 +310,13 @@ class EngineConfig:
       if not ok: raise ConfigError(message)
     self._check_scheduling()
     self._check_generation_override()
+    if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+      self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+    if self.speculative_config is not None and self.scheduler == "static":
+      raise ConfigError("speculative decoding needs the continuous scheduler (the static baseline decodes one token a step)")
+    if self.speculative_config is not None and self.async_scheduling:
+      raise ConfigError("speculative decoding runs with synchronous scheduling: the proposals for a step come from the "
+                        "tokens of the step before it (leave async_scheduling unset or false)")
     if self.device in ("auto", ""): self.device = None   # vLLM's "auto": detect it
     if self.device is None: self.device = os.environ.get("DEV") or None   # tinygrad's own variable
     self.cudagraph_mode = self.cudagraph_mode.upper()

@@ -128,7 +128,6 @@ TABLE: tuple[VllmArg, ...] = (
   # the scheduler
   VllmArg("max_num_partial_prefills", _is(1), "one prompt at a time is chunked", default=1, kind=int),
   VllmArg("enable_lora", _is(False, None), "LoRA adapters are not supported yet", default=False, kind=bool),
-  VllmArg("speculative_config", _empty, "speculative decoding is not supported yet", kind="json"),
   # compilation: the CUDA-graph parts map onto tinyvllm's captured steps
   VllmArg("compilation_config", _compilation_ok, "must be a level (0-3) or a dict", _compilation, flag=("-O",), kind="json"),
   VllmArg("cudagraph_capture_sizes", lambda v: isinstance(v, list), "must be a list of batch sizes", _field("cuda_graph_sizes")),

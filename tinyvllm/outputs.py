@@ -43,6 +43,13 @@ class RequestMetrics:
   first_token_time: float | None = None
   time_in_queue: float | None = None        # first_scheduled_time - arrival_time
   finished_time: float | None = None
+  # speculative decoding, over the request's samples: proposals verified and accepted (emitted tokens are the outputs')
+  num_draft_tokens: int = 0
+  num_accepted_tokens: int = 0
+
+  @property
+  def acceptance_rate(self) -> float | None:
+    return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
 
 @dataclass

@@ -81,6 +81,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
   c.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES,
                  help="a preempted sequence's KV blocks: freed and recomputed later, or swapped out to host memory and back")
   c.add_argument("--swap-space", type=float, default=4, help="GiB of host memory for swapped-out KV blocks (default 4)")
+  c.add_argument("--speculative-config", type=json_value,
+                 help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                      '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (proposals from the sequence\'s own text) or '
+                      '\'{"model": DRAFT, "num_speculative_tokens": 4}\' (a smaller model with the same tokenizer)')
   r = p.add_argument_group("requests")
   r.add_argument("--max-logprobs", type=int, help="the most logprobs a request may ask for (default 20)")
   r.add_argument("--generation-config", help="request sampling defaults: auto (the model's generation_config.json, the "
@@ -117,7 +121,8 @@ ENGINE_FLAGS = ("tokenizer", "dtype", "device", "max_model_len", "load_format", 
                 "decode_layer_max_context", "download_dir", "revision", "tokenizer_revision", "hf_token", "scheduling_policy",
                 "preemption_mode", "swap_space")
 # flags passed on only when given (None: the engine's default)
-OPTIONAL_FLAGS = ("cudagraph_mode", "max_logprobs", "generation_config", "override_generation_config", "skip_tokenizer_init",
+OPTIONAL_FLAGS = ("cudagraph_mode", "speculative_config", "max_logprobs", "generation_config", "override_generation_config",
+                  "skip_tokenizer_init",
                   "disable_log_stats",
                   *(arg.name for arg in TABLE if arg.kind is not None))
 

@@ -184,6 +184,11 @@ class BlockManager:
     while len(table) < self.blocks_for(seq.num_computed_tokens + num_new_tokens): table.append(self._take_free().block_id)
     return copies
 
+  def trim(self, seq: Sequence) -> None:
+    """Free seq's blocks past its computed tokens (slots taken for proposals that were rejected), last first."""
+    table = self.block_table(seq)
+    while len(table) > self.blocks_for(seq.num_computed_tokens): self._release(self.blocks[table.pop()])
+
   def fork(self, parent: Sequence, child: Sequence) -> list[BlockCopy]:
     """The child shares all of the parent's blocks (copy-on-write happens on its first write)."""
     record = self.seqs[parent.seq_id]

@@ -49,6 +49,9 @@ class ContiguousAllocator:
     assert self.can_append(seq, num_new_tokens), f"sequence {seq.seq_id} outgrew its row of {self.block_size} tokens"
     return []
 
+  def trim(self, seq: Sequence) -> None:
+    """A row holds the whole context: rejected proposals' slots are simply written again."""
+
   def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
     self.rows[child.seq_id] = [self.reserved[parent.seq_id].pop()]
     return [(self.rows[parent.seq_id][0], self.rows[child.seq_id][0])]

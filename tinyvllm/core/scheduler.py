@@ -17,6 +17,11 @@ blocks in the prefix cache, and finishes and frees what ended. Nothing else writ
 - Their asynchronous forms (`AsyncScheduling`, tinyvllm/core/async_scheduling.py) schedule a step while the previous
   one is still in flight.
 
+Speculative decoding: a decoding sequence's proposals (`set_proposals`, found by the engine after each step) are
+scheduled after its last token, so the step computes 1 + k tokens for it and verifies them; the step lands the accepted
+proposals and the token after them, and the rejected ones' K/V slots are given back (a block holding only rejected
+tokens is freed). Proposals never preempt: without room for them the sequence decodes one token.
+
 A request with n > 1 samples queues only its first sequence; the others are forked from it (sharing its prompt blocks)
 in the step that samples its first token, each sampling its own token from the same logits.
 """
@@ -50,6 +55,19 @@ class SchedulerConfig:
 
 
 @dataclass
+class SpecCounters:
+  """Speculative decoding's totals since start: verifications (a sequence's proposals checked in a step), proposals
+  and accepted proposals. Every verification also emits one token of the target's own."""
+  num_drafts: int = 0
+  num_draft_tokens: int = 0
+  num_accepted_tokens: int = 0
+
+  def count(self, proposed: int, accepted: int) -> None:
+    self.num_drafts, self.num_draft_tokens = self.num_drafts + 1, self.num_draft_tokens + proposed
+    self.num_accepted_tokens += accepted
+
+
+@dataclass
 class StepPlan:
   """A step being planned: the token budget left, its items, the sequences it preempted."""
   budget: int
@@ -78,6 +96,7 @@ class SchedulerBase:
     self.num_preemptions = 0
     self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0   # blocks copied to / from the swap space
     self.num_swap_fallbacks = 0   # preemptions recomputed because the swap space could not hold the sequence
+    self.spec = SpecCounters()
 
   # ---- requests
   def add(self, seqs: list[Sequence]) -> None:
@@ -96,6 +115,11 @@ class SchedulerBase:
   @property
   def num_swapped_requests(self) -> int: return len({seq.request_id for seq in self.swapped})
 
+  def set_proposals(self, proposals: dict[Sequence, list[int]]) -> None:
+    """Speculative decoding: the tokens each running sequence's next step verifies after its last one."""
+    for seq, tokens in proposals.items():
+      if seq.status is SequenceStatus.RUNNING and seq.decoding: seq.spec_token_ids = list(tokens)
+
   def abort(self, seqs: list[Sequence]) -> None:
     """End sequences wherever they are (a step in flight drops their tokens) and free what they hold."""
     for seq in seqs: self._finish(seq, SequenceStatus.FINISHED_ABORTED)
@@ -112,29 +136,51 @@ class SchedulerBase:
     if not plan.items: return SchedulerOutput([], plan.preempted)
     out = SchedulerOutput(plan.items, plan.preempted, self.pending_copies, self.pending_swap_out, self.pending_swap_in)
     self.pending_copies, self.pending_swap_out, self.pending_swap_in = [], [], []
-    for item in plan.items: item.seq.num_computed_tokens += item.num_new_tokens
+    for item in plan.items:
+      item.seq.num_computed_tokens += item.num_new_tokens
+      item.seq.spec_token_ids = []   # verified in this step, or dropped: fresh ones follow its tokens
     for item in plan.items:
       for child in item.forks: self._start_fork(item.seq, child)
     self._record_in_flight(out)
     return out
 
-  def update_from_output(self, out: SchedulerOutput, token_ids: list[int], judge: Judge) -> list[Sequence]:
-    """Land a finished step's sampled tokens (row order of `out.sampling_seqs`) and ask the output processor about
-    each; enter the newly full blocks into the prefix cache (now that every token they hold is known), then finish
-    what the verdicts end. Returns the sequences that got a token (one that ended while the step ran gets none)."""
+  def update_from_output(self, out: SchedulerOutput, token_ids: list[list[int]], judge: Judge) -> list[Sequence]:
+    """Land a finished step's new tokens (per row of `out.sampling_seqs`: the sampled one, or the accepted proposals
+    and the token after them) and ask the output processor about each, up to the first that ends the sequence; give
+    back the rejected proposals' slots; enter the newly full blocks into the prefix cache (now that every token they
+    hold is known), then finish what the verdicts end. Returns the sequences that got tokens (one that ended while the
+    step ran gets none)."""
     landed, verdicts, now = [], [], time.time()
-    for row, (seq, token) in enumerate(zip(out.sampling_seqs, token_ids, strict=True)):
+    for row, (seq, tokens) in enumerate(zip(out.sampling_seqs, token_ids, strict=True)):
       if not self._land(seq): continue
-      seq.output_token_ids.append(token)
+      verdict = None
+      for token in tokens:
+        seq.output_token_ids.append(token)
+        if (verdict := judge(seq, token, row)) is not None: break
       if seq.first_token_time is None: seq.first_token_time = now
       seq.last_token_time = now
       landed.append(seq)
-      verdicts.append((seq, judge(seq, token, row)))
+      verdicts.append((seq, verdict))
+    if out.speculates: self._roll_back_rejected(out, token_ids)
     for item in out.scheduled:   # (not one preempted meanwhile: its blocks are gone or in the swap space)
       if item.seq.status is SequenceStatus.RUNNING: self.allocator.register_computed(item.seq)
     for seq, verdict in verdicts:
       if verdict is not None: self._finish(seq, verdict.status, verdict.stop_reason)
     return landed
+
+  def _roll_back_rejected(self, out: SchedulerOutput, token_ids: list[list[int]]) -> None:
+    """Count each verification and give back the K/V slots of the proposals it rejected: only the last token and the
+    accepted proposals hold the sequence's true K/V."""
+    emitted = {id(seq): len(tokens) for seq, tokens in zip(out.sampling_seqs, token_ids, strict=True)}
+    for item in out.scheduled:
+      if not item.spec_token_ids or id(item.seq) not in emitted: continue
+      seq, accepted = item.seq, emitted[id(item.seq)] - 1
+      seq.num_draft_tokens += len(item.spec_token_ids)
+      seq.num_accepted_tokens += accepted
+      self.spec.count(len(item.spec_token_ids), accepted)
+      if seq.status is SequenceStatus.RUNNING:
+        seq.num_computed_tokens -= len(item.spec_token_ids) - accepted
+        self.allocator.trim(seq)
 
   @contextlib.contextmanager
   def scoring(self, prompt_ids: list[int]) -> Iterator[SchedulerOutput]:
@@ -157,10 +203,11 @@ class SchedulerBase:
   def _item(self, seq: Sequence, num_new: int) -> ScheduledSequence:
     self.pending_copies.extend(self.allocator.append_slots(seq, num_new))
     start = seq.num_computed_tokens
-    samples = start + num_new == seq.num_tokens
+    proposals = tuple(seq.spec_token_ids[:max(0, num_new - seq.num_uncomputed_tokens)])
+    samples = start + num_new - len(proposals) == seq.num_tokens
     forks = tuple(self.pending_forks.get(seq.seq_id, ())) if samples and not seq.output_token_ids else ()
     return ScheduledSequence(seq, start, num_new, self.allocator.block_table(seq), samples, forks, self._token_source(seq),
-                             seq.num_output_tokens)
+                             seq.num_output_tokens, proposals)
 
   def _admit(self, seq: Sequence) -> None:
     self.waiting.remove(seq)
@@ -221,7 +268,8 @@ class Scheduler(SchedulerBase):
   """Continuous batching with chunked prefill, ordered by the scheduling policy, and preemption."""
 
   def _chunk(self, seq: Sequence, budget: int) -> int:
-    num_new = min(seq.num_uncomputed_tokens, budget)
+    """The tokens seq computes next: a prompt chunk, or its last token and its proposals, within the budget."""
+    num_new = min(seq.num_uncomputed_tokens + (len(seq.spec_token_ids) if seq.decoding else 0), budget)
     if seq.in_prefill and self.config.long_prefill_token_threshold and self.config.enable_chunked_prefill:
       num_new = min(num_new, self.config.long_prefill_token_threshold)
     return num_new
@@ -237,6 +285,7 @@ class Scheduler(SchedulerBase):
         index += 1
         continue
       num_new = self._chunk(seq, plan.budget)
+      if num_new > 1 and seq.decoding and not self.allocator.can_append(seq, num_new): num_new = 1   # proposals never preempt
       if not self._make_room(seq, num_new, plan.preempted): break
       plan.add(self._item(seq, num_new))
       index += 1
@@ -296,6 +345,7 @@ class Scheduler(SchedulerBase):
     """Take a running sequence's blocks back: to the swap space (preemption_mode swap, while it has room), else freed,
     to be recomputed from scratch when it is readmitted. It waits at the queue's front (fcfs) or at its rank."""
     self.running.remove(seq)
+    seq.spec_token_ids = []
     if self._swap_out(seq): seq.status = SequenceStatus.SWAPPED
     else:
       self.allocator.free(seq)

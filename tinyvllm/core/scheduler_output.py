@@ -17,6 +17,7 @@ class ScheduledSequence:
   forks: tuple[Sequence, ...] = ()   # samples forked off the sequence this step, each sampled from its logits
   token_source: int = -1       # >= 0: the last new token is still in flight, in this row of the previous step's samples
   sample_index: int = 0        # the index in seq's output of the token sampled for it (its forks sample their first)
+  spec_token_ids: tuple[int, ...] = ()   # proposals verified: the last len() of the new tokens (speculative decoding)
 
 
 @dataclass
@@ -31,6 +32,9 @@ class SchedulerOutput:
 
   @property
   def num_tokens(self) -> int: return sum(s.num_new_tokens for s in self.scheduled)
+
+  @property
+  def speculates(self) -> bool: return any(item.spec_token_ids for item in self.scheduled)
 
   @property
   def sampling_seqs(self) -> list[Sequence]:

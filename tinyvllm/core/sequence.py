@@ -46,6 +46,11 @@ class Sequence:
   # `pending_row` of the latest such step's samples.
   num_pending: int = 0
   pending_row: int = -1
+  # Speculative decoding: the proposals its next step verifies (found after each step, consumed when scheduled), and
+  # totals for what RequestOutput reports
+  spec_token_ids: list[int] = field(default_factory=list)
+  num_draft_tokens: int = 0                   # proposals verified
+  num_accepted_tokens: int = 0                # ... and accepted
   # What RequestOutput reports (num_cached_tokens, metrics), None until it happens; times are time.time()
   num_cached_tokens: int | None = None        # prompt tokens the prefix cache covered when first admitted
   first_scheduled_time: float | None = None
@@ -89,6 +94,11 @@ class Sequence:
 
   @property
   def in_prefill(self) -> bool: return self.num_computed_tokens < len(self.prompt_token_ids)
+
+  @property
+  def decoding(self) -> bool:
+    """Whether its next step computes just its last token (so proposals may follow it)."""
+    return self.num_uncomputed_tokens == 1 and not self.in_prefill
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from tinyvllm.engine.messages import (
   PromptLogprobsChunk,
   SampleRef,
   SchedulerStats,
+  SpecDecodingStats,
   SwapStats,
 )
 from tinyvllm.worker.logprobs import ScoredPromptChunk, TokenLogprobs
@@ -51,6 +52,7 @@ class EngineCore:
     self.model, self.allocator, self.kv_cache = parts.model, parts.allocator, parts.kv_cache
     self.scheduler, self.runner, self.async_scheduling = parts.scheduler, parts.runner, parts.async_scheduling
     self.warm_up_seconds = parts.warm_up_seconds
+    self.speculator = parts.speculator
     self.requests: dict[str, Request] = {}
     self._eos_ids: dict[str, frozenset[int]] = {}   # request id -> the token ids that end its samples
     self._in_flight: InFlightStep | None = None
@@ -111,6 +113,7 @@ class EngineCore:
     it ran, its tokens still in flight counted as placeholders (core/async_scheduling.py) and read on the device."""
     outputs: list[EngineCoreOutput] = []
     if self._in_flight is not None and not self._in_flight.launched.chains: self._finish_in_flight(outputs)
+    if self.speculator is not None: self.scheduler.set_proposals(self.speculator.propose(self.scheduler.running))
     sched = self.scheduler.schedule()
     launched = InFlightStep(sched, self.runner.launch(sched)) if sched else None
     if self._in_flight is not None: self._finish_in_flight(outputs)
@@ -124,13 +127,14 @@ class EngineCore:
     assert flight is not None
     result = flight.launched.result()
     chunks = {chunk.seq.seq_id: chunk for chunk in result.prompt_logprobs}
-    rows: dict[int, int] = {}
+    rows: dict[int, tuple[int, int]] = {}   # seq id -> (its row, the tokens it landed)
 
     def judge(seq: Sequence, token: int, row: int) -> StopVerdict | None:
-      rows[seq.seq_id] = row
+      rows[seq.seq_id] = (row, rows.get(seq.seq_id, (row, 0))[1] + 1)
       return self._token_stop(seq, token)
     for seq in self.scheduler.update_from_output(flight.sched, result.token_ids, judge):
-      outputs.append(self._output(seq, [seq.output_token_ids[-1]], self._logprobs(result, rows[seq.seq_id], seq),
+      row, landed = rows[seq.seq_id]
+      outputs.append(self._output(seq, seq.output_token_ids[-landed:], self._logprobs(result, row, landed, seq),
                                   chunks.pop(seq.seq_id, None)))
     for chunk in chunks.values():   # prompt chunks of sequences that sampled nothing this step
       if not chunk.seq.is_finished: outputs.append(self._output(chunk.seq, [], None, chunk))
@@ -155,12 +159,14 @@ class EngineCore:
     stop_reason = seq.stop_reason if isinstance(seq.stop_reason, int) else None
     return EngineCoreOutput(seq.request_id, seq.index, new_token_ids, logprobs, prompt, seq.finish_reason, stop_reason,
                             seq.num_cached_tokens or 0, seq.first_scheduled_time, seq.first_token_time, seq.last_token_time,
-                            seq.finished_time)
+                            seq.finished_time, seq.num_draft_tokens, seq.num_accepted_tokens)
 
   @staticmethod
-  def _logprobs(result: StepResult, row: int, seq: Sequence) -> LogprobsLists | None:
+  def _logprobs(result: StepResult, row: int, count: int, seq: Sequence) -> LogprobsLists | None:
+    """The logprobs of the `count` tokens sampling row `row` landed (a verification's rows lie spec_rows apart)."""
     if result.logprobs is None or seq.params.logprobs is None: return None
-    return _lists(result.logprobs.rows(row, row + 1), seq.params.logprobs)
+    first = row * result.spec_rows
+    return _lists(result.logprobs.rows(first, first + count), seq.params.logprobs)
 
   def _retire(self, request: Request) -> None:
     self.requests.pop(request.request_id, None)
@@ -182,9 +188,11 @@ class EngineCore:
     swap = scheduler.swap_space
     swap_stats = SwapStats(len(swapped), swap.num_used_blocks, swap.num_blocks, scheduler.num_swapped_out_blocks,
                            scheduler.num_swapped_in_blocks, scheduler.num_swap_fallbacks) if swap is not None else None
+    spec = scheduler.spec
+    spec_stats = None if self.speculator is None else SpecDecodingStats(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
     return SchedulerStats(len(running), len(waiting), alloc.num_used_blocks, alloc.num_blocks, prefix_caching,
                           getattr(alloc, "prefix_queries", 0), getattr(alloc, "prefix_hits", 0), scheduler.num_preemptions,
-                          prompt_tokens, samples, swap_stats)
+                          prompt_tokens, samples, swap_stats, spec_stats)
 
 
 def _lists(lp: TokenLogprobs, k: int) -> LogprobsLists:

@@ -14,6 +14,7 @@ from tinyvllm.core.async_scheduling import make_scheduler
 from tinyvllm.core.block_manager import BlockManager
 from tinyvllm.core.contiguous_allocator import ContiguousAllocator
 from tinyvllm.core.scheduler import SchedulerBase, SchedulerConfig
+from tinyvllm.engine.speculator import NgramSpeculator
 from tinyvllm.kernels.selection import BackendRequest, select_backend
 from tinyvllm.layers.fp8 import FP8_STORAGE
 from tinyvllm.model.gguf.config import gguf_model_config, is_gguf_path
@@ -72,6 +73,7 @@ class EngineParts:
   runner: ModelRunner
   async_scheduling: bool
   warm_up_seconds: float
+  speculator: NgramSpeculator | None = None
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
@@ -101,17 +103,34 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
   if not config.enable_chunked_prefill and sched_config.max_num_batched_tokens < max_model_len:
     raise ConfigError(f"without chunked prefill, max_num_batched_tokens ({sched_config.max_num_batched_tokens}) must be "
                       f">= max_model_len ({max_model_len})")
+  spec = config.speculative_config
   async_scheduling = config.async_scheduling if config.async_scheduling is not None else reads_back_asynchronously(device)
+  if spec is not None and async_scheduling and config.async_scheduling is None:
+    log("speculative decoding: scheduling is synchronous (each step's proposals follow the tokens of the step before)")
+    async_scheduling = False
   scheduler = make_scheduler(config.scheduler, async_scheduling, allocator, sched_config)
   log(f"{config.scheduler} scheduler ({config.scheduling_policy}), max {config.max_num_seqs} sequences, "
       f"{sched_config.max_num_batched_tokens} tokens a step{', asynchronous scheduling' if async_scheduling else ''}, "
       f"preemption by {config.preemption_mode}"
       + (f" ({swap_blocks} blocks of swap space, {config.swap_space} GiB)" if swap_blocks else ""))
   runner = ModelRunner(model, kv_cache, config.max_num_seqs, max_model_len, config.cudagraph_mode,
-                       capture_repeated_prompt_layouts=is_cpu(device))
+                       capture_repeated_prompt_layouts=is_cpu(device),
+                       num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0)
+  speculator = make_speculator(config, max_model_len)
   warm_up_seconds = warm_up(config, runner, device, sched_config.max_num_batched_tokens)
   return EngineParts(device, mc, located.folder, max_model_len, dtype, kv_dtype, model, allocator, kv_cache, scheduler, runner,
-                     async_scheduling, warm_up_seconds)
+                     async_scheduling, warm_up_seconds, speculator)
+
+
+def make_speculator(config: EngineConfig, max_model_len: int) -> NgramSpeculator | None:
+  spec = config.speculative_config
+  if spec is None: return None
+  if spec.method != "ngram":
+    raise ConfigError(f"speculative_config: method {spec.method} is not built yet (ngram is)")
+  log(f"speculative decoding: ngram, {spec.num_speculative_tokens} proposals a step, suffixes of "
+      f"{spec.prompt_lookup_min}-{spec.prompt_lookup_max} tokens"
+      + (f", off from {spec.disable_by_batch_size} running requests" if spec.disable_by_batch_size else ""))
+  return NgramSpeculator(spec, max_model_len)
 
 
 def load_weights(config: EngineConfig, mc: ModelConfig, folder: Path | None, dtype: DType, device: str, max_model_len: int,

@@ -80,6 +80,8 @@ class EngineCoreOutput:
   first_token_time: float | None = None
   last_token_time: float | None = None
   finished_time: float | None = None
+  num_draft_tokens: int = 0                 # speculative decoding: the sample's proposals verified so far
+  num_accepted_tokens: int = 0              # ... and accepted
 
   @property
   def finished(self) -> bool: return self.finish_reason is not None
@@ -100,6 +102,23 @@ class SwapStats:
 
 
 @dataclass
+class SpecDecodingStats:
+  """Speculative decoding's totals since start (vLLM's names): verifications (a sequence's proposals checked in a step),
+  proposals, accepted proposals. Each verification emits its accepted proposals and one token of the target's."""
+  num_drafts: int = 0
+  num_draft_tokens: int = 0
+  num_accepted_tokens: int = 0
+
+  @property
+  def acceptance_rate(self) -> float: return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+  @property
+  def mean_acceptance_length(self) -> float:
+    """Tokens emitted per verification (1 + accepted proposals)."""
+    return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass
 class SchedulerStats:
   """The core's state after a step (for /metrics and the stats line); counters are totals since start."""
   num_running_reqs: int = 0
@@ -113,6 +132,7 @@ class SchedulerStats:
   step_prompt_tokens: int = 0               # prompt tokens this step computed
   step_generation_tokens: int = 0           # tokens this step sampled
   swap: SwapStats | None = None             # None without a swap space
+  spec_decoding: SpecDecodingStats | None = None   # None without speculative decoding
 
   @property
   def kv_cache_usage(self) -> float: return self.kv_cache_blocks_used / max(self.kv_cache_blocks_total, 1)

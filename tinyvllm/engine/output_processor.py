@@ -61,14 +61,17 @@ class SampleState:
   first_token_time: float | None = None
   last_token_time: float | None = None
   finished_time: float | None = None
+  num_draft_tokens: int = 0
+  num_accepted_tokens: int = 0
 
   @property
   def finished(self) -> bool: return self.finish_reason is not None
 
   def record_times(self, out: EngineCoreOutput) -> None:
-    """The times the core's scheduler recorded for this sample."""
+    """The times (and speculative decoding's counts) the core's scheduler recorded for this sample."""
     self.first_scheduled_time, self.first_token_time = out.first_scheduled_time, out.first_token_time
     self.last_token_time, self.finished_time = out.last_token_time, out.finished_time
+    self.num_draft_tokens, self.num_accepted_tokens = out.num_draft_tokens, out.num_accepted_tokens
 
   def add_token(self, params: SamplingParams, token: int, logprobs: dict[int, Logprob] | None, finish_reason: str | None,
                 stop_reason: int | None) -> None:
@@ -215,4 +218,5 @@ def request_metrics(state: RequestState) -> RequestMetrics:
     arrival_time=state.arrival_time, last_token_time=max(last_tokens, default=state.arrival_time),
     first_scheduled_time=scheduled, first_token_time=min(first_tokens, default=None),
     time_in_queue=None if scheduled is None else scheduled - state.arrival_time,
-    finished_time=max(finished) if state.finished and finished else None)
+    finished_time=max(finished) if state.finished and finished else None,
+    num_draft_tokens=sum(s.num_draft_tokens for s in samples), num_accepted_tokens=sum(s.num_accepted_tokens for s in samples))

@@ -46,6 +46,15 @@ class EngineCollector:
       yield _counter("swapped_out_blocks", "KV blocks copied to the swap space", swap.swapped_out_blocks)
       yield _counter("swapped_in_blocks", "KV blocks copied back from the swap space", swap.swapped_in_blocks)
       yield _counter("swap_fallbacks", "Preemptions recomputed because the swap space was full", swap.fallbacks)
+    if (spec := stats.spec_decoding) is not None:
+      yield _counter("spec_decode_num_drafts", "Verifications: a sequence's proposals checked in a step", spec.num_drafts)
+      yield _counter("spec_decode_num_draft_tokens", "Proposed tokens verified", spec.num_draft_tokens)
+      yield _counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted", spec.num_accepted_tokens)
+      yield _counter("spec_decode_num_emitted_tokens", "Tokens emitted by verifications (accepted proposals and the "
+                     "target's own token after them)", spec.num_accepted_tokens + spec.num_drafts)
+      yield _gauge("spec_decode_acceptance_rate", "Accepted / proposed tokens since start", spec.acceptance_rate)
+      yield _gauge("spec_decode_mean_acceptance_length", "Tokens emitted per verification since start",
+                   spec.mean_acceptance_length)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily: return GaugeMetricFamily(f"tinyvllm:{name}", doc, value=value)

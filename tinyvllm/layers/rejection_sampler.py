@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from tinygrad import Tensor, dtypes
 
+from tinyvllm.backend.sampling import SamplerVariant
+from tinyvllm.layers.sampler import acceptance_uniforms, argmax_rows, gumbel_noise, shaped_logits, target_probs
+
 
 def rejection_sample(target_probs: Tensor, draft_tokens: Tensor, uniforms: Tensor, gumbel: Tensor,
                      draft_probs: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -50,4 +53,34 @@ def rejection_sample(target_probs: Tensor, draft_tokens: Tensor, uniforms: Tenso
   lead = leading.reshape(s, 1)
   proposals = draft_tokens.cast(dtypes.int32).pad(((0, 0), (0, 1)), value=-1)
   tokens = (position < lead).where(proposals, (position == lead).where(draws, -1))
+  return tokens.cast(dtypes.int32), (leading + 1).cast(dtypes.int32)
+
+
+def verify(logits: Tensor, params: Tensor, rng: Tensor, variant: SamplerVariant, draft_tokens: Tensor,
+           penalties: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+  """A verification step's tokens: logits [S * (k + 1), V] of each sequence's last token and proposals (row
+  s * (k + 1) + j: the distribution after proposal j - 1), their rows' sampling settings and seeds (params, rng as
+  `sample` takes them; row j's step is the index of the token it draws), draft_tokens [S, k] (-1: no proposal there,
+  so a sequence with fewer draws its next token from p at its first -1). Returns rejection_sample's (tokens, emitted).
+
+  Deterministic proposals (n-gram); an all-greedy step takes the argmax path: keep proposals while they equal the
+  target's argmax, then emit the argmax."""
+  s, k = draft_tokens.shape
+  if logits.shape[0] != s * (k + 1): raise ValueError(f"verify: {logits.shape[0]} logits rows for {s} sequences of {k} proposals")
+  if not variant.random:
+    scaled, _ = shaped_logits(logits, params, variant, penalties)
+    return greedy_verify(argmax_rows(scaled).reshape(s, k + 1).cast(dtypes.int32), draft_tokens)
+  vocab = logits.shape[1]
+  probs = target_probs(logits, params, variant, penalties).reshape(s, k + 1, vocab)
+  uniforms = acceptance_uniforms(rng).reshape(s, k + 1)[:, :k]
+  return rejection_sample(probs, draft_tokens, uniforms, gumbel_noise(rng, vocab).reshape(s, k + 1, vocab))
+
+
+def greedy_verify(target: Tensor, draft_tokens: Tensor) -> tuple[Tensor, Tensor]:
+  """rejection_sample for one-hot target distributions, from their argmax tokens target [S, k + 1]."""
+  s, k1 = target.shape
+  leading = (draft_tokens == target[:, :k1 - 1]).int().cumprod(axis=1).sum(axis=1) if k1 > 1 else Tensor.zeros(s, dtype=dtypes.int32)
+  position, lead = Tensor.arange(k1).to(target.device).reshape(1, k1), leading.reshape(s, 1)
+  proposals = draft_tokens.cast(dtypes.int32).pad(((0, 0), (0, 1)), value=-1)
+  tokens = (position < lead).where(proposals, (position == lead).where(target, -1))
   return tokens.cast(dtypes.int32), (leading + 1).cast(dtypes.int32)

@@ -230,25 +230,53 @@ def uniform_noise(rng: Tensor, vocab_size: int) -> Tensor:
   return ((h >> 8).cast(dtypes.float32) + 0.5) * (1.0 / (1 << 24))  # 24 random bits, never 0 or 1
 
 
-def sample(logits: Tensor, params: Tensor, rng: Tensor, variant: SamplerVariant,
-           penalties: tuple[Tensor, Tensor] | None = None) -> Tensor:
-  """One token id per row ([B] int32) from logits [B, V], params [B, 7] float32, rng [B, 2] uint32 (seed, step)."""
+def acceptance_uniforms(rng: Tensor) -> Tensor:
+  """u[b] in (0, 1) from hash(seed[b], step[b]) alone, independent of uniform_noise's (speculative decoding's tests of
+  proposals)."""
+  h = _fmix32(_fmix32(_fmix32(rng[:, 0] ^ 0x6A09E667) ^ rng[:, 1]) ^ 0xBB67AE85)
+  return ((h >> 8).cast(dtypes.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def gumbel_noise(rng: Tensor, vocab_size: int) -> Tensor:
+  """Standard Gumbel noise [B, V] from uniform_noise: argmax(logits + noise) draws from softmax(logits)."""
+  return -(-uniform_noise(rng, vocab_size).log()).log()
+
+
+def shaped_logits(logits: Tensor, params: Tensor, variant: SamplerVariant,
+                  penalties: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+  """The logits sampling draws from: penalised, then (random rows) divided by the temperature with the filtered tokens
+  at -inf; and the greedy rows [B] (None: every row is greedy, the logits only penalised)."""
   logits = logits.float()
   if variant.penalties:
     if penalties is None:
       raise ValueError("variant.penalties needs the penalty tensors")
     logits = apply_penalties(logits, params, *penalties).contiguous()  # else every consumer recomputes it
-  if not variant.random:
-    return argmax_rows(logits).cast(dtypes.int32)
+  if not variant.random: return logits, None
   temp = params[:, TEMPERATURE]
   is_greedy = temp < GREEDY_EPS
   scaled = logits / is_greedy.where(1.0, temp)[:, None]
   if variant.filters:   # (greedy rows skip them: their argmax survives every filter anyway)
     keep = filter_mask(scaled, params[:, TOP_K], params[:, TOP_P], params[:, MIN_P])
     scaled = (keep | is_greedy[:, None]).where(scaled, float("-inf"))
+  return scaled, is_greedy
+
+
+def sample(logits: Tensor, params: Tensor, rng: Tensor, variant: SamplerVariant,
+           penalties: tuple[Tensor, Tensor] | None = None) -> Tensor:
+  """One token id per row ([B] int32) from logits [B, V], params [B, 7] float32, rng [B, 2] uint32 (seed, step)."""
+  scaled, is_greedy = shaped_logits(logits, params, variant, penalties)
+  if is_greedy is None: return argmax_rows(scaled).cast(dtypes.int32)
   # greedy rows get no noise, so one argmax serves both kinds of row (a second pass over [B, V] cost 0.4 ms at B=256)
-  gumbel = is_greedy[:, None].where(0.0, -(-uniform_noise(rng, logits.shape[1]).log()).log())
+  gumbel = is_greedy[:, None].where(0.0, gumbel_noise(rng, logits.shape[1]))
   return argmax_rows(scaled + gumbel).cast(dtypes.int32)
+
+
+def target_probs(logits: Tensor, params: Tensor, variant: SamplerVariant,
+                 penalties: tuple[Tensor, Tensor] | None = None) -> Tensor:
+  """[B, V]: the distribution `sample` draws each row's token from (one-hot at the argmax for a greedy row)."""
+  scaled, is_greedy = shaped_logits(logits, params, variant, penalties)
+  one_hot = (Tensor.arange(scaled.shape[1]).to(scaled.device)[None, :] == argmax_rows(scaled)[:, None]).float()
+  return one_hot if is_greedy is None else is_greedy[:, None].where(one_hot, scaled.softmax(1))
 
 
 def sample_packed(logits: Tensor, params_bits: Tensor, rng_bits: Tensor, variant: SamplerVariant,

@@ -56,6 +56,8 @@ class HostBatch:
   context_len: int                # L: keys gathered per sequence by the portable attention
   sample_seqs: list[Sequence]     # the sequence each sampling row is for (forks share their parent's logits row)
   sample_steps: list[int]         # the index in its sequence's output of each row's token (the sampler's noise step)
+  prompt_chunks: bool = False     # some sequence computes prompt tokens (more than its last token and its proposals)
+  spec_rows: int = 1              # logits rows per sampling sequence: 1, or 1 + k when the step verifies proposals
 
   def __getattr__(self, name: str) -> np.ndarray:
     try: return self.__dict__["arrays"][name]
@@ -81,19 +83,21 @@ def _fill_tokens(a: dict[str, np.ndarray], scheduled: list[ScheduledSequence], s
   0 here and taken on the device from the previous step's samples, row `token_source`."""
   sources = np.fromiter((item.token_source for item in scheduled), np.int32, len(scheduled))
   in_flight = sources >= 0
-  runs = (item.seq.token_slice(item.start, item.start + item.num_new_tokens - int(f))
-          for item, f in zip(scheduled, in_flight, strict=True))
+  runs = (item.seq.token_slice(item.start, item.start + item.num_new_tokens - int(f) - len(item.spec_token_ids))
+          + list(item.spec_token_ids) for item, f in zip(scheduled, in_flight, strict=True))
   if in_flight.any(): runs = (run + [0] * int(f) for run, f in zip(runs, in_flight, strict=True))
   a["token_ids"][:n_real] = np.fromiter(chain.from_iterable(runs), np.int32, n_real)
   if in_flight.any(): a["token_source"][(starts[1:] - 1)[in_flight]] = sources[in_flight]
 
 
-def query_run_length(counts: np.ndarray, longest_run: int, buckets: StepBuckets, num_tokens: int) -> int:
-  """Tq: the longest run rounded up (coarse_query_runs: to COARSE_QUERY_RUNS, at most the step's N tokens), or
+def query_run_length(counts: np.ndarray, longest_run: int, buckets: StepBuckets, num_tokens: int,
+                     prompt_chunks: bool = True) -> int:
+  """Tq: the longest run rounded up (coarse_query_runs, for a step with prompt chunks: to COARSE_QUERY_RUNS, at most the
+  step's N tokens), or
   (split_runs) the power of two whose rows hold the runs in the fewest padded query slots (rows rounded up as
   prepare_batch does them), the longer on a tie (fewer rows to gather keys for)."""
   longest = bucket(longest_run)
-  if longest > 1 and buckets.coarse_query_runs and not buckets.split_runs:
+  if longest > 1 and buckets.coarse_query_runs and not buckets.split_runs and prompt_chunks:
     return min(next(tq for tq in COARSE_QUERY_RUNS if tq >= longest), num_tokens)
   if not buckets.split_runs: return longest
   def slots(tq: int) -> int: return bucket(int((-(-counts // tq)).sum()), buckets.min_prefill_rows if tq > 1 else 1) * tq
@@ -118,9 +122,15 @@ def _fill_split_rows(a: dict[str, np.ndarray], seq_tables: np.ndarray, rows_of_s
   a["query_start"][:rows], a["query_start"][rows:] = starts[row_seq] + row_start, n_real
 
 
-def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, buckets: StepBuckets = StepBuckets()) -> HostBatch:
+def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, buckets: StepBuckets = StepBuckets(),
+                  num_speculative_tokens: int = 0) -> HostBatch:
   """The step's arrays padded to `buckets` (the fused kernels take coarse ones, so that few layouts (captures) exist:
   their padding rows cost nothing, while the portable path computes every padded row).
+
+  A step that verifies proposals (speculative decoding, k = num_speculative_tokens) takes the logits of 1 + k rows per
+  sampling sequence (`logits_index`: its last token's and each proposal's, the last repeated past its proposals) and
+  the proposals themselves (`draft_tokens` [S, k], -1 past a sequence's own); its runs of 1 + k tokens are bucketed
+  as decodes are, not as prompt chunks.
 
   Vectorised over the flat tokens: at 256 sequences, per-sequence numpy calls cost more than the GPU's whole step (and
   at one sequence, each numpy call is a few microseconds of a step that the host must prepare in under a millisecond:
@@ -129,12 +139,14 @@ def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, buckets: 
   counts = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, seqs)
   computed = np.fromiter((item.start for item in scheduled), np.int64, seqs)
   n_real, ends, longest = int(counts.sum()), computed + counts, int(counts.max())
-  num_tokens = buckets.tokens(n_real, longest > 1)
-  tq, context_len = query_run_length(counts, longest, buckets, num_tokens), bucket(int(ends.max()), buckets.min_context)
+  prompt_chunks = any(item.num_new_tokens > 1 + len(item.spec_token_ids) for item in scheduled)
+  num_tokens = buckets.tokens(n_real, prompt_chunks)
+  tq = query_run_length(counts, longest, buckets, num_tokens, prompt_chunks)
+  context_len = bucket(int(ends.max()), buckets.min_context)
   max_blocks = -(-context_len // block_size)
   rows_of_seq = -(-counts // tq) if tq < longest else None   # query rows each run takes, where runs are split
   rows = seqs if rows_of_seq is None else int(rows_of_seq.sum())
-  min_rows = buckets.min_prefill_rows if tq > 1 else 1
+  min_rows = buckets.min_prefill_rows if prompt_chunks else 1
   a = _empty(num_tokens, bucket(rows, min_rows), tq, max_blocks)
   starts = np.zeros(seqs + 1, np.int64)
   np.cumsum(counts, out=starts[1:])
@@ -154,13 +166,28 @@ def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, buckets: 
     a["context_lens"][:seqs] = ends
     a["query_start"][1:seqs + 1], a["query_start"][seqs + 1:] = starts[1:], n_real
   else: _fill_split_rows(a, seq_tables, rows_of_seq, counts, computed, starts, seq_of, offset, pos, tq)
-  logits_index, sample_seqs, sample_steps = [], [], []
-  for item, end in zip(scheduled, starts[1:].tolist(), strict=True):
-    if item.samples:
-      for target in (item.seq, *item.forks):
-        logits_index.append(end - 1)
-        sample_seqs.append(target)
-        sample_steps.append(item.sample_index if target is item.seq else 0)
-  a["logits_index"] = np.zeros(bucket(len(logits_index), min_rows), np.int32)
+  spec_rows = 1 + num_speculative_tokens if any(item.spec_token_ids for item in scheduled) else 1
+  sample_seqs, sample_steps, logits_index, drafts = _sampling_rows(scheduled, starts[1:].tolist(), spec_rows)
+  a["logits_index"] = np.zeros(bucket(len(sample_seqs), min_rows) * spec_rows, np.int32)
   a["logits_index"][:len(logits_index)] = logits_index
-  return HostBatch(a, context_len, sample_seqs, sample_steps)
+  if spec_rows > 1:
+    a["draft_tokens"] = np.full((bucket(len(sample_seqs), min_rows), spec_rows - 1), -1, np.int32)
+    for row, proposals in enumerate(drafts): a["draft_tokens"][row, :len(proposals)] = proposals
+  return HostBatch(a, context_len, sample_seqs, sample_steps, prompt_chunks, spec_rows)
+
+
+def _sampling_rows(scheduled: list[ScheduledSequence], ends: list[int], spec_rows: int):
+  """Per sampling sequence (a sequence, then the samples forked off it): itself, its token's index in its output, the
+  flat tokens whose logits it samples from (spec_rows of them) and the proposals it verifies."""
+  sample_seqs, sample_steps, logits_index, drafts = [], [], [], []
+  for item, end in zip(scheduled, ends, strict=True):
+    if not item.samples: continue
+    proposals = item.spec_token_ids
+    first = end - 1 - len(proposals)
+    rows = [first + min(j, len(proposals)) for j in range(spec_rows)]
+    for target in (item.seq, *item.forks):
+      sample_seqs.append(target)
+      sample_steps.append(item.sample_index if target is item.seq else 0)
+      logits_index.extend(rows if target is item.seq else [first] * spec_rows)
+      drafts.append(proposals if target is item.seq else ())
+  return sample_seqs, sample_steps, logits_index, drafts

@@ -22,6 +22,7 @@ from tinyvllm.backend.metadata import AttentionMetadata
 from tinyvllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from tinyvllm.core.sequence import Sequence
 from tinyvllm.kernels.tinygrad_program import collecting_sources, compile_parallel
+from tinyvllm.layers.rejection_sampler import verify
 from tinyvllm.layers.sampler import SamplingBatch
 from tinyvllm.model.llama import StepInputs, TransformerLM
 from tinyvllm.platform import tinygrad_compat as compat
@@ -36,9 +37,10 @@ from tinyvllm.worker.step_layout import StepLayout, covers, logprobs_bucket, pac
 @dataclass
 class StepResult:
   seqs: list[Sequence]       # each sampled sequence (a fork appears here before it joins the running set)
-  token_ids: list[int]
-  logprobs: TokenLogprobs | None = None
+  token_ids: list[list[int]]   # each one's new tokens: the sampled one, or the accepted proposals and the one after
+  logprobs: TokenLogprobs | None = None   # rows spec_rows apart: a sequence's new tokens' from row i * spec_rows on
   prompt_logprobs: list[ScoredPromptChunk] = field(default_factory=list)   # the prompt tokens the step scored
+  spec_rows: int = 1
 
 
 @dataclass
@@ -49,12 +51,17 @@ class LaunchedStep:
   chains: bool               # whether the next step may take these tokens on the device before they are read
   sample_logprobs: bool = False
   prompt: PromptRows | None = None
+  spec_rows: int = 1         # > 1: a verification step (its tokens [S, spec_rows] and their counts come first)
 
   def result(self) -> StepResult:
     arrays, n = self.download.result(), len(self.seqs)
-    logprobs = TokenLogprobs(*(a[:n] for a in arrays[1:5])) if self.sample_logprobs else None
+    if self.spec_rows > 1:
+      tokens, emitted, arrays = arrays[0], arrays[1], arrays[2:]
+      token_ids = [tokens[i, :emitted[i]].tolist() for i in range(n)]
+    else: token_ids, arrays = [[t] for t in arrays[0][:n].tolist()], arrays[1:]
+    logprobs = TokenLogprobs(*(a[:n * self.spec_rows] for a in arrays[:4])) if self.sample_logprobs else None
     prompt = [] if self.prompt is None else split_chunks(self.prompt, TokenLogprobs(*(a[:self.prompt.num_rows] for a in arrays[-4:])))
-    return StepResult(self.seqs, arrays[0][:n].tolist(), logprobs, prompt)
+    return StepResult(self.seqs, token_ids, logprobs, prompt, self.spec_rows)
 
 
 @dataclass
@@ -73,13 +80,14 @@ def freeze_long_lived_objects() -> None:
 
 class ModelRunner:
   def __init__(self, model: TransformerLM, kv_cache: KVCache, max_num_seqs: int, max_model_len: int,
-               cudagraph_mode: str = "FULL", capture_repeated_prompt_layouts: bool = False):
+               cudagraph_mode: str = "FULL", capture_repeated_prompt_layouts: bool = False, num_speculative_tokens: int = 0):
     """Buckets as coarse as the model's backend allows (StepBuckets); `max_num_seqs` also sizes the sampled tokens
     each step keeps on the device for the next one (asynchronous scheduling).
     `capture_repeated_prompt_layouts` (the CPU): a layout with prompt chunks runs eagerly when first met and is captured
     when met again. There a capture costs 3-4 eager steps (tinygrad lowers the step once more into the graph) and
     many prompt layouts are met once: capturing each at once made the tests of generation, engine features and the
-    prefix cache 40% slower than running them eagerly."""
+    prefix cache 40% slower than running them eagerly.
+    `num_speculative_tokens` (k): a step verifying proposals samples 1 + k rows per sequence (verify())."""
     backend = model.backend
     self.model, self.kv_cache, self.cudagraph_mode = model, kv_cache, cudagraph_mode
     self.chain_rows = bucket(max_num_seqs)
@@ -87,7 +95,7 @@ class ModelRunner:
     self.buckets = StepBuckets(min(backend.min_context_bucket, bucket(max_model_len, 16)),
                                bucket(max_num_seqs) if backend.pads_prefill_rows else 1, backend.splits_query_runs,
                                backend.min_prompt_tokens, backend.coarse_query_runs)
-    self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+    self.max_num_seqs, self.max_model_len, self.num_speculative_tokens = max_num_seqs, max_model_len, num_speculative_tokens
     self._kernels = backend.builds_kernels
     self.vocab_size = model.config.vocab_size
     self._captures: dict[StepLayout, TinyJit] = {}
@@ -109,19 +117,18 @@ class ModelRunner:
     if sched.blocks_to_swap_in: self.kv_cache.swap_in(sched.blocks_to_swap_in)
     if sched.block_copies: self.kv_cache.copy_blocks(sched.block_copies)
     out = self._step_fn(self._covering(layout))(packed)
-    chains = len(host.sample_seqs) <= self.chain_rows and not penalties
+    chains = len(host.sample_seqs) <= self.chain_rows and not penalties and host.spec_rows == 1
     return LaunchedStep(host.sample_seqs, self._io.download_later(out if isinstance(out, tuple) else (out,)), chains,
-                        layout.logprobs >= 0, prompt)
+                        layout.logprobs >= 0, prompt, host.spec_rows)
 
   def _prepare(self, sched: SchedulerOutput) -> tuple[HostBatch, StepLayout, Tensor, PromptRows | None]:
     """The step's host batch, its layout, its packed metadata uploaded to the device, and the prompt tokens it scores."""
-    host = prepare_batch(sched.scheduled, self.kv_cache.block_size, self.buckets)
+    host = prepare_batch(sched.scheduled, self.kv_cache.block_size, self.buckets, self.num_speculative_tokens)
     sampling = self._sampling_batch(host)
     prompt = prompt_rows(sched.scheduled, host.query_start)
     fields = packed_fields(host, sampling, prompt)
     layout = StepLayout(tuple((name, a.shape) for name, a in fields.items()), host.context_len, sampling.variant,
-                        logprobs_bucket(host.sample_seqs), prompt.k if prompt is not None else -1,
-                        any(item.num_new_tokens > 1 for item in sched.scheduled))
+                        logprobs_bucket(host.sample_seqs), prompt.k if prompt is not None else -1, host.prompt_chunks)
     return host, layout, self._io.upload(np.concatenate([a.reshape(-1) for a in fields.values()])), prompt
 
   def warm_up(self, sizes: list[int], max_num_batched_tokens: int) -> StartUpCaptures:
@@ -133,8 +140,10 @@ class ModelRunner:
     request runs."""
     if self.cudagraph_mode == "NONE": return StartUpCaptures()
     t, decode, prompt = time.perf_counter(), {}, {}
-    for sched in (self._warm_up_batch([1] * rows) for rows in sorted({bucket(b) for b in sizes if 1 <= b <= self.max_num_seqs})):
-      decode.setdefault(self._prepare(sched)[1], sched)
+    decode_rows = sorted({bucket(b) for b in sizes if 1 <= b <= self.max_num_seqs})
+    for proposals in sorted({0, self.num_speculative_tokens}):   # decode steps, and those verifying proposals
+      for sched in (self._warm_up_batch([1 + proposals] * rows, proposals) for rows in decode_rows):
+        decode.setdefault(self._prepare(sched)[1], sched)
     if self.cudagraph_mode == "FULL" and self.buckets.coarse_query_runs:
       for sched in self._prompt_batches(sizes, max_num_batched_tokens): prompt.setdefault(self._prepare(sched)[1], sched)
     todo = {layout: sched for layout, sched in (decode | prompt).items() if layout not in self._captures}
@@ -155,11 +164,12 @@ class ModelRunner:
         batches.append(self._warm_up_batch([run] * max(1, min(self.max_num_seqs, n // run))))
     return batches
 
-  def _warm_up_batch(self, runs: list[int]) -> SchedulerOutput:
-    """Sequences whose first `runs[i]` tokens are computed and sampled; every block table all block 0."""
+  def _warm_up_batch(self, runs: list[int], proposals: int = 0) -> SchedulerOutput:
+    """Sequences whose first `runs[i]` tokens are computed and sampled, the last `proposals` of them verified as
+    proposals; every block table all block 0."""
     def item(i: int, run: int) -> ScheduledSequence:
-      seq = Sequence("warm-up", [0] * run, SamplingParams(temperature=1.0), seed=i)
-      return ScheduledSequence(seq, 0, run, [0] * -(-run // self.kv_cache.block_size), True)
+      seq = Sequence("warm-up", [0] * (run - proposals), SamplingParams(temperature=1.0), seed=i)
+      return ScheduledSequence(seq, 0, run, [0] * -(-run // self.kv_cache.block_size), True, spec_token_ids=(0,) * proposals)
     return SchedulerOutput([item(i, run) for i, run in enumerate(runs)])
 
   def logits(self, sched: SchedulerOutput) -> np.ndarray:
@@ -232,18 +242,32 @@ class ModelRunner:
     if scores_prompt: logits, prompt_logits = logits[:layout.rows], logits[layout.rows:]
     penalties = None
     if "penalty_index" in f: penalties = (f["penalty_index"], f["penalty_value"].bitcast(dtypes.float32))
-    tokens = self.model.backend.sample(logits, f["params"], f["rng"], layout.variant, penalties)
-    outputs: tuple[Tensor, ...] = (tokens,)
+    outputs: tuple[Tensor, ...]
+    if "draft_tokens" in f:   # verification: tokens [S, 1 + k] (-1 past the emitted ones) and their counts [S]
+      params, rng = f["params"].bitcast(dtypes.float32), f["rng"].bitcast(dtypes.uint32)
+      outputs = verify(logits, params, rng, layout.variant, f["draft_tokens"], penalties)
+      tokens = outputs[0].reshape(-1).maximum(0)   # each row's token (the logprobs of those past the emitted go unread)
+    else:
+      tokens = self.model.backend.sample(logits, f["params"], f["rng"], layout.variant, penalties)
+      outputs = (tokens,)
     if layout.logprobs >= 0: outputs += score(logits, tokens, layout.logprobs)
     if scores_prompt: outputs += score(prompt_logits, f["prompt_target"], layout.prompt_logprobs)
-    if realize:   # (a build that only collects kernel sources must leave no assignment pending)
+    chained = () if "draft_tokens" in f else (self.last_tokens,)
+    if realize and chained:   # (a build that only collects kernel sources must leave no assignment pending)
       kept = min(layout.rows, self.chain_rows)
       self.last_tokens.assign(tokens[:kept].pad((0, self.chain_rows - kept)))
-      Tensor.realize(*outputs, self.last_tokens, *[t for pair in caches for t in pair])
+    if realize: Tensor.realize(*outputs, *chained, *[t for pair in caches for t in pair])
     return outputs[0] if len(outputs) == 1 else outputs
 
   def _sampling_batch(self, host: HostBatch) -> SamplingBatch:
-    seqs = host.sample_seqs
-    histories = [(s.prompt_token_ids, s.output_token_ids) for s in seqs] if any(s.params.uses_penalties for s in seqs) else None
-    return SamplingBatch.build([s.params for s in seqs], [s.seed for s in seqs], host.sample_steps,
-                               histories, len(host.logits_index), self.vocab_size)
+    """One row per logits row: a verifying sequence's row j draws its output token sample_step + j, after its output
+    and the first j proposals (the history penalties count)."""
+    seqs, k1 = host.sample_seqs, host.spec_rows
+    drafts = host.arrays["draft_tokens"] if k1 > 1 else np.zeros((len(seqs), 0), np.int32)
+    histories = None
+    if any(s.params.uses_penalties for s in seqs):
+      histories = [(s.prompt_token_ids, s.output_token_ids + [t for t in drafts[i, :j] if t >= 0])
+                   for i, s in enumerate(seqs) for j in range(k1)]
+    return SamplingBatch.build([s.params for s in seqs for _ in range(k1)], [s.seed for s in seqs for _ in range(k1)],
+                               [step + j for step in host.sample_steps for j in range(k1)], histories,
+                               len(host.logits_index), self.vocab_size)
