@@ -10,7 +10,7 @@ from tinyvllm import LLM, SamplingParams
 from tinyvllm.cli import build_parser, main
 from tinyvllm.cli.args import engine_config as cli_engine_config
 from tinyvllm.cli.serve import check_server_flags, server_settings
-from tinyvllm.config import ConfigError
+from tinyvllm.config import ConfigError, SpeculativeConfig
 from tinyvllm.engine_args import TABLE, engine_config, translate
 from tinyvllm.sampling_params import SamplingParamsError
 
@@ -83,7 +83,7 @@ REFUSED: list[tuple[dict, list[str]]] = [
   ({"quantization": "nf4"}, ["quantization must be one of", "'nf4'"]),
   ({"cpu_offload_gb": 4}, ["cpu_offload_gb=4"]),
   ({"enable_lora": True}, ["enable_lora=True", "LoRA"]),
-  ({"speculative_config": {"method": "ngram"}}, ["speculative_config", "speculative decoding"]),
+  ({"speculative_config": {"method": "ngram"}}, ["speculative_config", "num_speculative_tokens"]),
   ({"scheduling_policy": "sjf"}, ["scheduling_policy must be one of fcfs, priority"]),
   ({"preemption_mode": "swap", "swap_space": 0}, ["preemption_mode=swap needs swap_space > 0"]),
   ({"tokenizer_mode": "mistral"}, ["tokenizer_mode='mistral'"]),
@@ -168,6 +168,8 @@ def test_serve_takes_the_model_positionally_or_by_flag_not_both():
 
 SERVE_FLAGS: list[tuple[list[str], dict]] = [
   (["-tp", "1"], {}),
+  (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+   {"speculative_config": SpeculativeConfig("ngram", 3)}),
   (["-q", "gptq"], {"quantization": "gptq"}),
   (["--quantization", "int4"], {"quantization": "int4"}),
   (["--tensor-parallel-size", "1"], {}),

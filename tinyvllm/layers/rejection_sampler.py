@@ -46,14 +46,21 @@ def rejection_sample(target_probs: Tensor, draft_tokens: Tensor, uniforms: Tenso
   # the draw at each position: the residual's at proposals, p_k's for the bonus
   residual = (p[:, :k] - q).maximum(0) if k else p[:, :0]
   weights = residual.cat(p[:, k:], dim=1)
-  draws = (weights.log() + gumbel).argmax(axis=-1).cast(dtypes.int32)   # (log 0 = -inf: never drawn)
+  draws = _argmax_last(weights.log() + gumbel)   # (log 0 = -inf: never drawn)
   # a residual with no mass (p = q at a rejection can only happen with probability 0) falls back to p's own draw
-  draws = (weights.sum(-1) > 0).where(draws, (p.log() + gumbel).argmax(axis=-1).cast(dtypes.int32))
+  draws = (weights.sum(-1) > 0).where(draws, _argmax_last(p.log() + gumbel))
   position = Tensor.arange(k1).to(p.device).reshape(1, k1)
   lead = leading.reshape(s, 1)
   proposals = draft_tokens.cast(dtypes.int32).pad(((0, 0), (0, 1)), value=-1)
   tokens = (position < lead).where(proposals, (position == lead).where(draws, -1))
   return tokens.cast(dtypes.int32), (leading + 1).cast(dtypes.int32)
+
+
+def _argmax_last(x: Tensor) -> Tensor:
+  """argmax over the last axis of [S, k + 1, V], int32, through the sampler's two-stage argmax: tinygrad's own, fused
+  into the selects around it, recomputed each row's maximum per element (a V x V loop that took seconds to compile)."""
+  s, k1, vocab = x.shape
+  return argmax_rows(x.reshape(s * k1, vocab).contiguous()).reshape(s, k1).cast(dtypes.int32)
 
 
 def verify(logits: Tensor, params: Tensor, rng: Tensor, variant: SamplerVariant, draft_tokens: Tensor,
