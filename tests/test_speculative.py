@@ -212,7 +212,8 @@ def test_aborts_mid_verification_leave_nothing_behind(speculating):
 
 # ---- configuration ----
 def test_speculative_config_takes_vllms_keys():
-  spec = EngineConfig(model="m", speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}).speculative_config
+  raw = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+  spec = EngineConfig(model="m", speculative_config=raw).speculative_config
   assert spec == SpeculativeConfig("ngram", 3, None, 4, 4)
   assert SpeculativeConfig.from_dict({"model": "draft", "num_speculative_tokens": 2}).method == "draft_model"
   assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2}).prompt_lookup_min == 5
@@ -243,7 +244,8 @@ def test_speculation_refuses_asynchronous_scheduling_and_the_static_scheduler():
 def test_the_command_line_takes_speculative_config():
   from tinyvllm.cli import build_parser
   from tinyvllm.cli.args import engine_kwargs
-  args = build_parser().parse_args(["generate", "--prompt", "x", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+  flag = '{"method": "ngram", "num_speculative_tokens": 2}'
+  args = build_parser().parse_args(["generate", "--prompt", "x", "--speculative-config", flag])
   assert engine_kwargs(args)["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2}
 
 
