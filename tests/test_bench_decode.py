@@ -41,3 +41,17 @@ def test_help_says_what_no_kv_cache_measures():
   assert run.returncode == 0, run.stderr
   text = " ".join(run.stdout.split())
   assert "a fresh one-token request over the whole sequence so far" in text and "a full prefill of prompt + tokens so far" in text
+
+
+@pytest.mark.slow
+def test_speculative_decoding_reports_its_counts_on_repeated_prompts(stories_dir):
+  """Repeated prompts hold the text the model goes on with: n-gram proposals are accepted, the greedy tokens are those
+  of plain decoding, and the line says how many were proposed and accepted."""
+  spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+  plain = LLM(str(stories_dir), max_num_seqs=4, num_gpu_blocks=64)
+  fast = LLM(str(stories_dir), max_num_seqs=4, num_gpu_blocks=64, speculative_config=spec)
+  (ref,) = run_decode_bench(plain.engine, batch=2, prompt_len=64, new_tokens=24, no_kv_cache=False, repeated=True)
+  (ours,) = run_decode_bench(fast.engine, batch=2, prompt_len=64, new_tokens=24, no_kv_cache=False, repeated=True)
+  assert ours.token_ids == ref.token_ids and ref.spec is None
+  assert ours.spec.num_accepted_tokens > 0 and ours.spec.num_drafts > 0
+  assert f"{ours.spec.num_draft_tokens} proposed, {ours.spec.num_accepted_tokens} accepted" in ours.line()

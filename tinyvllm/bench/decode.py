@@ -1,5 +1,7 @@
 """Decode speed: tok/s of the decode phase with the KV cache, and (to show what the cache buys) without it: every token
-then comes from a full prefill of the sequence so far, as a fresh request."""
+then comes from a full prefill of the sequence so far, as a fresh request. With speculative decoding the line adds the
+proposals, the acceptance rate and the tokens each verification emitted; `repeated_prompts` are prompts whose text the
+model is about to repeat (where n-gram proposals pay)."""
 from __future__ import annotations
 
 import time
@@ -8,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tinyvllm.engine.llm_engine import LLMEngine
+from tinyvllm.engine.messages import SpecDecodingStats
 from tinyvllm.sampling_params import SamplingParams
 
 NO_KV_CACHE = "no kv cache"
@@ -23,6 +26,7 @@ class DecodeResult:
   decode_s: float
   token_ids: list[list[int]]
   step_s: list[float] = field(default_factory=list)   # each decode step's wall time, where it was taken one by one
+  spec: SpecDecodingStats | None = None   # speculative decoding's counts over the run
 
   @property
   def decode_tok_s(self) -> float: return self.batch_size * (self.new_tokens - 1) / self.decode_s
@@ -37,9 +41,13 @@ class DecodeResult:
 
   def line(self) -> str:
     what = ", each step a full prefill of the sequence so far as a fresh request" if self.mode == NO_KV_CACHE else ""
+    spec = self.spec
+    speculation = "" if spec is None else (
+      f"; speculative: {spec.num_draft_tokens} proposed, {spec.num_accepted_tokens} accepted ({spec.acceptance_rate:.0%}), "
+      f"{spec.num_drafts} verifications emitting {spec.mean_acceptance_length:.2f} tokens each")
     return (f"{self.mode:>14}: batch {self.batch_size}, prompt {self.prompt_len}, {self.new_tokens} new tokens: "
             f"prefill {self.prefill_s * 1e3:.1f} ms, decode {self.decode_tok_s:.1f} tok/s "
-            f"({self.decode_s / (self.new_tokens - 1) * 1e3:.2f} ms/step{what})")
+            f"({self.decode_s / (self.new_tokens - 1) * 1e3:.2f} ms per token{what}){speculation}")
 
 
 def random_prompts(engine: LLMEngine, batch: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -47,8 +55,27 @@ def random_prompts(engine: LLMEngine, batch: int, length: int, seed: int = 0) ->
   return rng.integers(0, min(engine.model_config.vocab_size, 10000), size=(batch, length)).tolist()
 
 
+def repeated_prompts(engine: LLMEngine, batch: int, length: int, seed: int = 0) -> list[list[int]]:
+  """Prompts whose text repeats: a random start s, the model's own greedy continuation c of it, then s + c + s + c + s,
+  so that the model is about to say again what the prompt holds twice."""
+  start_len = max(1, length // 16)
+  cont = max(1, (length - 3 * start_len) // 2)
+  starts = random_prompts(engine, batch, start_len, seed)
+  params = SamplingParams(temperature=0, max_tokens=cont, ignore_eos=True)
+  for i, start in enumerate(starts): engine.add_request(f"repeat-{i}", start, params)
+  finals = {}
+  while engine.has_unfinished_requests():
+    for out in engine.step(): finals[out.request_id] = out.outputs[0].token_ids
+  return [(start + finals[f"repeat-{i}"]) * 2 + start for i, start in enumerate(starts)]
+
+
+def _spec_counts(engine: LLMEngine) -> SpecDecodingStats | None:
+  return engine.core.stats().spec_decoding
+
+
 def with_kv_cache(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> DecodeResult:
   params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+  before = _spec_counts(engine)
   ids = [f"bench-{i}" for i in range(len(prompts))]
   for rid, prompt in zip(ids, prompts, strict=True): engine.add_request(rid, prompt, params)
   finals = {}
@@ -63,7 +90,11 @@ def with_kv_cache(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) 
     steps.append(now - last)
     last = now
   tokens = [finals[rid].outputs[0].token_ids for rid in ids]
-  return DecodeResult("kv cache", len(prompts), len(prompts[0]), new_tokens, t1 - t0, last - t1, tokens, steps)
+  after = _spec_counts(engine)
+  spec = None if before is None or after is None else SpecDecodingStats(
+    after.num_drafts - before.num_drafts, after.num_draft_tokens - before.num_draft_tokens,
+    after.num_accepted_tokens - before.num_accepted_tokens)
+  return DecodeResult("kv cache", len(prompts), len(prompts[0]), new_tokens, t1 - t0, last - t1, tokens, steps, spec)
 
 
 def without_kv_cache(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> DecodeResult:
@@ -86,10 +117,11 @@ def without_kv_cache(engine: LLMEngine, prompts: list[list[int]], new_tokens: in
 
 
 def run_decode_bench(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, no_kv_cache: bool,
-                     warmup: bool = True) -> list[DecodeResult]:
+                     warmup: bool = True, repeated: bool = False) -> list[DecodeResult]:
   """Each mode runs twice and reports the second run, so that JIT captures of every shape are warm. The prefix cache
-  is emptied before each run: a hit on the warm-up's blocks would skip the prefill."""
-  prompts = random_prompts(engine, batch, prompt_len)
+  is emptied before each run: a hit on the warm-up's blocks would skip the prefill. `repeated`: repeated_prompts
+  rather than random tokens."""
+  prompts = repeated_prompts(engine, batch, prompt_len) if repeated else random_prompts(engine, batch, prompt_len)
   modes = [with_kv_cache] + ([without_kv_cache] if no_kv_cache else [])
   results = []
   for mode in modes:

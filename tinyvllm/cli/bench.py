@@ -23,6 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                  help="also time decoding without a KV cache: each new token comes from a fresh one-token request over the "
                       "whole sequence so far (prefix cache emptied), so a step costs a full prefill of prompt + tokens so far "
                       "plus a request's set-up")
+  d.add_argument("--prompts", choices=("random", "repeated"), default="random",
+                 help="random token ids, or text the model is about to repeat: a random start, the model's own greedy "
+                      "continuation of it, twice, then the start again (where n-gram speculation pays)")
   d.set_defaults(run=run_decode)
   add_throughput_parser(kinds)
   add_serve_parser(kinds)
@@ -68,7 +71,8 @@ def run_decode(args: argparse.Namespace) -> int:
   from tinyvllm.bench.decode import run_decode_bench
   from tinyvllm.engine.llm import LLM
   llm = LLM(model_of(args), **engine_kwargs(args))
-  results = run_decode_bench(llm.engine, args.batch_size, args.prompt_len, args.max_tokens, args.no_kv_cache)
+  results = run_decode_bench(llm.engine, args.batch_size, args.prompt_len, args.max_tokens, args.no_kv_cache,
+                             repeated=args.prompts == "repeated")
   for r in results: print(r.line())
   if len(results) == 2:
     print(f"the KV cache makes decoding {results[0].decode_tok_s / results[1].decode_tok_s:.1f}x faster than a full prefill "

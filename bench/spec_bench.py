@@ -1,0 +1,109 @@
+"""Speculative decoding on the GPU (docs/benchmarks.md, section "Speculative decoding"):
+1. verify: a step that verifies k proposals per sequence against a plain decode step, Qwen3-0.6B shape (dummy bf16
+   weights), at batch 1 and 64: the engine's median step time with k proposals forced every step (the last token
+   repeated: mostly rejected, so each step still emits about one token) and with none;
+2. ngram: end-to-end decode tok/s on stories260K-hf with repeated prompts of 384 tokens (bench decode --prompts
+   repeated), 128 new tokens, plain against n-gram speculation (k = 4), batch 1 and 64 (at 64 also with speculation off
+   from 32 running requests); the greedy tokens must be equal.
+Results to $OUT/spec_bench.json. Usage: DEV=CUDA python bench/spec_bench.py [--stories .data/stories260K-hf]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+class ForcedProposals:
+  """A bench-only proposer: k copies of each decoding sequence's last token, every step (k = 0: none)."""
+  def __init__(self, k: int): self.k = k
+
+  def propose(self, running):
+    return {s: [s.token_ids[-1]] * self.k for s in running if s.decoding} if self.k else {}
+
+
+def step_times(llm, batch: int, k: int, steps: int = 60) -> list[float]:
+  from tinyvllm import SamplingParams
+  engine = llm.engine
+  engine.core.speculator = ForcedProposals(k)
+  rng = np.random.default_rng(0)
+  for i in range(batch):
+    engine.add_request(f"v{k}-{i}", rng.integers(0, 10000, 128).tolist(), SamplingParams(temperature=0, max_tokens=10**4, ignore_eos=True))
+  for _ in range(8): engine.step()   # the prompts, then warm decode steps
+  times = []
+  for _ in range(steps):
+    t = time.perf_counter()
+    engine.step()
+    times.append(time.perf_counter() - t)
+  for i in range(batch): engine.abort_request(f"v{k}-{i}")
+  return times
+
+
+def verify_cost(model: str, ks: list[int]) -> list[dict]:
+  from tinyvllm import LLM
+  out = []
+  for k in ks:
+    llm = LLM(model, load_format="dummy", dtype="bfloat16", max_num_seqs=64, kv_cache_memory=8, enable_prefix_caching=False,
+              cuda_graph_sizes=[1, 64], speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    for batch in (1, 64):
+      plain = float(np.median(step_times(llm, batch, 0))) * 1e3
+      verify = float(np.median(step_times(llm, batch, k))) * 1e3
+      row = {"model": model, "k": k, "batch": batch, "decode_step_ms": plain, "verify_step_ms": verify, "ratio": verify / plain}
+      print(json.dumps(row), flush=True)
+      out.append(row)
+    del llm
+  return out
+
+
+def ngram_end_to_end(stories: str, k: int, prompt_len: int, new_tokens: int) -> list[dict]:
+  """Each batch size: plain decoding, n-gram speculation, and n-gram speculation off from 32 running requests."""
+  from tinyvllm import LLM
+  from tinyvllm.bench.decode import run_decode_bench
+  spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+  out = []
+  for batch in (1, 64):
+    runs = {}
+    for name, config in (("plain", None), ("ngram", spec), ("ngram_off_from_32", {**spec, "disable_by_batch_size": 32})):
+      if batch == 1 and name == "ngram_off_from_32": continue
+      llm = LLM(stories, max_num_seqs=64, cuda_graph_sizes=[1, 64], speculative_config=config)
+      (runs[name],) = run_decode_bench(llm.engine, batch, prompt_len, new_tokens, no_kv_cache=False, repeated=True)
+      print(f"{name}: {runs[name].line()}", flush=True)
+      del llm
+    for name, run in runs.items():
+      if name == "plain": continue
+      s = run.spec
+      row = {"batch": batch, "k": k, "mode": name, "plain_tok_s": runs["plain"].decode_tok_s, "tok_s": run.decode_tok_s,
+             "speedup": run.decode_tok_s / runs["plain"].decode_tok_s, "same_tokens": run.token_ids == runs["plain"].token_ids,
+             "proposed": s.num_draft_tokens, "accepted": s.num_accepted_tokens, "acceptance_rate": s.acceptance_rate,
+             "tokens_per_verification": s.mean_acceptance_length}
+      print(json.dumps(row), flush=True)
+      out.append(row)
+  return out
+
+
+def main() -> int:
+  p = argparse.ArgumentParser()
+  p.add_argument("--stories", default=".data/stories260K-hf")
+  p.add_argument("--model", default="qwen3-0.6b")
+  p.add_argument("--parts", default="verify,ngram")
+  args = p.parse_args()
+  result: dict = {}
+  parts = args.parts.split(",")
+  if "ngram" in parts: result["ngram"] = ngram_end_to_end(args.stories, 4, 384, 128)
+  if "verify" in parts: result["verify"] = verify_cost(args.model, [4, 3])
+  if out := os.environ.get("OUT"): Path(out, "spec_bench.json").write_text(json.dumps(result, indent=1))
+  ok = all(r["same_tokens"] for r in result.get("ngram", []))
+  print("greedy tokens equal with and without speculation" if ok else "GREEDY TOKENS DIFFER")
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
