@@ -73,7 +73,7 @@ def ngram_end_to_end(stories: str, k: int, prompt_len: int, new_tokens: int) -> 
     runs = {}
     for name, config in (("plain", None), ("ngram", spec), ("ngram_off_from_32", {**spec, "disable_by_batch_size": 32})):
       if batch == 1 and name == "ngram_off_from_32": continue
-      llm = LLM(stories, max_num_seqs=64, cuda_graph_sizes=[1, 64], speculative_config=config)
+      llm = LLM(stories, max_num_seqs=64, cuda_graph_sizes=[1, 64], kv_cache_memory=1, speculative_config=config)
       (runs[name],) = run_decode_bench(llm.engine, batch, prompt_len, new_tokens, no_kv_cache=False, repeated=True)
       print(f"{name}: {runs[name].line()}", flush=True)
       del llm
