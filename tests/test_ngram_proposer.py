@@ -35,3 +35,22 @@ def test_bad_settings_are_refused():
   with pytest.raises(ValueError, match="num_speculative_tokens"): NgramProposer(0)
   with pytest.raises(ValueError, match="prompt_lookup_min"): NgramProposer(2, 3, 2)
   with pytest.raises(ValueError, match="prompt_lookup_min"): NgramProposer(2, 0, 2)
+
+
+def brute_force(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+  """The definition: the longest n in [lo, hi] whose suffix occurred earlier (ending before the last token), its most
+  recent occurrence's continuation."""
+  for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+    ends = [e for e in range(n - 1, len(tokens) - 1) if tokens[e - n + 1:e + 1] == tokens[-n:]]
+    if ends: return tokens[ends[-1] + 1:ends[-1] + 1 + k]
+  return []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_sequences_match_the_definition(seed):
+  rng = np.random.default_rng(seed)
+  for _ in range(300):
+    tokens = rng.integers(0, 4, rng.integers(0, 40)).tolist()
+    k, lo = int(rng.integers(1, 6)), int(rng.integers(1, 4))
+    hi = lo + int(rng.integers(0, 4))
+    assert propose(tokens, k, lo, hi) == brute_force(tokens, k, lo, hi), (tokens, k, lo, hi)

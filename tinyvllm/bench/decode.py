@@ -56,17 +56,18 @@ def random_prompts(engine: LLMEngine, batch: int, length: int, seed: int = 0) ->
 
 
 def repeated_prompts(engine: LLMEngine, batch: int, length: int, seed: int = 0) -> list[list[int]]:
-  """Prompts whose text repeats: a random start s, the model's own greedy continuation c of it, then s + c + s + c + s,
-  so that the model is about to say again what the prompt holds twice."""
-  start_len = max(1, length // 16)
-  cont = max(1, (length - 3 * start_len) // 2)
-  starts = random_prompts(engine, batch, start_len, seed)
-  params = SamplingParams(temperature=0, max_tokens=cont, ignore_eos=True)
-  for i, start in enumerate(starts): engine.add_request(f"repeat-{i}", start, params)
-  finals = {}
+  """Prompts that repeat a text: a document d (the model's own greedy text from its BOS token, or from a random token),
+  then d again from its start, cut after j tokens (j differs per prompt): d[:length - j] + d[:j]. The model is then
+  about to say again what the prompt already holds, as when quoting or editing a document."""
+  rng = np.random.default_rng(seed)
+  bos = engine.model_config.bos_token_id
+  start = [bos] if bos is not None else random_prompts(engine, 1, 1, seed)[0]
+  engine.add_request("repeat-doc", start, SamplingParams(temperature=0, max_tokens=length - 1, ignore_eos=True))
+  doc: list[int] = []
   while engine.has_unfinished_requests():
-    for out in engine.step(): finals[out.request_id] = out.outputs[0].token_ids
-  return [(start + finals[f"repeat-{i}"]) * 2 + start for i, start in enumerate(starts)]
+    for out in engine.step(): doc = start + out.outputs[0].token_ids
+  cuts = rng.integers(1, max(2, length // 4), batch)
+  return [doc[:length - int(j)] + doc[:int(j)] for j in cuts]
 
 
 def _spec_counts(engine: LLMEngine) -> SpecDecodingStats | None:

@@ -24,8 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       "whole sequence so far (prefix cache emptied), so a step costs a full prefill of prompt + tokens so far "
                       "plus a request's set-up")
   d.add_argument("--prompts", choices=("random", "repeated"), default="random",
-                 help="random token ids, or text the model is about to repeat: a random start, the model's own greedy "
-                      "continuation of it, twice, then the start again (where n-gram speculation pays)")
+                 help="random token ids, or a text the model is about to repeat: its own greedy text from its BOS token, "
+                      "then that text again from the start, cut at a different point per prompt (where n-gram speculation pays)")
   d.set_defaults(run=run_decode)
   add_throughput_parser(kinds)
   add_serve_parser(kinds)
