@@ -115,6 +115,7 @@ class EngineCore:
     if self._in_flight is not None and not self._in_flight.launched.chains: self._finish_in_flight(outputs)
     if self.speculator is not None: self.scheduler.set_proposals(self.speculator.propose(self.scheduler.running))
     sched = self.scheduler.schedule()
+    if self.speculator is not None and sched.speculates: sched = self.speculator.complete(sched)
     launched = InFlightStep(sched, self.runner.launch(sched)) if sched else None
     if self._in_flight is not None: self._finish_in_flight(outputs)
     self._in_flight = launched

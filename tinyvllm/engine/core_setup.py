@@ -3,7 +3,7 @@ the KV cache and its allocator, the scheduler, the model runner and its start-up
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tinygrad.dtype import DType
@@ -14,6 +14,7 @@ from tinyvllm.core.async_scheduling import make_scheduler
 from tinyvllm.core.block_manager import BlockManager
 from tinyvllm.core.contiguous_allocator import ContiguousAllocator
 from tinyvllm.core.scheduler import SchedulerBase, SchedulerConfig
+from tinyvllm.engine.draft_model import DraftModelSpeculator
 from tinyvllm.engine.speculator import NgramSpeculator
 from tinyvllm.kernels.selection import BackendRequest, select_backend
 from tinyvllm.layers.fp8 import FP8_STORAGE
@@ -73,7 +74,14 @@ class EngineParts:
   runner: ModelRunner
   async_scheduling: bool
   warm_up_seconds: float
-  speculator: NgramSpeculator | None = None
+  speculator: NgramSpeculator | DraftModelSpeculator | None = None
+
+
+@dataclass
+class DraftModel:
+  """Draft-model speculation's model, loaded before the KV cache is sized (its cache shares the target's blocks)."""
+  config: ModelConfig
+  model: TransformerLM
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
@@ -94,7 +102,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
   log(f"attention backend {backend.describe()}")
   model = (load_weights(config, mc, located.folder, dtype, device, max_model_len, backend) if located.gguf is None
            or config.load_format == "dummy" else load_gguf_weights(config, mc, located.gguf, dtype, device, max_model_len, backend))
-  allocator = make_allocator(config, mc, device, kv_dtype, max_model_len)
+  draft = load_draft(config, mc, dtype, device, max_model_len)
+  allocator = make_allocator(config, mc, device, kv_dtype, max_model_len, draft.config if draft is not None else None)
   swap_blocks = num_swap_blocks(config, KVCache.bytes_per_token(mc, kv_dtype) * config.block_size)
   kv_cache = KVCache(mc, allocator.num_blocks, allocator.block_size, kv_dtype, device, swap_blocks)
   sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens or 0, config.enable_chunked_prefill,
@@ -116,21 +125,52 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
   runner = ModelRunner(model, kv_cache, config.max_num_seqs, max_model_len, config.cudagraph_mode,
                        capture_repeated_prompt_layouts=is_cpu(device),
                        num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0)
-  speculator = make_speculator(config, max_model_len)
   warm_up_seconds = warm_up(config, runner, device, sched_config.max_num_batched_tokens)
+  speculator = make_speculator(config, max_model_len, draft, allocator, kv_dtype, device, sched_config.max_num_batched_tokens)
   return EngineParts(device, mc, located.folder, max_model_len, dtype, kv_dtype, model, allocator, kv_cache, scheduler, runner,
                      async_scheduling, warm_up_seconds, speculator)
 
 
-def make_speculator(config: EngineConfig, max_model_len: int) -> NgramSpeculator | None:
+def make_speculator(config: EngineConfig, max_model_len: int, draft: DraftModel | None, allocator, kv_dtype: DType,
+                    device: str, max_num_batched_tokens: int) -> NgramSpeculator | DraftModelSpeculator | None:
+  """The proposer speculative_config asks for; a draft model gets its KV cache (the target's blocks) and its runner."""
   spec = config.speculative_config
   if spec is None: return None
-  if spec.method != "ngram":
-    raise ConfigError(f"speculative_config: method {spec.method} is not built yet (ngram is)")
-  log(f"speculative decoding: ngram, {spec.num_speculative_tokens} proposals a step, suffixes of "
-      f"{spec.prompt_lookup_min}-{spec.prompt_lookup_max} tokens"
-      + (f", off from {spec.disable_by_batch_size} running requests" if spec.disable_by_batch_size else ""))
-  return NgramSpeculator(spec, max_model_len)
+  stops = f", off from {spec.disable_by_batch_size} running requests" if spec.disable_by_batch_size else ""
+  if draft is None:
+    log(f"speculative decoding: ngram, {spec.num_speculative_tokens} proposals a step, suffixes of "
+        f"{spec.prompt_lookup_min}-{spec.prompt_lookup_max} tokens{stops}")
+    return NgramSpeculator(spec, max_model_len)
+  kv_cache = KVCache(draft.config, allocator.num_blocks, allocator.block_size, kv_dtype, device)
+  runner = ModelRunner(draft.model, kv_cache, config.max_num_seqs, max_model_len, config.cudagraph_mode,
+                       capture_repeated_prompt_layouts=is_cpu(device))
+  warm_up(config, runner, device, max_num_batched_tokens)
+  log(f"speculative decoding: draft model {spec.model} ({draft.config.num_layers} layers, KV cache "
+      f"{kv_cache.nbytes / 2**20:.1f} MiB), {spec.num_speculative_tokens} proposals a step{stops}")
+  return DraftModelSpeculator(spec, max_model_len, runner, max_num_batched_tokens)
+
+
+def load_draft(config: EngineConfig, mc: ModelConfig, dtype: DType, device: str, max_model_len: int) -> DraftModel | None:
+  """The draft model of draft-model speculation, in the target's dtype; it must share the target's vocabulary and cover
+  its context."""
+  spec = config.speculative_config
+  if spec is None or spec.method != "draft_model": return None
+  assert spec.model is not None
+  draft_config = replace(config, model=spec.model, quantization=None, tokenizer=None, revision=None, speculative_config=None)
+  located = locate_model(draft_config)
+  dmc = located.config
+  if dmc.vocab_size != mc.vocab_size:
+    raise ConfigError(f"speculative_config: the draft model {spec.model} has a vocabulary of {dmc.vocab_size} tokens, the "
+                      f"target {mc.vocab_size}: a draft must share the target's tokenizer")
+  if dmc.max_position_embeddings < max_model_len:
+    raise ConfigError(f"speculative_config: the draft model {spec.model} has a context of {dmc.max_position_embeddings} tokens, "
+                      f"shorter than max_model_len ({max_model_len}): pass --max-model-len {dmc.max_position_embeddings} (or less)")
+  request = BackendRequest(NAME_OF_DTYPE[dtype], "auto" if config.kv_cache_dtype == "auto" else FP8_KV_CACHE, dmc.head_dim,
+                           config.block_size, dmc.hidden_act)
+  backend = select_backend(config.attention_backend, device, request, config.kernel_options())
+  model = (load_weights(draft_config, dmc, located.folder, dtype, device, max_model_len, backend) if located.gguf is None
+           or config.load_format == "dummy" else load_gguf_weights(draft_config, dmc, located.gguf, dtype, device, max_model_len, backend))
+  return DraftModel(dmc, model)
 
 
 def load_weights(config: EngineConfig, mc: ModelConfig, folder: Path | None, dtype: DType, device: str, max_model_len: int,
@@ -184,9 +224,10 @@ def check_max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
   return max_model_len
 
 
-def make_allocator(cfg: EngineConfig, mc: ModelConfig, device: str, kv_dtype: DType,
-                   max_model_len: int) -> BlockManager | ContiguousAllocator:
-  per_token = KVCache.bytes_per_token(mc, kv_dtype)
+def make_allocator(cfg: EngineConfig, mc: ModelConfig, device: str, kv_dtype: DType, max_model_len: int,
+                   draft: ModelConfig | None = None) -> BlockManager | ContiguousAllocator:
+  """The cache's blocks, sized for the target's K/V and, with a draft model, the draft's (its cache has the same blocks)."""
+  per_token = KVCache.bytes_per_token(mc, kv_dtype) + (KVCache.bytes_per_token(draft, kv_dtype) if draft is not None else 0)
   if cfg.kv_cache == "contiguous":
     rows = min(cfg.max_num_seqs, num_kv_blocks(cfg, device, per_token * max_model_len, max_model_len, max_model_len))
     log(f"contiguous KV cache: {rows} rows x {max_model_len} tokens ({rows * max_model_len * per_token / 2**20:.1f} MiB)")

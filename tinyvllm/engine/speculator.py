@@ -3,6 +3,8 @@ verifies after its last one. The scheduler schedules them, the runner verifies t
 (layers/rejection_sampler.py), and the scheduler lands what was accepted.
 
 `NgramSpeculator` ({"method": "ngram"}): prompt lookup in the sequence's own tokens (core/ngram_proposer.py), on the host.
+`DraftModelSpeculator` (engine/draft_model.py) runs a smaller model. Both: `propose(running)` before the step is
+scheduled, `complete(scheduled step)` after it (the draft model fills in its proposals there).
 A sequence gets no more proposals than its limits leave room for: the step emits at most one token past them, which
 must stay within max_tokens, and their positions within the context.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 from tinyvllm.config import SpeculativeConfig
 from tinyvllm.core.ngram_proposer import NgramProposer
+from tinyvllm.core.scheduler_output import SchedulerOutput
 from tinyvllm.core.sequence import Sequence
 
 
@@ -36,3 +39,7 @@ class NgramSpeculator:
       tokens = self.proposer.propose(seq.token_ids, limit)
       if len(tokens): proposals[seq] = tokens.tolist()
     return proposals
+
+  def complete(self, sched: SchedulerOutput) -> SchedulerOutput:
+    """The proposals are the lookup's, made before scheduling: nothing to fill in."""
+    return sched
