@@ -92,7 +92,7 @@ def test_emitted_tokens_have_the_targets_distribution_though_the_draft_differs(m
   pairs = np.array([o.outputs[0].token_ids[:2] for o in outs])
   first = np.bincount(pairs[:, 0], minlength=8).argmax()
   seconds = pairs[pairs[:, 0] == first, 1]
-  logits = llm.engine.compute_logits(prompt + [int(first)]).astype(np.float64)
+  logits = llm.engine.compute_logits([*prompt, int(first)]).astype(np.float64)
   p = np.exp(logits - logits.max())
   p /= p.sum()
   expected, counts = p * len(seconds), np.bincount(seconds, minlength=8).astype(np.float64)
