@@ -5,6 +5,7 @@
 2. ngram: end-to-end decode tok/s on stories260K-hf with repeated prompts of 384 tokens (bench decode --prompts
    repeated), 128 new tokens, plain against n-gram speculation (k = 4), batch 1 and 64 (at 64 also with speculation off
    from 32 running requests); the greedy tokens must be equal.
+3. draft: stories260K as its own draft model (k = 4, every proposal accepted) against plain decoding, random prompts.
 Results to $OUT/spec_bench.json. Usage: DEV=CUDA python bench/spec_bench.py [--stories .data/stories260K-hf]
 """
 from __future__ import annotations
@@ -89,18 +90,42 @@ def ngram_end_to_end(stories: str, k: int, prompt_len: int, new_tokens: int) -> 
   return out
 
 
+def draft_end_to_end(stories: str, k: int, prompt_len: int, new_tokens: int) -> list[dict]:
+  """stories260K as its own draft (every proposal accepted: the cost of drafting and verifying k tokens) against plain
+  decoding, random prompts, batch 1 and 64."""
+  from tinyvllm import LLM
+  from tinyvllm.bench.decode import run_decode_bench
+  out = []
+  for batch in (1, 64):
+    runs = {}
+    for name, config in (("plain", None), ("draft", {"model": stories, "num_speculative_tokens": k})):
+      llm = LLM(stories, max_num_seqs=64, cuda_graph_sizes=[1, 64], kv_cache_memory=1, speculative_config=config)
+      (runs[name],) = run_decode_bench(llm.engine, batch, prompt_len, new_tokens, no_kv_cache=False)
+      print(f"{name}: {runs[name].line()}", flush=True)
+      del llm
+    s = runs["draft"].spec
+    row = {"batch": batch, "k": k, "mode": "self-draft", "plain_tok_s": runs["plain"].decode_tok_s,
+           "tok_s": runs["draft"].decode_tok_s, "speedup": runs["draft"].decode_tok_s / runs["plain"].decode_tok_s,
+           "same_tokens": runs["draft"].token_ids == runs["plain"].token_ids, "proposed": s.num_draft_tokens,
+           "accepted": s.num_accepted_tokens, "acceptance_rate": s.acceptance_rate, "tokens_per_verification": s.mean_acceptance_length}
+    print(json.dumps(row), flush=True)
+    out.append(row)
+  return out
+
+
 def main() -> int:
   p = argparse.ArgumentParser()
   p.add_argument("--stories", default=".data/stories260K-hf")
   p.add_argument("--model", default="qwen3-0.6b")
-  p.add_argument("--parts", default="verify,ngram")
+  p.add_argument("--parts", default="verify,ngram,draft")
   args = p.parse_args()
   result: dict = {}
   parts = args.parts.split(",")
   if "ngram" in parts: result["ngram"] = ngram_end_to_end(args.stories, 4, 384, 128)
+  if "draft" in parts: result["draft"] = draft_end_to_end(args.stories, 4, 128, 128)
   if "verify" in parts: result["verify"] = verify_cost(args.model, [4, 3])
   if out := os.environ.get("OUT"): Path(out, "spec_bench.json").write_text(json.dumps(result, indent=1))
-  ok = all(r["same_tokens"] for r in result.get("ngram", []))
+  ok = all(r["same_tokens"] for r in result.get("ngram", []) + result.get("draft", []))
   print("greedy tokens equal with and without speculation" if ok else "GREEDY TOKENS DIFFER")
   return 0 if ok else 1
 
