@@ -256,3 +256,19 @@ def test_scheduler_counts_nothing_without_proposals():
   out = s.schedule()
   s.update_from_output(out, [[5]], lambda *a: None)
   assert s.spec.num_drafts == 0 and seq.status is SequenceStatus.RUNNING and not out.speculates
+
+
+def test_the_cores_stats_count_every_token_a_verification_lands(stories_dir):
+  import time
+
+  from tinyvllm.engine.core import EngineCore
+  from tinyvllm.engine.messages import EngineCoreRequest
+  core = EngineCore(EngineConfig(model=str(stories_dir), num_gpu_blocks=64, max_num_seqs=4, speculative_config=NGRAM))
+  prompt = [1, 7, 8, 9, 10, 7, 8, 9, 10, 7, 8, 9, 10, 7, 8]
+  core.add_request(EngineCoreRequest("r", prompt, greedy(40, ignore_eos=True), [], time.time()))
+  landed = counted = 0
+  while core.has_unfinished_requests():
+    out = core.step()
+    landed += sum(len(o.new_token_ids) for o in out.outputs)
+    counted += out.scheduler_stats.step_generation_tokens
+  assert landed == counted == 40 and out.scheduler_stats.spec_decoding.num_accepted_tokens > 0

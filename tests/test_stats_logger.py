@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from tinyvllm import LLM, SamplingParams
+from tinyvllm.engine.messages import SpecDecodingStats
 from tinyvllm.engine.stats_logger import EngineSnapshot, StatsLogger
 from tinyvllm.entrypoints.logger import RequestLogger
 
@@ -29,6 +30,10 @@ def test_one_line_an_interval_with_the_rates_since_the_last():
   clock.now += 10
   stats.maybe_log(lambda: EngineSnapshot(0, 0, 0.0, None))
   assert len(lines) == 1   # nothing happened and nothing waits: an idle engine stays quiet
+  stats.record(prompt_tokens=0, generation_tokens=90)
+  clock.now += 10
+  stats.maybe_log(lambda: EngineSnapshot(1, 0, 0.5, None, spec=SpecDecodingStats(10, 40, 20)))
+  assert lines[-1].endswith("KV cache usage: 50.0%, Speculative decoding: 50.0% of proposals accepted, 3.00 tokens per verification")
 
 
 @pytest.mark.slow

@@ -120,7 +120,8 @@ class EngineCore:
     if self._in_flight is not None: self._finish_in_flight(outputs)
     self._in_flight = launched
     if launched is not None and not self.async_scheduling: self._finish_in_flight(outputs)
-    return EngineCoreOutputs(outputs, self.stats(sched) if self.log_stats else None, time.time())
+    return EngineCoreOutputs(outputs, self.stats(sched, sum(len(o.new_token_ids) for o in outputs)) if self.log_stats else None,
+                             time.time())
 
   def _finish_in_flight(self, outputs: list[EngineCoreOutput]) -> None:
     """Wait for the step in flight, land its tokens (the scheduler applies the token-level stops) and report them."""
@@ -174,17 +175,17 @@ class EngineCore:
     self._eos_ids.pop(request.request_id, None)
 
   # ---- stats
-  def stats(self, sched: SchedulerOutput | None = None) -> SchedulerStats:
-    """The state now, and what `sched` (the step just scheduled) computes and samples."""
+  def stats(self, sched: SchedulerOutput | None = None, generated: int = 0) -> SchedulerStats:
+    """The state now, the prompt tokens `sched` (the step just scheduled) computes, and the `generated` tokens that
+    reached the host in this call (a verification lands several a sequence)."""
     alloc, scheduler = self.allocator, self.scheduler
     running = {s.request_id for s in scheduler.running}
     swapped = {s.request_id for s in scheduler.swapped}
     waiting = {s.request_id for s in scheduler.waiting} - running - swapped
-    prompt_tokens = samples = 0
+    prompt_tokens = 0
     for item in sched.scheduled if sched is not None else ():
       prompt_len = len(item.seq.prompt_token_ids)
       if item.start < prompt_len: prompt_tokens += min(item.start + item.num_new_tokens, prompt_len) - item.start
-      if item.samples: samples += 1 + len(item.forks)
     prefix_caching = isinstance(alloc, BlockManager) and alloc.enable_prefix_caching
     swap = scheduler.swap_space
     swap_stats = SwapStats(len(swapped), swap.num_used_blocks, swap.num_blocks, scheduler.num_swapped_out_blocks,
@@ -193,7 +194,7 @@ class EngineCore:
     spec_stats = None if self.speculator is None else SpecDecodingStats(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
     return SchedulerStats(len(running), len(waiting), alloc.num_used_blocks, alloc.num_blocks, prefix_caching,
                           getattr(alloc, "prefix_queries", 0), getattr(alloc, "prefix_hits", 0), scheduler.num_preemptions,
-                          prompt_tokens, samples, swap_stats, spec_stats)
+                          prompt_tokens, generated, swap_stats, spec_stats)
 
 
 def _lists(lp: TokenLogprobs, k: int) -> LogprobsLists:

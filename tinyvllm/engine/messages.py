@@ -130,7 +130,7 @@ class SchedulerStats:
   prefix_cache_hits: int = 0                # prompt tokens found
   num_preemptions: int = 0
   step_prompt_tokens: int = 0               # prompt tokens this step computed
-  step_generation_tokens: int = 0           # tokens this step sampled
+  step_generation_tokens: int = 0           # generated tokens that reached the host with this step's outputs
   swap: SwapStats | None = None             # None without a swap space
   spec_decoding: SpecDecodingStats | None = None   # None without speculative decoding
 

@@ -1,5 +1,6 @@
 """The periodic stats line of a running engine (vLLM's LoggingStatLogger): throughput since the last line, running,
-swapped (with preemption_mode swap, as vLLM's V0 line) and waiting requests, KV cache use, prefix-cache hit rate. Off
+swapped (with preemption_mode swap, as vLLM's V0 line) and waiting requests, KV cache use, prefix-cache hit rate,
+speculative decoding's acceptance (since start). Off
 with disable_log_stats (the offline LLM's default)."""
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tinyvllm.engine.messages import SchedulerStats
+from tinyvllm.engine.messages import SchedulerStats, SpecDecodingStats
 
 LOG_STATS_INTERVAL_S = 10.0   # vLLM's default interval
 
@@ -19,6 +20,7 @@ class EngineSnapshot:
   kv_cache_usage: float      # 0..1
   prefix_cache_hit_rate: float | None   # 0..1; None without a prefix cache
   swapped: int | None = None   # requests with a sequence in the swap space; None without one (preemption_mode recompute)
+  spec: SpecDecodingStats | None = None   # speculative decoding's totals since start; None without it
 
 
 class StatsLogger:
@@ -37,7 +39,7 @@ class StatsLogger:
     self.record(stats.step_prompt_tokens, stats.step_generation_tokens)
     self.maybe_log(lambda: EngineSnapshot(stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage,
                                           stats.prefix_cache_hit_rate if stats.prefix_caching else None,
-                                          stats.swap.num_swapped_reqs if stats.swap is not None else None))
+                                          stats.swap.num_swapped_reqs if stats.swap is not None else None, stats.spec_decoding))
 
   def maybe_log(self, snapshot_of: Callable[[], EngineSnapshot]) -> None:
     """Log a line when the interval has passed, unless nothing happened and nothing waits (an idle engine stays quiet)."""
@@ -53,4 +55,11 @@ class StatsLogger:
     swapped = "" if snapshot.swapped is None else f"Swapped: {snapshot.swapped} reqs, "
     return (f"Avg prompt throughput: {self.prompt_tokens / elapsed:.1f} tokens/s, "
             f"Avg generation throughput: {self.generation_tokens / elapsed:.1f} tokens/s, Running: {snapshot.running} reqs, "
-            f"{swapped}Waiting: {snapshot.waiting} reqs, KV cache usage: {100 * snapshot.kv_cache_usage:.1f}%{hit}")
+            f"{swapped}Waiting: {snapshot.waiting} reqs, KV cache usage: {100 * snapshot.kv_cache_usage:.1f}%{hit}"
+            f"{_spec(snapshot.spec)}")
+
+
+def _spec(spec: SpecDecodingStats | None) -> str:
+  if spec is None or not spec.num_drafts: return ""
+  return (f", Speculative decoding: {100 * spec.acceptance_rate:.1f}% of proposals accepted, "
+          f"{spec.mean_acceptance_length:.2f} tokens per verification")
