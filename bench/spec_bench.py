@@ -113,6 +113,42 @@ def draft_end_to_end(stories: str, k: int, prompt_len: int, new_tokens: int) -> 
   return out
 
 
+def eager_kernels(llm, batch: int, k: int) -> dict:
+  """One eager step (k proposals forced, or a plain decode step for k = 0) under tinygrad's DEBUG=2: its kernels'
+  time, the slowest of them."""
+  import contextlib
+  import io
+
+  from tinygrad.helpers import Context
+
+  from bench.gpu_profile import kernel_times
+  from tinyvllm import SamplingParams
+  engine, runner = llm.engine, llm.engine.runner
+  engine.core.speculator = ForcedProposals(k)
+  for i in range(batch): engine.add_request(f"e{k}-{i}", [1 + i] * 128, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+  for _ in range(3): engine.step()
+  mode, runner.cudagraph_mode = runner.cudagraph_mode, "NONE"
+  try:
+    engine.step()   # compiles the eager kernels
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), Context(DEBUG=2): engine.step()
+  finally: runner.cudagraph_mode = mode
+  for i in range(batch): engine.abort_request(f"e{k}-{i}")
+  times, counts = kernel_times(buf.getvalue())
+  top = sorted(times.items(), key=lambda kv: -kv[1])[:12]
+  row = {"k": k, "batch": batch, "kernels": sum(counts.values()), "kernel_ms": round(sum(times.values()), 3),
+         "top": [(name, round(ms, 4), counts[name]) for name, ms in top]}
+  print(json.dumps(row), flush=True)
+  return row
+
+
+def verify_profile(model: str) -> list[dict]:
+  from tinyvllm import LLM
+  llm = LLM(model, load_format="dummy", dtype="bfloat16", max_num_seqs=64, kv_cache_memory=8, enable_prefix_caching=False,
+            cuda_graph_sizes=[1, 64], speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+  return [eager_kernels(llm, batch, k) for batch in (1, 64) for k in (0, 4)]
+
+
 def main() -> int:
   p = argparse.ArgumentParser()
   p.add_argument("--stories", default=".data/stories260K-hf")
@@ -123,6 +159,7 @@ def main() -> int:
   parts = args.parts.split(",")
   if "ngram" in parts: result["ngram"] = ngram_end_to_end(args.stories, 4, 384, 128)
   if "draft" in parts: result["draft"] = draft_end_to_end(args.stories, 4, 128, 128)
+  if "profile" in parts: result["profile"] = verify_profile(args.model)
   if "verify" in parts: result["verify"] = verify_cost(args.model, [4, 3])
   if out := os.environ.get("OUT"): Path(out, "spec_bench.json").write_text(json.dumps(result, indent=1))
   ok = all(r["same_tokens"] for r in result.get("ngram", []) + result.get("draft", []))
