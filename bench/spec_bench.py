@@ -30,6 +30,8 @@ class ForcedProposals:
   def propose(self, running):
     return {s: [s.token_ids[-1]] * self.k for s in running if s.decoding} if self.k else {}
 
+  def complete(self, sched): return sched
+
 
 def step_times(llm, batch: int, k: int, steps: int = 60) -> list[float]:
   from tinyvllm import SamplingParams
