@@ -111,3 +111,17 @@ def test_a_draft_that_cannot_serve_the_target_is_refused(models):
     LLM(str(models / "target"), num_gpu_blocks=16, speculative_config={"model": str(models / "other_vocab"), "num_speculative_tokens": 2})
   with pytest.raises(ConfigError, match="context of 64 tokens, shorter than max_model_len"):
     LLM(str(models / "target"), num_gpu_blocks=16, speculative_config={"model": str(models / "short"), "num_speculative_tokens": 2})
+
+
+def test_swapped_out_sequences_catch_the_draft_up_again(stories_dir):
+  """With preemption by swapping the draft's K/V is not swapped: a sequence back in other blocks is caught up again,
+  so stories260K as its own draft still has every proposal accepted, and the output is plain decoding's."""
+  prompts = ["Once upon a time", "Tom had a red ball. Tom had a red ball. Tom", "Lily"]
+  params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+  settings = {"preemption_mode": "swap", "num_gpu_blocks": 9, "max_num_seqs": 3}
+  want = tokens(LLM(str(stories_dir), **settings), prompts, params)
+  llm = LLM(str(stories_dir), speculative_config={"model": str(stories_dir), "num_speculative_tokens": 3}, **settings)
+  assert tokens(llm, prompts, params) == want
+  spec = llm.engine.scheduler.spec
+  assert llm.engine.scheduler.num_preemptions > 0 and spec.num_accepted_tokens == spec.num_draft_tokens > 0
+  assert_all_free(llm)
