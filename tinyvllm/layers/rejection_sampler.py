@@ -70,8 +70,8 @@ def verify(logits: Tensor, params: Tensor, rng: Tensor, variant: SamplerVariant,
   `sample` takes them; row j's step is the index of the token it draws), draft_tokens [S, k] (-1: no proposal there,
   so a sequence with fewer draws its next token from p at its first -1). Returns rejection_sample's (tokens, emitted).
 
-  Deterministic proposals (n-gram); an all-greedy step takes the argmax path: keep proposals while they equal the
-  target's argmax, then emit the argmax."""
+  Deterministic proposals (n-gram lookup, a draft model's argmax); an all-greedy step takes the argmax path: keep
+  proposals while they equal the target's argmax, then emit the argmax."""
   s, k = draft_tokens.shape
   if logits.shape[0] != s * (k + 1): raise ValueError(f"verify: {logits.shape[0]} logits rows for {s} sequences of {k} proposals")
   if not variant.random:
