@@ -151,6 +151,29 @@ def verify_profile(model: str) -> list[dict]:
   return [eager_kernels(llm, batch, k) for batch in (1, 64) for k in (0, 4)]
 
 
+def skinny_rows_experiment(model: str) -> list[dict]:
+  """The verification step (k = 4, batch 1: 8 token rows) and plain decode steps of 5-8 sequences with the products'
+  skinny kernel up to 4 rows (the tuning table's) and up to 8 (the table overridden here, bench-only)."""
+  import dataclasses
+
+  from tinyvllm.kernels import linear
+  original = linear.tuning_for
+  out = []
+  for rows in (4, 8):
+    linear.tuning_for = lambda kind, rows=rows: dataclasses.replace(original(kind), linear=dataclasses.replace(
+      original(kind).linear, skinny_max_rows=rows))
+    from tinyvllm import LLM
+    llm = LLM(model, load_format="dummy", dtype="bfloat16", max_num_seqs=64, kv_cache_memory=4, enable_prefix_caching=False,
+              cuda_graph_sizes=[1, 8], speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    for batch, k in ((1, 0), (1, 4), (6, 0), (8, 0)):
+      row = {"skinny_max_rows": rows, "batch": batch, "k": k, "step_ms": float(np.median(step_times(llm, batch, k))) * 1e3}
+      print(json.dumps(row), flush=True)
+      out.append(row)
+    del llm
+  linear.tuning_for = original
+  return out
+
+
 def main() -> int:
   p = argparse.ArgumentParser()
   p.add_argument("--stories", default=".data/stories260K-hf")
@@ -161,6 +184,7 @@ def main() -> int:
   parts = args.parts.split(",")
   if "ngram" in parts: result["ngram"] = ngram_end_to_end(args.stories, 4, 384, 128)
   if "draft" in parts: result["draft"] = draft_end_to_end(args.stories, 4, 128, 128)
+  if "skinny" in parts: result["skinny"] = skinny_rows_experiment(args.model)
   if "profile" in parts: result["profile"] = verify_profile(args.model)
   if "verify" in parts: result["verify"] = verify_cost(args.model, [4, 3])
   if out := os.environ.get("OUT"): Path(out, "spec_bench.json").write_text(json.dumps(result, indent=1))
