@@ -145,10 +145,15 @@ def eager_kernels(llm, batch: int, k: int) -> dict:
 
 
 def verify_profile(model: str) -> list[dict]:
+  """Eager kernels of decode and verification steps: k = 4 at batch 1 and 64, k = 3 at batch 1."""
   from tinyvllm import LLM
-  llm = LLM(model, load_format="dummy", dtype="bfloat16", max_num_seqs=64, kv_cache_memory=8, enable_prefix_caching=False,
-            cuda_graph_sizes=[1, 64], speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-  return [eager_kernels(llm, batch, k) for batch in (1, 64) for k in (0, 4)]
+  rows = []
+  for k, batches in ((4, (1, 64)), (3, (1,))):
+    llm = LLM(model, load_format="dummy", dtype="bfloat16", max_num_seqs=64, kv_cache_memory=4, enable_prefix_caching=False,
+              cuda_graph_sizes=[1, 64], speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    rows += [eager_kernels(llm, batch, forced) for batch in batches for forced in (0, k)]
+    del llm
+  return rows
 
 
 def skinny_rows_experiment(model: str) -> list[dict]:
