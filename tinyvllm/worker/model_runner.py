@@ -22,7 +22,7 @@ from tinyvllm.backend.metadata import AttentionMetadata
 from tinyvllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from tinyvllm.core.sequence import Sequence
 from tinyvllm.kernels.tinygrad_program import collecting_sources, compile_parallel
-from tinyvllm.layers.rejection_sampler import verify
+from tinyvllm.layers.rejection_sampler import greedy_verify, verify
 from tinyvllm.layers.sampler import SamplingBatch
 from tinyvllm.model.llama import StepInputs, TransformerLM
 from tinyvllm.platform import tinygrad_compat as compat
@@ -244,8 +244,13 @@ class ModelRunner:
     if "penalty_index" in f: penalties = (f["penalty_index"], f["penalty_value"].bitcast(dtypes.float32))
     outputs: tuple[Tensor, ...]
     if "draft_tokens" in f:   # verification: tokens [S, 1 + k] (-1 past the emitted ones) and their counts [S]
-      params, rng = f["params"].bitcast(dtypes.float32), f["rng"].bitcast(dtypes.uint32)
-      outputs = verify(logits, params, rng, layout.variant, f["draft_tokens"], penalties)
+      drafts = f["draft_tokens"]
+      if layout.variant.random:
+        params, rng = f["params"].bitcast(dtypes.float32), f["rng"].bitcast(dtypes.uint32)
+        outputs = verify(logits, params, rng, layout.variant, drafts, penalties)
+      else:   # every row greedy: the backend's sampler gives each row's argmax (one kernel on the GPU)
+        argmax = self.model.backend.sample(logits, f["params"], f["rng"], layout.variant, penalties)
+        outputs = greedy_verify(argmax.reshape(drafts.shape[0], -1), drafts)
       tokens = outputs[0].reshape(-1).maximum(0)   # each row's token (the logprobs of those past the emitted go unread)
     else:
       tokens = self.model.backend.sample(logits, f["params"], f["rng"], layout.variant, penalties)
