@@ -137,7 +137,7 @@ def eager_kernels(llm, batch: int, k: int) -> dict:
   finally: runner.cudagraph_mode = mode
   for i in range(batch): engine.abort_request(f"e{k}-{i}")
   times, counts = kernel_times(buf.getvalue())
-  top = sorted(times.items(), key=lambda kv: -kv[1])[:12]
+  top = sorted(times.items(), key=lambda kv: -kv[1])[:40]
   row = {"k": k, "batch": batch, "kernels": sum(counts.values()), "kernel_ms": round(sum(times.values()), 3),
          "top": [(name, round(ms, 4), counts[name]) for name, ms in top]}
   print(json.dumps(row), flush=True)
