@@ -272,3 +272,14 @@ def test_the_cores_stats_count_every_token_a_verification_lands(stories_dir):
     landed += sum(len(o.new_token_ids) for o in out.outputs)
     counted += out.scheduler_stats.step_generation_tokens
   assert landed == counted == 40 and out.scheduler_stats.spec_decoding.num_accepted_tokens > 0
+
+
+def test_a_greedy_verification_takes_the_argmax_path_even_beside_a_sampled_capture(speculating, monkeypatch):
+  """A capture of the rejection sampler covers greedy rows too, but a greedy verification never runs under it."""
+  import tinyvllm.worker.model_runner as model_runner
+  sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=12, n=2)
+  speculating.generate(PROMPTS[1], sampled, use_tqdm=False)
+  def refuse(*args, **kwargs): raise AssertionError("a greedy step ran the rejection sampler")
+  monkeypatch.setattr(model_runner, "verify", refuse)
+  out = speculating.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, n=2), use_tqdm=False)[0]
+  assert out.metrics.num_draft_tokens > 0

@@ -141,8 +141,11 @@ class ModelRunner:
     if self.cudagraph_mode == "NONE": return StartUpCaptures()
     t, decode, prompt = time.perf_counter(), {}, {}
     decode_rows = sorted({bucket(b) for b in sizes if 1 <= b <= self.max_num_seqs})
-    for proposals in sorted({0, self.num_speculative_tokens}):   # decode steps, and those verifying proposals
-      for sched in (self._warm_up_batch([1 + proposals] * rows, proposals) for rows in decode_rows):
+    # decode steps, and those verifying proposals: greedy ones too, since a greedy verification takes its own path (the
+    # argmax), much cheaper than the rejection sampler a random capture would run it with
+    kinds = [(0, 1.0)] + ([(self.num_speculative_tokens, 1.0), (self.num_speculative_tokens, 0.0)] if self.num_speculative_tokens else [])
+    for proposals, temperature in kinds:
+      for sched in (self._warm_up_batch([1 + proposals] * rows, proposals, temperature) for rows in decode_rows):
         decode.setdefault(self._prepare(sched)[1], sched)
     if self.cudagraph_mode == "FULL" and self.buckets.coarse_query_runs:
       for sched in self._prompt_batches(sizes, max_num_batched_tokens): prompt.setdefault(self._prepare(sched)[1], sched)
@@ -164,11 +167,11 @@ class ModelRunner:
         batches.append(self._warm_up_batch([run] * max(1, min(self.max_num_seqs, n // run))))
     return batches
 
-  def _warm_up_batch(self, runs: list[int], proposals: int = 0) -> SchedulerOutput:
-    """Sequences whose first `runs[i]` tokens are computed and sampled, the last `proposals` of them verified as
-    proposals; every block table all block 0."""
+  def _warm_up_batch(self, runs: list[int], proposals: int = 0, temperature: float = 1.0) -> SchedulerOutput:
+    """Sequences whose first `runs[i]` tokens are computed and sampled (at `temperature`: the random sampler also
+    covers greedy rows), the last `proposals` of them verified as proposals; every block table all block 0."""
     def item(i: int, run: int) -> ScheduledSequence:
-      seq = Sequence("warm-up", [0] * (run - proposals), SamplingParams(temperature=1.0), seed=i)
+      seq = Sequence("warm-up", [0] * (run - proposals), SamplingParams(temperature=temperature), seed=i)
       return ScheduledSequence(seq, 0, run, [0] * -(-run // self.kv_cache.block_size), True, spec_token_ids=(0,) * proposals)
     return SchedulerOutput([item(i, run) for i, run in enumerate(runs)])
 
@@ -181,8 +184,9 @@ class ModelRunner:
     return logits.numpy()[:len(host.sample_seqs)]
 
   def _covering(self, layout: StepLayout) -> StepLayout:
-    """The layout itself, or a captured one with the same inputs whose sampler covers it (see `covers`)."""
-    if layout in self._captures: return layout
+    """The layout itself, or a captured one with the same inputs whose sampler covers it (see `covers`). A greedy
+    verification is never covered: its own path (the argmax) is far cheaper than the rejection sampler."""
+    if layout in self._captures or (layout.verifies and not layout.variant.random): return layout
     return next((c for c in self._captures if c.shapes == layout.shapes and c.context_len == layout.context_len
                  and c.logprobs == layout.logprobs and c.multi_token == layout.multi_token and covers(c.variant, layout.variant)),
                 layout)

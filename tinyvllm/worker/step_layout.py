@@ -30,6 +30,11 @@ class StepLayout:
   @property
   def query_len(self) -> int: return dict(self.shapes)["query_index"][1]
 
+  @property
+  def verifies(self) -> bool:
+    """Whether the step verifies proposals (speculative decoding)."""
+    return "draft_tokens" in dict(self.shapes)
+
   def unpack(self, packed: Tensor) -> dict[str, Tensor]:
     fields, offset = {}, 0
     for name, shape in self.shapes:
