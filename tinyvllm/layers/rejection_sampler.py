@@ -18,7 +18,7 @@ from __future__ import annotations
 from tinygrad import Tensor, dtypes
 
 from tinyvllm.backend.sampling import SamplerVariant
-from tinyvllm.layers.sampler import acceptance_uniforms, argmax_rows, gumbel_noise, shaped_logits, target_probs
+from tinyvllm.layers.sampler import acceptance_uniforms, argmax_rows, gumbel_noise, target_probs
 
 
 def rejection_sample(target_probs: Tensor, draft_tokens: Tensor, uniforms: Tensor, gumbel: Tensor,
@@ -70,13 +70,11 @@ def verify(logits: Tensor, params: Tensor, rng: Tensor, variant: SamplerVariant,
   `sample` takes them; row j's step is the index of the token it draws), draft_tokens [S, k] (-1: no proposal there,
   so a sequence with fewer draws its next token from p at its first -1). Returns rejection_sample's (tokens, emitted).
 
-  Deterministic proposals (n-gram lookup, a draft model's argmax); an all-greedy step takes the argmax path: keep
-  proposals while they equal the target's argmax, then emit the argmax."""
+  Proposals are deterministic (n-gram lookup, a draft model's argmax). For steps with a sampled row: an all-greedy step
+  is greedy_verify over each row's argmax (the runner takes it from the backend's sampler)."""
   s, k = draft_tokens.shape
   if logits.shape[0] != s * (k + 1): raise ValueError(f"verify: {logits.shape[0]} logits rows for {s} sequences of {k} proposals")
-  if not variant.random:
-    scaled, _ = shaped_logits(logits, params, variant, penalties)
-    return greedy_verify(argmax_rows(scaled).reshape(s, k + 1).cast(dtypes.int32), draft_tokens)
+  if not variant.random: raise ValueError("verify: an all-greedy step is greedy_verify over each row's argmax")
   vocab = logits.shape[1]
   probs = target_probs(logits, params, variant, penalties).reshape(s, k + 1, vocab)
   uniforms = acceptance_uniforms(rng).reshape(s, k + 1)[:, :k]

@@ -247,7 +247,7 @@ class ModelRunner:
     penalties = None
     if "penalty_index" in f: penalties = (f["penalty_index"], f["penalty_value"].bitcast(dtypes.float32))
     outputs: tuple[Tensor, ...]
-    if "draft_tokens" in f:   # verification: tokens [S, 1 + k] (-1 past the emitted ones) and their counts [S]
+    if layout.verifies:   # verification: tokens [S, 1 + k] (-1 past the emitted ones) and their counts [S]
       drafts = f["draft_tokens"]
       if layout.variant.random:
         params, rng = f["params"].bitcast(dtypes.float32), f["rng"].bitcast(dtypes.uint32)
@@ -262,7 +262,7 @@ class ModelRunner:
       outputs = (tokens,)
     if layout.logprobs >= 0: outputs += score(logits, tokens, layout.logprobs)
     if scores_prompt: outputs += score(prompt_logits, f["prompt_target"], layout.prompt_logprobs)
-    chained = () if "draft_tokens" in f else (self.last_tokens,)
+    chained = () if layout.verifies else (self.last_tokens,)
     if realize and chained:   # (a build that only collects kernel sources must leave no assignment pending)
       kept = min(layout.rows, self.chain_rows)
       self.last_tokens.assign(tokens[:kept].pad((0, self.chain_rows - kept)))
