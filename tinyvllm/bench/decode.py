@@ -92,9 +92,7 @@ def with_kv_cache(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) 
     last = now
   tokens = [finals[rid].outputs[0].token_ids for rid in ids]
   after = _spec_counts(engine)
-  spec = None if before is None or after is None else SpecDecodingStats(
-    after.num_drafts - before.num_drafts, after.num_draft_tokens - before.num_draft_tokens,
-    after.num_accepted_tokens - before.num_accepted_tokens)
+  spec = None if before is None or after is None else after.since(before)
   return DecodeResult("kv cache", len(prompts), len(prompts[0]), new_tokens, t1 - t0, last - t1, tokens, steps, spec)
 
 

@@ -55,9 +55,9 @@ class SchedulerConfig:
 
 
 @dataclass
-class SpecCounters:
-  """Speculative decoding's totals since start: verifications (a sequence's proposals checked in a step), proposals
-  and accepted proposals. Every verification also emits one token of the target's own."""
+class SpecDecodingStats:
+  """Speculative decoding's totals since start (vLLM's names): verifications (a sequence's proposals checked in a step),
+  proposals, accepted proposals. Each verification emits its accepted proposals and one token of the target's."""
   num_drafts: int = 0
   num_draft_tokens: int = 0
   num_accepted_tokens: int = 0
@@ -65,6 +65,19 @@ class SpecCounters:
   def count(self, proposed: int, accepted: int) -> None:
     self.num_drafts, self.num_draft_tokens = self.num_drafts + 1, self.num_draft_tokens + proposed
     self.num_accepted_tokens += accepted
+
+  def since(self, earlier: SpecDecodingStats) -> SpecDecodingStats:
+    """The counts between an earlier snapshot and this one."""
+    return SpecDecodingStats(self.num_drafts - earlier.num_drafts, self.num_draft_tokens - earlier.num_draft_tokens,
+                             self.num_accepted_tokens - earlier.num_accepted_tokens)
+
+  @property
+  def acceptance_rate(self) -> float: return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+  @property
+  def mean_acceptance_length(self) -> float:
+    """Tokens emitted per verification (1 + accepted proposals)."""
+    return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass
@@ -96,7 +109,7 @@ class SchedulerBase:
     self.num_preemptions = 0
     self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0   # blocks copied to / from the swap space
     self.num_swap_fallbacks = 0   # preemptions recomputed because the swap space could not hold the sequence
-    self.spec = SpecCounters()
+    self.spec = SpecDecodingStats()
 
   # ---- requests
   def add(self, seqs: list[Sequence]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -28,7 +28,6 @@ from tinyvllm.engine.messages import (
   PromptLogprobsChunk,
   SampleRef,
   SchedulerStats,
-  SpecDecodingStats,
   SwapStats,
 )
 from tinyvllm.worker.logprobs import ScoredPromptChunk, TokenLogprobs
@@ -190,8 +189,7 @@ class EngineCore:
     swap = scheduler.swap_space
     swap_stats = SwapStats(len(swapped), swap.num_used_blocks, swap.num_blocks, scheduler.num_swapped_out_blocks,
                            scheduler.num_swapped_in_blocks, scheduler.num_swap_fallbacks) if swap is not None else None
-    spec = scheduler.spec
-    spec_stats = None if self.speculator is None else SpecDecodingStats(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+    spec_stats = None if self.speculator is None else replace(scheduler.spec)   # a snapshot
     return SchedulerStats(len(running), len(waiting), alloc.num_used_blocks, alloc.num_blocks, prefix_caching,
                           getattr(alloc, "prefix_queries", 0), getattr(alloc, "prefix_hits", 0), scheduler.num_preemptions,
                           prompt_tokens, generated, swap_stats, spec_stats)

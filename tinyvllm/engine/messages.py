@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from tinyvllm.core.scheduler import SpecDecodingStats
 from tinyvllm.sampling_params import SamplingParams
 
 
@@ -99,23 +100,6 @@ class SwapStats:
 
   @property
   def usage(self) -> float: return self.blocks_used / max(self.blocks_total, 1)
-
-
-@dataclass
-class SpecDecodingStats:
-  """Speculative decoding's totals since start (vLLM's names): verifications (a sequence's proposals checked in a step),
-  proposals, accepted proposals. Each verification emits its accepted proposals and one token of the target's."""
-  num_drafts: int = 0
-  num_draft_tokens: int = 0
-  num_accepted_tokens: int = 0
-
-  @property
-  def acceptance_rate(self) -> float: return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-  @property
-  def mean_acceptance_length(self) -> float:
-    """Tokens emitted per verification (1 + accepted proposals)."""
-    return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass
