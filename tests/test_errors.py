@@ -103,10 +103,32 @@ def test_text_prompt_without_tokenizer(llm):
   ({"top_p": 1.5}, "top_p"), ({"temperature": -1}, "temperature"), ({"top_k": -2}, "top_k"), ({"min_p": 2}, "min_p"),
   ({"n": 0}, "n"), ({"repetition_penalty": 0}, "repetition_penalty"), ({"presence_penalty": 3}, "presence_penalty"),
   ({"stop": [""]}, "stop"), ({"logprobs": 21}, "logprobs"), ({"seed": "x"}, "seed"),
+  # what the sampler's float32 cannot hold: flushed to zero, infinite, or a penalty that pushes logits past it
+  ({"top_p": 1e-300}, "top_p"), ({"temperature": 1e308}, "temperature"), ({"temperature": 1e-300}, "temperature"),
+  ({"temperature": float("nan")}, "temperature"), ({"min_p": 1e-39}, "min_p"), ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+  ({"repetition_penalty": 0.001}, "repetition_penalty"), ({"frequency_penalty": float("inf")}, "frequency_penalty"),
+  ({"seed": 1 << 64}, "seed"), ({"seed": -(1 << 63) - 1}, "seed"),
 ])
 def test_sampling_params_out_of_range(kwargs, param):
   with pytest.raises(SamplingParamsError, match=param) as info: SamplingParams(**kwargs)
   assert info.value.param == param
+
+
+def test_sampling_params_at_the_edges_of_float32():
+  """The smallest and largest values the sampler holds are taken as they are; tiny temperatures sample greedily."""
+  for kwargs in ({"top_p": 1.2e-38}, {"temperature": 3.4e38}, {"temperature": 1.2e-38}, {"min_p": 0.0}, {"repetition_penalty": 0.01},
+                 {"seed": (1 << 64) - 1}, {"seed": -(1 << 63)}):
+    params = SamplingParams(**kwargs)
+    assert all(getattr(params, k) == v for k, v in kwargs.items())
+
+
+def test_a_tiny_top_p_keeps_the_most_likely_token(llm):
+  """top_p 1e-30 (float32 holds it) keeps only the top token: the greedy one, whatever the seed (it once emitted token 0
+  every step, from a top_p that float32 flushed to zero)."""
+  greedy = llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
+  for seed in range(3):
+    out = llm.generate([[5, 6]], SamplingParams(temperature=1.0, top_p=1e-30, seed=seed, max_tokens=4), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == greedy
 
 
 def test_unavailable_device(model_dir):

@@ -58,7 +58,7 @@ def test_bad_generation_configs_are_named(tmp_path):
   with pytest.raises(ConfigError, match="neither auto, vllm nor an existing folder"): defaults(str(tmp_path / "nope"))
   with pytest.raises(ConfigError, match=r"has no generation_config\.json"): defaults(str(tmp_path))
   bad = folder_with(tmp_path, "bad", {"top_p": 2.0})
-  with pytest.raises(ConfigError, match=r"generation_config\.json.*top_p must be in \(0, 1\]"): defaults(str(bad))
+  with pytest.raises(ConfigError, match=r"generation_config\.json.*top_p must be a number in \(0, 1\]"): defaults(str(bad))
   with pytest.raises(ConfigError, match="override_generation_config: do_sample"): defaults(do_sample=True)
 
 

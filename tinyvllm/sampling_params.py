@@ -30,6 +30,22 @@ def _is_int(x: object) -> bool: return isinstance(x, int) and not isinstance(x, 
 def _is_number(x: object) -> bool: return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+# The sampler computes in float32: a value it cannot hold (or would flush to zero) is refused.
+FLOAT32_TINY = 1.1754943508222875e-38   # the smallest normal float32
+FLOAT32_MAX = 3.4028234663852886e38
+INT64_MIN, UINT64_MAX = -(1 << 63), (1 << 64) - 1   # what a seed may be (it crosses to the engine core as msgpack)
+
+
+def _check_in(value: object, param: str, low: float, high: float, low_open: bool = False) -> None:
+  """value a finite number in [low, high] ((low, high] when low_open), and 0 or a normal float32."""
+  interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+  in_range = _is_number(value) and math.isfinite(value) and (low < value if low_open else low <= value) and value <= high  # type: ignore[operator]
+  _check(in_range, param, f"{param} must be a number in {interval}, got {value!r}")
+  _check(value == 0 or abs(value) >= FLOAT32_TINY, param,  # type: ignore[arg-type]
+         f"{param}={value!r} is below the smallest float32 (1.2e-38) the sampler computes with: use "
+         f"{'' if low_open else '0 or '}at least 1.2e-38")
+
+
 @dataclass
 class SamplingParams:
   """Per-request sampling settings, validated at construction.
@@ -66,18 +82,16 @@ class SamplingParams:
 
   def _validate(self) -> None:
     _check(_is_int(self.n) and self.n >= 1, "n", f"n must be an integer >= 1, got {self.n!r}")
-    _check(_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0, "temperature",
-           f"temperature must be a finite number >= 0, got {self.temperature!r}")
-    _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+    _check_in(self.temperature, "temperature", 0, FLOAT32_MAX)
+    _check_in(self.top_p, "top_p", 0, 1, low_open=True)
     _check(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k",
            f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k!r}")
-    _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
-    _check(self.seed is None or _is_int(self.seed), "seed", f"seed must be an integer, got {self.seed!r}")
-    for name in ("presence_penalty", "frequency_penalty"):
-      value = getattr(self, name)
-      _check(_is_number(value) and -2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value!r}")
-    _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 100, "repetition_penalty",
-           f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
+    _check_in(self.min_p, "min_p", 0, 1)
+    _check(self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed <= UINT64_MAX), "seed",
+           f"seed must be a 64-bit integer, got {self.seed!r}")
+    for name in ("presence_penalty", "frequency_penalty"): _check_in(getattr(self, name), name, -2, 2)
+    # dividing a logit by a penalty under 0.01 (or multiplying by one over 100) leaves float32's range
+    _check_in(self.repetition_penalty, "repetition_penalty", 0.01, 100)
     _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
     _check(all(isinstance(s, str) and s for s in self.stop_strings), "stop", "stop must be a non-empty string or a list of them")
