@@ -39,8 +39,9 @@ class Sim:
     self.outputs: list[SchedulerOutput] = []
     self.sampled: list[list[int]] = []           # per step: the ids of the sequences that sampled a token
 
-  def add(self, prompt: list[int], max_tokens: int = 4, n: int = 1, rid: str = "r", priority: int = 0) -> list[Sequence]:
-    seqs = [make_seq(prompt, max_tokens, n, f"{rid}{len(self.seqs)}", i, priority) for i in range(n)]
+  def add(self, prompt: list[int], max_tokens: int = 4, n: int = 1, rid: str = "r", priority: int = 0,
+          group: str | None = None) -> list[Sequence]:
+    seqs = [make_seq(prompt, max_tokens, n, f"{rid}{len(self.seqs)}", i, priority, group) for i in range(n)]
     self.seqs += seqs
     self.sched.add(seqs)
     return seqs

@@ -15,9 +15,10 @@ from tinyvllm.sampling_params import SamplingParams
 
 
 # ---- helpers (also used by test_scheduler.py) ----
-def make_seq(prompt: list[int], max_tokens: int = 8, n: int = 1, rid: str = "r", index: int = 0, priority: int = 0) -> Sequence:
+def make_seq(prompt: list[int], max_tokens: int = 8, n: int = 1, rid: str = "r", index: int = 0, priority: int = 0,
+             group: str | None = None) -> Sequence:
   return Sequence(rid, list(prompt), SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True), seed=0, index=index,
-                  priority=priority)
+                  priority=priority, group=group)
 
 
 def check_invariants(bm: BlockManager, seqs: Iterable[Sequence]) -> None:

@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from tinyvllm.core.fair_share import FairShare, dominant_group, first_without_seats
 from tinyvllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from tinyvllm.core.scheduling_policy import SchedulingPolicy
 from tinyvllm.core.sequence import Sequence, SequenceStatus, StopVerdict
@@ -101,6 +102,7 @@ class SchedulerBase:
     self.pending_forks: dict[int, list[Sequence]] = {}   # first sequence's id -> the samples forked from it
     self.pending_copies: list[tuple[int, int]] = []       # block copies (copy-on-write) the next step must do first
     self.policy = SchedulingPolicy(config.scheduling_policy)
+    self.fair_share = FairShare()
     if config.preemption_mode not in ("recompute", "swap"):
       raise ValueError(f"preemption_mode must be recompute or swap, got {config.preemption_mode!r}")
     self.swap_space = SwapSpace(config.num_swap_blocks) if config.preemption_mode == "swap" else None
@@ -116,6 +118,7 @@ class SchedulerBase:
     """Queue a request's sequences: the first runs, the rest wait to be forked from it."""
     first, *forks = seqs
     if forks: self.pending_forks[first.seq_id] = forks
+    first.turn = self.fair_share.assign_turn(first, len(seqs))
     self.policy.enqueue(self.waiting, first)
 
   def has_unfinished(self) -> bool: return bool(self.waiting or self.running)
@@ -227,6 +230,7 @@ class SchedulerBase:
     if seq.status is SequenceStatus.SWAPPED: self._swap_in(seq)
     else: seq.num_computed_tokens = self.allocator.allocate(seq, self._width(seq))
     seq.status = SequenceStatus.RUNNING
+    self.fair_share.admitted(seq)
     if seq.first_scheduled_time is None:   # its first admission (a preempted sequence comes back with its outputs)
       seq.first_scheduled_time, seq.num_cached_tokens = time.time(), seq.num_computed_tokens
     self.policy.start_running(self.running, seq)
@@ -247,7 +251,7 @@ class SchedulerBase:
     """The parent samples its first token this step: the child shares its blocks and runs from here on."""
     self.pending_forks.pop(parent.seq_id, None)
     self.pending_copies.extend(self.allocator.fork(parent, child))
-    child.num_computed_tokens, child.status = parent.num_computed_tokens, SequenceStatus.RUNNING
+    child.num_computed_tokens, child.status, child.turn = parent.num_computed_tokens, SequenceStatus.RUNNING, parent.turn
     child.first_scheduled_time, child.num_cached_tokens = time.time(), parent.num_cached_tokens
     self.policy.start_running(self.running, child)
 
@@ -289,6 +293,7 @@ class Scheduler(SchedulerBase):
 
   def _plan(self) -> StepPlan:
     plan, index = StepPlan(self.config.max_num_batched_tokens), 0
+    self._make_room_fairly(plan)
     while index < len(self.running) and plan.budget > 0:
       if self._admit_ahead_of(index, plan):
         index += 1   # it went in ahead of running[index], which is next
@@ -321,6 +326,21 @@ class Scheduler(SchedulerBase):
       seq = self.waiting[0]
       if seq in plan.preempted or not self._readmittable(seq) or not self._fits(seq, plan.budget): return
       self._admit_into(seq, plan)
+
+  def _make_room_fairly(self, plan: StepPlan) -> None:
+    """Fair admission (core/fair_share.py): while a group holds more than half of the seats, the first waiting sequence
+    of a group holding none (one a step) gets room from that group's newest sequences (never below half of the seats,
+    never of a better priority than its own) and goes to the queue's front, to be admitted at the step's end."""
+    if not self.waiting or (dominant := dominant_group(self.running, self.config.max_num_seqs)) is None: return
+    seq = first_without_seats(self.waiting, self.running, dominant)
+    if seq is None or not self._readmittable(seq): return
+    spare = sum(s.group == dominant for s in self.running) - self.config.max_num_seqs // 2
+    victims = [s for s in reversed(self.running) if s.group == dominant and s.priority >= seq.priority][:spare]
+    if not self._fits(seq, plan.budget, victims): return
+    count = next(n for n in range(len(victims) + 1) if self._fits(seq, plan.budget, victims[:n]))
+    for victim in victims[:count]: plan.preempted.append(self._preempt(victim))
+    self.waiting.remove(seq)
+    self.waiting.appendleft(seq)
 
   def _admit_ahead_of(self, index: int, plan: StepPlan) -> bool:
     """Priority policy: admit the front waiting sequence ahead of running[index] if its priority is higher. If it needs

@@ -1,8 +1,10 @@
 """Scheduling policies (vLLM's `scheduling_policy`): the order of the waiting queue and of the running batch.
 
-- fcfs: first come, first served. Requests wait in arrival order, a preempted sequence goes back to the front of the
-  queue, the running batch is in admission order and its newest sequence is the first to be preempted.
-- priority: each request's `priority` (lower values first, ties by arrival). The waiting queue and the running batch
+- fcfs: first come, first served, taking turns: requests wait in order of their turn (core/fair_share.py: arrival
+  order, except that an API request's many sequences take turns with other requests'), a preempted sequence goes
+  back to the front of the queue, the running batch is in admission order and its newest sequence is the first to be
+  preempted.
+- priority: each request's `priority` (lower values first, ties by turn). The waiting queue and the running batch
   are both kept in that order, so the running batch's last sequence is always its lowest-priority one (latest
   arrival among equals): the one preempted when blocks run out. A waiting sequence of higher priority than running
   ones is admitted before them, preempting them (the scheduler's `_admit_ahead_of`).
@@ -17,14 +19,21 @@ from tinyvllm.core.sequence import Sequence
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
-def rank(seq: Sequence) -> tuple[int, float, int]:
-  """Lower ranks are served first: priority, then arrival (seq_id breaks ties of the clock, in creation order)."""
-  return seq.priority, seq.arrival_time, seq.seq_id
+def rank(seq: Sequence) -> tuple[int, int, float, int]:
+  """Lower ranks are served first: priority, turn, then arrival (seq_id breaks ties of the clock, in creation order)."""
+  return seq.priority, seq.turn, seq.arrival_time, seq.seq_id
 
 
 def _insert_by_rank(queue: deque[Sequence] | list[Sequence], seq: Sequence) -> None:
   key = rank(seq)
   index = next((i for i, other in enumerate(queue) if rank(other) > key), len(queue))
+  queue.insert(index, seq)
+
+
+def _insert_by_turn(queue: deque[Sequence], seq: Sequence) -> None:
+  """Behind every sequence of an earlier or equal turn; searched from the back, where a new turn almost always goes."""
+  index = len(queue)
+  while index and queue[index - 1].turn > seq.turn: index -= 1
   queue.insert(index, seq)
 
 
@@ -51,7 +60,7 @@ class SchedulingPolicy:
   def enqueue(self, waiting: deque[Sequence], seq: Sequence) -> None:
     """A new request's first sequence joins the queue."""
     if self.by_priority: _insert_by_rank(waiting, seq)
-    else: waiting.append(seq)
+    else: _insert_by_turn(waiting, seq)
 
   def requeue(self, waiting: deque[Sequence], seq: Sequence) -> None:
     """A preempted sequence goes back: to the front (fcfs), or to its rank's place (priority)."""

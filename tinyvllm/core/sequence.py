@@ -35,12 +35,14 @@ class Sequence:
   seed: int                                   # the sampling seed (the request's, or one drawn for it)
   index: int = 0                              # which of the request's n samples this is
   priority: int = 0                           # the request's (scheduling_policy priority: lower values are served first)
+  group: str | None = None                    # the API request it came with (fair admission: core/fair_share.py)
   seq_id: int = field(default_factory=lambda: next(_seq_ids))
   output_token_ids: list[int] = field(default_factory=list)
   status: SequenceStatus = SequenceStatus.WAITING
   num_computed_tokens: int = 0                # tokens whose K/V are in the cache (or being computed by a launched step)
   stop_reason: int | str | None = None
   arrival_time: float = field(default_factory=time.monotonic)
+  turn: int = 0                               # its place in the fair queue (core/fair_share.py)
   # Asynchronous scheduling: tokens sampled by steps still in flight (0 or 1 when a step is scheduled). They count in
   # num_tokens, so the next step can be scheduled before they are read, and take their id on the device from row
   # `pending_row` of the latest such step's samples.

@@ -71,14 +71,16 @@ class AsyncLLM:
     self.processor.check_request(ids, params)
     return ids
 
-  async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None, priority: int = 0
-                     ) -> AsyncIterator[RequestOutput]:
+  async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None, priority: int = 0,
+                     group: str | None = None) -> AsyncIterator[RequestOutput]:
     """Stream the request's outputs as they are produced; the last one has finished=True. priority: with
-    scheduling_policy priority, lower values are served first."""
+    scheduling_policy priority, lower values are served first. group: the API request it belongs to (requests of
+    one group take turns with other groups' for admission: core/fair_share.py)."""
     if self._dead is not None: raise self._dead
     request_id = request_id or f"req-{next(_ids)}"
     if request_id in self._streams: raise ValueError(f"request id {request_id!r} is already in use")
     text, request = self.processor.process(request_id, prompt, params, priority)
+    request.group = group
     stream: asyncio.Queue = asyncio.Queue()
     self._streams[request_id] = stream
     self.output_processor.add_request(request, text)

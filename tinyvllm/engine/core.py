@@ -72,7 +72,7 @@ class EngineCore:
     if rid in self.requests: raise ValueError(f"request id {rid!r} is already in use")
     base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
     seqs = [Sequence(rid, request.prompt_token_ids, params, seed=hash((base_seed, i)) if i else base_seed, index=i,
-                     priority=request.priority)
+                     priority=request.priority, group=request.group)
             for i in range(params.n)]
     self.requests[rid] = Request(rid, None, request.prompt_token_ids, params, seqs, arrival_time=request.arrival_time)
     self._eos_ids[rid] = frozenset(request.eos_token_ids)

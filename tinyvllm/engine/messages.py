@@ -39,6 +39,7 @@ class EngineCoreRequest:
   eos_token_ids: list[int]          # what ends a sample (unless ignore_eos): the model's and the tokenizer's EOS ids
   arrival_time: float               # time.time() when the frontend received it
   priority: int = 0                 # for the scheduler's priority policy (lower runs first, as vLLM's)
+  group: str | None = None          # the API request it came with: admission takes turns between groups
 
 
 @dataclass(frozen=True)
