@@ -64,6 +64,6 @@ def test_cli_runs_the_mix_after_its_warm_ups(stories_dir, tmp_path, scheduler):
 @pytest.mark.slow
 def test_cli_refuses_a_mix_that_cannot_run(stories_dir, tmp_path):
   bad = throughput(tmp_path, "--model", str(stories_dir), "--random-range-ratio", "1")
-  assert bad.returncode == 2 and "--random-range-ratio must be in [0, 1)" in bad.stderr
+  assert bad.returncode == 2 and "argument --random-range-ratio: must be a number in [0, 1), got '1'" in bad.stderr
   long = throughput(tmp_path, "--model", str(stories_dir), "--input-len", "400", "--output-len", "200", "--num-gpu-blocks", "64")
   assert long.returncode == 2 and "exceeds the context (512)" in long.stderr and not (tmp_path / "t.json").exists()

@@ -62,7 +62,7 @@ def repeated_prompts(engine: LLMEngine, batch: int, length: int, seed: int = 0) 
   rng = np.random.default_rng(seed)
   bos = engine.model_config.bos_token_id
   start = [bos] if bos is not None else random_prompts(engine, 1, 1, seed)[0]
-  engine.add_request("repeat-doc", start, SamplingParams(temperature=0, max_tokens=length - 1, ignore_eos=True))
+  engine.add_request("repeat-doc", start, SamplingParams(temperature=0, max_tokens=max(1, length - 1), ignore_eos=True))
   doc: list[int] = []
   while engine.has_unfinished_requests():
     for out in engine.step(): doc = start + out.outputs[0].token_ids
@@ -81,7 +81,7 @@ def with_kv_cache(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) 
   for rid, prompt in zip(ids, prompts, strict=True): engine.add_request(rid, prompt, params)
   finals = {}
   t0 = time.perf_counter()
-  while not finals:   # until the prompt step's tokens are read (a step later, with asynchronous scheduling)
+  while not finals and engine.has_unfinished_requests():   # until the prompt step's tokens are read (a step later, async)
     for out in engine.step(): finals[out.request_id] = out
   t1 = last = time.perf_counter()
   steps = []
@@ -119,7 +119,9 @@ def run_decode_bench(engine: LLMEngine, batch: int, prompt_len: int, new_tokens:
                      warmup: bool = True, repeated: bool = False) -> list[DecodeResult]:
   """Each mode runs twice and reports the second run, so that JIT captures of every shape are warm. The prefix cache
   is emptied before each run: a hit on the warm-up's blocks would skip the prefill. `repeated`: repeated_prompts
-  rather than random tokens."""
+  rather than random tokens. new_tokens >= 2: the first token comes from the prefill, the decode phase makes the rest."""
+  if batch < 1 or prompt_len < 1: raise ValueError(f"batch ({batch}) and prompt_len ({prompt_len}) must be >= 1")
+  if new_tokens < 2: raise ValueError(f"new_tokens must be >= 2 for a decode measurement, got {new_tokens}")
   prompts = repeated_prompts(engine, batch, prompt_len) if repeated else random_prompts(engine, batch, prompt_len)
   modes = [with_kv_cache] + ([without_kv_cache] if no_kv_cache else [])
   results = []

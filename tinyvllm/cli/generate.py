@@ -4,7 +4,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tinyvllm.cli.args import add_engine_args, add_sampling_args, engine_kwargs, model_of, sampling_kwargs, sampling_params_for
+from tinyvllm.cli.args import (
+  add_engine_args,
+  add_sampling_args,
+  engine_kwargs,
+  model_of,
+  sampling_kwargs,
+  sampling_params_for,
+  tokenizer_check,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
   from tinyvllm.sampling_params import SamplingParams
   prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
   SamplingParams(**sampling_kwargs(args))   # a bad flag fails before the model loads
-  llm = LLM(model_of(args), **engine_kwargs(args))
+  llm = LLM(model_of(args), check_frontend_files=tokenizer_check(args), **engine_kwargs(args))
   for delta in llm.stream(prompt, sampling_params_for(args, llm.engine.default_sampling_params)):
     sys.stdout.write(delta)
     sys.stdout.flush()

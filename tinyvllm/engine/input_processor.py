@@ -9,18 +9,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tinyvllm.config import EngineConfig
+from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.core.scheduling_policy import check_priority
 from tinyvllm.engine.core_setup import log
 from tinyvllm.engine.generation_config import default_sampling_params
 from tinyvllm.engine.messages import EngineCoreInfo, EngineCoreRequest
-from tinyvllm.model.gguf.config import is_gguf_path
+from tinyvllm.model.gguf.config import gguf_model_config, is_gguf_path
 from tinyvllm.model.gguf.reader import GGUFFile
 from tinyvllm.model.gguf.tokenizer import gguf_tokenizer
 from tinyvllm.model.hub import resolve_model, resolve_tokenizer
 from tinyvllm.model.presets import PRESETS
 from tinyvllm.sampling_params import SamplingParams, SamplingParamsError
-from tinyvllm.tokenizer import Tokenizer, load_tokenizer
+from tinyvllm.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 PromptType = str | list[int] | dict
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -45,7 +45,27 @@ def model_folder(config: EngineConfig) -> Path | None:
 
 
 def load_frontend_files(config: EngineConfig, folder: Path | None) -> FrontendFiles:
-  return FrontendFiles(_tokenizer(config, folder), _sampling_defaults(config, folder))
+  """The tokenizer (checked against the model's vocabulary) and the sampling defaults: no weights are read, so that a
+  tokenizer problem shows before the weights load."""
+  gguf = GGUFFile(Path(config.model).expanduser()) if is_gguf_path(config.model) else None
+  tokenizer = _tokenizer(config, folder, gguf)
+  if tokenizer is not None: check_tokenizer_fits(tokenizer, *_model_vocab_size(config, folder, gguf))
+  return FrontendFiles(tokenizer, _sampling_defaults(config, folder))
+
+
+def _model_vocab_size(config: EngineConfig, folder: Path | None, gguf: GGUFFile | None) -> tuple[int, str]:
+  """(the model's vocab_size, where it is written), from its config alone: a GGUF file's metadata, a preset or config.json."""
+  if gguf is not None: return gguf_model_config(gguf).vocab_size, f"{config.model}'s metadata"
+  if folder is None: return int(PRESETS[config.model]["vocab_size"]), f"preset {config.model}"
+  return ModelConfig.from_folder(folder).vocab_size, str(folder / "config.json")
+
+
+def check_tokenizer_fits(tokenizer: Tokenizer, vocab_size: int, source: str) -> None:
+  """Refuse a tokenizer with ids beyond the model's embedding rows (another model's tokenizer): its ids would index past
+  the embeddings. A model with more rows than the tokenizer has ids (padding, common) is fine."""
+  if tokenizer.vocab_size > vocab_size:
+    raise TokenizerError(f"the tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} token ids (with its added tokens) but the "
+                         f"model's vocabulary has {vocab_size} (vocab_size in {source}): it is not this model's tokenizer")
 
 
 def _sampling_defaults(config: EngineConfig, folder: Path | None) -> dict[str, Any]:
@@ -55,13 +75,13 @@ def _sampling_defaults(config: EngineConfig, folder: Path | None) -> dict[str, A
   return defaults
 
 
-def _tokenizer(config: EngineConfig, folder: Path | None) -> Tokenizer | None:
+def _tokenizer(config: EngineConfig, folder: Path | None, gguf: GGUFFile | None) -> Tokenizer | None:
   """--tokenizer, else the model folder's own; a folder without tokenizer files serves token-id prompts only."""
   if config.skip_tokenizer_init:
     log("skip_tokenizer_init: no tokenizer, prompts must be token ids and outputs carry no text")
     return None
   if (tokenizer_folder := resolve_tokenizer(config)) is not None: return load_tokenizer(tokenizer_folder)
-  if is_gguf_path(config.model): return gguf_tokenizer(GGUFFile(Path(config.model).expanduser()))
+  if gguf is not None: return gguf_tokenizer(gguf)
   if folder is None or not any((folder / f).exists() for f in TOKENIZER_FILES):
     log("no tokenizer: prompts must be token ids")
     return None
@@ -102,7 +122,8 @@ class InputProcessor:
     if need > self.info.num_kv_blocks:
       raise PromptError(f"request needs {need} KV cache blocks ({n} prompt + {max_tokens} new tokens, n={params.n}) "
                         f"but the whole cache holds {self.info.num_kv_blocks}")
-    if params.stop_strings and self.tokenizer is None: raise PromptError("stop strings need a tokenizer")
+    if params.stop_strings and self.tokenizer is None:
+      raise SamplingParamsError("stop", "stop strings need a tokenizer and this model has none (stop_token_ids work without)")
     for name in ("logprobs", "prompt_logprobs"):
       wanted = getattr(params, name)
       if wanted is not None and wanted > self.max_logprobs:

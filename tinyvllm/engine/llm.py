@@ -4,11 +4,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from tqdm import tqdm
 
+from tinyvllm.engine.input_processor import FrontendFiles
 from tinyvllm.engine.llm_engine import LLMEngine, PromptError, PromptType, log
 from tinyvllm.engine_args import engine_config
 from tinyvllm.outputs import RequestOutput
@@ -26,11 +27,13 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
 
 
 class LLM:
-  def __init__(self, model: str, **engine_args: Any):
+  def __init__(self, model: str, *, check_frontend_files: Callable[[FrontendFiles], None] | None = None, **engine_args: Any):
     """engine_args: vLLM's engine arguments (tinyvllm/engine_args.py says what each does here; one tinyvllm cannot
     honour is refused, naming it) and tinyvllm's own EngineConfig fields (kv_cache, scheduler, attention_backend, ...).
-    As vLLM's LLM, it logs no periodic stats unless disable_log_stats=False."""
-    self.engine = LLMEngine(engine_config(model, {"disable_log_stats": True, **engine_args}, log))
+    As vLLM's LLM, it logs no periodic stats unless disable_log_stats=False. check_frontend_files (tinyvllm's): called
+    with the tokenizer and sampling defaults before the weights load (LLMEngine's)."""
+    config = engine_config(model, {"disable_log_stats": True, **engine_args}, log)
+    self.engine = LLMEngine(config, check_frontend_files)
     self._tokenizer = HFStyleTokenizer(self.engine.tokenizer) if self.engine.tokenizer is not None else None
 
   def get_tokenizer(self) -> HFStyleTokenizer | None:

@@ -3,6 +3,7 @@ frontend's input and output processing around it (the same the server's API proc
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -11,7 +12,14 @@ from tinyvllm.core.scheduling_policy import check_priority
 from tinyvllm.core.sequence import Request
 from tinyvllm.engine.core import EngineCore
 from tinyvllm.engine.core_setup import log
-from tinyvllm.engine.input_processor import InputProcessor, PromptError, PromptType, load_frontend_files
+from tinyvllm.engine.input_processor import (
+  FrontendFiles,
+  InputProcessor,
+  PromptError,
+  PromptType,
+  load_frontend_files,
+  model_folder,
+)
 from tinyvllm.engine.output_processor import OutputProcessor
 from tinyvllm.engine.stats_logger import StatsLogger
 from tinyvllm.outputs import RequestOutput
@@ -22,12 +30,16 @@ __all__ = ["LLMEngine", "PromptError", "PromptType", "log"]
 
 
 class LLMEngine:
-  def __init__(self, config: EngineConfig):
+  def __init__(self, config: EngineConfig, check_frontend_files: Callable[[FrontendFiles], None] | None = None):
+    """check_frontend_files: called with the tokenizer and sampling defaults before the weights load; what it raises
+    stops the engine there (the command line refuses a model without a tokenizer so, in a second, not after the load)."""
     start = time.perf_counter()
     self.config = config
-    self.core = EngineCore(config, log_stats=not config.disable_log_stats)
-    files = load_frontend_files(config, self.core.model_folder)
+    # the frontend's files first: a missing or mismatched tokenizer is found before the weights load (seconds to minutes)
+    files = load_frontend_files(config, model_folder(config))
+    if check_frontend_files is not None: check_frontend_files(files)
     self.tokenizer, self.default_sampling_params = files.tokenizer, files.default_sampling_params
+    self.core = EngineCore(config, log_stats=not config.disable_log_stats)
     self.processor = InputProcessor(self.core.info(), self.tokenizer, config.max_logprobs, config.scheduling_policy)
     self.output_processor = OutputProcessor(self.tokenizer)
     self.stats_logger = None if config.disable_log_stats else StatsLogger(log)
