@@ -45,7 +45,7 @@ VLLM_COMMON = {
   "structured_outputs": {"choice": ["yes", "no"]}, "guided_json": {"type": "object"}, "guided_regex": "[a-z]+",
   "guided_choice": ["yes", "no"], "guided_grammar": "root ::= \"a\"", "structural_tag": "{}",
   "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ", "logits_processors": ["m.P"],
-  "return_tokens_as_token_ids": True, "return_token_ids": True, "return_token_offsets": True, "cache_salt": "s4lt",
+  "return_tokens_as_token_ids": True, "return_token_offsets": True, "cache_salt": "s4lt",
   "kv_transfer_params": {"do_remote_decode": True}, "ec_transfer_params": {"x": 1}, "vllm_xargs": {"k": 1},
   "repetition_detection": {"max_pattern_size": 4}, "thinking_token_budget": 16, "mm_processor_kwargs": {"size": 2},
   "media_io_kwargs": {"image": {"mode": "RGB"}},

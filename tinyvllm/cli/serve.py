@@ -6,7 +6,16 @@ import argparse
 import os
 import sys
 
-from tinyvllm.cli.args import add_engine_args, engine_config, json_value
+from tinyvllm.cli.args import (
+  add_engine_args,
+  bounded,
+  engine_config,
+  json_value,
+  non_negative_float,
+  non_negative_int,
+  positive_float,
+  positive_int,
+)
 from tinyvllm.model.embedded import EMBEDDED_MODEL
 
 SERVE_PACKAGES = {"fastapi", "uvicorn", "starlette", "prometheus_client", "pydantic", "zmq", "msgspec"}
@@ -22,14 +31,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
   add_engine_args(p)
   s = p.add_argument_group("server")
   s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-  s.add_argument("--port", type=int, default=8000)
+  s.add_argument("--port", type=bounded(int, 0, 65535), default=8000, help="TCP port (0: any free one)")
   s.add_argument("--uds", help="serve on this Unix domain socket instead of host:port")
   s.add_argument("--api-key", default=os.environ.get("TINYVLLM_API_KEY"),
                  help="require Authorization: Bearer KEY (default: $TINYVLLM_API_KEY; none: no key needed)")
   s.add_argument("--served-model-name", nargs="+",
                  help=f"the names clients may pass as `model`; responses carry the first (default: the model, or {EMBEDDED_MODEL} "
                       "for the shipped one)")
-  s.add_argument("--shutdown-timeout", type=float, default=10.0,
+  s.add_argument("--shutdown-timeout", type=non_negative_float, default=10.0,
                  help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted")
   s.add_argument("--uvicorn-log-level", "--log-level", dest="uvicorn_log_level", default="info", choices=UVICORN_LOG_LEVELS)
   s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True, help="log every HTTP request (default: on)")
@@ -38,11 +47,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
   s.add_argument("--ssl-keyfile")
   s.add_argument("--ssl-certfile")
   s.add_argument("--ssl-ca-certs", help="CA certificates file (to verify clients)")
-  s.add_argument("--ssl-cert-reqs", type=int, default=0, help="whether a client certificate is required (ssl.CERT_*)")
-  s.add_argument("--allowed-origins", type=json_value, default=["*"], help='CORS allowed origins, JSON (default ["*"])')
-  s.add_argument("--allowed-methods", type=json_value, default=["*"], help='CORS allowed methods, JSON (default ["*"])')
-  s.add_argument("--allowed-headers", type=json_value, default=["*"], help='CORS allowed headers, JSON (default ["*"])')
+  s.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), default=0, help="whether a client certificate is required (ssl.CERT_*)")
+  s.add_argument("--allowed-origins", type=json_list, default=[],
+                 help='CORS allowed origins, JSON, e.g. \'["https://example.org"]\' (default: none, CORS off)')
+  s.add_argument("--allowed-methods", type=json_list, default=["*"], help='CORS allowed methods, JSON (default ["*"])')
+  s.add_argument("--allowed-headers", type=json_list, default=["*"], help='CORS allowed headers, JSON (default ["*"])')
   s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+  s.add_argument("--allowed-hosts", type=json_list,
+                 help='Host header names answered, JSON, e.g. \'["api.example.org"]\' ("*": any; default: localhost, 127.0.0.1 '
+                      'and ::1 when bound to the loopback, else any)')
+  s.add_argument("--header-timeout", type=positive_float, default=10.0, help="seconds a request's head may take to arrive (default 10)")
+  s.add_argument("--body-timeout", type=positive_float, default=60.0, help="seconds its body may take after the head (default 60)")
+  s.add_argument("--timeout-keep-alive", type=positive_float, default=5.0,
+                 help="seconds an idle kept-alive connection stays open (default 5)")
+  s.add_argument("--max-seqs-per-request", type=positive_int, default=4096,
+                 help="the most sequences (prompts x n) one request may ask for (default 4096)")
   s.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc, /openapi.json (always the case)")
   s.add_argument("--disable-frontend-multiprocessing", action="store_true",
                  help="the HTTP server and the frontend (tokenization, detokenization) share one process, the engine core "
@@ -53,10 +72,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
   c.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
                  help="log each request's prompt, sampling parameters and prompt token ids")
   c.add_argument("--disable-log-requests", action="store_true", help="no request log (the default)")
-  c.add_argument("--max-log-len", type=int, help="the most prompt characters and token ids a request log line shows")
+  c.add_argument("--max-log-len", type=non_negative_int, help="the most prompt characters and token ids a request log line shows")
   for name in NOT_BUILT:
     c.add_argument(f"--{name.replace('_', '-')}", nargs="?", const=True, default=None, help=f"not supported: {NOT_BUILT[name]}")
   p.set_defaults(run=run)
+
+
+def json_list(text: str) -> list[str]:
+  """A JSON list of strings (the CORS and Host flags)."""
+  value = json_value(text)
+  if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+    raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}")
+  return value
 
 
 def check_server_flags(args: argparse.Namespace) -> None:
@@ -68,7 +95,6 @@ def check_server_flags(args: argparse.Namespace) -> None:
     raise ConfigError(f"--response-role {args.response_role!r}: only 'assistant' is supported yet")
   if args.enable_log_requests and args.disable_log_requests:
     raise ConfigError("--enable-log-requests and --disable-log-requests contradict each other")
-  if args.max_log_len is not None and args.max_log_len < 0: raise ConfigError("--max-log-len must be >= 0")
   if bool(args.ssl_keyfile) != bool(args.ssl_certfile): raise ConfigError("--ssl-keyfile and --ssl-certfile go together")
 
 
@@ -85,7 +111,8 @@ def server_settings(args: argparse.Namespace):
     log_requests=args.enable_log_requests, max_log_len=args.max_log_len, uds=args.uds, root_path=args.root_path or "",
     ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
     allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
-    allow_credentials=args.allow_credentials)
+    allow_credentials=args.allow_credentials, allowed_hosts=args.allowed_hosts, header_timeout=args.header_timeout,
+    body_timeout=args.body_timeout, keep_alive_timeout=args.timeout_keep_alive, max_seqs_per_request=args.max_seqs_per_request)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import signal
 import threading
 import traceback
@@ -23,83 +22,21 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
-from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.async_llm import AsyncLLM
 from tinyvllm.engine.core_setup import log
 from tinyvllm.engine.exceptions import EngineDeadError, EngineLoadError
 from tinyvllm.entrypoints.common import ServerState
-from tinyvllm.entrypoints.errors import APIError, install_error_handlers, parse_body
+from tinyvllm.entrypoints.errors import APIError, install_error_handlers, parse_request
+from tinyvllm.entrypoints.guard import MAX_BODY_BYTES, GuardMiddleware, default_allowed_hosts
+from tinyvllm.entrypoints.http_protocol import ReadTimeouts, protocol_class
 from tinyvllm.entrypoints.logger import RequestLogger
 from tinyvllm.entrypoints.metrics import CONTENT_TYPE
 from tinyvllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from tinyvllm.entrypoints.serving_chat import create_chat_completion
 from tinyvllm.entrypoints.serving_completion import create_completion
 from tinyvllm.entrypoints.serving_tokenize import detokenize, list_models, tokenize
-
-MAX_BODY_BYTES = 4 << 20      # a request body larger than this is a 413
-DISCARD_LIMIT = 64 << 20       # past this, an oversized body is not even read to the end before the 413 goes out
-OPEN_PATHS = ("/health", "/metrics")
-
-
-def _authorized(headers: Headers, key: str) -> bool:
-  scheme, _, token = headers.get("authorization", "").partition(" ")
-  return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
-
-
-async def _discard_body(receive: Receive, limit: int) -> None:
-  """Read what the client still sends (up to `limit`), so it gets to read our answer instead of a broken pipe."""
-  seen = 0
-  while seen <= limit:
-    message = await receive()
-    if message["type"] != "http.request" or not message.get("more_body"): return
-    seen += len(message.get("body", b""))
-
-
-class GuardMiddleware:
-  """API key (when set) on every path but /health and /metrics; then the body, buffered whole, at most max_body bytes."""
-
-  def __init__(self, app: ASGIApp, state: ServerState, max_body: int = MAX_BODY_BYTES):
-    self.app, self.state, self.max_body = app, state, max_body
-
-  async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-    if scope["type"] != "http": return await self.app(scope, receive, send)
-    headers = Headers(scope=scope)
-    if self.state.api_key and scope["path"] not in OPEN_PATHS and not _authorized(headers, self.state.api_key):
-      err = APIError(401, "missing or incorrect API key (send Authorization: Bearer <key>)", code="invalid_api_key")
-      return await err.response(headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
-    declared = headers.get("content-length")
-    if declared is not None and not declared.isdigit():
-      return await APIError(400, "invalid Content-Length").response()(scope, receive, send)
-    body = None if declared is not None and int(declared) > self.max_body else await self._read(receive)
-    if body is None:
-      await _discard_body(receive, DISCARD_LIMIT)
-      err = APIError(413, f"the request body is larger than {self.max_body} bytes", code="request_too_large")
-      return await err.response()(scope, receive, send)
-    await self.app(scope, _replay(body, receive), send)
-
-  async def _read(self, receive: Receive) -> bytes | None:
-    chunks, size = [], 0
-    while True:
-      message = await receive()
-      if message["type"] == "http.disconnect": return b"".join(chunks)
-      chunks.append(message.get("body", b""))
-      size += len(chunks[-1])
-      if size > self.max_body: return None
-      if not message.get("more_body"): return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-  sent = False
-
-  async def replay() -> Message:
-    nonlocal sent
-    if sent: return await receive()   # afterwards: the server's own messages (http.disconnect)
-    sent = True
-    return {"type": "http.request", "body": body, "more_body": False}
-  return replay
 
 
 async def _start_engine(state: ServerState, start: Callable[[], Awaitable[AsyncLLM]], on_failure: Callable[[], None]) -> None:
@@ -117,15 +54,16 @@ async def _start_engine(state: ServerState, start: Callable[[], Awaitable[AsyncL
 
 @dataclass(frozen=True)
 class CorsSettings:
-  """CORS (vLLM's defaults: any origin, method and header; no credentials)."""
-  allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+  """CORS, off unless origins are given (then any method and header by default, no credentials, as vLLM's)."""
+  allowed_origins: list[str] = field(default_factory=list)
   allowed_methods: list[str] = field(default_factory=lambda: ["*"])
   allowed_headers: list[str] = field(default_factory=lambda: ["*"])
   allow_credentials: bool = False
 
 
 def create_app(state: ServerState, start: Callable[[], Awaitable[AsyncLLM]], on_load_failure: Callable[[], None] = lambda: None,
-               max_body: int = MAX_BODY_BYTES, cors: CorsSettings | None = None, root_path: str = "") -> FastAPI:
+               max_body: int = MAX_BODY_BYTES, cors: CorsSettings | None = None, root_path: str = "",
+               allowed_hosts: list[str] | tuple[str, ...] | None = None) -> FastAPI:
   """`start` makes the engine (AsyncLLM.from_config(config), in the server): it runs once the app has started."""
   @contextlib.asynccontextmanager
   async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -139,42 +77,44 @@ def create_app(state: ServerState, start: Callable[[], Awaitable[AsyncLLM]], on_
 
   app = FastAPI(title="tinyvllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None, root_path=root_path)
   install_error_handlers(app)
-  app.add_middleware(GuardMiddleware, state=state, max_body=max_body)
-  cors = cors or CorsSettings()
-  # outside the guard, so that a browser's preflight (which carries no API key) gets its CORS answer
-  app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
-                     allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
+  app.add_middleware(GuardMiddleware, api_key=state.api_key, allowed_hosts=allowed_hosts, max_body=max_body)
+  if cors is not None and cors.allowed_origins:
+    # outside the guard, so that a browser's preflight (which carries no API key) gets its CORS answer
+    app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
+                       allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
   _add_routes(app, state)
   return app
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
+  get = lambda path: app.api_route(path, methods=["GET", "HEAD"])   # HEAD wherever GET is allowed
+
   @app.post("/v1/completions")
   async def completions(request: Request) -> Response:
-    return await create_completion(state, parse_body(CompletionRequest, await request.body()), request)
+    return await create_completion(state, await parse_request(CompletionRequest, request), request)
 
   @app.post("/v1/chat/completions")
   async def chat_completions(request: Request) -> Response:
-    return await create_chat_completion(state, parse_body(ChatCompletionRequest, await request.body()), request)
+    return await create_chat_completion(state, await parse_request(ChatCompletionRequest, request), request)
 
-  @app.get("/v1/models")
+  @get("/v1/models")
   async def models() -> JSONResponse: return JSONResponse(list_models(state))
 
   @app.post("/tokenize")
   async def tokenize_route(request: Request) -> JSONResponse:
-    return JSONResponse(tokenize(state, parse_body(TokenizeRequest, await request.body())))
+    return JSONResponse(tokenize(state, await parse_request(TokenizeRequest, request)))
 
   @app.post("/detokenize")
   async def detokenize_route(request: Request) -> JSONResponse:
-    return JSONResponse(detokenize(state, parse_body(DetokenizeRequest, await request.body())))
+    return JSONResponse(detokenize(state, await parse_request(DetokenizeRequest, request)))
 
-  @app.get("/health")
+  @get("/health")
   async def health() -> JSONResponse:
     engine = state.require_ready()
     if engine.is_dead: raise APIError(503, "the engine has stopped", code="service_unavailable")
     return JSONResponse({"status": "ok"})
 
-  @app.get("/metrics")
+  @get("/metrics")
   async def metrics() -> Response: return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 
@@ -190,12 +130,22 @@ class _Server(uvicorn.Server):
     super().__init__(config)
     self.state, self.grace = state, grace
     self._drain_task: asyncio.Task | None = None
+    self._signals = 0
 
   def handle_exit(self, sig: int, frame: Any) -> None:
-    super().handle_exit(sig, frame)
+    """The first signal shuts down with the grace period, a second one ends what is in flight at once, a third one
+    exits without waiting for anything (uvicorn's forced exit)."""
+    self._signals += 1
+    if self._signals == 2: log("second signal: ending the requests in flight now")
+    if self._signals == 3: log("third signal: exiting at once")
+    if self._signals != 2: super().handle_exit(sig, frame)
     with contextlib.suppress(RuntimeError):   # no running loop: nothing is in flight
       loop = asyncio.get_running_loop()
-      if self._drain_task is None: self._drain_task = loop.create_task(_drain(self.state, self.grace))
+      if self._signals == 1: loop.call_soon_threadsafe(self._start_draining, loop)
+      if self._signals == 2: loop.call_soon_threadsafe(self.state.abort_in_flight)
+
+  def _start_draining(self, loop: asyncio.AbstractEventLoop) -> None:
+    self._drain_task = loop.create_task(_drain(self.state, self.grace))
 
   @contextlib.contextmanager
   def capture_signals(self) -> Iterator[None]:
@@ -230,13 +180,22 @@ class ServerSettings:
   ssl_certfile: str | None = None
   ssl_ca_certs: str | None = None
   ssl_cert_reqs: int = 0
-  allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+  allowed_origins: list[str] = field(default_factory=list)   # CORS: off unless origins are given
   allowed_methods: list[str] = field(default_factory=lambda: ["*"])
   allowed_headers: list[str] = field(default_factory=lambda: ["*"])
   allow_credentials: bool = False
+  allowed_hosts: list[str] | None = None      # Host names answered (None: the loopback's when bound to it, else any)
+  header_timeout: float = 10.0                # seconds for a request's head to arrive
+  body_timeout: float = 60.0                  # seconds for its body to arrive after the head
+  keep_alive_timeout: float = 5.0             # seconds an idle connection stays open (uvicorn's)
+  max_seqs_per_request: int = 4096            # prompts x n one request may ask for
 
   def cors(self) -> CorsSettings:
     return CorsSettings(self.allowed_origins, self.allowed_methods, self.allowed_headers, self.allow_credentials)
+
+  def hosts(self) -> list[str] | tuple[str, ...] | None:
+    if self.allowed_hosts is not None: return self.allowed_hosts
+    return None if self.uds else default_allowed_hosts(self.host)
 
   def uvicorn_options(self) -> dict[str, Any]:
     where = {"uds": self.uds} if self.uds else {"host": self.host, "port": self.port}
@@ -244,13 +203,15 @@ class ServerSettings:
            "ssl_cert_reqs": self.ssl_cert_reqs} if self.ssl_certfile else {}
     # uvicorn's own timeout (it cancels what is left) is only a backstop behind _drain's
     return {**where, **ssl, "log_level": self.log_level, "access_log": self.access_log, "lifespan": "on",
-            "timeout_graceful_shutdown": self.shutdown_timeout + 5}
+            "timeout_graceful_shutdown": self.shutdown_timeout + 5, "timeout_keep_alive": self.keep_alive_timeout,
+            "http": protocol_class(ReadTimeouts(self.header_timeout, self.body_timeout))}
 
 
 def server_state(config: EngineConfig, settings: ServerSettings) -> ServerState:
   return ServerState(settings.served_model_name or config.model, config.model, settings.api_key or None,
                      other_model_names=settings.other_model_names, chat_template=settings.chat_template,
-                     request_logger=RequestLogger(log, settings.max_log_len) if settings.log_requests else None)
+                     request_logger=RequestLogger(log, settings.max_log_len) if settings.log_requests else None,
+                     max_seqs_per_request=settings.max_seqs_per_request)
 
 
 def run_server(config: EngineConfig, settings: ServerSettings) -> int:
@@ -265,7 +226,8 @@ def run_server(config: EngineConfig, settings: ServerSettings) -> int:
     stop()
 
   start = lambda: AsyncLLM.from_config(config, on_dead=on_engine_dead)
-  app = create_app(state, start, on_load_failure=stop, cors=settings.cors(), root_path=settings.root_path)
+  app = create_app(state, start, on_load_failure=stop, cors=settings.cors(), root_path=settings.root_path,
+                   allowed_hosts=settings.hosts())
   server = _Server(uvicorn.Config(app, **settings.uvicorn_options()), state, settings.shutdown_timeout)
   try:
     server.run()

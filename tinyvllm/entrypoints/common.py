@@ -44,6 +44,7 @@ class ServerState:
   other_model_names: tuple[str, ...] = ()    # further names requests may use (responses carry served_model_name)
   chat_template: str | None = None           # --chat-template: used instead of the model's
   request_logger: RequestLogger | None = None
+  max_seqs_per_request: int = 4096          # prompts x n one request may ask for (--max-seqs-per-request)
 
   def __post_init__(self) -> None:
     self.metrics = ServerMetrics(lambda: self.engine.stats if self.engine is not None else None)
@@ -106,6 +107,11 @@ def tokenize(state: ServerState, prompt: str | list[int], param: str, add_specia
   return Prompt(text, ids)
 
 
+def returns_token_ids(state: ServerState, req: SamplingRequest) -> bool:
+  """vLLM's return_token_ids: token ids beside the text when asked, and always when there is no tokenizer (no text)."""
+  return bool(req.return_token_ids) or state.require_engine().tokenizer is None
+
+
 def check_streaming(req: SamplingRequest) -> None:
   """What a stream cannot carry, and stream_options without a stream (OpenAI and vLLM refuse both)."""
   if req.stream_options is not None and not req.stream:
@@ -118,6 +124,13 @@ def response_id(prefix: str, req: SamplingRequest) -> str:
   """The response's id: from the request's request_id (vLLM's extension) when it has one. Engine requests get their
   own ids, so two HTTP requests may share a request_id."""
   return f"{prefix}-{req.request_id if req.request_id is not None else uuid.uuid4().hex}"
+
+
+def check_request_size(state: ServerState, num_prompts: int, n: int) -> None:
+  """prompts x n within --max-seqs-per-request (the fair admission takes turns between requests, not sequences)."""
+  if num_prompts * n <= state.max_seqs_per_request: return
+  raise bad_request(f"the request asks for {num_prompts * n} sequences ({num_prompts} prompts x n={n}); this server takes at "
+                    f"most {state.max_seqs_per_request} a request (--max-seqs-per-request)", "n" if n > 1 else "prompt")
 
 
 def check_context(state: ServerState, prompt: Prompt, max_tokens: int | None, param: str) -> int:
@@ -178,7 +191,7 @@ async def generate_many(state: ServerState, prompts: list[Prompt], params: list[
   async def pump(i: int) -> None:
     tracker = state.metrics.tracker()
     try:
-      async for out in engine.generate(prompts[i].engine_prompt(), params[i], f"{request_id}-{i}", priority):
+      async for out in engine.generate(prompts[i].engine_prompt(), params[i], f"{request_id}-{i}", priority, group=request_id):
         tracker.observe(out)
         queue.put_nowait((i, out))
     except EngineDeadError as e:

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any, TypeVar
 
+import pydantic_core
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -13,7 +13,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tinyvllm.entrypoints.unsupported import RefusedField, implemented_fields
 
-logger = logging.getLogger("tinyvllm.server")
 M = TypeVar("M", bound=BaseModel)
 
 _STATUS_CODES = {400: "bad_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
@@ -22,16 +21,16 @@ _STATUS_CODES = {400: "bad_request", 401: "invalid_api_key", 404: "not_found", 4
 
 class APIError(Exception):
   def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-               error_type: str | None = None):
+               error_type: str | None = None, headers: dict[str, str] | None = None):
     super().__init__(message)
-    self.status, self.message, self.param, self.code = status, message, param, code
+    self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
     self.type = error_type or ("server_error" if status >= 500 else "invalid_request_error")
 
   def body(self) -> dict[str, Any]:
     return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
   def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(self.body(), status_code=self.status, headers=headers)
+    return JSONResponse(self.body(), status_code=self.status, headers={**(self.headers or {}), **(headers or {})})
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -59,12 +58,29 @@ def from_validation_errors(errors: list[dict[str, Any]]) -> APIError:
   return bad_request(f"{'.'.join(path)}: {first.get('msg')}", param=path[0])
 
 
+def check_json_media_type(content_type: str | None) -> None:
+  """Bodies are JSON, said so (a 415 otherwise): a web page's form post or text/plain "simple request" never reaches a
+  route."""
+  media_type = (content_type or "").split(";")[0].strip().lower()
+  if media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json")): return
+  got = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+  raise APIError(415, f"the request body must be JSON sent as Content-Type: application/json (got {got})",
+                 code="unsupported_media_type")
+
+
+async def parse_request(model: type[M], request: Request) -> M:
+  """The request's JSON body as `model` (parse_body), once its Content-Type says JSON."""
+  check_json_media_type(request.headers.get("content-type"))
+  return parse_body(model, await request.body())
+
+
 def parse_body(model: type[M], body: bytes) -> M:
-  """The request body as `model`, or a 400 naming what is wrong: a bad value, a field the server does not implement
+  """The request body as `model`, or a 400 naming what is wrong: not JSON (or nested deeper than 200 levels, or with a
+  number no float or 4,300-digit integer holds), a bad value, a field the server does not implement
   (tinyvllm/entrypoints/unsupported.py), a field it does not know."""
   try:
-    data = json.loads(body)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    data = pydantic_core.from_json(body, allow_inf_nan=False)
+  except ValueError as e:
     raise bad_request(f"the body is not valid JSON: {e}") from None
   if not isinstance(data, dict): raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
   try:
@@ -90,8 +106,3 @@ def install_error_handlers(app: FastAPI) -> None:
     message = {404: f"no route {request.url.path}", 405: f"method {request.method} is not allowed on {request.url.path}"}
     err = APIError(e.status_code, message.get(e.status_code, str(e.detail)), code=_STATUS_CODES.get(e.status_code))
     return err.response(headers=getattr(e, "headers", None))
-
-  @app.exception_handler(Exception)
-  async def internal_error(_: Request, e: Exception) -> JSONResponse:
-    logger.exception("unhandled error")
-    return APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error").response()

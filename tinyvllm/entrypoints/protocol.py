@@ -7,9 +7,9 @@ that it does not, and any other field is refused too.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tinyvllm.entrypoints.unsupported import CHAT, COMPLETION, STREAM_OPTIONS, TOKENIZE, Unsupported
 
@@ -17,10 +17,13 @@ MAX_N = 128          # OpenAI's own limit on n
 MAX_COMPLETION_LOGPROBS = 5
 MAX_TOP_LOGPROBS = 20
 MAX_PROMPT_LOGPROBS = 20   # SamplingParams' limit, as vLLM's default max_logprobs
+# Every integer a request carries fits in 64 bits (it crosses to the engine core as msgpack); floats are finite.
+Int64 = Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)]
+Seed = Annotated[int, Field(ge=-(1 << 63), le=(1 << 64) - 1)]
 
 
 class StrictModel(BaseModel):
-  model_config = ConfigDict(strict=True, extra="forbid")
+  model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
   refused: ClassVar[Mapping[str, Unsupported]] = {}
 
 
@@ -35,14 +38,14 @@ class SamplingRequest(StrictModel):
   n: int | None = Field(1, ge=1, le=MAX_N)
   temperature: float | None = None
   top_p: float | None = None
-  top_k: int | None = None
+  top_k: Int64 | None = None
   min_p: float | None = None
-  seed: int | None = None
+  seed: Seed | None = None
   presence_penalty: float | None = None
   frequency_penalty: float | None = None
   repetition_penalty: float | None = None
   stop: str | list[str] | None = None
-  stop_token_ids: list[int] | None = None
+  stop_token_ids: list[Int64] | None = None
   ignore_eos: bool | None = False
   include_stop_str_in_output: bool | None = False
   skip_special_tokens: bool | None = True
@@ -50,9 +53,10 @@ class SamplingRequest(StrictModel):
   add_special_tokens: bool | None = None   # default: True for a prompt, False for messages (the template has them)
   user: str | None = None                  # the caller's end user: an identifier, which never changes the output
   request_id: str | None = None            # vLLM's: the response's id is made from it
-  priority: int | None = None              # vLLM's: with --scheduling-policy priority, lower values are served first
+  priority: Int64 | None = None            # vLLM's: with --scheduling-policy priority, lower values are served first
   stream: bool | None = False
   stream_options: StreamOptions | None = None
+  return_token_ids: bool | None = None     # vLLM's: prompt and output token ids beside the text (always without a tokenizer)
 
   @property
   def include_usage(self) -> bool: return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -60,8 +64,8 @@ class SamplingRequest(StrictModel):
 
 class CompletionRequest(SamplingRequest):
   refused = COMPLETION
-  prompt: str | list[str] | list[int] | list[list[int]]
-  max_tokens: int | None = 16
+  prompt: str | list[str] | list[Int64] | list[list[Int64]]
+  max_tokens: Int64 | None = 16
   logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
   echo: bool | None = False
 
@@ -73,9 +77,21 @@ class TextPart(StrictModel):
 
 class ChatMessage(BaseModel):
   # extra fields (name, reasoning_content, tool_calls, ...) reach the chat template as they are
-  model_config = ConfigDict(strict=True, extra="allow")
+  model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
   role: Literal["system", "developer", "user", "assistant", "tool"]
   content: str | list[TextPart] | None = None
+
+  @model_validator(mode="before")
+  @classmethod
+  def _text_parts_only(cls, data: Any) -> Any:
+    """A part the served models cannot take (an image, audio, a file) is named, rather than failing as a malformed part."""
+    parts = data.get("content") if isinstance(data, dict) else None
+    for part in parts if isinstance(parts, list) else []:
+      kind = part.get("type") if isinstance(part, dict) else None
+      if isinstance(kind, str) and kind != "text":
+        raise ValueError(f"content parts of type {kind!r} are not supported: the served model takes text only "
+                         "(send text parts, {\"type\": \"text\", \"text\": ...})")
+    return data
 
   def template_dict(self) -> dict[str, Any]:
     out = self.model_dump(exclude_none=True)
@@ -86,8 +102,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingRequest):
   refused = CHAT
   messages: list[ChatMessage] = Field(min_length=1)
-  max_tokens: int | None = None
-  max_completion_tokens: int | None = None
+  max_tokens: Int64 | None = None
+  max_completion_tokens: Int64 | None = None
   logprobs: bool | None = False
   top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
   add_generation_prompt: bool | None = True
@@ -109,7 +125,7 @@ class TokenizeRequest(StrictModel):
 
 class DetokenizeRequest(StrictModel):
   model: str | None = None
-  tokens: list[int]
+  tokens: list[Int64]
 
 
 # ---- responses ----
@@ -142,6 +158,8 @@ class CompletionChoice(BaseModel):
   logprobs: CompletionLogprobs | None = None
   finish_reason: str | None = None
   stop_reason: int | str | None = None
+  token_ids: list[int] | None = None          # vLLM's return_token_ids: the output's (a stream chunk's: its new ones)
+  prompt_token_ids: list[int] | None = None   # ... and the prompt's (in a stream: in the choice's first chunk)
 
 
 class CompletionResponseChoice(CompletionChoice):
@@ -191,6 +209,7 @@ class ChatChoice(BaseModel):
   logprobs: ChatLogprobs | None = None
   finish_reason: str | None = None
   stop_reason: int | str | None = None
+  token_ids: list[int] | None = None          # vLLM's return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -201,6 +220,7 @@ class ChatCompletionResponse(BaseModel):
   choices: list[ChatChoice]
   usage: Usage
   prompt_logprobs: PromptLogprobs | None = None   # vLLM's
+  prompt_token_ids: list[int] | None = None       # vLLM's return_token_ids
 
 
 class ChatChunkChoice(BaseModel):
@@ -209,6 +229,7 @@ class ChatChunkChoice(BaseModel):
   logprobs: ChatLogprobs | None = None
   finish_reason: str | None = None
   stop_reason: int | str | None = None
+  token_ids: list[int] | None = None   # vLLM's return_token_ids: the chunk's new tokens
 
 
 class ChatCompletionChunk(BaseModel):
@@ -218,6 +239,7 @@ class ChatCompletionChunk(BaseModel):
   model: str
   choices: list[ChatChunkChoice]
   usage: Usage | None = None
+  prompt_token_ids: list[int] | None = None   # vLLM's return_token_ids: in the first chunk
 
 
 def chunk_json(chunk: BaseModel, include_usage: bool) -> dict[str, Any]:

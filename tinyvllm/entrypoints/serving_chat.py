@@ -13,6 +13,7 @@ from tinyvllm.entrypoints.common import (
   ServerState,
   check_context,
   check_engine_limits,
+  check_request_size,
   check_streaming,
   final_outputs,
   finite,
@@ -20,6 +21,7 @@ from tinyvllm.entrypoints.common import (
   prompt_logprobs_json,
   request_priority,
   response_id,
+  returns_token_ids,
   sampling_params,
   sse,
   stream_error,
@@ -81,6 +83,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
   state.check_model(req.model)
   check_streaming(req)
   priority = request_priority(state, req)
+  check_request_size(state, 1, req.n or 1)
   max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
   param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
   if max_tokens is not None and max_tokens < 1: raise bad_request(f"{param} must be >= 1, got {max_tokens}", param)
@@ -94,13 +97,15 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     return StreamingResponse(_stream(state, req, prompt, params, (request_id, engine_id), created), media_type="text/event-stream")
   finals = await unless_disconnected(request, final_outputs(state, [prompt], [params], engine_id, priority))
   if finals is None: return Response(status_code=499)
-  tokenizer, out = state.require_engine().tokenizer, finals[0]
+  tokenizer, out, ids = state.require_engine().tokenizer, finals[0], returns_token_ids(state, req)
   choices = [ChatChoice(index=o.index, message=AssistantMessage(content=o.text), finish_reason=o.finish_reason,
-                        stop_reason=o.stop_reason, logprobs=_logprobs(tokenizer, o.token_ids, o.logprobs, logprobs))
+                        stop_reason=o.stop_reason, logprobs=_logprobs(tokenizer, o.token_ids, o.logprobs, logprobs),
+                        token_ids=list(o.token_ids) if ids else None)
              for o in out.outputs]
   body = ChatCompletionResponse(id=request_id, created=created, model=state.served_model_name, choices=choices,
                                 usage=_usage(prompt, sum(len(o.token_ids) for o in out.outputs)),
-                                prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs))
+                                prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs),
+                                prompt_token_ids=prompt.token_ids if ids else None)
   return JSONResponse(body.model_dump())
 
 
@@ -136,12 +141,15 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, prompt: Prompt
   """Role chunk per choice, content chunks, a closing chunk with finish_reason per choice, [usage chunk], [DONE];
   `ids`: the response's and the engine request's ids."""
   tokenizer, model, usage_on = state.require_engine().tokenizer, state.served_model_name, req.include_usage
-  top_k, (request_id, engine_id) = params.logprobs, ids
+  top_k, (request_id, engine_id), with_ids = params.logprobs, ids, returns_token_ids(state, req)
 
-  def chunk(choice: ChatChunkChoice) -> str:
-    return sse(chunk_json(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]), usage_on))
+  def chunk(choice: ChatChunkChoice, prompt_ids: list[int] | None = None) -> str:
+    body = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice], prompt_token_ids=prompt_ids)
+    return sse(chunk_json(body, usage_on))
 
-  for i in range(params.n): yield chunk(ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""}))
+  for i in range(params.n):
+    role = ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""}, token_ids=[] if with_ids else None)
+    yield chunk(role, prompt.token_ids if with_ids and i == 0 else None)
   finished: set[int] = set()
   completion_tokens = 0
   try:
@@ -149,7 +157,9 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, prompt: Prompt
       for o in out.outputs:
         if o.index in finished: continue
         lps = _delta_logprobs(tokenizer, o, top_k)
-        if o.delta_text or lps is not None: yield chunk(ChatChunkChoice(index=o.index, delta={"content": o.delta_text}, logprobs=lps))
+        if o.delta_text or lps is not None or (with_ids and o.delta_token_ids):
+          yield chunk(ChatChunkChoice(index=o.index, delta={"content": o.delta_text}, logprobs=lps,
+                                      token_ids=list(o.delta_token_ids) if with_ids else None))
         if o.finished:
           finished.add(o.index)
           completion_tokens += len(o.token_ids)

@@ -13,6 +13,7 @@ from tinyvllm.entrypoints.common import (
   ServerState,
   check_context,
   check_engine_limits,
+  check_request_size,
   check_streaming,
   final_outputs,
   finite,
@@ -20,6 +21,7 @@ from tinyvllm.entrypoints.common import (
   prompt_logprobs_json,
   request_priority,
   response_id,
+  returns_token_ids,
   sampling_params,
   sse,
   stream_error,
@@ -55,7 +57,9 @@ def _prompt_logprobs(req: CompletionRequest) -> int | None:
 
 
 def _prepare(state: ServerState, req: CompletionRequest) -> tuple[list[Prompt], list[SamplingParams]]:
-  prompts = [tokenize(state, p, "prompt", req.add_special_tokens is not False) for p in _prompt_list(req.prompt)]
+  given = _prompt_list(req.prompt)
+  check_request_size(state, len(given), req.n or 1)
+  prompts = [tokenize(state, p, "prompt", req.add_special_tokens is not False) for p in given]
   params = [sampling_params(req, check_context(state, p, req.max_tokens, "prompt"), req.logprobs, _prompt_logprobs(req),
                             defaults=state.sampling_defaults)
             for p in prompts]
@@ -90,8 +94,10 @@ def _choice(state: ServerState, req: CompletionRequest, prompt: Prompt, out: Req
   if req.logprobs is not None:
     token_ids, entries = _with_echo(req, prompt, out.prompt_logprobs, o.token_ids, o.logprobs or [])
     lps = _logprobs(tokenizer, token_ids, entries, 0)
+  ids = returns_token_ids(state, req)
   return CompletionResponseChoice(index=index, text=echo + o.text, logprobs=lps, finish_reason=o.finish_reason,
-                                  stop_reason=o.stop_reason, prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs))
+                                  stop_reason=o.stop_reason, prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs),
+                                  token_ids=list(o.token_ids) if ids else None, prompt_token_ids=prompt.token_ids if ids else None)
 
 
 def _with_echo(req: CompletionRequest, prompt: Prompt, prompt_logprobs: PromptLogprobs | None, token_ids: list[int],
@@ -166,6 +172,7 @@ async def _stream(state: ServerState, req: CompletionRequest, prompts: list[Prom
   """Chunks per choice as its text grows ([usage chunk], [DONE]); `ids`: the response's and the engine requests' ids."""
   tokenizer, n, model = state.require_engine().tokenizer, req.n or 1, state.served_model_name
   (request_id, engine_id), choices, completion_tokens = ids, {}, 0
+  with_ids = returns_token_ids(state, req)
   try:
     async for i, out in generate_many(state, prompts, params, engine_id, req.priority or 0):
       for o in out.outputs:
@@ -173,9 +180,12 @@ async def _stream(state: ServerState, req: CompletionRequest, prompts: list[Prom
         c = choices.setdefault(index, _ChoiceStream(_echo_text(tokenizer, prompts[i]) if req.echo else ""))
         if c.finished or not (o.delta_token_ids or o.finished): continue
         lps = _delta_logprobs(tokenizer, req, c, prompts[i], out, o) if req.logprobs is not None else None
+        first = not c.echoed
         text = c.chunk_text(o)
         if o.finished: c.finished, completion_tokens = True, completion_tokens + len(o.token_ids)
-        choice = CompletionChoice(index=index, text=text, logprobs=lps, finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+        choice = CompletionChoice(index=index, text=text, logprobs=lps, finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+                                  token_ids=list(o.delta_token_ids) if with_ids else None,
+                                  prompt_token_ids=prompts[i].token_ids if with_ids and first else None)
         chunk = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
         yield sse(chunk_json(chunk, req.include_usage))
     if req.include_usage:

@@ -92,7 +92,6 @@ SAMPLING = {
   "ec_transfer_params": Unsupported("disaggregated serving (encoder-cache transfer) is not implemented", empty),
   "vllm_xargs": Unsupported("there are no custom extensions to pass arguments to", empty),
   "return_tokens_as_token_ids": Unsupported("tokens as 'token_id:N' strings in logprobs are not implemented", one_of(False)),
-  "return_token_ids": Unsupported("returning token ids beside the text is not implemented", one_of(False)),
   "return_token_offsets": Unsupported("token offsets belong to vLLM's render endpoints, which this server does not have",
                                       one_of(False)),
   "mm_processor_kwargs": Unsupported("the server takes text only (no multimodal processor)", empty),
