@@ -155,3 +155,22 @@ def test_serve_without_a_model_serves_it(tmp_path, llm):
   assert [m["id"] for m in models] == ["stories260K"]
   assert text == llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0].text
   assert "no model given: running the embedded stories260K" in server.log()
+
+
+def readme_client_example() -> str:
+  """The README's OpenAI-client example (the python block that makes an OpenAI client), as written."""
+  blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+  return next(b for b in blocks if "OpenAI(base_url=" in b)
+
+
+@pytest.mark.slow
+def test_the_readme_server_example_runs_as_written(tmp_path, llm):
+  """`python main.py serve --api-key sk-local` and the README's client code against it (only its port is this test's)."""
+  code = readme_client_example()
+  assert "http://127.0.0.1:8000/v1" in code and 'api_key="sk-local"' in code
+  with ServerProcess(None, tmp_path / "server.log", "--num-gpu-blocks", "64", api_key="sk-local") as server:
+    run = subprocess.run([sys.executable, "-c", code.replace("http://127.0.0.1:8000", server.url)], capture_output=True, text=True,
+                         timeout=300)
+  assert run.returncode == 0, run.stderr
+  first = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0].outputs[0].text
+  assert run.stdout.startswith(first + "\n") and len(run.stdout) > len(first) + 10   # the completion, then the streamed reply
