@@ -331,7 +331,8 @@ class Scheduler(SchedulerBase):
     """Fair admission (core/fair_share.py): while a group holds more than half of the seats, the first waiting sequence
     of a group holding none (one a step) gets room from that group's newest sequences (never below half of the seats,
     never of a better priority than its own) and goes to the queue's front, to be admitted at the step's end."""
-    if not self.waiting or (dominant := dominant_group(self.running, self.config.max_num_seqs)) is None: return
+    if not self.waiting or 2 * len(self.running) <= self.config.max_num_seqs: return   # no group can hold half of the seats
+    if (dominant := dominant_group(self.running, self.config.max_num_seqs)) is None: return
     seq = first_without_seats(self.waiting, self.running, dominant)
     if seq is None or not self._readmittable(seq): return
     spare = sum(s.group == dominant for s in self.running) - self.config.max_num_seqs // 2
