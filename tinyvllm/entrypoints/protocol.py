@@ -242,6 +242,8 @@ class ChatCompletionChunk(BaseModel):
   prompt_token_ids: list[int] | None = None   # vLLM's return_token_ids: in the first chunk
 
 
-def chunk_json(chunk: BaseModel, include_usage: bool) -> dict[str, Any]:
-  """A streamed chunk: with include_usage every chunk carries `usage` (null until the last); without it, none does."""
-  return chunk.model_dump(exclude=None if include_usage else {"usage"})
+def chunk_event(chunk: BaseModel, include_usage: bool = True) -> str:
+  """A streamed chunk as a server-sent event. With include_usage every chunk carries `usage` (null until the last);
+  without it, none does. pydantic writes the JSON itself: half the time of a dict through json.dumps, on the path
+  every streamed token takes."""
+  return f"data: {chunk.model_dump_json(exclude=None if include_usage else {'usage'})}\n\n"

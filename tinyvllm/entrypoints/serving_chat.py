@@ -6,7 +6,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from tinyvllm.entrypoints.common import (
   Prompt,
@@ -40,7 +40,7 @@ from tinyvllm.entrypoints.protocol import (
   ChatTokenLogprob,
   TopLogprob,
   Usage,
-  chunk_json,
+  chunk_event,
 )
 from tinyvllm.outputs import CompletionOutput, Logprob
 from tinyvllm.sampling_params import SamplingParams
@@ -106,7 +106,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                 usage=_usage(prompt, sum(len(o.token_ids) for o in out.outputs)),
                                 prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs),
                                 prompt_token_ids=prompt.token_ids if ids else None)
-  return JSONResponse(body.model_dump())
+  return Response(body.model_dump_json(), media_type="application/json")
 
 
 def _usage(prompt: Prompt, completion_tokens: int) -> Usage:
@@ -145,7 +145,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, prompt: Prompt
 
   def chunk(choice: ChatChunkChoice, prompt_ids: list[int] | None = None) -> str:
     body = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice], prompt_token_ids=prompt_ids)
-    return sse(chunk_json(body, usage_on))
+    return chunk_event(body, usage_on)
 
   for i in range(params.n):
     role = ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""}, token_ids=[] if with_ids else None)
@@ -166,7 +166,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, prompt: Prompt
           yield chunk(ChatChunkChoice(index=o.index, delta={}, finish_reason=o.finish_reason, stop_reason=o.stop_reason))
     if usage_on:
       last = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[], usage=_usage(prompt, completion_tokens))
-      yield sse(last.model_dump())
+      yield chunk_event(last)
   except Exception as e:
     yield stream_error(e)
   yield sse("[DONE]")

@@ -6,7 +6,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from tinyvllm.entrypoints.common import (
   Prompt,
@@ -37,7 +37,7 @@ from tinyvllm.entrypoints.protocol import (
   CompletionResponseChoice,
   CompletionStreamResponse,
   Usage,
-  chunk_json,
+  chunk_event,
 )
 from tinyvllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
@@ -82,7 +82,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
   choices = [_choice(state, req, prompts[i], out, o, i * n + o.index) for i, out in enumerate(finals) for o in out.outputs]
   usage = _usage(prompts, sum(len(o.token_ids) for out in finals for o in out.outputs))
   body = CompletionResponse(id=request_id, created=created, model=state.served_model_name, choices=choices, usage=usage)
-  return JSONResponse(body.model_dump())
+  return Response(body.model_dump_json(), media_type="application/json")
 
 
 def _choice(state: ServerState, req: CompletionRequest, prompt: Prompt, out: RequestOutput, o: CompletionOutput,
@@ -187,10 +187,10 @@ async def _stream(state: ServerState, req: CompletionRequest, prompts: list[Prom
                                   token_ids=list(o.delta_token_ids) if with_ids else None,
                                   prompt_token_ids=prompts[i].token_ids if with_ids and first else None)
         chunk = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
-        yield sse(chunk_json(chunk, req.include_usage))
+        yield chunk_event(chunk, req.include_usage)
     if req.include_usage:
       chunk = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[], usage=_usage(prompts, completion_tokens))
-      yield sse(chunk.model_dump())
+      yield chunk_event(chunk)
   except Exception as e:
     yield stream_error(e)
   yield sse("[DONE]")
