@@ -13,12 +13,13 @@ BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
 
 def make_model(kind: str, folder: Path, seed: int = 0, dtype: torch.dtype = torch.float32, shard_size: str | None = None,
                **overrides):
-  """Save a random `kind` (qwen3 | qwen2 | llama | mistral | gemma) model to folder; returns the HF model (float32, eval
-  mode)."""
+  """Save a random `kind` (qwen3 | qwen2 | llama | mistral | gemma | qwen3_moe | mixtral) model to folder; returns the HF
+  model (float32, eval mode)."""
   import transformers as tf
   classes = {"qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
              "llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
-             "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM)}
+             "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM), "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+             "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM)}
   config_cls, model_cls = classes[kind]
   torch.manual_seed(seed)
   model = model_cls(config_cls(**{**BASE, **overrides})).eval()

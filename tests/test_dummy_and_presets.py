@@ -20,13 +20,30 @@ def test_dummy_weights_from_a_config_folder(tmp_path):
   assert len(a) == 8 and a == b
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+def parameters(cfg: ModelConfig) -> tuple[int, int]:
+  """(all parameters, those a token uses): embeddings (and an untied LM head), attention, dense MLPs or experts."""
+  h = cfg.hidden_size
+  total = active = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+  for i in range(cfg.num_layers):
+    attention = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
+    if cfg.moe is not None and cfg.moe.is_sparse(i):
+      expert = 3 * h * cfg.moe.intermediate_size
+      total += attention + cfg.moe.num_experts * (h + expert)
+      active += attention + cfg.moe.num_experts * h + cfg.moe.num_experts_per_tok * expert
+    else:
+      total, active = total + attention + 3 * h * cfg.intermediate_size, active + attention + 3 * h * cfg.intermediate_size
+  return total, active
+
+
+# published sizes (all parameters, active per token)
+PUBLISHED = {"qwen3-0.6b": (596e6, 596e6), "qwen2.5-0.5b": (494e6, 494e6), "llama-3.2-1b": (1236e6, 1236e6),
+             "qwen3-30b-a3b": (30.5e9, 3.3e9)}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_presets_describe_the_real_models(name):
-  cfg = ModelConfig.from_dict(PRESETS[name], name)
-  params = cfg.vocab_size * cfg.hidden_size + cfg.num_layers * (
-    cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size)
-  expected = {"qwen3-0.6b": 596e6, "qwen2.5-0.5b": 494e6, "llama-3.2-1b": 1236e6}[name]  # published sizes (tied embeddings)
-  assert abs(params - expected) / expected < 0.01
+  total, active = parameters(ModelConfig.from_dict(PRESETS[name], name))
+  assert abs(total - PUBLISHED[name][0]) / PUBLISHED[name][0] < 0.01 and abs(active - PUBLISHED[name][1]) / PUBLISHED[name][1] < 0.02
 
 
 def test_qwen3_preset_matches_the_benchmark_shape():

@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM")
+from tinyvllm.moe_config import MOE_ARCHITECTURES, MoEConfig, moe_config
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
+                           *MOE_ARCHITECTURES)
 # architectures refused with a reason more useful than "unsupported"
 REFUSED_ARCHITECTURES = {
   "Gemma2ForCausalLM": "Gemma 2 needs logit soft-capping and sliding-window attention, which tinyvllm does not implement "
@@ -76,6 +79,7 @@ class ModelConfig:
   sliding_window: int | None = None  # Mistral's attention window; the engine takes it only where it can never apply
   norm_weight_offset: float = 0.0    # added to every RMSNorm weight at load (Gemma scales by 1 + weight)
   embed_scale: float = 1.0           # multiplies the embeddings (Gemma: sqrt(hidden_size), in the model's dtype)
+  moe: MoEConfig | None = None       # the experts and their routing (Qwen3-MoE, Mixtral); None: every layer dense
   # the checkpoint's quantization_config as written (tinyvllm/model/quantization/config.py reads and checks it)
   quantization_config: dict[str, Any] | None = field(default=None, compare=False, hash=False)
 
@@ -113,10 +117,10 @@ class ModelConfig:
       tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch == "GemmaForCausalLM")),   # HF's default: tied for Gemma only
       qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
       o_bias=arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias", False)),
-      mlp_bias=bool(raw.get("mlp_bias", False)), qk_norm=arch == "Qwen3ForCausalLM",
+      mlp_bias=bool(raw.get("mlp_bias", False)), qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
       torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
       bos_token_id=raw.get("bos_token_id"), eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
-      quantization_config=_quantization_config(raw, source),
+      quantization_config=_quantization_config(raw, source), moe=moe_config(arch, raw, source, ConfigError),
       **_architecture_fields(arch, raw, source))
 
   @staticmethod
@@ -139,7 +143,7 @@ def _architecture_fields(arch: str, raw: dict[str, Any], source: str) -> dict[st
   if arch != "GemmaForCausalLM":
     act = raw.get("hidden_act", "silu")
     if act != "silu": raise ConfigError(f"{source}: hidden_act {act!r} is not supported for {arch} (silu is)")
-    window = raw.get("sliding_window") if arch == "MistralForCausalLM" else None
+    window = raw.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM") else None
     return {"sliding_window": None if window is None else int(window)}
   if raw.get("use_bidirectional_attention"):
     raise ConfigError(f"{source}: use_bidirectional_attention=true is not supported (tinyvllm runs causal decoders)")

@@ -17,7 +17,7 @@ from tinygrad import Tensor
 
 from tinyvllm.backend.metadata import AttentionMetadata
 from tinyvllm.backend.sampling import SamplerVariant
-from tinyvllm.backend.weights import DecoderLayerWeights, Weight
+from tinyvllm.backend.weights import DecoderLayerWeights, MoEWeights, Weight
 
 KVCaches = list[tuple[Tensor, Tensor]]   # per layer: K and V caches [slots, kv_heads * head_dim]
 FP8_KV_CACHE = "fp8_e4m3"                # the FP8 KV cache's storage, as a capability name
@@ -69,6 +69,12 @@ class ComputeBackend(Protocol):
     """[residual +] op(x) @ w.T [+ bias], op an RMSNorm (norm weights), the SwiGLU product silu(x1) * x2 of x's two
     halves (silu_mul), the GeGLU product gelu_tanh(x1) * x2 (gelu_mul; only where `capabilities.activations` has
     gelu_pytorch_tanh) or nothing; float32 out with out_float32 (the logits), else w's dtype."""
+    ...
+
+  def moe(self, x: Tensor, moe: MoEWeights, *, norm: Tensor, eps: float, residual: Tensor) -> Tensor:
+    """A sparse layer's experts: residual + sum over each token's top-k experts (softmax over the router's logits,
+    renormalised when moe.norm_topk_prob) of the expert's SwiGLU MLP of rmsnorm(x), weighted by its probability
+    (tinyvllm/layers/moe.py, the reference). x [N, hidden]."""
     ...
 
   def qkv_rope_write(self, qkv: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, cos: Tensor, sin: Tensor,

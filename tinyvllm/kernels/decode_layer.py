@@ -315,6 +315,7 @@ def step_shape(layers: list[DecoderLayerWeights], h: Tensor, cos: Tensor, k_cach
   dtype = {dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}.get(h.dtype)
   forms = tuple(weight_form(w) for w in layer.linears())
   reason = next((r for bad, r in (
+    (any(x.moe is not None for x in layers), "mixture-of-experts layers"),
     (any(x.signature() != layer.signature() for x in layers), "layers of different shapes"),
     (any(tuple(map(weight_form, x.linears())) != forms for x in layers), "layers of different weight formats"),
     (any(isinstance(w, QuantizedWeight) and w.g_idx is not None for w in layer.linears()), "act-order (g_idx) weights"),

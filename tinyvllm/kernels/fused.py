@@ -18,7 +18,7 @@ from tinyvllm.backend.interface import BackendCapabilities, KVCaches
 from tinyvllm.backend.metadata import AttentionMetadata
 from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.backend.sampling import SamplerVariant
-from tinyvllm.backend.weights import DecoderLayerWeights, Weight
+from tinyvllm.backend.weights import DecoderLayerWeights, MoEWeights, Weight
 from tinyvllm.config import KernelOptions
 from tinyvllm.kernels import decode_layer
 from tinyvllm.kernels.attention import attention_shape, kv_write_unsupported_reason, run_attention, run_kv_write
@@ -29,6 +29,7 @@ from tinyvllm.kernels.sample import fused_sample, takes
 from tinyvllm.kernels.tuning import tuning_for
 from tinyvllm.layers.attention import paged_attention, write_kv
 from tinyvllm.layers.linear import portable_linear
+from tinyvllm.layers.moe import portable_moe
 from tinyvllm.layers.portable import qkv_rope_write
 from tinyvllm.platform.target import DeviceTarget
 
@@ -98,6 +99,10 @@ class FusedBackend:
       return portable_linear(x, w, bias, **fused)
     self.calls["linear" if y is not None else "portable-linear"] += 1
     return y if y is not None else portable_linear(x, w, bias, **fused)
+
+  def moe(self, x: Tensor, moe: MoEWeights, *, norm: Tensor, eps: float, residual: Tensor) -> Tensor:
+    self._fallback("moe", "no hand-written mixture-of-experts kernel yet")
+    return portable_moe(x, moe, norm=norm, eps=eps, residual=residual)
 
   def qkv_rope_write(self, qkv: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, cos: Tensor, sin: Tensor, k_cache: Tensor,
                      v_cache: Tensor, slot_mapping: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:

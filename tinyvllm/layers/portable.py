@@ -6,9 +6,10 @@ from tinygrad import Tensor
 
 from tinyvllm.backend.interface import BackendCapabilities, KVCaches
 from tinyvllm.backend.metadata import AttentionMetadata
-from tinyvllm.backend.weights import DecoderLayerWeights, Weight
+from tinyvllm.backend.weights import DecoderLayerWeights, MoEWeights, Weight
 from tinyvllm.layers.attention import paged_attention, write_kv
 from tinyvllm.layers.linear import portable_linear
+from tinyvllm.layers.moe import portable_moe
 from tinyvllm.layers.norm import rms_norm
 from tinyvllm.layers.rotary import apply_rope
 from tinyvllm.layers.sampler import sample_packed
@@ -57,6 +58,9 @@ class PortableBackend:
   def describe(self) -> str: return "portable (tinygrad ops)" + (f": {self.reason}" if self.reason else "")
 
   def linear(self, x: Tensor, w: Weight, bias: Tensor | None = None, **fused) -> Tensor: return portable_linear(x, w, bias, **fused)
+
+  def moe(self, x: Tensor, moe: MoEWeights, *, norm: Tensor, eps: float, residual: Tensor) -> Tensor:
+    return portable_moe(x, moe, norm=norm, eps=eps, residual=residual)
 
   def qkv_rope_write(self, qkv: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, cos: Tensor, sin: Tensor, k_cache: Tensor,
                      v_cache: Tensor, slot_mapping: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:

@@ -3,9 +3,11 @@
 Differences between them are fields of ModelConfig: q/k/v bias (Qwen2, Llama with attention_bias), per-head
 RMSNorm on q and k before RoPE (Qwen3), head_dim independent of hidden_size (Qwen3, Gemma), Gemma's GeGLU MLP and
 embeddings scaled by sqrt(hidden_size) (its RMSNorm's 1 + weight is folded into the weights at load). Mistral is
-Llama's shape (the engine refuses a sliding window that could apply). q/k/v and gate/up projections
-are fused into one matrix each at load time, so a layer runs four products. Every op goes through the compute backend
-the model is built with (tinyvllm/backend/interface.py): the portable tinygrad ops or the hand-written kernels.
+Llama's shape (the engine refuses a sliding window that could apply). q/k/v and gate/up projections are fused into one
+matrix each at load time, so a layer runs four products. Qwen3-MoE and Mixtral are these layers with experts in place
+of the dense MLP (in every layer, or Qwen3-MoE's sparse ones), a backend op of its own. Every op goes through the
+compute backend the model is built with (tinyvllm/backend/interface.py): the portable tinygrad ops or the hand-written
+kernels.
 """
 from __future__ import annotations
 
@@ -92,6 +94,7 @@ class TransformerLM:
     qkv = ops.linear(h, layer.qkv_proj, layer.qkv_bias, norm=layer.input_norm, eps=eps)
     q, k_cache, v_cache = ops.qkv_rope_write(qkv, layer.q_norm, layer.k_norm, cos, sin, k_cache, v_cache, meta.slot_mapping, eps)
     h = ops.linear(ops.attention(q, k_cache, v_cache, meta), layer.o_proj, layer.o_bias, residual=h)
+    if layer.moe is not None: return ops.moe(h, layer.moe, norm=layer.post_attention_norm, eps=eps, residual=h), k_cache, v_cache
     gate_up = ops.linear(h, layer.gate_up_proj, layer.gate_up_bias, norm=layer.post_attention_norm, eps=eps)
     h = ops.linear(gate_up, layer.down_proj, layer.down_bias, residual=h, **self.gated_activation)
     return h, k_cache, v_cache

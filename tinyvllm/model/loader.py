@@ -10,7 +10,7 @@ from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
 
 from tinyvllm.backend.interface import ComputeBackend
-from tinyvllm.backend.weights import DecoderLayerWeights
+from tinyvllm.backend.weights import DecoderLayerWeights, MoEWeights
 from tinyvllm.config import ConfigError, ModelConfig
 from tinyvllm.layers.rotary import rope_tables
 from tinyvllm.model.llama import ModelWeights, TransformerLM
@@ -68,10 +68,27 @@ def dummy_source(dtype: DType, device: str, seed: int) -> TensorSource:
   return get
 
 
+def _experts(cfg: ModelConfig, get: TensorSource, i: int) -> MoEWeights:
+  """A sparse layer's router and experts, stacked from HF's per-expert tensors (Mixtral's w1/w3/w2 are gate/up/down)."""
+  assert cfg.moe is not None
+  moe, d, inter = cfg.moe, cfg.hidden_size, cfg.moe.intermediate_size
+  mixtral = cfg.architecture == "MixtralForCausalLM"
+  p = f"model.layers.{i}.{'block_sparse_moe' if mixtral else 'mlp'}."
+  gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+  expert = lambda e, name: f"{p}experts.{e}.{name}.weight"
+  gate_up = get([expert(e, name) for e in range(moe.num_experts) for name in (gate, up)], (moe.num_experts * 2 * inter, d), "experts")
+  down_proj = get([expert(e, down) for e in range(moe.num_experts)], (moe.num_experts * d, inter), "experts")
+  return MoEWeights(router=get([p + "gate.weight"], (moe.num_experts, d), "matrix"),
+                    gate_up_proj=gate_up.reshape(moe.num_experts, 2 * inter, d),
+                    down_proj=down_proj.reshape(moe.num_experts, d, inter), top_k=moe.num_experts_per_tok,
+                    norm_topk_prob=moe.norm_topk_prob)
+
+
 def _layer(cfg: ModelConfig, get: TensorSource, i: int) -> DecoderLayerWeights:
   p, d = f"model.layers.{i}.", cfg.hidden_size
   qkv_names = [f"{p}self_attn.{x}_proj" for x in "qkv"]
   qkv_rows = cfg.q_size + 2 * cfg.kv_size
+  sparse = cfg.moe is not None and cfg.moe.is_sparse(i)
   return DecoderLayerWeights(
     input_norm=get([p + "input_layernorm.weight"], (d,), "norm"),
     qkv_proj=get([n + ".weight" for n in qkv_names], (qkv_rows, d), "linear"),
@@ -81,11 +98,13 @@ def _layer(cfg: ModelConfig, get: TensorSource, i: int) -> DecoderLayerWeights:
     o_proj=get([p + "self_attn.o_proj.weight"], (d, cfg.q_size), "linear"),
     o_bias=get([p + "self_attn.o_proj.bias"], (d,), "bias") if cfg.o_bias else None,
     post_attention_norm=get([p + "post_attention_layernorm.weight"], (d,), "norm"),
-    gate_up_proj=get([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], (2 * cfg.intermediate_size, d), "linear"),
+    gate_up_proj=None if sparse else get([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], (2 * cfg.intermediate_size, d),
+                                         "linear"),
     gate_up_bias=get([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"], (2 * cfg.intermediate_size,), "bias")
-    if cfg.mlp_bias else None,
-    down_proj=get([p + "mlp.down_proj.weight"], (d, cfg.intermediate_size), "linear"),
-    down_bias=get([p + "mlp.down_proj.bias"], (d,), "bias") if cfg.mlp_bias else None)
+    if cfg.mlp_bias and not sparse else None,
+    down_proj=None if sparse else get([p + "mlp.down_proj.weight"], (d, cfg.intermediate_size), "linear"),
+    down_bias=get([p + "mlp.down_proj.bias"], (d,), "bias") if cfg.mlp_bias and not sparse else None,
+    moe=_experts(cfg, get, i) if sparse else None)
 
 
 def offset_norms(get: TensorSource, offset: float) -> TensorSource:

@@ -1,0 +1,61 @@
+"""A sparse layer's mixture of experts in tinygrad ops: the portable form and the reference the kernels are checked
+against.
+
+    residual + sum_k w_k * down_e_k( silu(gate_e_k(x')) * up_e_k(x') ),   x' = rmsnorm(x)
+
+where e_1..e_k are each token's k experts of highest router probability (softmax over the router's logits, in
+float32) and w their probabilities, renormalised to sum to 1 when norm_topk_prob (HF's Qwen3-MoE and Mixtral). Two
+exact ways to compute the experts' outputs, chosen by the step's shape:
+- gathered: each (token, expert) pair's weights are gathered and applied to its token; it reads only the chosen
+  experts, so it is the one for decode-sized steps (fewer pairs than experts);
+- dense: every expert applied to every token, the outputs weighted by a [tokens, experts] table that is zero outside
+  each token's k; its products are large batched ones, the better form when most experts have tokens anyway.
+"""
+from __future__ import annotations
+
+from tinygrad import Tensor, dtypes
+
+from tinyvllm.backend.weights import MoEWeights
+from tinyvllm.layers.norm import rms_norm
+from tinyvllm.layers.scatter import gather_rows
+
+
+def route(x: Tensor, moe: MoEWeights) -> tuple[Tensor, Tensor]:
+  """Each token's experts and their weights: (weights [N, k] float32, expert ids [N, k] int32). The router's product
+  is in the weights' dtype and its softmax in float32, as HF computes them."""
+  probs = x.linear(moe.router.T).float().softmax(-1)
+  weights, ids = probs.topk(moe.top_k, dim=-1)
+  if moe.norm_topk_prob: weights = weights / weights.sum(-1, keepdim=True)
+  return weights, ids.cast(dtypes.int32)
+
+
+def experts_gathered(x: Tensor, moe: MoEWeights, weights: Tensor, ids: Tensor) -> Tensor:
+  """sum_k weights[:, k] * expert_{ids[:, k]}(x), reading only the chosen experts' weights: x [N, H] -> [N, H]."""
+  n, k = ids.shape
+  inter = moe.down_proj.shape[2]
+  flat = ids.reshape(-1)
+  xs = x.reshape(n, 1, -1).expand(n, k, x.shape[1]).reshape(n * k, 1, x.shape[1])
+  gate_up = (xs @ gather_rows(moe.gate_up_proj, flat).transpose(1, 2)).reshape(n * k, 2 * inter)
+  act = (gate_up[:, :inter].silu() * gate_up[:, inter:]).contiguous()
+  y = (act.reshape(n * k, 1, inter) @ gather_rows(moe.down_proj, flat).transpose(1, 2)).reshape(n, k, x.shape[1])
+  return (y * weights.cast(y.dtype).reshape(n, k, 1)).sum(1)
+
+
+def experts_dense(x: Tensor, moe: MoEWeights, weights: Tensor, ids: Tensor) -> Tensor:
+  """The same sum with every expert applied to every token and the outputs weighted by a table that is zero outside
+  each token's chosen experts: x [N, H] -> [N, H]."""
+  inter, experts = moe.down_proj.shape[2], moe.num_experts
+  gate_up = x.reshape(1, *x.shape) @ moe.gate_up_proj.transpose(1, 2)     # [E, N, 2I]
+  act = (gate_up[..., :inter].silu() * gate_up[..., inter:]).contiguous()
+  y = act @ moe.down_proj.transpose(1, 2)                                   # [E, N, H]
+  table = ((ids.reshape(*ids.shape, 1) == Tensor.arange(experts).to(ids.device)).where(weights.reshape(*weights.shape, 1), 0)
+           .sum(1))                                                         # [N, E]
+  return (y * table.T.cast(y.dtype).reshape(experts, -1, 1)).sum(0)
+
+
+def portable_moe(x: Tensor, moe: MoEWeights, *, norm: Tensor, eps: float, residual: Tensor) -> Tensor:
+  """residual + the experts' weighted outputs for rmsnorm(x) [N, H]."""
+  xn = rms_norm(x, norm, eps)
+  weights, ids = route(xn, moe)
+  gathered = ids.shape[0] * ids.shape[1] <= moe.num_experts   # fewer (token, expert) pairs than experts: read only theirs
+  return residual + (experts_gathered if gathered else experts_dense)(xn, moe, weights, ids)
