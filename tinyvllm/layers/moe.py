@@ -13,20 +13,20 @@ exact ways to compute the experts' outputs, chosen by the step's shape:
 """
 from __future__ import annotations
 
-from tinygrad import Tensor, dtypes
+from tinygrad import Tensor
 
 from tinyvllm.backend.weights import MoEWeights
 from tinyvllm.layers.norm import rms_norm
 from tinyvllm.layers.scatter import gather_rows
+from tinyvllm.layers.top_k import top_k
 
 
 def route(x: Tensor, moe: MoEWeights) -> tuple[Tensor, Tensor]:
   """Each token's experts and their weights: (weights [N, k] float32, expert ids [N, k] int32). The router's product
   is in the weights' dtype and its softmax in float32, as HF computes them."""
-  probs = x.linear(moe.router.T).float().softmax(-1)
-  weights, ids = probs.topk(moe.top_k, dim=-1)
+  weights, ids = top_k(x.linear(moe.router.T).float().softmax(-1), moe.top_k)
   if moe.norm_topk_prob: weights = weights / weights.sum(-1, keepdim=True)
-  return weights, ids.cast(dtypes.int32)
+  return weights, ids
 
 
 def experts_gathered(x: Tensor, moe: MoEWeights, weights: Tensor, ids: Tensor) -> Tensor:

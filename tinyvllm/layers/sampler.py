@@ -33,6 +33,7 @@ from tinyvllm.backend.sampling import (
   SamplerVariant,
 )
 from tinyvllm.layers.scatter import scatter_rows
+from tinyvllm.layers.top_k import from_order_key, order_key, top_k
 from tinyvllm.sampling_params import SamplingParams
 
 RADIX_BITS = 4  # bits of a threshold decided per pass over [B, V] (see _search_max)
@@ -169,21 +170,11 @@ def _search_max(pred: Callable[[Tensor], Tensor], rows: int, nbits: int) -> Tens
   return t
 
 
-def _order_key(x: Tensor) -> Tensor:
-  """float32 -> uint32 whose unsigned order is the float order (-inf lowest)."""
-  bits = x.bitcast(dtypes.uint32)
-  return (bits >= 0x80000000).where(bits ^ _U32, bits | 0x80000000)
-
-
-def _from_order_key(key: Tensor) -> Tensor:
-  return (key >= 0x80000000).where(key ^ 0x80000000, key ^ _U32).bitcast(dtypes.float32)
-
-
 def kth_largest(x: Tensor, k: Tensor) -> Tensor:
   """k-th largest value per row of x [B, V] (k [B] int32 in 1..V): ceil(32 / RADIX_BITS) passes over [B, V]."""
-  key = _order_key(x).contiguous()
+  key = order_key(x).contiguous()
   pred = lambda t: (key[:, None, :] >= t[:, :, None]).sum(2) >= k[:, None]
-  return _from_order_key(_search_max(pred, x.shape[0], 32))
+  return from_order_key(_search_max(pred, x.shape[0], 32))
 
 
 def top_p_mask(probs: Tensor, top_p: Tensor) -> Tensor:
@@ -287,24 +278,11 @@ def sample_packed(logits: Tensor, params_bits: Tensor, rng_bits: Tensor, variant
 
 
 def compute_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-  """From the raw logits (vLLM's default): logprob of token_ids [B], top-k ids [B, k] int32 and logprobs [B, k].
-
-  No sort: tokens are ranked by a uint64 key (order key of the logprob, then the lower id first), and round r takes
-  the largest key below round r-1's: k max-reductions over [B, V], always k distinct ids (ties, -inf included).
-  """
+  """From the raw logits (vLLM's default): logprob of token_ids [B], top-k ids [B, k] int32 and logprobs [B, k] (by
+  layers/top_k.py: always k distinct ids, ties and -inf included)."""
   b, v = logits.shape
   lp = logits.float().log_softmax(1).contiguous()
   vocab = Tensor.arange(v, dtype=dtypes.int32)[None, :]
   chosen = (vocab == token_ids.reshape(b, 1).cast(dtypes.int32)).where(lp, 0.0).sum(1)
-  if k == 0:
-    return chosen, Tensor.zeros(b, 0, dtype=dtypes.int32), Tensor.zeros(b, 0)
-  low = (_U32 - vocab.cast(dtypes.uint32)).cast(dtypes.uint64)  # lower id ranks higher on ties
-  rank = (_order_key(lp).cast(dtypes.uint64) * (1 << 32) + low).contiguous()
-  best = rank.max(1)
-  keys = [best]
-  for _ in range(k - 1):
-    best = (rank < best[:, None]).where(rank, 0).max(1)
-    keys.append(best)
-  key = Tensor.stack(*keys, dim=1)
-  ids = (_U32 - (key & _U32)).cast(dtypes.int32)
-  return chosen, ids, _from_order_key((key // (1 << 32)).cast(dtypes.uint32))
+  values, ids = top_k(lp, k)
+  return chosen, ids, values
