@@ -7,7 +7,8 @@
 # from /tmp), bound (bench/layer_bound.py), profile1 / profile256 (bench/gpu_profile.py), gemm (bench/gemm_bench.py),
 # timeline (bench/step_timeline.py), serve_profile (bench/serve_profile.py:
 # workload 3 against the server with timers on each stage; SERVE_ARGS adds server flags), sweep (bench/serve_sweep.py:
-# 1-256 concurrent clients; plotted here with --replot), explore (bench/attention_bench.py), sampler (bench/sampler_bench.py), spec (bench/spec_bench.py), host1 / host256 (bench/step_host.py: a
+# 1-256 concurrent clients; plotted here with --replot), explore (bench/attention_bench.py), sampler (bench/sampler_bench.py), spec (bench/spec_bench.py), moe (bench/moe_bench.py: the Qwen3-30B-A3B shape;
+# MOE_PARTS picks its parts; run it on nvidia-h200), host1 / host256 (bench/step_host.py: a
 # decode step's host time by stage), and any part
 # of bench/gpu_benchmarks.py (with the suffix _fp8: the same part with --kv-cache-dtype fp8, e.g. throughput_fp8).
 set -u
@@ -62,6 +63,7 @@ for step in "$@"; do
     explore) cmd=(python3 bench/attention_bench.py) ;;
     sampler) cmd=(python3 bench/sampler_bench.py) ;;
     spec) cmd=(python3 bench/spec_bench.py --parts "${SPEC_PARTS:-verify,ngram,draft}") ;;
+    moe) cmd=(python3 bench/moe_bench.py ${MOE_PARTS:-decode throughput hf}) ;;
     host1) cmd=(python3 bench/step_host.py --batch 1 --out "$OUT/step_host_b1.json") ;;
     host256) cmd=(python3 bench/step_host.py --batch 256 --kv-cache-dtype fp8 --out "$OUT/step_host_b256_fp8.json") ;;
     serve_profile) cmd=(python3 bench/serve_profile.py --out "$OUT/serve_profile.json" -- --model qwen3-0.6b --load-format dummy
