@@ -3,7 +3,8 @@
 # output appended to $OUT/log.txt and its JSON written under $OUT. Exits 1 if any step failed.
 #   bash bench/run_on_device.sh check throughput decode profile256 ...
 # Steps: check (the GPU check: bench/check_kernels.py, then bench/check_decode_layer.py), layer
-# (bench/check_decode_layer.py alone), quant (bench/check_kernels.py's packed-weight products alone), wheel (the tinyvllm wheel carried in .dist/, installed alone and run
+# (bench/check_decode_layer.py alone), quant (bench/check_kernels.py's packed-weight products alone), check_moe
+# (its mixture-of-experts kernels alone), wheel (the tinyvllm wheel carried in .dist/, installed alone and run
 # from /tmp), bound (bench/layer_bound.py), profile1 / profile256 (bench/gpu_profile.py), gemm (bench/gemm_bench.py),
 # timeline (bench/step_timeline.py), serve_profile (bench/serve_profile.py:
 # workload 3 against the server with timers on each stage; SERVE_ARGS adds server flags), sweep (bench/serve_sweep.py:
@@ -53,7 +54,8 @@ for step in "$@"; do
   case $step in
     check) cmd=(check_all) ;;
     layer) cmd=(python3 bench/check_decode_layer.py) ;;
-    quant) cmd=(python3 bench/check_kernels.py --skip compile,correctness,engine,engine-fp8,sample,bench,prefill-bench,e2e) ;;
+    quant) cmd=(python3 bench/check_kernels.py --skip compile,correctness,engine,engine-fp8,sample,moe,bench,prefill-bench,e2e) ;;
+    check_moe) cmd=(python3 bench/check_kernels.py --skip compile,correctness,engine,engine-fp8,sample,quant,bench,prefill-bench,e2e) ;;
     wheel) cmd=(wheel_check) ;;
     bound) cmd=(python3 bench/layer_bound.py) ;;
     profile1) cmd=(python3 bench/gpu_profile.py --batch 1 --tag b1) ;;

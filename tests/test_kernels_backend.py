@@ -18,6 +18,7 @@ from tinyvllm.kernels.attention import attention_shape
 from tinyvllm.kernels.fused import FusedBackend, capabilities
 from tinyvllm.kernels.gemm import gemm_plan
 from tinyvllm.kernels.linear import LinearShape
+from tinyvllm.kernels.moe import MoEShape, moe_plan
 from tinyvllm.kernels.plan import (
   AttentionShape,
   decode_plan,
@@ -224,6 +225,9 @@ SPECIMENS = {   # name -> (algorithm, plan): what the models of interest compile
                                                 NO_TENSOR_CORES)),
   "prefill_stories_f32": ("prefill", prefill_plan(AttentionShape("float32", 8, 8, 4, 16, 4, 64, 32, 512, 4096), CUDA)),
   "kv_write_bf16": ("kv_write", write_plan("bfloat16", 1024, 256, 1 << 16)),
+  # the mixture of experts at Qwen3-30B-A3B's shape, 1 and 16 tokens: routing + combine, gate_up, down
+  **{f"moe_{kernel.name}_n{n}": (kernel.algorithm, kernel) for n in (1, 16)
+     for kernel in moe_plan(MoEShape("bfloat16", n, 2048, 768, 128, 8, True, 1e-6)).kernels},
 }
 # Qwen3-0.6B's projections as an H100 plans them (wgmma from 128 rows), compiled for sm_90a as NVRTC does there
 GEMM_SPECIMENS = {f"gemm_{name}_{rows}": LinearShape("bfloat16", rows, k, o, False, 1e-6 if norm else None, silu, silu, o > 100000)

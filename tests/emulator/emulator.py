@@ -199,3 +199,62 @@ def run_kv_write(emu: EmulatedKernels, spec: str, k_cache: np.ndarray, v_cache: 
   emu.launch(spec, 0, [kc, vc, to_bits(k, dtype).reshape(-1), to_bits(v, dtype).reshape(-1),
                        np.ascontiguousarray(slot_mapping, np.int32)], order)
   return from_bits(kc, kv_dtype).reshape(k_cache.shape), from_bits(vc, kv_dtype).reshape(v_cache.shape)
+
+
+class EmulatedRunKernel:
+  """`run_kernel` (tinyvllm/kernels/tinygrad_program.py) on the emulator, for tests that run a backend op whole on the
+  CPU: patched over the adapters' `run_kernel`, the op runs twice. First while `collecting`: each (source, launch) met
+  is recorded (the specialisation read back from the source's header and #defines) and outputs are left empty, nothing
+  runs. Then, after `build()` (every recorded specialisation in one library), each call runs its launch on numpy copies
+  of the tensors, outputs poisoned first (so no in-place kernels: a written buffer's old contents are not kept), and
+  returns tensors as the real one does."""
+
+  def __init__(self, dialect: str, order: str = "forward"):
+    self.dialect, self.order, self.collecting = dialect, order, True
+    self.specs: dict[str, Spec] = {}   # source -> its specialisation
+    self.emu: EmulatedKernels | None = None
+    self.launches: list[str] = []      # kernel names run, in order
+
+  def build(self) -> None:
+    self.emu, self.collecting = EmulatedKernels(self.dialect, list(self.specs.values())), False
+
+  def _spec(self, launch: Launch, source: str) -> Spec:
+    if source not in self.specs:
+      header, _, *lines = source.split("\n")   # the header line, then the #defines (sources.kernel_source)
+      algorithm = re.match(r"// tinyvllm (\S+) kernel", header).group(1)
+      defines: dict = {}
+      for line in lines:
+        if not (m := re.fullmatch(r"#define (\w+) (.*)", line)): break
+        defines[m[1]] = int(m[2]) if re.fullmatch(r"-?\d+", m[2]) else m[2]
+      assert kernel_source(self.dialect, algorithm, defines) == source, "the source is not a plan's specialisation"
+      self.specs[source] = Spec(f"k{len(self.specs)}", algorithm, defines, ())
+    spec = self.specs[source]
+    if launch not in spec.launches:
+      assert self.collecting, f"{launch.kernel}: a launch not met while collecting"
+      spec = self.specs[source] = Spec(spec.name, spec.algorithm, spec.defines, (*spec.launches, launch))
+    return spec
+
+  def __call__(self, launch: Launch, source: str, tensors: list) -> list:
+    from tinygrad import Tensor, dtypes
+
+    from tests.emulator.cases import from_bits, to_bits
+    spec = self._spec(launch, source)
+    if self.collecting:
+      return [Tensor.empty(*t.shape, dtype=t.dtype) if p.written else t for p, t in zip(launch.params, tensors, strict=True)]
+    elem = {0: "float32", 1: "float16", 2: "bfloat16"}[int(spec.defines["TV_DTYPE"])]
+    arrays = []
+    for p, t in zip(launch.params, tensors, strict=True):
+      if p.kind in ("int", "uint", "float"):
+        np_type = {"int": np.int32, "uint": np.uint32, "float": np.float32}[p.kind]
+        arrays.append(np.full(p.numel, -7 if p.kind != "float" else np.nan, np_type) if p.written else
+                      np.ascontiguousarray(t.numpy().reshape(-1), np_type))
+      else: arrays.append(poisoned(p.numel, elem) if p.written else to_bits(t.float().numpy().reshape(-1), elem))
+    self.emu.launch(spec.name, spec.launches.index(launch), arrays, self.order)
+    self.launches.append(launch.kernel)
+    out = []
+    for p, t, a in zip(launch.params, tensors, arrays, strict=True):
+      if not p.written: out.append(t)
+      elif p.kind in ("int", "uint", "float"): out.append(Tensor(a.reshape(t.shape)))
+      else: out.append(Tensor(from_bits(a, elem).reshape(t.shape)).cast({"float32": dtypes.float32, "float16": dtypes.float16,
+                                                                          "bfloat16": dtypes.bfloat16}[elem]))
+    return out

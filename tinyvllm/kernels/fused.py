@@ -2,9 +2,10 @@
 
 Every op of tinyvllm/backend/interface.py runs on a hand-written kernel where the step's shape is in the kernel's range:
 paged attention and the KV write (attention.py), the fused qkv split + QK-norm + RoPE + KV write (qkv_rope.py), the
-products with their norm / SwiGLU / residual (linear.py, gemm.py), sampling (sample.py), and on Hopper every layer of a
-1-4-sequence decode step in one persistent kernel (decode_layer.py). A call outside a kernel's range goes to the
-portable op, and the first time each reason occurs it is logged, so a fallback is never silent.
+products with their norm / SwiGLU / residual (linear.py, gemm.py), sampling (sample.py), a decode step's mixture of
+experts (moe.py), and on Hopper every layer of a 1-4-sequence decode step in one persistent kernel (decode_layer.py). A
+call outside a kernel's range goes to the portable op, and the first time each reason occurs it is logged, so a
+fallback is never silent.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from tinyvllm.config import KernelOptions
 from tinyvllm.kernels import decode_layer
 from tinyvllm.kernels.attention import attention_shape, kv_write_unsupported_reason, run_attention, run_kv_write
 from tinyvllm.kernels.linear import MAX_ROWS, fused_linear
+from tinyvllm.kernels.moe import moe_shape, run_moe
 from tinyvllm.kernels.plan import AttentionShape, unsupported_reason
 from tinyvllm.kernels.qkv_rope import qkv_rope_shape, run_qkv_rope_write
 from tinyvllm.kernels.sample import fused_sample, takes
@@ -101,8 +103,15 @@ class FusedBackend:
     return y if y is not None else portable_linear(x, w, bias, **fused)
 
   def moe(self, x: Tensor, moe: MoEWeights, *, norm: Tensor, eps: float, residual: Tensor) -> Tensor:
-    self._fallback("moe", "no hand-written mixture-of-experts kernel yet")
-    return portable_moe(x, moe, norm=norm, eps=eps, residual=residual)
+    """Decode-sized steps (up to moe.MAX_TOKENS tokens and MAX_PAIRS (token, expert) pairs) on the kernels: the router
+    product, routing and grouping by expert, the two grouped expert products, the combine (kernels/moe.py), each chosen
+    expert's weights read once; larger steps (prompts) in tinygrad ops, said once."""
+    shape, reason = moe_shape(x, moe, eps)
+    if shape is None or reason is not None:
+      self._fallback("moe", reason or "unsupported")
+      return portable_moe(x, moe, norm=norm, eps=eps, residual=residual)
+    self.calls["moe"] += 1
+    return run_moe(self.target, shape, x, moe, norm, residual)
 
   def qkv_rope_write(self, qkv: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, cos: Tensor, sin: Tensor, k_cache: Tensor,
                      v_cache: Tensor, slot_mapping: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:

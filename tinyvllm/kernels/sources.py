@@ -3,7 +3,8 @@
 The sources ship inside the package (`tinyvllm/kernels/csrc`), found through importlib.resources, in two folders:
   neutral/  written once against the TV_* macros, compiled as CUDA and as Metal (and emulated on the CPU in CI):
             the preludes (`prelude_cuda.h`, `prelude_metal.h` map the macros onto CUDA C++ and the Metal Shading
-            Language), common.inc and the attention, KV write, linear, qkv/RoPE and sampling kernels;
+            Language), common.inc and the attention, KV write, linear, qkv/RoPE, sampling and mixture-of-experts
+            kernels;
   cuda/     CUDA only (tensor cores, wgmma, bulk copies, grid barriers): the tensor-core prefill and GEMM and the
             persistent decode-layer kernel.
 What the GPU compiles and what the CPU emulator compiles (tests/emulator) is the same text from this module.
@@ -24,7 +25,8 @@ ALGORITHMS = {"decode": ("paged_decode.inc",), "decode_staged": ("tensor_core.in
               "prefill": ("paged_prefill.inc",), "kv_write": ("kv_write.inc",),
               "prefill_tc": ("tensor_core.inc", "paged_prefill_tc.inc"),
               "gemm_tc": ("tensor_core.inc", "wgmma.inc", "gemm_tc.inc", "gemm_xprime.inc"),
-              "decode_layer": ("tensor_core.inc", "decode_layer_ops.inc", "decode_layer_attend.inc", "decode_layer.inc")}
+              "decode_layer": ("tensor_core.inc", "decode_layer_ops.inc", "decode_layer_attend.inc", "decode_layer.inc"),
+              "moe_grouped": ("linear.inc", "moe.inc")}
 
 
 def source_root() -> Traversable:

@@ -23,8 +23,9 @@ from tinyvllm.layers.top_k import top_k
 
 def route(x: Tensor, moe: MoEWeights) -> tuple[Tensor, Tensor]:
   """Each token's experts and their weights: (weights [N, k] float32, expert ids [N, k] int32). The router's product
-  is in the weights' dtype and its softmax in float32, as HF computes them."""
-  weights, ids = top_k(x.linear(moe.router.T).float().softmax(-1), moe.top_k)
+  and softmax are in float32: HF rounds the logits to the model's dtype first, where two of 128 bf16 experts often
+  tie; exact logits route a step the same on every path (the kernels' too: tinyvllm/kernels/moe.py)."""
+  weights, ids = top_k(x.float().linear(moe.router.float().T).softmax(-1), moe.top_k)
   if moe.norm_topk_prob: weights = weights / weights.sum(-1, keepdim=True)
   return weights, ids
 

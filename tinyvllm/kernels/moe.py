@@ -1,0 +1,200 @@
+"""A sparse layer's mixture of experts for decode-sized steps on hand-written kernels (csrc/neutral/moe.inc, CUDA/Metal):
+a step reads only the experts its tokens chose, each expert's weights once, in five launches:
+
+  1. the router's logits with the RMSNorm fused (linear.py's product, float32 [N, E]);
+  2. tv_moe_route, one block: each token's softmax, top k and renormalised probabilities, and the step's (token,
+     expert) pairs grouped by expert (the `groups` layout of moe.inc);
+  3. tv_moe_linear over gate_up: a column of blocks per used expert, each block reading its columns' weight rows once for
+     all the expert's pairs, RMSNorm fused: [P, 2I] in pair order;
+  4. tv_moe_linear over down, SwiGLU of gate_up's rows fused: [P, H] float32;
+  5. tv_moe_combine: residual + each token's k outputs weighted by their probabilities, rounded once.
+
+In tinygrad ops (tinyvllm/layers/moe.py, the reference and the path for larger steps) the routing is a chain of small
+kernels (softmax, k max-reductions, renormalisation) and the gathered products copy each pair's expert weights before
+multiplying them: on an H200 at Qwen3-30B-A3B's shape a layer takes 755 us at one token there, 40 here
+(bench/check_moe.py; 2,172 against 100 at four tokens, 5,720 against 291 at sixteen).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from tinygrad import Tensor, dtypes
+
+from tinyvllm.backend.weights import MoEWeights
+from tinyvllm.kernels.linear import DTYPE_NAMES, MAX_ROWS, fused_linear
+from tinyvllm.kernels.plan import DTYPE_CODES, ELEM_BYTES, Launch, Param, cdiv, dtype_code
+from tinyvllm.kernels.sources import kernel_source
+from tinyvllm.kernels.tinygrad_program import run_kernel
+from tinyvllm.layers.norm import rms_norm
+from tinyvllm.platform.target import DeviceTarget
+
+# The kernels take steps of at most MAX_TOKENS tokens and MAX_PAIRS (token, expert) pairs; larger ones (prompts) run in
+# tinygrad ops. A token picks an expert at most once, so a group holds at most MAX_TOKENS pairs: at most 16 passes (or
+# rows of registers) a block, each used expert's weights read from memory once. Past 128 pairs most experts are in use
+# anyway (Qwen3-30B-A3B: k = 8 of 128, so 16 tokens already use about 82 experts) and the groups grow while the reads
+# the gathering saves shrink: there the portable form's dense products over every expert (tensor cores) are the better
+# choice, the point where it switches itself for 128 experts (more pairs than experts). 128 pairs also keep the routing
+# block's O(P) scans a pair and its shared memory small.
+MAX_TOKENS = MAX_ROWS
+MAX_PAIRS = 128
+MAX_EXPERTS = 1024     # the routing block holds a token's logits in registers, E / 32 a lane
+THREADS = 128          # the grouped products' blocks (as linear.py's)
+BATCH_VECTORS = 16     # weight vectors a lane of the grouped products loads before multiplying any (4 registers each;
+                       # on an H200 16 were as fast as 32 with 4 columns a warp, and faster with 8)
+ROUTE_WARPS = 8        # the routing block's warps at most for the tokens (more for the pairs: a thread each)
+LARGE_STEP = f"steps of more than {MAX_TOKENS} tokens or {MAX_PAIRS} (token, expert) pairs"
+KIND_DTYPES = {"float": dtypes.float32, "int": dtypes.int32}
+
+
+@dataclass(frozen=True)
+class MoEShape:
+  dtype: str           # activations and every weight
+  tokens: int          # N (static, padded)
+  hidden: int          # H
+  intermediate: int    # I (each expert's; gate_up has 2I rows)
+  experts: int         # E
+  top_k: int           # k
+  norm_topk_prob: bool
+  eps: float           # the RMSNorm's
+
+  @property
+  def pairs(self) -> int: return self.tokens * self.top_k
+
+  @property
+  def slots(self) -> int: return min(self.pairs, self.experts)   # G: at most one group per used expert
+
+
+@dataclass(frozen=True)
+class MoEKernel:
+  """One source of the op: its name in the plan, algorithm (sources.ALGORITHMS), #defines and launches."""
+  name: str
+  algorithm: str
+  defines: dict[str, int | str] = field(compare=False)
+  launches: tuple[Launch, ...] = field(compare=False)
+
+
+@dataclass(frozen=True)
+class MoEPlan:
+  shape: MoEShape
+  routing: MoEKernel   # tv_moe_route, tv_moe_combine
+  gate_up: MoEKernel   # tv_moe_linear with the RMSNorm
+  down: MoEKernel      # tv_moe_linear with SwiGLU, float32 out
+
+  @property
+  def kernels(self) -> tuple[MoEKernel, ...]: return self.routing, self.gate_up, self.down
+
+  @property
+  def steps(self) -> tuple[tuple[Launch, MoEKernel], ...]:
+    """Each launch with its source's kernel, in the order they run: route, gate_up, down, combine (the router product
+    before them is linear.py's)."""
+    route, combine = self.routing.launches
+    return (route, self.routing), (self.gate_up.launches[0], self.gate_up), (self.down.launches[0], self.down), (combine, self.routing)
+
+
+def unsupported_reason(shape: MoEShape) -> str | None:
+  if shape.dtype not in DTYPE_CODES: return f"dtype {shape.dtype}"
+  if shape.tokens > MAX_TOKENS or shape.pairs > MAX_PAIRS: return LARGE_STEP
+  if not 1 <= shape.top_k <= shape.experts <= MAX_EXPERTS:
+    return f"top {shape.top_k} of {shape.experts} experts (1 <= k <= E <= {MAX_EXPERTS})"
+  vec = 16 // ELEM_BYTES[dtype_code(shape.dtype)]
+  if shape.hidden % vec or shape.intermediate % vec:
+    return f"hidden {shape.hidden} or intermediate {shape.intermediate} not a multiple of {vec} (16-byte vectors)"
+  return None
+
+
+def routing_kernel(shape: MoEShape) -> MoEKernel:
+  n, h, e, k, p, g = shape.tokens, shape.hidden, shape.experts, shape.top_k, shape.pairs, shape.slots
+  threads = max(32 * min(n, ROUTE_WARPS), cdiv(p, 32) * 32)   # a warp a token (up to 8), a thread a pair
+  defines: dict[str, int | str] = {"TV_DTYPE": dtype_code(shape.dtype), "TV_NT": threads, "TV_N": n, "TV_E": e, "TV_TOPK": k,
+                                   "TV_P": p, "TV_G": g, "TV_EPL": cdiv(e, 32), "TV_KPL": cdiv(k, 32),
+                                   "TV_NORM_TOPK": int(shape.norm_topk_prob), "TV_HIDDEN": h}
+  route = Launch("tv_moe_route", (1, 1, 1), threads, (
+    Param("ids", "int", True, p), Param("weights", "float", True, p), Param("groups", "int", True, p + 3 * g),
+    Param("logits", "float", False, n * e)))
+  combine = Launch("tv_moe_combine", (cdiv(h, threads), n, 1), threads, (
+    Param("out", "elem", True, n * h), Param("down", "float", False, p * h), Param("weights", "float", False, p),
+    Param("residual", "elem", False, n * h)))
+  return MoEKernel("routing", "moe", defines, (route, combine))
+
+
+def pass_rows(shape: MoEShape) -> int:
+  """Rows (pairs) a pass of a group: the average group's when the pairs spread over G experts, at most a token's (one
+  row at decode sizes of 128 experts). More cost registers: on an H200 at Qwen3-30B-A3B's shape, 16 tokens (groups of 1-3
+  pairs), passes of 1 row took gate_up 154 us and down 114, of 4 rows 172 and 154, of 16 rows 313 and 270; a group's
+  further passes re-read its block's slice of the weights from cache, not memory."""
+  return min(shape.tokens, cdiv(shape.pairs, shape.slots))
+
+
+def warp_columns(k: int) -> int:
+  """Output columns a warp (TV_RPW): 4, or 8 for short rows (K < 1,024) so that a warp keeps as many bytes in flight.
+  H200, one token of Qwen3-30B-A3B: gate_up (K 2,048) 13.7 us with 4 against 22 with 8 (fewer blocks) and 14.3 with 2;
+  down (K 768) 8.9 us with 8 against 10.1 with 4 and 12.4 with 2."""
+  return 4 if k >= 1024 else 8
+
+
+def grouped_kernel(shape: MoEShape, product: str) -> MoEKernel:
+  """tv_moe_linear for `product` "gate_up" (x: the tokens, RMSNorm fused) or "down" (x: gate_up's rows, SwiGLU fused)."""
+  n, h, i, e, p, g = shape.tokens, shape.hidden, shape.intermediate, shape.experts, shape.pairs, shape.slots
+  gate_up = product == "gate_up"
+  k, nout = (h, 2 * i) if gate_up else (i, h)
+  rows, rpw = pass_rows(shape), warp_columns(k)
+  defines: dict[str, int | str] = {"TV_DTYPE": dtype_code(shape.dtype), "TV_M": rows, "TV_K": k, "TV_NOUT": nout, "TV_RPW": rpw,
+                                   "TV_NT": THREADS, "TV_MOE_GROUPED": 1, "TV_P": p, "TV_G": g,
+                                   "TV_XDIV": shape.top_k if gate_up else 1, "TV_SB": BATCH_VECTORS // rpw}
+  params = [Param("gate_up" if gate_up else "down", "elem" if gate_up else "float", True, p * nout),
+            Param("x" if gate_up else "gate_up", "elem", False, n * h if gate_up else p * 2 * i),
+            Param(f"w_{product}", "elem", False, e * nout * k), Param("groups", "int", False, p + 3 * g)]
+  if gate_up:
+    defines.update({"TV_PRO_NORM": len(params), "TV_EPS": f"{shape.eps!r}f"})
+    params.append(Param("norm", "elem", False, h))
+  else: defines.update({"TV_PRO_SILU": 1, "TV_OUT_F32": 1})
+  grid = (cdiv(nout, rpw * THREADS // 32), g, 1)
+  return MoEKernel(product, "moe_grouped", defines, (Launch("tv_moe_linear", grid, THREADS, tuple(params)),))
+
+
+def moe_plan(shape: MoEShape) -> MoEPlan:
+  assert (reason := unsupported_reason(shape)) is None, reason
+  return MoEPlan(shape, routing_kernel(shape), grouped_kernel(shape, "gate_up"), grouped_kernel(shape, "down"))
+
+
+@functools.cache
+def moe_sources(dialect: str, shape: MoEShape) -> tuple[MoEPlan, dict[str, str]]:
+  """The plan and each of its kernels' source by name."""
+  plan = moe_plan(shape)
+  return plan, {kernel.name: kernel_source(dialect, kernel.algorithm, kernel.defines) for kernel in plan.kernels}
+
+
+def moe_shape(x: Tensor, moe: MoEWeights, eps: float) -> tuple[MoEShape | None, str | None]:
+  """The step's static shape and why the kernels do not take it (None: they do)."""
+  weights = (moe.router, moe.gate_up_proj, moe.down_proj)
+  if not all(isinstance(w, Tensor) for w in weights) or len({w.dtype for w in weights}) != 1:
+    return None, "expert weights not all of one dtype"
+  dtype = DTYPE_NAMES.get(moe.gate_up_proj.dtype)
+  if dtype is None: return None, f"dtype {moe.gate_up_proj.dtype}"
+  experts, two_i, hidden = moe.gate_up_proj.shape
+  if x.ndim != 2 or x.shape[1] != hidden: return None, f"activations of shape {x.shape}"
+  shape = MoEShape(dtype, x.shape[0], hidden, two_i // 2, experts, moe.top_k, moe.norm_topk_prob, eps)
+  return shape, unsupported_reason(shape)
+
+
+def router_logits(target: DeviceTarget, x: Tensor, moe: MoEWeights, norm: Tensor, eps: float) -> Tensor:
+  """float32 [N, E]: rmsnorm(x) @ router.T on the product kernels, else in tinygrad ops (rounded as the portable route)."""
+  logits = fused_linear(target, x, moe.router, None, norm=norm, eps=eps, out_float32=True)
+  return logits if logits is not None else rms_norm(x, norm, eps).linear(moe.router.T).float()
+
+
+def run_moe(target: DeviceTarget, shape: MoEShape, x: Tensor, moe: MoEWeights, norm: Tensor, residual: Tensor) -> Tensor:
+  """residual + the step's experts ([N, H], the weights' dtype): the router product, then the plan's four launches,
+  each buffer found by its parameter's name (the outputs made when first written)."""
+  plan, sources = moe_sources(target.dialect, shape)
+  dtype = moe.gate_up_proj.dtype
+  x, norm, residual = (t.cast(dtype).contiguous() for t in (x, norm, residual))
+  buffers = {"x": x, "norm": norm, "residual": residual, "w_gate_up": moe.gate_up_proj, "w_down": moe.down_proj,
+             "logits": router_logits(target, x, moe, norm, shape.eps).contiguous()}
+  for launch, kernel in plan.steps:
+    for p in launch.params:
+      if p.name not in buffers: buffers[p.name] = Tensor.empty(p.numel, dtype=KIND_DTYPES.get(p.kind, dtype), device=x.device)
+    after = run_kernel(launch, sources[kernel.name], [buffers[p.name] for p in launch.params])
+    buffers.update({p.name: t for p, t in zip(launch.params, after, strict=True) if p.written})
+  return buffers["out"].reshape(shape.tokens, shape.hidden)
