@@ -116,11 +116,18 @@ def offset_norms(get: TensorSource, offset: float) -> TensorSource:
   return get_offset
 
 
+def _realized(layer: DecoderLayerWeights) -> DecoderLayerWeights:
+  """A layer's weights on the device now: realized all at once, a model's lazy intermediates (dummy weights' float32
+  randn, a checkpoint's casts) would be alive together (a 61 GB MoE model did not fit an 80 GB GPU so)."""
+  Tensor.realize(*layer.tensors())
+  return layer
+
+
 def build_model(cfg: ModelConfig, get: TensorSource, device: str, max_positions: int, backend: ComputeBackend) -> TransformerLM:
   if cfg.norm_weight_offset: get = offset_norms(get, cfg.norm_weight_offset)
   try:
     embed = get(["model.embed_tokens.weight"], (cfg.vocab_size, cfg.hidden_size), "matrix")
-    layers = [_layer(cfg, get, i) for i in range(cfg.num_layers)]
+    layers = [_realized(_layer(cfg, get, i)) for i in range(cfg.num_layers)]
     norm = get(["model.norm.weight"], (cfg.hidden_size,), "norm")
     lm_head = embed if cfg.tie_word_embeddings else get(["lm_head.weight"], (cfg.vocab_size, cfg.hidden_size), "matrix")
   except KeyError as e:
