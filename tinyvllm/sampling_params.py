@@ -47,6 +47,41 @@ def _check_in(value: object, param: str, low: float, high: float, low_open: bool
 
 
 @dataclass
+class StructuredOutputsParams:
+  """What a request's output must match (vLLM's shape): exactly one of `json` (a JSON schema, as a dict or a JSON
+  string), `regex`, `choice` (the output is one of these strings), `grammar` (Lark, or llama.cpp's GBNF) and
+  `json_object` (True: any JSON object). `disable_any_whitespace` allows no whitespace between JSON's tokens;
+  `whitespace_pattern` is the regex that whitespace must match instead. The grammar engine (llguidance, the
+  `structured` extra) compiles it when the request arrives: an invalid schema or grammar is refused then."""
+  json: str | dict | None = None
+  regex: str | None = None
+  choice: list[str] | None = None
+  grammar: str | None = None
+  json_object: bool | None = None
+  disable_any_whitespace: bool = False
+  whitespace_pattern: str | None = None
+
+  def __post_init__(self) -> None:
+    param = "structured_outputs"
+    kinds = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name) is not None]
+    _check(len(kinds) == 1, param, f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object; got "
+           f"{', '.join(kinds) or 'none'}")
+    _check(self.json is None or isinstance(self.json, (str, dict)), param,
+           "structured_outputs.json must be a JSON schema (a dict or a JSON string)")
+    for name in ("regex", "grammar"):
+      value = getattr(self, name)
+      _check(value is None or (isinstance(value, str) and value != ""), param, f"structured_outputs.{name} must be a non-empty string")
+    _check(self.choice is None or (isinstance(self.choice, list) and len(self.choice) > 0 and all(isinstance(c, str) for c in self.choice)),
+           param, "structured_outputs.choice must be a non-empty list of strings")
+    _check(self.json_object in (None, True), param, "structured_outputs.json_object must be true when given")
+    _check(isinstance(self.disable_any_whitespace, bool), param, "structured_outputs.disable_any_whitespace must be a bool")
+    _check(self.whitespace_pattern is None or isinstance(self.whitespace_pattern, str), param,
+           "structured_outputs.whitespace_pattern must be a string")
+    _check(not (self.disable_any_whitespace and self.whitespace_pattern is not None), param,
+           "structured_outputs: disable_any_whitespace and whitespace_pattern contradict each other")
+
+
+@dataclass
 class SamplingParams:
   """Per-request sampling settings, validated at construction.
 
@@ -72,6 +107,7 @@ class SamplingParams:
   logprobs: int | None = None
   prompt_logprobs: int | None = None
   output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+  structured_outputs: StructuredOutputsParams | None = None
   stop_strings: list[str] = field(init=False, repr=False)
 
   def __post_init__(self) -> None:
@@ -100,6 +136,8 @@ class SamplingParams:
     for name in ("logprobs", "prompt_logprobs"):
       value = getattr(self, name)
       _check(value is None or (_is_int(value) and 0 <= value <= 20), name, f"{name} must be an integer in [0, 20], got {value!r}")
+    _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+           "structured_outputs must be a StructuredOutputsParams")
 
   @property
   def greedy(self) -> bool: return self.temperature == 0

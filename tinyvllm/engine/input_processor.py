@@ -124,6 +124,8 @@ class InputProcessor:
                         f"but the whole cache holds {self.info.num_kv_blocks}")
     if params.stop_strings and self.tokenizer is None:
       raise SamplingParamsError("stop", "stop strings need a tokenizer and this model has none (stop_token_ids work without)")
+    if params.structured_outputs is not None:
+      raise SamplingParamsError("structured_outputs", "structured output is not built yet")
     for name in ("logprobs", "prompt_logprobs"):
       wanted = getattr(params, name)
       if wanted is not None and wanted > self.max_logprobs:
