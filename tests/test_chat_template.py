@@ -152,3 +152,49 @@ def test_messages_are_not_modified(qwen: Tokenizer):
   copy = json.loads(json.dumps(messages))
   qwen.apply_chat_template(messages)
   assert messages == copy
+
+
+CONTINUED = [
+  [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}],
+  [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2, 3,  \n"}],   # trailing spacing
+  [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi"},
+   {"role": "user", "content": "Again"}, {"role": "assistant", "content": "H"}],
+]
+
+
+@pytest.mark.parametrize("index", range(len(CONTINUED)))
+def test_continue_final_message_matches_transformers(qwen: Tokenizer, hf_qwen, index: int):
+  """The text stops inside the last message (no end of turn after it), as HF transformers cuts it."""
+  messages = CONTINUED[index]
+  kwargs = {"add_generation_prompt": False, "continue_final_message": True, "enable_thinking": False}
+  expected = hf_qwen.apply_chat_template(messages, tokenize=False, **kwargs)
+  assert qwen.apply_chat_template(messages, **kwargs) == expected
+  assert not expected.endswith("<|im_end|>\n")
+
+
+def test_continue_final_message_errors(qwen: Tokenizer):
+  with pytest.raises(TokenizerError, match="add_generation_prompt"):
+    qwen.apply_chat_template(CONTINUED[0], add_generation_prompt=True, continue_final_message=True)
+  with pytest.raises(TokenizerError, match="text content"):
+    qwen.apply_chat_template([{"role": "user", "content": None}], add_generation_prompt=False, continue_final_message=True)
+
+
+def test_tool_call_arguments_given_as_json_strings_render_as_objects(qwen: Tokenizer, hf_qwen):
+  """OpenAI's clients send a tool call's arguments as a JSON string; they reach the template as the object HF's
+  templates expect (vLLM's rule), an empty string as {}; one that is not JSON is named."""
+  from tinyvllm.tokenizer.chat_template import parse_tool_call_arguments
+  as_strings = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                  {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"東京\"}"}},
+                  {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": ""}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "21"}]
+  as_objects = json.loads(json.dumps(as_strings))
+  as_objects[1]["tool_calls"][0]["function"]["arguments"] = {"city": "東京"}
+  as_objects[1]["tool_calls"][1]["function"]["arguments"] = {}
+  assert parse_tool_call_arguments(as_strings) == as_objects
+  assert as_strings[1]["tool_calls"][0]["function"]["arguments"] == "{\"city\": \"東京\"}"   # the caller's messages stay
+  expected = hf_qwen.apply_chat_template(as_objects, tools=[WEATHER_TOOL], tokenize=False, add_generation_prompt=True)
+  assert qwen.apply_chat_template(parse_tool_call_arguments(as_strings), tools=[WEATHER_TOOL]) == expected
+  as_strings[1]["tool_calls"][1]["function"]["arguments"] = "{city"
+  with pytest.raises(TokenizerError, match="message 1: a tool call's arguments are not valid JSON"):
+    parse_tool_call_arguments(as_strings)

@@ -98,7 +98,6 @@ def test_options_it_does_not_have_are_named(shared_data):
   ours, _ = pair(QWEN3)
   with pytest.raises(TokenizerError, match="return_tensors='pt'"): ours("hi", return_tensors="pt")
   with pytest.raises(TokenizerError, match="padding=True"): ours(["a", "b c"], padding=True)
-  with pytest.raises(TokenizerError, match="continue_final_message"): ours.apply_chat_template(MESSAGES, continue_final_message=True)
 
 
 def test_llama3_tiktoken_tokens_are_hfs_byte_level_strings(shared_data, monkeypatch):

@@ -15,6 +15,7 @@ from tinyvllm.engine_args import engine_config
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 from tinyvllm.tokenizer import HFStyleTokenizer
+from tinyvllm.tokenizer.chat_template import parse_tool_call_arguments
 
 _ids = itertools.count()
 
@@ -95,14 +96,20 @@ class LLM:
 
   def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
            use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+           continue_final_message: bool = False, tools: list[dict] | None = None,
            chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-    """One conversation (a list of messages) or several, rendered with the model's chat template (or `chat_template`)."""
+    """One conversation (a list of messages) or several, rendered with the model's chat template (or `chat_template`,
+    the template's source), as vLLM's: `tools` (OpenAI's function tools) reach the template, assistant messages' tool
+    calls may carry their arguments as JSON strings, continue_final_message leaves the last message open for the
+    model to go on writing (with add_generation_prompt=False). The output is the model's text: parsing tool calls
+    out of it is the server's (--tool-call-parser)."""
     tokenizer = self.engine.tokenizer
     if tokenizer is None: raise PromptError("chat needs a tokenizer with a chat template")
     conversations = [messages] if messages and isinstance(messages[0], dict) else messages
     prompts: list[PromptType] = []
     for conv in conversations:
-      text = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-                                           **(chat_template_kwargs or {}))
+      text = tokenizer.apply_chat_template(parse_tool_call_arguments(conv), add_generation_prompt=add_generation_prompt,
+                                           chat_template=chat_template, continue_final_message=continue_final_message,
+                                           tools=tools, **(chat_template_kwargs or {}))
       prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
     return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -124,6 +124,28 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
   return out
 
 
+def parse_tool_call_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """The messages with their tool calls' arguments as objects: OpenAI's clients send them as JSON strings, HF templates
+  write them with `tojson` (vLLM parses them so too; an empty string is {})."""
+  out = []
+  for i, m in enumerate(messages):
+    calls = m.get("tool_calls") if isinstance(m, Mapping) else None
+    if isinstance(calls, list):
+      m = {**m, "tool_calls": [_with_parsed_arguments(call, i) for call in calls]}
+    out.append(m)
+  return out
+
+
+def _with_parsed_arguments(call: Any, message: int) -> Any:
+  function = call.get("function") if isinstance(call, Mapping) else None
+  arguments = function.get("arguments") if isinstance(function, Mapping) else None
+  if not isinstance(function, Mapping) or not isinstance(arguments, (str, type(None))): return call
+  try: parsed = json.loads(arguments) if arguments else {}
+  except json.JSONDecodeError as e:
+    raise TokenizerError(f"message {message}: a tool call's arguments are not valid JSON ({e}): {arguments!r}") from None
+  return {**call, "function": {**function, "arguments": parsed}}
+
+
 def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
   # transformers fills `reasoning_content` (and gpt-oss's `thinking`) from whichever reasoning field is given
   reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
@@ -143,11 +165,34 @@ class ChatTemplate:
         raise TokenizerError(f"chat template does not parse: {e}") from e
     return self._compiled
 
-  def render(self, messages: Any, add_generation_prompt: bool, special_tokens: dict[str, Any], **kwargs: Any) -> str:
-    """The template's text for `messages`; kwargs (tools, documents, enable_thinking, ...) reach the template."""
+  def render(self, messages: Any, add_generation_prompt: bool, special_tokens: dict[str, Any],
+             continue_final_message: bool = False, **kwargs: Any) -> str:
+    """The template's text for `messages`; kwargs (tools, documents, enable_thinking, ...) reach the template.
+    continue_final_message: the text ends inside the last message, for the model to go on writing it (HF's)."""
+    if continue_final_message and add_generation_prompt:
+      raise TokenizerError("continue_final_message and add_generation_prompt cannot both be set: the first continues the last "
+                           "message, the second starts a new one")
     chat = check_messages(messages)
     variables = {**special_tokens, "tools": None, "documents": None, **_plain(kwargs)}
     try:
-      return self._template().render(messages=chat, add_generation_prompt=add_generation_prompt, **variables)
+      text = self._template().render(messages=chat, add_generation_prompt=add_generation_prompt, **variables)
     except (jinja2.TemplateError, TypeError, AttributeError, LookupError) as e:
       raise TokenizerError(f"chat template failed: {e}") from e
+    return _cut_after_final_message(text, chat) if continue_final_message else text
+
+
+def _cut_after_final_message(text: str, chat: list[dict[str, Any]]) -> str:
+  """`text` cut right after the last message's content (what the template writes after it, an end-of-turn token, goes),
+  as HF transformers cuts it."""
+  final = chat[-1].get("content") if chat else None
+  if isinstance(final, list):   # content parts: the last text part
+    final = next((p["text"] for p in reversed(final) if isinstance(p, dict) and isinstance(p.get("text"), str)), None)
+  if not isinstance(final, str):
+    raise TokenizerError("continue_final_message needs a final message with text content to continue")
+  if final.strip() not in text:
+    raise TokenizerError("continue_final_message: the final message does not appear in the rendered chat (the chat template "
+                         "changes it)")
+  at = text.rindex(final.strip())
+  # the template kept the message's own trailing spacing, or it trimmed it: cut after what it wrote
+  kept = text[at:at + len(final.lstrip())] == final
+  return text[:at + len(final.lstrip() if kept else final.strip())]

@@ -142,12 +142,12 @@ class HFStyleTokenizer:
                           **kwargs: Any) -> Any:
     """HF's defaults: tokenized, as {input_ids, attention_mask} (return_dict=False: the ids), no generation prompt.
     A list of conversations gives a list of results."""
-    if continue_final_message: raise TokenizerError("continue_final_message=True is not supported by tinyvllm's tokenizer")
     if conversation and isinstance(conversation[0], (list, tuple)):
-      return [self.apply_chat_template(c, tools, documents, chat_template, add_generation_prompt, False, tokenize, return_dict,
-                                       **kwargs) for c in conversation]
+      return [self.apply_chat_template(c, tools, documents, chat_template, add_generation_prompt, continue_final_message, tokenize,
+                                       return_dict, **kwargs) for c in conversation]
     text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
-                                              chat_template=chat_template, tools=tools, documents=documents, **kwargs)
+                                              chat_template=chat_template, continue_final_message=continue_final_message,
+                                              tools=tools, documents=documents, **kwargs)
     if not tokenize: return text
     assert isinstance(text, str)
     ids = self.tokenizer.encode(text, add_special_tokens=False)

@@ -112,14 +112,15 @@ class Tokenizer:
     return self._bytes[token_id] if 0 <= token_id < self.vocab_size else b""
 
   def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                          tokenize: bool = False, chat_template: str | None = None, **kwargs: Any) -> str | list[int]:
+                          tokenize: bool = False, chat_template: str | None = None, continue_final_message: bool = False,
+                          **kwargs: Any) -> str | list[int]:
     """The chat rendered by the model's template (or the `chat_template` source given); tokenize=True encodes it
-    without adding BOS (the template has it)."""
+    without adding BOS (the template has it). continue_final_message: the text stops inside the last message (HF's)."""
     template = self._chat_template if chat_template is None else self._template_from(chat_template)
     if template is None:
       raise TokenizerError(f"tokenizer {self.name!r} has no chat template "
                            "(looked for chat_template in tokenizer_config.json and chat_template.jinja)")
-    text = template.render(messages, add_generation_prompt, self._template_tokens, **kwargs)
+    text = template.render(messages, add_generation_prompt, self._template_tokens, continue_final_message, **kwargs)
     return self.encode(text, add_special_tokens=False) if tokenize else text
 
   def _template_from(self, source: str) -> ChatTemplate:
