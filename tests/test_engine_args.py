@@ -12,6 +12,7 @@ from tinyvllm.cli.args import engine_config as cli_engine_config
 from tinyvllm.cli.serve import check_server_flags, server_settings
 from tinyvllm.config import ConfigError, SpeculativeConfig
 from tinyvllm.engine_args import TABLE, engine_config, translate
+from tinyvllm.entrypoints.chat_settings import ChatSettings
 from tinyvllm.sampling_params import SamplingParamsError
 
 # (vLLM keyword arguments, the EngineConfig fields they must give). Those that set nothing are accepted because they
@@ -206,7 +207,6 @@ def test_a_serve_flag_works(argv, expected):
 @pytest.mark.parametrize(("argv", "words"), [
   (["-tp", "2"], ["tensor_parallel_size=2", "one device"]),
   (["--speculative-config", '{"method": "ngram"}'], ["speculative_config"]),
-  (["--reasoning-parser", "qwen3"], ["reasoning_parser='qwen3'"]),
   (["--enable-lora"], ["enable_lora=True"]),
 ])
 def test_a_serve_flag_it_cannot_honour_fails_naming_it(argv, words):
@@ -215,8 +215,7 @@ def test_a_serve_flag_it_cannot_honour_fails_naming_it(argv, words):
 
 
 @pytest.mark.parametrize(("argv", "words"), [
-  (["--enable-auto-tool-choice"], ["--enable-auto-tool-choice", "tool calling"]),
-  (["--tool-call-parser", "hermes"], ["--tool-call-parser"]),
+  (["--enable-auto-tool-choice"], ["--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)"]),
   (["--response-role", "bot"], ["--response-role"]),
   (["--enable-log-requests", "--disable-log-requests"], ["--enable-log-requests", "--disable-log-requests"]),
 ])
@@ -240,6 +239,11 @@ def test_server_flags_reach_the_server_settings(tmp_path):
   inline = server_settings(serve_args("m", "--chat-template", "{{ messages[0]['content'] }}"))
   assert inline.chat_template == "{{ messages[0]['content'] }}"
   assert server_settings(serve_args("m")).access_log and not server_settings(serve_args("m")).log_requests
+  tools = server_settings(serve_args("m", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json", "--reasoning-parser",
+                                     "qwen3", "--trust-request-chat-template", "--exclude-tools-when-tool-choice-none")).chat()
+  assert (tools.enable_auto_tool_choice, tools.tool_call_parser, tools.reasoning_parser, tools.trust_request_chat_template,
+          tools.exclude_tools_when_tool_choice_none) == (True, "llama3_json", "qwen3", True, True)
+  assert server_settings(serve_args("m")).chat() == ChatSettings()
 
 
 def test_a_chat_template_path_that_is_not_there_is_named(capsys):

@@ -23,8 +23,8 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
 IMPLEMENTED_OPENAI_COMPLETION = {"model", "prompt", "echo", "frequency_penalty", "logprobs", "max_tokens", "n", "presence_penalty",
                                  "seed", "stop", "stream", "stream_options", "temperature", "top_p", "user"}
 IMPLEMENTED_OPENAI_CHAT = {"messages", "model", "frequency_penalty", "logprobs", "max_completion_tokens", "max_tokens", "n",
-                           "presence_penalty", "prompt_cache_key", "safety_identifier", "seed", "stop", "stream", "stream_options",
-                           "temperature", "top_logprobs", "top_p", "user"}
+                           "parallel_tool_calls", "presence_penalty", "prompt_cache_key", "safety_identifier", "seed", "stop",
+                           "stream", "stream_options", "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user"}
 
 # OpenAI's request fields the server does not implement, each with a value that asks for the feature
 OPENAI_COMPLETION = {"best_of": 3, "logit_bias": {"50256": -100}, "suffix": " The end."}
@@ -34,8 +34,7 @@ OPENAI_CHAT = {
   "modalities": ["text", "audio"], "moderation": {"model": "omni-moderation-latest"},
   "prediction": {"type": "content", "content": "Once upon a time"}, "prompt_cache_options": {"mode": "explicit"},
   "prompt_cache_retention": "24h", "reasoning_effort": "low", "response_format": {"type": "json_object"},
-  "service_tier": "flex", "store": True, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-  "tools": [TOOL], "verbosity": "low", "web_search_options": {"search_context_size": "low"},
+  "service_tier": "flex", "store": True, "verbosity": "low", "web_search_options": {"search_context_size": "low"},
 }
 # vLLM's extra sampling and request fields (both endpoints) the server does not implement
 VLLM_COMMON = {
@@ -51,18 +50,12 @@ VLLM_COMMON = {
   "media_io_kwargs": {"image": {"mode": "RGB"}},
 }
 VLLM_COMPLETION = {**VLLM_COMMON, "prompt_embeds": "AAAA"}
-VLLM_CHAT = {**VLLM_COMMON, "echo": True, "continue_final_message": True, "chat_template": "{{ messages }}",
-             "include_reasoning": False}
-VLLM_TOKENIZE = {"continue_final_message": True, "chat_template": "{{ messages }}", "tools": [TOOL],
-                 "mm_processor_kwargs": {"size": 2}, "return_token_strs": True}
-# tool_choice and parallel_tool_calls ask for something only beside tools; listed first, they are the field named
-WITH_TOOLS = {"parallel_tool_calls": False, "tools": [TOOL]}
-CHOICE_WITH_TOOLS = {"tool_choice": "required", "tools": [TOOL]}
+VLLM_CHAT = {**VLLM_COMMON, "echo": True}
+VLLM_TOKENIZE = {"mm_processor_kwargs": {"size": 2}, "return_token_strs": True}
 
 REFUSED = ([(CMPL, GOOD_CMPL, field, {field: value}) for field, value in {**OPENAI_COMPLETION, **VLLM_COMPLETION}.items()]
            + [(CHAT, GOOD_CHAT, field, {field: value}) for field, value in {**OPENAI_CHAT, **VLLM_CHAT}.items()]
-           + [(CHAT, GOOD_CHAT, "parallel_tool_calls", WITH_TOOLS), (CHAT, GOOD_CHAT, "tool_choice", CHOICE_WITH_TOOLS),
-              (CMPL, {**GOOD_CMPL, "n": 2}, "best_of", {"best_of": 3})]
+           + [(CMPL, {**GOOD_CMPL, "n": 2}, "best_of", {"best_of": 3})]
            + [(TOKENIZE, {"messages": GOOD_CHAT["messages"]}, field, {field: value}) for field, value in VLLM_TOKENIZE.items()]
            + [(CMPL, {**GOOD_CMPL, "stream": True}, "stream_options", {"stream_options": {"include_usage": True, **extra}})
               for extra in ({"continuous_usage_stats": True}, {"include_obfuscation": True})])
@@ -107,7 +100,7 @@ def test_every_field_of_the_openai_shapes_is_implemented_or_refused():
   completion = set(completion_create_params.CompletionCreateParamsBase.__annotations__) | {"stream"}
   chat = set(chat_create_params.CompletionCreateParamsBase.__annotations__) | {"stream"}
   assert completion == IMPLEMENTED_OPENAI_COMPLETION | set(OPENAI_COMPLETION)
-  assert chat == IMPLEMENTED_OPENAI_CHAT | set(OPENAI_CHAT) | {"parallel_tool_calls"}
+  assert chat == IMPLEMENTED_OPENAI_CHAT | set(OPENAI_CHAT)
 
 
 def assert_refused(r: httpx.Response, param: str, needle: str) -> None:
@@ -173,3 +166,15 @@ def test_cheap_vllm_extras_are_implemented(http, baseline):
   ids = {"user": "u-1", "safety_identifier": "h-2", "prompt_cache_key": "k-3"}
   r = http.post(CHAT, json={**GOOD_CHAT, **ids})
   assert [(c.get("text"), c.get("message"), c["finish_reason"]) for c in r.json()["choices"]] == baseline[CHAT]
+
+
+def test_tool_calling_and_request_templates_need_the_servers_flags(http, baseline):
+  """vLLM's rules on a server started without them: tool_choice "auto" (the default beside tools) needs
+  --enable-auto-tool-choice and --tool-call-parser; a request's chat_template needs --trust-request-chat-template.
+  tool_choice "none" still works (the tools reach the template, the output is text)."""
+  assert_refused(http.post(CHAT, json={**GOOD_CHAT, "tools": [TOOL]}), "tool_choice", "--enable-auto-tool-choice")
+  assert_refused(http.post(CHAT, json={**GOOD_CHAT, "tools": [TOOL], "tool_choice": "auto"}), "tool_choice", "--tool-call-parser")
+  for path, good in ((CHAT, GOOD_CHAT), (TOKENIZE, {"messages": GOOD_CHAT["messages"]})):
+    assert_refused(http.post(path, json={**good, "chat_template": "{{ messages }}"}), "chat_template", "--trust-request-chat-template")
+  r = http.post(CHAT, json={**GOOD_CHAT, "tools": [TOOL], "tool_choice": "none"})
+  assert r.status_code == 200 and not r.json()["choices"][0]["message"]["tool_calls"]

@@ -18,11 +18,11 @@ from tinyvllm.cli.args import (
 )
 from tinyvllm.model.embedded import EMBEDDED_MODEL
 
+# the names of the parsers in tinyvllm/entrypoints (which needs the serve extra, so they are not imported here)
+TOOL_PARSER_NAMES = ("hermes", "llama3_json")
+REASONING_PARSER_NAMES = ("qwen3",)
 SERVE_PACKAGES = {"fastapi", "uvicorn", "starlette", "prometheus_client", "pydantic", "zmq", "msgspec"}
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-# vLLM's server flags for features tinyvllm does not have: each fails, naming itself, when given
-NOT_BUILT = {"enable_auto_tool_choice": "tool calling is not supported yet",
-             "tool_call_parser": "tool calling is not supported yet"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -73,8 +73,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                  help="log each request's prompt, sampling parameters and prompt token ids")
   c.add_argument("--disable-log-requests", action="store_true", help="no request log (the default)")
   c.add_argument("--max-log-len", type=non_negative_int, help="the most prompt characters and token ids a request log line shows")
-  for name in NOT_BUILT:
-    c.add_argument(f"--{name.replace('_', '-')}", nargs="?", const=True, default=None, help=f"not supported: {NOT_BUILT[name]}")
+  c.add_argument("--trust-request-chat-template", action="store_true",
+                 help="render a chat_template a request sends (default: such a request is refused)")
+  t = p.add_argument_group("tool calling and reasoning")
+  t.add_argument("--enable-auto-tool-choice", action="store_true",
+                 help='tool_choice "auto" (the default with tools): the model decides, its calls are read by --tool-call-parser')
+  t.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSER_NAMES),
+                 help="the format the model writes its tool calls in: hermes (<tool_call>{...}</tool_call>, Hermes, Qwen2.5, "
+                      "Qwen3) or llama3_json (Llama 3.1/3.2's JSON)")
+  t.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                 help='tool_choice "none": the chat template gets no tools either (default: it gets them)')
+  t.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSER_NAMES),
+                 help="split the model's reasoning (qwen3: <think>...</think>) from its answer, as message.reasoning_content")
   p.set_defaults(run=run)
 
 
@@ -89,8 +99,8 @@ def json_list(text: str) -> list[str]:
 def check_server_flags(args: argparse.Namespace) -> None:
   """Refuse, naming it, a server flag tinyvllm cannot honour."""
   from tinyvllm.config import ConfigError
-  for name, why in NOT_BUILT.items():
-    if getattr(args, name) is not None: raise ConfigError(f"--{name.replace('_', '-')}: {why}")
+  if args.enable_auto_tool_choice and args.tool_call_parser is None:
+    raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(sorted(TOOL_PARSER_NAMES))})")
   if args.response_role != "assistant":
     raise ConfigError(f"--response-role {args.response_role!r}: only 'assistant' is supported yet")
   if args.enable_log_requests and args.disable_log_requests:
@@ -108,6 +118,9 @@ def server_settings(args: argparse.Namespace):
     shutdown_timeout=args.shutdown_timeout, log_level=args.uvicorn_log_level,
     access_log=args.access_log and not args.disable_uvicorn_access_log, other_model_names=names[1:],
     chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
+    trust_request_chat_template=args.trust_request_chat_template, enable_auto_tool_choice=args.enable_auto_tool_choice,
+    tool_call_parser=args.tool_call_parser, exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+    reasoning_parser=args.reasoning_parser,
     log_requests=args.enable_log_requests, max_log_len=args.max_log_len, uds=args.uds, root_path=args.root_path or "",
     ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
     allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,

@@ -27,6 +27,7 @@ from tinyvllm.config import EngineConfig
 from tinyvllm.engine.async_llm import AsyncLLM
 from tinyvllm.engine.core_setup import log
 from tinyvllm.engine.exceptions import EngineDeadError, EngineLoadError
+from tinyvllm.entrypoints.chat_settings import ChatSettings
 from tinyvllm.entrypoints.common import ServerState
 from tinyvllm.entrypoints.errors import APIError, install_error_handlers, parse_request
 from tinyvllm.entrypoints.guard import MAX_BODY_BYTES, GuardMiddleware, default_allowed_hosts
@@ -172,6 +173,11 @@ class ServerSettings:
   access_log: bool = True
   other_model_names: tuple[str, ...] = ()     # further --served-model-name names requests may use
   chat_template: str | None = None            # the --chat-template source, used instead of the model's
+  trust_request_chat_template: bool = False
+  enable_auto_tool_choice: bool = False
+  tool_call_parser: str | None = None
+  exclude_tools_when_tool_choice_none: bool = False
+  reasoning_parser: str | None = None
   log_requests: bool = False                  # --enable-log-requests
   max_log_len: int | None = None
   uds: str | None = None                      # a Unix domain socket instead of host:port
@@ -189,6 +195,10 @@ class ServerSettings:
   body_timeout: float = 60.0                  # seconds for its body to arrive after the head
   keep_alive_timeout: float = 5.0             # seconds an idle connection stays open (uvicorn's)
   max_seqs_per_request: int = 4096            # prompts x n one request may ask for
+
+  def chat(self) -> ChatSettings:
+    return ChatSettings(self.chat_template, self.trust_request_chat_template, self.enable_auto_tool_choice, self.tool_call_parser,
+                        self.exclude_tools_when_tool_choice_none, self.reasoning_parser)
 
   def cors(self) -> CorsSettings:
     return CorsSettings(self.allowed_origins, self.allowed_methods, self.allowed_headers, self.allow_credentials)
@@ -209,7 +219,7 @@ class ServerSettings:
 
 def server_state(config: EngineConfig, settings: ServerSettings) -> ServerState:
   return ServerState(settings.served_model_name or config.model, config.model, settings.api_key or None,
-                     other_model_names=settings.other_model_names, chat_template=settings.chat_template,
+                     other_model_names=settings.other_model_names, chat=settings.chat(),
                      request_logger=RequestLogger(log, settings.max_log_len) if settings.log_requests else None,
                      max_seqs_per_request=settings.max_seqs_per_request)
 

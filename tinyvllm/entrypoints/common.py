@@ -17,6 +17,7 @@ from tinyvllm.core.scheduling_policy import check_priority
 from tinyvllm.engine.async_llm import AsyncLLM
 from tinyvllm.engine.exceptions import EngineDeadError
 from tinyvllm.engine.input_processor import PromptError
+from tinyvllm.entrypoints.chat_settings import ChatSettings
 from tinyvllm.entrypoints.errors import APIError, bad_request
 from tinyvllm.entrypoints.logger import RequestLogger
 from tinyvllm.entrypoints.metrics import ServerMetrics
@@ -42,7 +43,7 @@ class ServerState:
   metrics: ServerMetrics = field(init=False)
   in_flight: set[asyncio.Queue] = field(default_factory=set)   # one queue per running HTTP request
   other_model_names: tuple[str, ...] = ()    # further names requests may use (responses carry served_model_name)
-  chat_template: str | None = None           # --chat-template: used instead of the model's
+  chat: ChatSettings = field(default_factory=ChatSettings)   # --chat-template, tool calling, the reasoning parser
   request_logger: RequestLogger | None = None
   max_seqs_per_request: int = 4096          # prompts x n one request may ask for (--max-seqs-per-request)
 

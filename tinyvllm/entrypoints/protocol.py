@@ -99,6 +99,27 @@ class ChatMessage(BaseModel):
     return out
 
 
+class FunctionDefinition(StrictModel):
+  name: str = Field(min_length=1)
+  description: str | None = None
+  parameters: dict[str, Any] | None = None   # a JSON schema of the arguments object
+  strict: bool | None = None                 # the arguments must match the schema: enforced by the grammar of required/named
+
+
+class ChatTool(StrictModel):
+  type: Literal["function"]
+  function: FunctionDefinition
+
+
+class FunctionName(StrictModel):
+  name: str
+
+
+class NamedToolChoice(StrictModel):
+  type: Literal["function"]
+  function: FunctionName
+
+
 class ChatCompletionRequest(SamplingRequest):
   refused = CHAT
   messages: list[ChatMessage] = Field(min_length=1)
@@ -107,8 +128,14 @@ class ChatCompletionRequest(SamplingRequest):
   logprobs: bool | None = False
   top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
   add_generation_prompt: bool | None = True
+  continue_final_message: bool | None = False    # vLLM's: the reply goes on writing the last message
+  chat_template: str | None = None               # vLLM's: this template instead (--trust-request-chat-template)
   chat_template_kwargs: dict[str, Any] | None = None
   documents: list[dict[str, Any]] | None = None   # for templates that render retrieved documents (vLLM's)
+  tools: list[ChatTool] | None = None
+  tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None   # None: "auto" with tools (vLLM's)
+  parallel_tool_calls: bool | None = True
+  include_reasoning: bool | None = True           # vLLM's: false leaves the reasoning out (with --reasoning-parser)
   safety_identifier: str | None = None            # like user: an identifier, which never changes the output
   prompt_cache_key: str | None = None             # a cache-routing hint: every request shares the one prefix cache here
 
@@ -120,7 +147,10 @@ class TokenizeRequest(StrictModel):
   messages: list[ChatMessage] | None = Field(None, min_length=1)
   add_special_tokens: bool | None = None   # default: True for a prompt, False for messages (the template has them)
   add_generation_prompt: bool | None = True
+  continue_final_message: bool | None = False
+  chat_template: str | None = None
   chat_template_kwargs: dict[str, Any] | None = None
+  tools: list[ChatTool] | None = None
 
 
 class DetokenizeRequest(StrictModel):
@@ -198,9 +228,22 @@ class ChatLogprobs(BaseModel):
   content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+  name: str
+  arguments: str   # a JSON object, as a string
+
+
+class ToolCall(BaseModel):
+  id: str
+  type: Literal["function"] = "function"
+  function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
   role: Literal["assistant"] = "assistant"
-  content: str
+  content: str | None
+  reasoning_content: str | None = None   # vLLM's, with --reasoning-parser
+  tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -225,7 +268,9 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
   index: int
-  delta: dict[str, str]          # {"role": "assistant", "content": ""} first, then {"content": ...}, {} at the end
+  # {"role": "assistant", "content": ""} first, then {"content": ...}, {"reasoning_content": ...} or {"tool_calls": [...]},
+  # {} at the end
+  delta: dict[str, Any]
   logprobs: ChatLogprobs | None = None
   finish_reason: str | None = None
   stop_reason: int | str | None = None

@@ -1,13 +1,17 @@
 """POST /v1/chat/completions: the messages through the model's chat template, then one engine request with n samples."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from tinyvllm.entrypoints.chat_output import ChatOutputParser, MessageDelta
+from tinyvllm.entrypoints.chat_tools import ToolPlan, plan_tools
 from tinyvllm.entrypoints.common import (
   Prompt,
   ServerState,
@@ -29,53 +33,87 @@ from tinyvllm.entrypoints.common import (
 )
 from tinyvllm.entrypoints.errors import bad_request
 from tinyvllm.entrypoints.protocol import (
-  AssistantMessage,
   ChatChoice,
   ChatChunkChoice,
   ChatCompletionChunk,
   ChatCompletionRequest,
   ChatCompletionResponse,
   ChatLogprobs,
-  ChatMessage,
   ChatTokenLogprob,
+  TokenizeRequest,
   TopLogprob,
   Usage,
   chunk_event,
 )
 from tinyvllm.outputs import CompletionOutput, Logprob
-from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.sampling_params import SamplingParams, StructuredOutputsParams
 from tinyvllm.tokenizer import Tokenizer, TokenizerError
+from tinyvllm.tokenizer.chat_template import parse_tool_call_arguments
 
-_RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "tokenize", "documents", "chat_template"})
+_RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tokenize", "documents",
+                                     "tools", "chat_template"})
+# between a forced call's JSON tokens: one space at most, as the calls are written (a JSON grammar's free whitespace lets a
+# model write newlines and tabs without end, which a weak or random one does)
+TOOL_CALL_WHITESPACE = "[ ]?"
+UNTRUSTED_TEMPLATE = ("a chat_template was passed with the request, but the server does not render templates from requests "
+                      "unless started with --trust-request-chat-template")
 
 
-def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
-                template_kwargs: dict | None, documents: list[dict] | None = None) -> str:
-  """The conversation as the model's chat template writes it (chat_template_kwargs, e.g. enable_thinking, and
-  documents, for templates that render them, reach it)."""
-  tokenizer = state.tokenizer("chat")
-  if not tokenizer.has_chat_template and state.chat_template is None:
+def render_chat(state: ServerState, req: ChatCompletionRequest | TokenizeRequest, tools: list[dict[str, Any]] | None) -> str:
+  """The conversation as the chat template writes it: the model's, --chat-template's, or the request's own (vLLM's
+  chat_template, with --trust-request-chat-template); `tools`, chat_template_kwargs (e.g. enable_thinking) and
+  documents, for templates that render them, reach it."""
+  tokenizer, template = state.tokenizer("chat"), state.chat.chat_template
+  if req.chat_template is not None:
+    if not state.chat.trust_request_chat_template: raise bad_request(UNTRUSTED_TEMPLATE, "chat_template")
+    template = req.chat_template
+  if not tokenizer.has_chat_template and template is None:
     raise bad_request("this model has no chat template: use /v1/completions (or start the server with --chat-template)", "messages")
-  kwargs = template_kwargs or {}
+  kwargs = req.chat_template_kwargs or {}
   if bad := sorted(_RESERVED_TEMPLATE_ARGS & kwargs.keys()):
     raise bad_request(f"chat_template_kwargs cannot set {', '.join(bad)}", "chat_template_kwargs")
-  if documents is not None: kwargs = {**kwargs, "documents": documents}
+  documents = getattr(req, "documents", None)
+  kwargs = {**kwargs, **({"documents": documents} if documents is not None else {}), **({"tools": tools} if tools else {})}
+  if req.continue_final_message and req.add_generation_prompt is not False:
+    raise bad_request("continue_final_message needs add_generation_prompt: false (the first continues the last message, the "
+                      "second starts a new one)", "continue_final_message")
+  param = "chat_template" if req.chat_template is not None else "messages"
   try:
-    text = tokenizer.apply_chat_template([m.template_dict() for m in messages], add_generation_prompt=add_generation_prompt,
-                                         chat_template=state.chat_template, **kwargs)
+    messages = parse_tool_call_arguments([m.template_dict() for m in req.messages or []])
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt is not False,
+                                         chat_template=template, continue_final_message=bool(req.continue_final_message), **kwargs)
   except TokenizerError as e:
-    raise bad_request(str(e), "messages") from None
+    raise bad_request(str(e), param) from None
   assert isinstance(text, str)
   return text
 
 
-def _prepare(state: ServerState, req: ChatCompletionRequest) -> tuple[Prompt, int | None]:
+def _prepare(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan) -> tuple[Prompt, int | None]:
   if req.top_logprobs and not req.logprobs: raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-  text = render_chat(state, req.messages, req.add_generation_prompt is not False, req.chat_template_kwargs, req.documents)
+  text = render_chat(state, req, plan.template_tools)
   # the template writes the special tokens; add_special_tokens adds the tokenizer's (BOS) in front as well
   prompt = Prompt(text, state.tokenizer("chat").encode(text, add_special_tokens=bool(req.add_special_tokens)))
   if not prompt.token_ids: raise bad_request("the chat template rendered no tokens", "messages")
   return prompt, (req.top_logprobs or 0) if req.logprobs else None
+
+
+def _with_tools(state: ServerState, req: ChatCompletionRequest, params: SamplingParams, plan: ToolPlan) -> SamplingParams:
+  """The grammar of a forced tool call, and the parser's markers kept in the text where the tokenizer makes them special
+  tokens (unless the request says otherwise)."""
+  changes: dict[str, Any] = {}
+  if plan.schema is not None:
+    if params.structured_outputs is not None:
+      raise bad_request("tool_choice \"required\" or a named function constrains the output to tool calls; it cannot be "
+                        "combined with another output constraint (response_format, structured_outputs)", "tool_choice")
+    changes["structured_outputs"] = StructuredOutputsParams(json=plan.schema, whitespace_pattern=TOOL_CALL_WHITESPACE)
+  tokenizer = state.tokenizer("chat")
+  special = {tokenizer.added_tokens.get(m) for m in plan.markers} & tokenizer.special_token_ids
+  if special and "skip_special_tokens" not in req.model_fields_set: changes["skip_special_tokens"] = False
+  return dataclasses.replace(params, **changes) if changes else params
+
+
+def _output_parser(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan, prompt: Prompt) -> ChatOutputParser:
+  return ChatOutputParser(plan, state.chat.reasoning_parser, prompt.text or "", req.include_reasoning is not False)
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request) -> Response:
@@ -87,21 +125,25 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
   max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
   param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
   if max_tokens is not None and max_tokens < 1: raise bad_request(f"{param} must be >= 1, got {max_tokens}", param)
-  prompt, logprobs = _prepare(state, req)
-  rename = {"logprobs": "top_logprobs", "max_tokens": param}
+  plan = plan_tools(req, state.chat)
+  prompt, logprobs = _prepare(state, req, plan)
+  rename = {"logprobs": "top_logprobs", "max_tokens": param, **({"structured_outputs": "tool_choice"} if plan.forced else {})}
   params = sampling_params(req, check_context(state, prompt, max_tokens, "messages"), logprobs, req.prompt_logprobs, rename,
                            state.sampling_defaults)
+  params = _with_tools(state, req, params, plan)
   check_engine_limits(state, prompt, params, "messages", rename)
   request_id, created, engine_id = response_id("chatcmpl", req), int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
   if req.stream:
-    return StreamingResponse(_stream(state, req, prompt, params, (request_id, engine_id), created), media_type="text/event-stream")
+    return StreamingResponse(_stream(state, req, prompt, params, (request_id, engine_id), created, plan),
+                             media_type="text/event-stream")
   finals = await unless_disconnected(request, final_outputs(state, [prompt], [params], engine_id, priority))
   if finals is None: return Response(status_code=499)
   tokenizer, out, ids = state.require_engine().tokenizer, finals[0], returns_token_ids(state, req)
-  choices = [ChatChoice(index=o.index, message=AssistantMessage(content=o.text), finish_reason=o.finish_reason,
+  parsers = [_output_parser(state, req, plan, prompt) for _ in out.outputs]
+  choices = [ChatChoice(index=o.index, message=p.message(o.text), finish_reason=p.finish_reason(o.finish_reason),
                         stop_reason=o.stop_reason, logprobs=_logprobs(tokenizer, o.token_ids, o.logprobs, logprobs),
                         token_ids=list(o.token_ids) if ids else None)
-             for o in out.outputs]
+             for o, p in zip(out.outputs, parsers, strict=True)]
   body = ChatCompletionResponse(id=request_id, created=created, model=state.served_model_name, choices=choices,
                                 usage=_usage(prompt, sum(len(o.token_ids) for o in out.outputs)),
                                 prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs),
@@ -137,11 +179,12 @@ def _delta_logprobs(tokenizer: Tokenizer | None, o: CompletionOutput, top_k: int
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, prompt: Prompt, params: SamplingParams, ids: tuple[str, str],
-                  created: int) -> AsyncIterator[str]:
-  """Role chunk per choice, content chunks, a closing chunk with finish_reason per choice, [usage chunk], [DONE];
-  `ids`: the response's and the engine request's ids."""
+                  created: int, plan: ToolPlan) -> AsyncIterator[str]:
+  """Role chunk per choice, delta chunks (content, reasoning_content, tool_calls), a closing chunk with finish_reason per
+  choice, [usage chunk], [DONE]; `ids`: the response's and the engine request's ids."""
   tokenizer, model, usage_on = state.require_engine().tokenizer, state.served_model_name, req.include_usage
   top_k, (request_id, engine_id), with_ids = params.logprobs, ids, returns_token_ids(state, req)
+  parsers = [_output_parser(state, req, plan, prompt) for _ in range(params.n)]
 
   def chunk(choice: ChatChunkChoice, prompt_ids: list[int] | None = None) -> str:
     body = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice], prompt_token_ids=prompt_ids)
@@ -156,17 +199,27 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, prompt: Prompt
     async for _, out in generate_many(state, [prompt], [params], engine_id, req.priority or 0):
       for o in out.outputs:
         if o.index in finished: continue
-        lps = _delta_logprobs(tokenizer, o, top_k)
-        if o.delta_text or lps is not None or (with_ids and o.delta_token_ids):
-          yield chunk(ChatChunkChoice(index=o.index, delta={"content": o.delta_text}, logprobs=lps,
-                                      token_ids=list(o.delta_token_ids) if with_ids else None))
+        new_ids = list(o.delta_token_ids) if with_ids else None
+        for choice in _delta_choices(o.index, parsers[o.index].feed(o.delta_text, o.finished), _delta_logprobs(tokenizer, o, top_k),
+                                     new_ids):
+          yield chunk(choice)
         if o.finished:
           finished.add(o.index)
           completion_tokens += len(o.token_ids)
-          yield chunk(ChatChunkChoice(index=o.index, delta={}, finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+          yield chunk(ChatChunkChoice(index=o.index, delta={}, finish_reason=parsers[o.index].finish_reason(o.finish_reason),
+                                      stop_reason=o.stop_reason))
     if usage_on:
       last = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[], usage=_usage(prompt, completion_tokens))
       yield chunk_event(last)
   except Exception as e:
     yield stream_error(e)
   yield sse("[DONE]")
+
+
+def _delta_choices(index: int, delta: MessageDelta, logprobs: ChatLogprobs | None, token_ids: list[int] | None) -> list[ChatChunkChoice]:
+  """A step's chunks for one choice: its text, then each tool-call delta; the step's logprobs and token ids ride on the
+  first (a step whose text is held back, e.g. a tool call being written, still sends them)."""
+  deltas = delta.openai()
+  if not deltas and (logprobs is not None or token_ids): deltas = [{"content": ""}]
+  return [ChatChunkChoice(index=index, delta=d, logprobs=logprobs if i == 0 else None,
+                          token_ids=(token_ids if i == 0 else []) if token_ids is not None else None) for i, d in enumerate(deltas)]

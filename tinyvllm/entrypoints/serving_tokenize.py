@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tinyvllm.entrypoints.chat_tools import check_tools
 from tinyvllm.entrypoints.common import ServerState
 from tinyvllm.entrypoints.errors import bad_request
 from tinyvllm.entrypoints.protocol import DetokenizeRequest, TokenizeRequest
@@ -24,8 +25,8 @@ def tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
   if req.prompt is not None:
     ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
   else:
-    assert req.messages is not None
-    text = render_chat(state, req.messages, req.add_generation_prompt is not False, req.chat_template_kwargs)
+    if req.tools: check_tools(req.tools)
+    text = render_chat(state, req, [t.model_dump(exclude_unset=True) for t in req.tools or []])
     ids = tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
   return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
 

@@ -36,9 +36,9 @@ def empty(value: Any, body: Mapping[str, Any]) -> bool: return value is None or 
 def one_of(*defaults: Any) -> Accepts: return lambda value, body: value is None or any(equals(value, d) for d in defaults)
 
 
-def _no_tools(value: Any, body: Mapping[str, Any]) -> bool:
-  """tool_choice / function_call that call nothing: "none", or "auto" / "required" over an empty list of tools."""
-  return value is None or value == "none" or (value in ("auto", "required") and not body.get("tools") and not body.get("functions"))
+def _no_functions(value: Any, body: Mapping[str, Any]) -> bool:
+  """A function_call that calls nothing: "none", or "auto" without functions."""
+  return value is None or value == "none" or (value == "auto" and not body.get("functions"))
 
 
 def _zero_bias(value: Any, body: Mapping[str, Any]) -> bool:
@@ -105,14 +105,11 @@ COMPLETION = {
   "prompt_embeds": Unsupported("prompts as embeddings are not implemented: send text or token ids"),
 }
 
-TOOLS = {
-  "tools": Unsupported("tool calling is not implemented (no tool-call parsing)", empty),
-  "tool_choice": Unsupported("tool calling is not implemented; only \"none\" (or \"auto\" without tools) is accepted",
-                             _no_tools),
-  "parallel_tool_calls": Unsupported("tool calling is not implemented",
-                                     lambda v, body: v is None or (isinstance(v, bool) and not body.get("tools"))),
-  "functions": Unsupported("function calling is not implemented", empty),
-  "function_call": Unsupported("function calling is not implemented; only \"none\" is accepted", _no_tools),
+# OpenAI's deprecated function calling (tools and tool_choice replace it; vLLM does not take it either)
+FUNCTIONS = {
+  "functions": Unsupported("the deprecated function calling is not implemented: use tools and tool_choice", empty),
+  "function_call": Unsupported("the deprecated function calling is not implemented: use tools and tool_choice; only \"none\" "
+                               "is accepted", _no_functions),
 }
 
 # OpenAI's chat fields for its own platform's services
@@ -122,8 +119,6 @@ OPENAI_SERVICES = {
                             lambda v, body: v is None or v == ["text"]),
   "prediction": Unsupported("predicted outputs (speculative decoding from given text) are not implemented"),
   "reasoning_effort": Unsupported("reasoning effort is not implemented: use chat_template_kwargs (e.g. enable_thinking)"),
-  "include_reasoning": Unsupported("separating reasoning from the answer (a reasoning parser) is not implemented",
-                                   one_of(True)),
   "verbosity": Unsupported("a verbosity control is not implemented", one_of("medium")),
   "web_search_options": Unsupported("web search is not implemented"),
   "store": Unsupported("stored completions are not implemented", one_of(False)),
@@ -137,20 +132,12 @@ OPENAI_SERVICES = {
                                         "used blocks); only \"in_memory\" is accepted", one_of("in_memory")),
 }
 
-CHAT_TEMPLATE = {
-  "chat_template": Unsupported("per-request chat templates are not accepted: the model's own template is used"),
-  "continue_final_message": Unsupported("continuing the final message (an open assistant turn) is not implemented",
-                                        one_of(False)),
-}
-
 CHAT = {
-  **STRUCTURED, **SAMPLING, **TOOLS, **OPENAI_SERVICES, **CHAT_TEMPLATE,
+  **STRUCTURED, **SAMPLING, **FUNCTIONS, **OPENAI_SERVICES,
   "echo": Unsupported("echoing the last message into the reply is not implemented", one_of(False)),
 }
 
 TOKENIZE = {
-  **CHAT_TEMPLATE,
-  "tools": TOOLS["tools"],
   "mm_processor_kwargs": SAMPLING["mm_processor_kwargs"],
   "media_io_kwargs": SAMPLING["media_io_kwargs"],
   "return_token_strs": Unsupported("token strings are not implemented (the tokenizer keeps token bytes)", one_of(False)),
