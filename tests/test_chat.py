@@ -41,6 +41,26 @@ def test_chat_uses_the_template(llm, qwen_dir):
   assert len(out.outputs[0].token_ids) == 5
 
 
+def test_chat_with_tools_and_continue_final_message_renders_as_transformers(llm, qwen_dir):
+  """vLLM's LLM.chat arguments: tools reach the template, tool calls' arguments may be JSON strings (OpenAI's form),
+  continue_final_message leaves the last message open."""
+  from transformers import AutoTokenizer
+  hf = AutoTokenizer.from_pretrained(str(qwen_dir))
+  tools = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+  called = [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 2}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "4"}]
+  params = SamplingParams(temperature=0, max_tokens=2)
+  out = llm.chat(called, params, use_tqdm=False, tools=tools)[0]
+  as_object = {**called[2]["tool_calls"][0], "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}
+  reference = [*called[:2], {**called[2], "tool_calls": [as_object]}, called[3]]
+  assert out.prompt == hf.apply_chat_template(reference, tools=tools, add_generation_prompt=True, tokenize=False)
+  partial = [*MESSAGES, {"role": "assistant", "content": "2+2 is"}]
+  out = llm.chat(partial, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+  assert out.prompt == hf.apply_chat_template(partial, continue_final_message=True, tokenize=False) and out.prompt.endswith("2+2 is")
+
+
 def test_chat_equals_generate_on_rendered_prompt(llm):
   params = SamplingParams(temperature=0, max_tokens=8)
   chat = llm.chat(MESSAGES, params, use_tqdm=False)[0]
