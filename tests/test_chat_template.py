@@ -198,3 +198,11 @@ def test_tool_call_arguments_given_as_json_strings_render_as_objects(qwen: Token
   as_strings[1]["tool_calls"][1]["function"]["arguments"] = "{city"
   with pytest.raises(TokenizerError, match="message 1: a tool call's arguments are not valid JSON"):
     parse_tool_call_arguments(as_strings)
+
+
+def test_templates_given_per_call_are_kept_compiled_within_a_bound(qwen: Tokenizer):
+  """A server that renders requests' own templates keeps the recently used ones compiled, not every one it ever saw."""
+  from tinyvllm.tokenizer.tokenizer import OTHER_TEMPLATES
+  chat = [{"role": "user", "content": "x"}]
+  for i in range(OTHER_TEMPLATES + 10): assert qwen.apply_chat_template(chat, chat_template=f"{{{{ messages[0].content }}}}{i}") == f"x{i}"
+  assert len(qwen._other_templates) == OTHER_TEMPLATES

@@ -205,7 +205,7 @@ BAD = [
   ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "not a schema"}}]}, "tools", "parameters"),
   ({"tools": [{"type": "function", "function": {**WEATHER["function"], "strict": True}}]}, "tools", "strict"),
   ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "tool_choice": "required"},
-   "tool_choice", "structured_outputs.json"),
+   "tools", "is not valid"),
   ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt"),
   ({"chat_template": "{% for %}"}, "chat_template", "does not parse"),
   ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "tools"),

@@ -127,7 +127,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
   if max_tokens is not None and max_tokens < 1: raise bad_request(f"{param} must be >= 1, got {max_tokens}", param)
   plan = plan_tools(req, state.chat)
   prompt, logprobs = _prepare(state, req, plan)
-  rename = {"logprobs": "top_logprobs", "max_tokens": param, **({"structured_outputs": "tool_choice"} if plan.forced else {})}
+  # a forced call's grammar is made from the tools' parameters: a schema the grammar engine refuses is the tools' fault
+  rename = {"logprobs": "top_logprobs", "max_tokens": param, **({"structured_outputs": "tools"} if plan.forced else {})}
   params = sampling_params(req, check_context(state, prompt, max_tokens, "messages"), logprobs, req.prompt_logprobs, rename,
                            state.sampling_defaults)
   params = _with_tools(state, req, params, plan)

@@ -11,6 +11,8 @@ from tinyvllm.tokenizer.config import Specials
 from tinyvllm.tokenizer.encoding import ModelParts
 from tinyvllm.tokenizer.errors import TokenizerError
 
+OTHER_TEMPLATES = 64   # compiled chat templates kept beside the model's
+
 
 class Tokenizer:
   """Made by load_tokenizer(); encode/decode follow HF `tokenizers` for the same files."""
@@ -22,7 +24,8 @@ class Tokenizer:
     self._splitter = AddedTokenSplitter(added)
     self._specials = specials
     self._chat_template = chat_template
-    self._other_templates: dict[str, ChatTemplate] = {}   # templates given per call (--chat-template), compiled once
+    # templates given per call (--chat-template, a request's own), compiled once; the least recently used go first
+    self._other_templates: dict[str, ChatTemplate] = {}
     self._template_tokens = template_tokens or {}
     self.added_tokens = {t.content: t.id for t in added}
     self.special_token_ids: frozenset[int] = frozenset(t.id for t in added if t.special)
@@ -124,6 +127,7 @@ class Tokenizer:
     return self.encode(text, add_special_tokens=False) if tokenize else text
 
   def _template_from(self, source: str) -> ChatTemplate:
-    if source not in self._other_templates:
-      self._other_templates[source] = ChatTemplate(source)
-    return self._other_templates[source]
+    template = self._other_templates.pop(source, None) or ChatTemplate(source)
+    self._other_templates[source] = template   # the most recently used last
+    if len(self._other_templates) > OTHER_TEMPLATES: del self._other_templates[next(iter(self._other_templates))]
+    return template
