@@ -148,3 +148,38 @@ class SamplingParams:
 
   @property
   def uses_filters(self) -> bool: return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
+
+MAX_BEAM_WIDTH = 10   # each beam's candidates are its 2 x beam_width top logprobs, and a step returns at most 20
+
+
+@dataclass
+class BeamSearchParams:
+  """How LLM.beam_search searches (vLLM's BeamSearchParams), validated at construction.
+
+  Each of max_tokens steps extends every live beam by its 2 x beam_width most probable next tokens (and, with
+  temperature > 0, the token sampled at that temperature when it is not among them, as vLLM's); a beam whose token is
+  EOS is complete (unless ignore_eos), the beam_width best of the others live on. A beam's score is its cumulative
+  logprob / len ** length_penalty, len counting the prompt's tokens (and not a final EOS). include_stop_str_in_output:
+  a complete beam's text ends with its EOS token's text."""
+  beam_width: int
+  max_tokens: int
+  ignore_eos: bool = False
+  temperature: float = 0.0
+  length_penalty: float = 1.0
+  include_stop_str_in_output: bool = False
+
+  def __post_init__(self) -> None:
+    _check(_is_int(self.beam_width) and 1 <= self.beam_width <= MAX_BEAM_WIDTH, "beam_width",
+           f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}")
+    _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+    _check_in(self.temperature, "temperature", 0, FLOAT32_MAX)
+    _check(_is_number(self.length_penalty) and math.isfinite(self.length_penalty), "length_penalty",
+           f"length_penalty must be a finite number, got {self.length_penalty!r}")
+    for name in ("ignore_eos", "include_stop_str_in_output"):
+      _check(isinstance(getattr(self, name), bool), name, f"{name} must be a bool, got {getattr(self, name)!r}")
+
+  @property
+  def num_candidates(self) -> int:
+    """The top logprobs each beam's step asks for."""
+    return 2 * self.beam_width

@@ -14,6 +14,7 @@ import itertools
 from collections.abc import AsyncIterator, Callable
 
 from tinyvllm.config import EngineConfig
+from tinyvllm.engine.beam_search import candidates, start_search, step_params
 from tinyvllm.engine.core_client import CoreClient
 from tinyvllm.engine.core_setup import log
 from tinyvllm.engine.exceptions import EngineDeadError
@@ -22,7 +23,7 @@ from tinyvllm.engine.messages import EngineCoreInfo, EngineCoreOutputs, Schedule
 from tinyvllm.engine.output_processor import OutputProcessor
 from tinyvllm.engine.stats_logger import StatsLogger
 from tinyvllm.outputs import RequestOutput
-from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.sampling_params import BeamSearchParams, SamplingParams
 
 OUTPUT_CHUNK = 128   # outputs processed between two yields to the event loop (a step of 500 requests stays responsive)
 _ids = itertools.count()
@@ -95,6 +96,32 @@ class AsyncLLM:
     finally:
       self._streams.pop(request_id, None)
       if not finished: self._abort(request_id)
+
+  def validate_beam_search(self, prompt: PromptType, params: BeamSearchParams) -> None:
+    """Check a beam search without starting it (PromptError, or SamplingParamsError naming beam_width)."""
+    start_search(self.processor, prompt, params)
+
+  async def beam_search(self, prompt: PromptType, params: BeamSearchParams, request_id: str, priority: int = 0,
+                        group: str | None = None, skip_special_tokens: bool = True) -> RequestOutput:
+    """The prompt's params.beam_width best continuations (engine/beam_search.py), as one finished RequestOutput (vLLM's
+    EngineClient.beam_search). Each step's beams run as requests {request_id}-{step}-{beam}; cancelled, the search
+    aborts the step's requests."""
+    text, search = start_search(self.processor, prompt, params)
+    step = step_params(params)
+
+    async def final(tokens: list[int], rid: str) -> RequestOutput:
+      outputs = [out async for out in self.generate({"prompt_token_ids": tokens}, step, rid, priority, group)]
+      return outputs[-1]   # (the stream ends with the finished output)
+    for t in range(params.max_tokens):
+      if not search.beams: break   # every candidate was EOS
+      tasks = [asyncio.ensure_future(final(beam.tokens, f"{request_id}-{t}-{i}")) for i, beam in enumerate(search.beams)]
+      try: outputs = await asyncio.gather(*tasks)
+      finally:   # failed or cancelled: none of the step's requests goes on (each aborts itself when cancelled)
+        for task in tasks: task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+      search.advance([candidates(out) for out in outputs])
+    decode = None if self.tokenizer is None else lambda ids: self.tokenizer.decode(ids, skip_special_tokens)
+    return search.request_output(request_id, text, decode)
 
   async def abort(self, request_id: str) -> None: self._abort(request_id)
 

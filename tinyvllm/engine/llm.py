@@ -1,4 +1,4 @@
-"""LLM: the offline API (vLLM's names): generate, a streaming form, and chat."""
+"""LLM: the offline API (vLLM's names): generate, a streaming form, chat and beam_search."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,11 +9,13 @@ from typing import Any
 
 from tqdm import tqdm
 
+from tinyvllm.beam_search import BeamSearchOutput
+from tinyvllm.engine.beam_search import candidates, start_search, step_params
 from tinyvllm.engine.input_processor import FrontendFiles
 from tinyvllm.engine.llm_engine import LLMEngine, PromptError, PromptType, log
 from tinyvllm.engine_args import engine_config
 from tinyvllm.outputs import RequestOutput
-from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
+from tinyvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from tinyvllm.tokenizer import HFStyleTokenizer
 from tinyvllm.tokenizer.chat_template import parse_tool_call_arguments
 
@@ -80,6 +82,24 @@ class LLM:
         for rid in ids: self.engine.abort_request(rid)
         raise
     return [finals[rid] for rid in ids]
+
+  def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                  use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    """vLLM's: each prompt's params.beam_width best continuations (tinyvllm/beam_search.py), every prompt's beams
+    stepping together. Every prompt is checked before anything runs."""
+    searches = []
+    for i, prompt in enumerate(_as_prompt_list(prompts)):
+      try: searches.append(start_search(self.engine.processor, prompt, params)[1])
+      except PromptError as e: raise PromptError(f"prompt {i}: {e}") from None
+    step = step_params(params)
+    for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm, dynamic_ncols=True):
+      beams = [beam for search in searches for beam in search.beams]
+      if not beams: break   # every candidate was EOS
+      outputs = iter(self.generate([{"prompt_token_ids": beam.tokens} for beam in beams], step, use_tqdm=False))
+      for search in searches: search.advance([candidates(next(outputs)) for _ in search.beams])
+    tokenizer = self.engine.tokenizer
+    decode = None if tokenizer is None else tokenizer.decode
+    return [BeamSearchOutput(search.best(decode)) for search in searches]
 
   def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
     """Yields the completion's text as it is produced (first sample only)."""
