@@ -170,11 +170,13 @@ def test_cheap_vllm_extras_are_implemented(http, baseline):
 
 def test_tool_calling_and_request_templates_need_the_servers_flags(http, baseline):
   """vLLM's rules on a server started without them: tool_choice "auto" (the default beside tools) needs
-  --enable-auto-tool-choice and --tool-call-parser; a request's chat_template needs --trust-request-chat-template.
+  --enable-auto-tool-choice and --tool-call-parser; a request's chat_template needs --trust-request-chat-template;
+  include_reasoning: false needs --reasoning-parser.
   tool_choice "none" still works (the tools reach the template, the output is text)."""
   assert_refused(http.post(CHAT, json={**GOOD_CHAT, "tools": [TOOL]}), "tool_choice", "--enable-auto-tool-choice")
   assert_refused(http.post(CHAT, json={**GOOD_CHAT, "tools": [TOOL], "tool_choice": "auto"}), "tool_choice", "--tool-call-parser")
   for path, good in ((CHAT, GOOD_CHAT), (TOKENIZE, {"messages": GOOD_CHAT["messages"]})):
     assert_refused(http.post(path, json={**good, "chat_template": "{{ messages }}"}), "chat_template", "--trust-request-chat-template")
+  assert_refused(http.post(CHAT, json={**GOOD_CHAT, "include_reasoning": False}), "include_reasoning", "--reasoning-parser")
   r = http.post(CHAT, json={**GOOD_CHAT, "tools": [TOOL], "tool_choice": "none"})
   assert r.status_code == 200 and not r.json()["choices"][0]["message"]["tool_calls"]

@@ -125,6 +125,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
   max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
   param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
   if max_tokens is not None and max_tokens < 1: raise bad_request(f"{param} must be >= 1, got {max_tokens}", param)
+  if req.include_reasoning is False and state.chat.reasoning_parser is None:
+    raise bad_request("include_reasoning: false needs a server started with --reasoning-parser (without one the reply is not "
+                      "split into reasoning and content)", "include_reasoning")
   plan = plan_tools(req, state.chat)
   prompt, logprobs = _prepare(state, req, plan)
   # a forced call's grammar is made from the tools' parameters: a schema the grammar engine refuses is the tools' fault
