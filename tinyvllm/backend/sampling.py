@@ -16,7 +16,11 @@ GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a smaller temperature samples greedil
 
 @dataclass(frozen=True)
 class SamplerVariant:
-  """Static flags: which features this compiled graph has (each combination is its own JIT capture)."""
+  """Static flags: which features this compiled graph has (each combination is its own JIT capture). bias and mask are
+  the token controls applied before the sampler (layers/token_controls.py): a sparse logit bias, a bitmask of allowed
+  tokens."""
   random: bool
   filters: bool
   penalties: bool
+  bias: bool = False
+  mask: bool = False

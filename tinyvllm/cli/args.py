@@ -154,6 +154,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
   c.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES,
                  help="a preempted sequence's KV blocks: freed and recomputed later, or swapped out to host memory and back")
   c.add_argument("--swap-space", type=non_negative_float, default=4, help="GiB of host memory for swapped-out KV blocks (default 4)")
+  c.add_argument("--logits-processors", nargs="+", metavar="CLASS",
+                 help="custom logits processors: qualified names of tinyvllm.layers.logits_processor.LogitsProcessor "
+                      "subclasses (package.module.Class); steps then run eagerly")
   c.add_argument("--speculative-config", type=json_value,
                  help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
                       '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (proposals from the sequence\'s own text) or '
@@ -204,7 +207,8 @@ ENGINE_FLAGS = ("tokenizer", "dtype", "device", "max_model_len", "load_format", 
                 "decode_layer_max_context", "download_dir", "revision", "tokenizer_revision", "hf_token", "scheduling_policy",
                 "preemption_mode", "swap_space")
 # flags passed on only when given (None: the engine's default)
-OPTIONAL_FLAGS = ("cudagraph_mode", "speculative_config", "max_logprobs", "generation_config", "override_generation_config",
+OPTIONAL_FLAGS = ("cudagraph_mode", "speculative_config", "logits_processors",
+                  "max_logprobs", "generation_config", "override_generation_config",
                   "skip_tokenizer_init",
                   "disable_log_stats",
                   *(arg.name for arg in TABLE if arg.kind is not None))

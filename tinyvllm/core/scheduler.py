@@ -173,6 +173,9 @@ class SchedulerBase:
       for token in tokens:
         seq.output_token_ids.append(token)
         if (verdict := judge(seq, token, row)) is not None: break
+        if seq.grammar is not None and seq.grammar.advance(token):   # structured output: the grammar is complete
+          verdict = StopVerdict(SequenceStatus.FINISHED_STOPPED)
+          break
       if seq.first_token_time is None: seq.first_token_time = now
       seq.last_token_time = now
       landed.append(seq)

@@ -5,8 +5,12 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tinyvllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+  from tinyvllm.core.structured_output import StructuredOutputGrammar
 
 _seq_ids = itertools.count()
 
@@ -36,6 +40,8 @@ class Sequence:
   index: int = 0                              # which of the request's n samples this is
   priority: int = 0                           # the request's (scheduling_policy priority: lower values are served first)
   group: str | None = None                    # the API request it came with (fair admission: core/fair_share.py)
+  eos_token_ids: frozenset[int] = frozenset()   # the ids that end it unless ignore_eos (min_tokens holds them back)
+  grammar: StructuredOutputGrammar | None = None   # structured output: its matcher, advanced by the scheduler
   seq_id: int = field(default_factory=lambda: next(_seq_ids))
   output_token_ids: list[int] = field(default_factory=list)
   status: SequenceStatus = SequenceStatus.WAITING

@@ -34,7 +34,7 @@ class AsyncLLM:
                on_dead: Callable[[EngineDeadError], None] = lambda e: None):
     self.config, self.client, self.info, self.on_dead = config, client, info, on_dead
     self.tokenizer, self.default_sampling_params = files.tokenizer, files.default_sampling_params
-    self.processor = InputProcessor(info, self.tokenizer, config.max_logprobs, config.scheduling_policy)
+    self.processor = InputProcessor(info, self.tokenizer, config.max_logprobs, config.scheduling_policy, config.logits_processors)
     self.output_processor = OutputProcessor(self.tokenizer)
     self.stats: SchedulerStats | None = None        # the core's, after its latest step
     self.stats_logger = None if config.disable_log_stats else StatsLogger(log)

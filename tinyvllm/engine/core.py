@@ -19,6 +19,7 @@ from tinyvllm.core.block_manager import BlockManager
 from tinyvllm.core.scheduler_output import SchedulerOutput
 from tinyvllm.core.sequence import Request, Sequence, SequenceStatus, StopVerdict
 from tinyvllm.engine.core_setup import build_engine_parts, log
+from tinyvllm.engine.input_processor import engine_tokenizer
 from tinyvllm.engine.messages import (
   EngineCoreInfo,
   EngineCoreOutput,
@@ -30,6 +31,7 @@ from tinyvllm.engine.messages import (
   SchedulerStats,
   SwapStats,
 )
+from tinyvllm.engine.structured_outputs import GrammarCompiler
 from tinyvllm.worker.logprobs import ScoredPromptChunk, TokenLogprobs
 from tinyvllm.worker.model_runner import LaunchedStep, StepResult, freeze_long_lived_objects
 
@@ -56,6 +58,9 @@ class EngineCore:
     self._eos_ids: dict[str, frozenset[int]] = {}   # request id -> the token ids that end its samples
     self._in_flight: InFlightStep | None = None
     self._seed_rng = random.Random(config.seed)
+    # structured output's grammars, compiled against the tokenizer (loaded on the first structured request)
+    self.grammars = GrammarCompiler(lambda: engine_tokenizer(config), self.model_config.vocab_size,
+                                    list(self.model_config.eos_token_ids))
     freeze_long_lived_objects()
     log(f"engine core ready in {time.perf_counter() - start:.1f} s")
 
@@ -71,11 +76,14 @@ class EngineCore:
     rid, params = request.request_id, request.sampling_params
     if rid in self.requests: raise ValueError(f"request id {rid!r} is already in use")
     base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+    eos = frozenset(request.eos_token_ids)
+    grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs is not None else None
     seqs = [Sequence(rid, request.prompt_token_ids, params, seed=hash((base_seed, i)) if i else base_seed, index=i,
-                     priority=request.priority, group=request.group)
+                     priority=request.priority, group=request.group, eos_token_ids=eos,
+                     grammar=grammar.copy() if grammar is not None and i else grammar)
             for i in range(params.n)]
     self.requests[rid] = Request(rid, None, request.prompt_token_ids, params, seqs, arrival_time=request.arrival_time)
-    self._eos_ids[rid] = frozenset(request.eos_token_ids)
+    self._eos_ids[rid] = eos
     self.scheduler.add(seqs)
 
   def abort_requests(self, request_ids: list[str]) -> None:

@@ -32,6 +32,7 @@ from tinyvllm.worker.cache_sizing import num_kv_blocks, num_swap_blocks
 from tinyvllm.worker.host_io import reads_back_asynchronously
 from tinyvllm.worker.input_batch import bucket
 from tinyvllm.worker.kv_cache import KVCache
+from tinyvllm.worker.logits_processors import LogitsProcessors, processor_class
 from tinyvllm.worker.model_runner import ModelRunner
 
 
@@ -124,11 +125,21 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
       + (f" ({swap_blocks} blocks of swap space, {config.swap_space} GiB)" if swap_blocks else ""))
   runner = ModelRunner(model, kv_cache, config.max_num_seqs, max_model_len, config.cudagraph_mode,
                        capture_repeated_prompt_layouts=is_cpu(device),
-                       num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0)
+                       num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+                       logits_processors=logits_processors(config, device))
   warm_up_seconds = warm_up(config, runner, device, sched_config.max_num_batched_tokens)
   speculator = make_speculator(config, max_model_len, draft, allocator, kv_dtype, device, sched_config.max_num_batched_tokens)
   return EngineParts(device, mc, located.folder, max_model_len, dtype, kv_dtype, model, allocator, kv_cache, scheduler, runner,
                      async_scheduling, warm_up_seconds, speculator)
+
+
+def logits_processors(config: EngineConfig, device: str) -> LogitsProcessors | None:
+  """The custom logits processors, built (None: none configured); steps then run eagerly."""
+  if not config.logits_processors: return None
+  try: classes = [processor_class(spec) for spec in config.logits_processors]
+  except ValueError as e: raise ConfigError(str(e)) from None
+  log(f"logits processors: {', '.join(c.__qualname__ for c in classes)} (every step runs eagerly)")
+  return LogitsProcessors(classes, config, device)
 
 
 def make_speculator(config: EngineConfig, max_model_len: int, draft: DraftModel | None, allocator, kv_dtype: DType,

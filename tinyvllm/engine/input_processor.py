@@ -14,6 +14,7 @@ from tinyvllm.core.scheduling_policy import check_priority
 from tinyvllm.engine.core_setup import log
 from tinyvllm.engine.generation_config import default_sampling_params
 from tinyvllm.engine.messages import EngineCoreInfo, EngineCoreRequest
+from tinyvllm.engine.structured_outputs import check_grammar
 from tinyvllm.model.gguf.config import gguf_model_config, is_gguf_path
 from tinyvllm.model.gguf.reader import GGUFFile
 from tinyvllm.model.gguf.tokenizer import gguf_tokenizer
@@ -21,6 +22,7 @@ from tinyvllm.model.hub import resolve_model, resolve_tokenizer
 from tinyvllm.model.presets import PRESETS
 from tinyvllm.sampling_params import SamplingParams, SamplingParamsError
 from tinyvllm.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from tinyvllm.worker.logits_processors import processor_class
 
 PromptType = str | list[int] | dict
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -75,6 +77,24 @@ def _sampling_defaults(config: EngineConfig, folder: Path | None) -> dict[str, A
   return defaults
 
 
+def bad_words_token_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
+  """vLLM's tokenization of bad words: each word (leading spaces stripped) alone and after a space, the second only
+  where the space makes a different word of as many tokens."""
+  out: list[list[int]] = []
+  for word in words:
+    alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+    spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+    out.append(alone)
+    if spaced[0] != alone[0] and len(spaced) == len(alone): out.append(spaced)
+  return out
+
+
+def engine_tokenizer(config: EngineConfig) -> Tokenizer | None:
+  """The frontend's tokenizer, loaded again (the engine core's structured output builds its grammars' tokenizer on it)."""
+  gguf = GGUFFile(Path(config.model).expanduser()) if is_gguf_path(config.model) else None
+  return _tokenizer(config, model_folder(config), gguf)
+
+
 def _tokenizer(config: EngineConfig, folder: Path | None, gguf: GGUFFile | None) -> Tokenizer | None:
   """--tokenizer, else the model folder's own; a folder without tokenizer files serves token-id prompts only."""
   if config.skip_tokenizer_init:
@@ -89,8 +109,12 @@ def _tokenizer(config: EngineConfig, folder: Path | None, gguf: GGUFFile | None)
 
 
 class InputProcessor:
-  def __init__(self, info: EngineCoreInfo, tokenizer: Tokenizer | None, max_logprobs: int, scheduling_policy: str = "fcfs"):
+  def __init__(self, info: EngineCoreInfo, tokenizer: Tokenizer | None, max_logprobs: int, scheduling_policy: str = "fcfs",
+               logits_processors: list[str | type] | None = None):
+    """logits_processors: the engine's custom processors (classes or qualified names), whose validate_params each
+    request passes."""
     self.info, self.tokenizer, self.max_logprobs, self.scheduling_policy = info, tokenizer, max_logprobs, scheduling_policy
+    self.logits_processors = [processor_class(spec) for spec in logits_processors or []]
     tokenizer_eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset()
     self.eos_token_ids = sorted(frozenset(info.eos_token_ids) | tokenizer_eos)
 
@@ -124,12 +148,25 @@ class InputProcessor:
                         f"but the whole cache holds {self.info.num_kv_blocks}")
     if params.stop_strings and self.tokenizer is None:
       raise SamplingParamsError("stop", "stop strings need a tokenizer and this model has none (stop_token_ids work without)")
-    if params.structured_outputs is not None:
-      raise SamplingParamsError("structured_outputs", "structured output is not built yet")
+    self._check_token_controls(params)
     for name in ("logprobs", "prompt_logprobs"):
       wanted = getattr(params, name)
       if wanted is not None and wanted > self.max_logprobs:
         raise SamplingParamsError(name, f"{name}={wanted} is more than max_logprobs ({self.max_logprobs})")
+
+  def _check_token_controls(self, params: SamplingParams) -> None:
+    """Token ids within the vocabulary; bad words and structured output need the tokenizer; the grammar compiles."""
+    vocab = self.info.vocab_size
+    for name, ids in (("logit_bias", list(params.logit_bias or {})), ("allowed_token_ids", params.allowed_token_ids or [])):
+      if bad := [t for t in ids if t >= vocab]:
+        raise SamplingParamsError(name, f"{name} has token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
+    for name in ("bad_words", "structured_outputs"):
+      if getattr(params, name) and self.tokenizer is None:
+        raise SamplingParamsError(name, f"{name} needs a tokenizer and this model has none")
+    if params.structured_outputs is not None: check_grammar(params.structured_outputs)
+    for processor in self.logits_processors:
+      try: processor.validate_params(params)
+      except ValueError as e: raise SamplingParamsError("extra_args", f"{processor.__qualname__}: {e}") from None
 
   def _blocks_needed(self, prompt_len: int, max_tokens: int, n: int) -> int:
     if not self.info.paged: return n   # a contiguous row per sample
@@ -143,4 +180,6 @@ class InputProcessor:
     text, prompt_ids = self.tokenize_prompt(prompt)
     self.check_request(prompt_ids, params)
     if params.max_tokens is None: params = dataclasses.replace(params, max_tokens=self.info.max_model_len - len(prompt_ids))
+    if params.bad_words and self.tokenizer is not None:
+      params = dataclasses.replace(params, _bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words))
     return text, EngineCoreRequest(request_id, prompt_ids, params, self.eos_token_ids, time.time(), priority)

@@ -40,7 +40,8 @@ class LLMEngine:
     if check_frontend_files is not None: check_frontend_files(files)
     self.tokenizer, self.default_sampling_params = files.tokenizer, files.default_sampling_params
     self.core = EngineCore(config, log_stats=not config.disable_log_stats)
-    self.processor = InputProcessor(self.core.info(), self.tokenizer, config.max_logprobs, config.scheduling_policy)
+    self.processor = InputProcessor(self.core.info(), self.tokenizer, config.max_logprobs, config.scheduling_policy,
+                                    config.logits_processors)
     self.output_processor = OutputProcessor(self.tokenizer)
     self.stats_logger = None if config.disable_log_stats else StatsLogger(log)
     freeze_long_lived_objects()   # the frontend too (its tokenizer's tables): no collection walks them during the steps

@@ -74,19 +74,22 @@ class SampleState:
     self.num_draft_tokens, self.num_accepted_tokens = out.num_draft_tokens, out.num_accepted_tokens
 
   def add_token(self, params: SamplingParams, token: int, logprobs: dict[int, Logprob] | None, finish_reason: str | None,
-                stop_reason: int | None) -> None:
-    """One new token: its logprobs, the core's finish, its text and the stop strings."""
+                stop_reason: int | None, eos_token_ids: frozenset[int] = frozenset()) -> None:
+    """One new token: its logprobs, the core's finish, its text and the stop strings. A token that ended the sample as
+    EOS or a stop token leaves its text out (unless include_stop_str_in_output); one that completed a structured
+    output's grammar keeps it."""
     self.token_ids.append(token)
     if logprobs is not None:
       if self.logprobs is None: self.logprobs = []
       self.logprobs.append(logprobs)
       self.cumulative_logprob += logprobs[token].logprob
     self.finish_reason, self.stop_reason = finish_reason, stop_reason
-    stopped_by_token = finish_reason == "stop"
+    stopped_by_token = finish_reason == "stop" and (token in params.stop_token_ids or (token in eos_token_ids and not params.ignore_eos))
     if self.detokenizer is None or (stopped_by_token and not params.include_stop_str_in_output): return
     old_len = len(self.text)
     self.text += self.detokenizer.add([token])
-    if (hit := find_stop(self.text, old_len, params.stop_strings)) is not None:
+    # (as vLLM's: stop strings are looked for once the output has more than min_tokens tokens)
+    if len(self.token_ids) > params.min_tokens and (hit := find_stop(self.text, old_len, params.stop_strings)) is not None:
       idx, stop = hit
       self.text = self.text[:idx + (len(stop) if params.include_stop_str_in_output else 0)]
       self.finish_reason, self.stop_reason = "stop", stop
@@ -105,6 +108,7 @@ class RequestState:
   samples: list[SampleState]
   prompt_logprobs: PromptLogprobs | None = None   # so far
   num_cached_tokens: int = 0
+  eos_token_ids: frozenset[int] = frozenset()     # what ends its samples as EOS (the core's stop)
 
   @property
   def finished(self) -> bool: return all(s.finished for s in self.samples)
@@ -130,7 +134,7 @@ class OutputProcessor:
     detokenizer = lambda: None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
     self.states[request.request_id] = RequestState(
       request.request_id, prompt, ids, params, request.arrival_time, [SampleState(i, detokenizer()) for i in range(params.n)],
-      [None] if params.prompt_logprobs is not None else None)
+      [None] if params.prompt_logprobs is not None else None, eos_token_ids=frozenset(request.eos_token_ids))
 
   def abort_request(self, request_id: str) -> None: self.states.pop(request_id, None)
 
@@ -163,7 +167,7 @@ class OutputProcessor:
     for i, token in enumerate(out.new_token_ids):
       entries = None if out.new_logprobs is None else self._entries(out.new_logprobs, i, token)
       finish = (out.finish_reason, out.stop_reason) if i == last else (None, None)
-      sample.add_token(state.params, token, entries, *finish)
+      sample.add_token(state.params, token, entries, *finish, state.eos_token_ids)
       if sample.finished: return
 
   def _entries(self, lists: LogprobsLists, i: int, token: int) -> dict[int, Logprob]:

@@ -97,6 +97,18 @@ class Tokenizer:
       ids.extend(self._specials.suffix)
     return ids
 
+  def encode_continuation(self, text: str) -> list[int]:
+    """Token ids of `text` as it continues earlier text (what a model emitting it generates): no BOS/EOS, and no prefix
+    space where encode() gives one (SentencePiece's "▁", add_prefix_space); added tokens written in it become their ids.
+    The text is prepared behind an "a", whose piece is then cut, so a normaliser's prefix lands before it."""
+    ids: list[int] = []
+    prepare, encoding = self._parts.prepare, self._parts.encoding
+    lead = len(prepare("a", False))
+    for run, token_id, _ in self._splitter.split(text):
+      if token_id is None: ids.extend(encoding.encode(prepare("a" + run, False)[lead:]))
+      else: ids.append(token_id)
+    return ids
+
   def ids_to_bytes(self, ids: Iterable[int], skip_special_tokens: bool = True) -> bytes:
     """The bytes of the tokens one after the other (ids the tokenizer does not know give nothing)."""
     table = self._bytes_skipping if skip_special_tokens else self._bytes

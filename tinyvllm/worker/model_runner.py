@@ -13,7 +13,7 @@ import functools
 import gc
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from tinygrad import Tensor, TinyJit, dtypes
@@ -24,14 +24,19 @@ from tinyvllm.core.sequence import Sequence
 from tinyvllm.kernels.tinygrad_program import collecting_sources, compile_parallel
 from tinyvllm.layers.rejection_sampler import greedy_verify, verify
 from tinyvllm.layers.sampler import SamplingBatch
+from tinyvllm.layers.token_controls import apply_token_controls
 from tinyvllm.model.llama import StepInputs, TransformerLM
 from tinyvllm.platform import tinygrad_compat as compat
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.host_io import Download, StepIO
 from tinyvllm.worker.input_batch import HostBatch, StepBuckets, bucket, prepare_batch
 from tinyvllm.worker.kv_cache import KVCache
+from tinyvllm.worker.logits_processors import LogitsProcessors
 from tinyvllm.worker.logprobs import PromptRows, ScoredPromptChunk, TokenLogprobs, prompt_rows, score, split_chunks
 from tinyvllm.worker.step_layout import StepLayout, covers, logprobs_bucket, packed_fields
+from tinyvllm.worker.token_controls import TokenControlsBuilder
+
+_NO_DRAFTS = np.zeros((0, 0), np.int32)
 
 
 @dataclass
@@ -80,16 +85,20 @@ def freeze_long_lived_objects() -> None:
 
 class ModelRunner:
   def __init__(self, model: TransformerLM, kv_cache: KVCache, max_num_seqs: int, max_model_len: int,
-               cudagraph_mode: str = "FULL", capture_repeated_prompt_layouts: bool = False, num_speculative_tokens: int = 0):
+               cudagraph_mode: str = "FULL", capture_repeated_prompt_layouts: bool = False, num_speculative_tokens: int = 0,
+               logits_processors: LogitsProcessors | None = None):
     """Buckets as coarse as the model's backend allows (StepBuckets); `max_num_seqs` also sizes the sampled tokens
     each step keeps on the device for the next one (asynchronous scheduling).
     `capture_repeated_prompt_layouts` (the CPU): a layout with prompt chunks runs eagerly when first met and is captured
     when met again. There a capture costs 3-4 eager steps (tinygrad lowers the step once more into the graph) and
     many prompt layouts are met once: capturing each at once made the tests of generation, engine features and the
     prefix cache 40% slower than running them eagerly.
-    `num_speculative_tokens` (k): a step verifying proposals samples 1 + k rows per sequence (verify())."""
+    `num_speculative_tokens` (k): a step verifying proposals samples 1 + k rows per sequence (verify()).
+    `logits_processors`: custom processors applied to every step's logits, which then runs eagerly (a processor makes
+    tensors from its state: a capture would replay the first step's)."""
     backend = model.backend
-    self.model, self.kv_cache, self.cudagraph_mode = model, kv_cache, cudagraph_mode
+    self.model, self.kv_cache, self.cudagraph_mode = model, kv_cache, "NONE" if logits_processors else cudagraph_mode
+    self._processors = logits_processors
     self.chain_rows = bucket(max_num_seqs)
     self.last_tokens = Tensor.zeros(self.chain_rows, dtype=dtypes.int32, device=model.device).contiguous().realize()
     self.buckets = StepBuckets(min(backend.min_context_bucket, bucket(max_model_len, 16)),
@@ -103,6 +112,7 @@ class ModelRunner:
     self._met_once: set[StepLayout] = set()   # prompt layouts run eagerly once, to be captured when met again
     self.capture_seconds = 0.0    # spent in steps that captured a new layout (building + running them)
     self._io = StepIO(model.device)
+    self._controls = TokenControlsBuilder(self.vocab_size)
 
   def execute(self, sched: SchedulerOutput) -> StepResult: return self.launch(sched).result()
 
@@ -110,14 +120,17 @@ class ModelRunner:
     """Enqueue the step and the copy of its samples to the host; tokens still in flight come from the previous step's
     samples on the device. Penalties need every earlier token on the host, so those rows must have none in flight."""
     host, layout, packed, prompt = self._prepare(sched)
-    penalties = layout.variant.penalties
-    if penalties and any(item.token_source >= 0 and item.seq.params.uses_penalties for item in sched.scheduled):
-      raise RuntimeError("a sequence with penalties was scheduled before its previous token was read")
+    if self._processors is not None: self._processors.update(host.sample_seqs)
+    # processors may read any row's output: every row's tokens must be on the host
+    on_host = self._processors is not None or any(s.params.needs_output_on_host for s in host.sample_seqs)
+    if on_host and any(item.token_source >= 0 and item.seq.params.needs_output_on_host for item in sched.scheduled):
+      raise RuntimeError("a sequence that needs its output on the host (penalties, a bad word of several tokens, "
+                         "structured output) was scheduled before its previous token was read")
     if sched.blocks_to_swap_out: self.kv_cache.swap_out(sched.blocks_to_swap_out)   # first: its blocks may be reused below
     if sched.blocks_to_swap_in: self.kv_cache.swap_in(sched.blocks_to_swap_in)
     if sched.block_copies: self.kv_cache.copy_blocks(sched.block_copies)
     out = self._step_fn(self._covering(layout))(packed)
-    chains = len(host.sample_seqs) <= self.chain_rows and not penalties and host.spec_rows == 1
+    chains = len(host.sample_seqs) <= self.chain_rows and not on_host and host.spec_rows == 1
     return LaunchedStep(host.sample_seqs, self._io.download_later(out if isinstance(out, tuple) else (out,)), chains,
                         layout.logprobs >= 0, prompt, host.spec_rows)
 
@@ -125,9 +138,12 @@ class ModelRunner:
     """The step's host batch, its layout, its packed metadata uploaded to the device, and the prompt tokens it scores."""
     host = prepare_batch(sched.scheduled, self.kv_cache.block_size, self.buckets, self.num_speculative_tokens)
     sampling = self._sampling_batch(host)
+    controls = self._controls.build(host.sample_seqs, host.sample_steps, host.arrays.get("draft_tokens", _NO_DRAFTS),
+                                    host.spec_rows, len(host.logits_index))
+    variant = replace(sampling.variant, bias=controls.bias_index is not None, mask=controls.bitmask is not None)
     prompt = prompt_rows(sched.scheduled, host.query_start)
-    fields = packed_fields(host, sampling, prompt)
-    layout = StepLayout(tuple((name, a.shape) for name, a in fields.items()), host.context_len, sampling.variant,
+    fields = packed_fields(host, sampling, prompt, controls)
+    layout = StepLayout(tuple((name, a.shape) for name, a in fields.items()), host.context_len, variant,
                         logprobs_bucket(host.sample_seqs), prompt.k if prompt is not None else -1, host.prompt_chunks)
     return host, layout, self._io.upload(np.concatenate([a.reshape(-1) for a in fields.values()])), prompt
 
@@ -244,6 +260,11 @@ class ModelRunner:
     logits_index = f["logits_index"].cat(f["prompt_index"]) if scores_prompt else None
     logits, caches = self.model(self._step_inputs(f, layout.context_len, token_ids, logits_index), self.kv_cache.layers)
     if scores_prompt: logits, prompt_logits = logits[:layout.rows], logits[layout.rows:]
+    raw_logits = logits   # what the logprobs come from (vLLM's raw_logprobs)
+    if layout.variant.bias or layout.variant.mask:
+      bias = (f["bias_index"], f["bias_value"].bitcast(dtypes.float32)) if layout.variant.bias else None
+      logits = apply_token_controls(logits, f["bitmask"] if layout.variant.mask else None, bias)
+    if self._processors is not None: logits = self._processors.apply(logits.float())
     penalties = None
     if "penalty_index" in f: penalties = (f["penalty_index"], f["penalty_value"].bitcast(dtypes.float32))
     outputs: tuple[Tensor, ...]
@@ -260,7 +281,7 @@ class ModelRunner:
     else:
       tokens = self.model.backend.sample(logits, f["params"], f["rng"], layout.variant, penalties)
       outputs = (tokens,)
-    if layout.logprobs >= 0: outputs += score(logits, tokens, layout.logprobs)
+    if layout.logprobs >= 0: outputs += score(raw_logits, tokens, layout.logprobs)
     if scores_prompt: outputs += score(prompt_logits, f["prompt_target"], layout.prompt_logprobs)
     chained = () if layout.verifies else (self.last_tokens,)
     if realize and chained:   # (a build that only collects kernel sources must leave no assignment pending)

@@ -12,6 +12,7 @@ from tinyvllm.core.sequence import Sequence
 from tinyvllm.layers.sampler import SamplingBatch
 from tinyvllm.worker.input_batch import HostBatch
 from tinyvllm.worker.logprobs import PromptRows, top_k_bucket
+from tinyvllm.worker.token_controls import TokenControls
 
 
 @dataclass(frozen=True)
@@ -43,13 +44,15 @@ class StepLayout:
     return fields
 
 
-def packed_fields(host: HostBatch, sampling: SamplingBatch, prompt: PromptRows | None = None) -> dict[str, np.ndarray]:
+def packed_fields(host: HostBatch, sampling: SamplingBatch, prompt: PromptRows | None = None,
+                  controls: TokenControls | None = None) -> dict[str, np.ndarray]:
   """Every int32 array of the step (float sampling settings travel bit-cast), in packing order."""
   fields = dict(host.arrays)
   fields["params"], fields["rng"] = sampling.params.view(np.int32), sampling.rng.view(np.int32)
   if sampling.penalty_index is not None and sampling.penalty_value is not None:
     fields["penalty_index"], fields["penalty_value"] = sampling.penalty_index, sampling.penalty_value.view(np.int32)
   if prompt is not None: fields["prompt_index"], fields["prompt_target"] = prompt.index, prompt.target
+  if controls is not None: fields.update(controls.fields())
   return fields
 
 
@@ -60,6 +63,7 @@ def logprobs_bucket(seqs: list[Sequence]) -> int:
 
 def covers(captured: SamplerVariant, wanted: SamplerVariant) -> bool:
   """Whether a capture sampling with `captured` gives `wanted`'s exact tokens: the random sampler takes greedy rows by
-  the same argmax, and filters that are off keep every token; penalties change the step's inputs, so never."""
-  return (captured.penalties == wanted.penalties and captured.random >= wanted.random
-          and captured.filters >= wanted.filters)
+  the same argmax, and filters that are off keep every token; penalties and token controls change the step's inputs,
+  so never."""
+  return (captured.penalties == wanted.penalties and captured.bias == wanted.bias and captured.mask == wanted.mask
+          and captured.random >= wanted.random and captured.filters >= wanted.filters)

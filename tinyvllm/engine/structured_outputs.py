@@ -1,0 +1,117 @@
+"""Structured output's grammars, through llguidance (the `structured` extra; vLLM's guidance backend does the same).
+
+A request's StructuredOutputsParams becomes llguidance grammar text (`grammar_text`): a JSON schema (or any JSON object)
+through llguidance's JSON compiler, whitespace flexible unless `disable_any_whitespace` (or as `whitespace_pattern`
+says); a regex; a choice as a Lark alternative of string literals; a grammar in Lark or llama.cpp's GBNF. The input
+processor checks it when the request comes (`check_grammar`: an invalid schema or an unsupported regex feature is
+refused naming the field); the engine core compiles it once per request against the llguidance tokenizer it builds
+from tinyvllm's tokenizer on the first structured request (`GrammarCompiler`), and each of the request's samples
+gets a copy of the matcher.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from tinyvllm.core.structured_output import StructuredOutputGrammar
+from tinyvllm.engine.core_setup import log
+from tinyvllm.sampling_params import SamplingParamsError, StructuredOutputsParams
+from tinyvllm.tokenizer import Tokenizer
+
+PARAM = "structured_outputs"
+CACHED_GRAMMARS = 256   # compiled matchers kept for repeated grammars (the same schema in many requests)
+
+
+def require_llguidance() -> Any:
+  try:
+    import llguidance
+  except ImportError:
+    raise SamplingParamsError(PARAM, "structured output needs llguidance, which is not installed: "
+                                     "pip install 'tinyvllm[structured]'") from None
+  return llguidance
+
+
+def kind_of(params: StructuredOutputsParams) -> str:
+  """Which constraint the params hold (json, regex, choice, grammar, json_object)."""
+  return next(name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(params, name) is not None)
+
+
+def grammar_text(params: StructuredOutputsParams) -> str:
+  """The llguidance grammar of the params (not yet checked: see check_grammar)."""
+  llg, kind = require_llguidance(), kind_of(params)
+  if kind in ("json", "json_object"):
+    schema = {"type": "object"} if kind == "json_object" else params.json
+    options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
+    if params.whitespace_pattern is not None: options["whitespace_pattern"] = params.whitespace_pattern
+    try: return llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+    except ValueError as e: raise SamplingParamsError(PARAM, f"structured_outputs.json is not a JSON schema: {e}") from None
+  if kind == "regex": return llg.LLMatcher.grammar_from_regex(params.regex)
+  if kind == "choice": return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice or []))
+  try: return llg.grammar_from("grammar", params.grammar)   # Lark, or GBNF converted to Lark
+  except ValueError as e: raise SamplingParamsError(PARAM, f"structured_outputs.grammar: {e}") from None
+
+
+def check_grammar(params: StructuredOutputsParams) -> None:
+  """Refuse (naming the field) a grammar llguidance cannot compile."""
+  if error := _grammar_error(grammar_text(params)):
+    raise SamplingParamsError(PARAM, f"structured_outputs.{kind_of(params)} is not valid: {error.strip()}")
+
+
+@functools.lru_cache(maxsize=CACHED_GRAMMARS)
+def _grammar_error(text: str) -> str:
+  """llguidance's complaint about the grammar ("" when it compiles); remembered, as requests often repeat a schema."""
+  return require_llguidance().LLMatcher.validate_grammar(text)
+
+
+class _TokenizerAdapter:
+  """What llguidance.TokenizerWrapper reads: every id's bytes (ids past the tokenizer's, in a model with more rows,
+  are empty: never allowed), the special ids (never matched by a grammar's text) and an encoder of continuation text."""
+
+  def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]):
+    self.eos_token_id, self.bos_token_id = eos_token_ids[0], tokenizer.bos_token_id
+    self.tokens = [tokenizer.token_bytes(i) for i in range(vocab_size)]
+    self.special_token_ids = sorted(tokenizer.special_token_ids)
+    self._tokenizer = tokenizer
+
+  def __call__(self, text: bytes | str) -> list[int]:
+    if isinstance(text, bytes): text = text.decode("utf-8", errors="replace")
+    return self._tokenizer.encode_continuation(text)
+
+
+class GrammarCompiler:
+  """The engine core's: the llguidance tokenizer (built on the first structured request: about half a second for a
+  150k vocabulary) and the compiled grammars, the most recent kept for requests that repeat them."""
+
+  def __init__(self, load_tokenizer: Callable[[], Tokenizer | None], vocab_size: int, eos_token_ids: list[int]):
+    self._load_tokenizer, self._vocab_size, self._eos = load_tokenizer, vocab_size, sorted(eos_token_ids)
+    self._ll_tokenizer: Any = None
+    self._cache: OrderedDict[str, StructuredOutputGrammar] = OrderedDict()
+
+  def compile(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
+    """A fresh matcher for the params (ValueError if they cannot be compiled for this tokenizer)."""
+    text = grammar_text(params)
+    if (cached := self._cache.get(text)) is not None:
+      self._cache.move_to_end(text)
+      return cached.copy()
+    llg = require_llguidance()
+    matcher = llg.LLMatcher(self._llguidance_tokenizer(), text, log_level=0)
+    if matcher.is_error(): raise SamplingParamsError(PARAM, f"structured_outputs.{kind_of(params)}: {matcher.get_error()}")
+    grammar = StructuredOutputGrammar(matcher)
+    self._cache[text] = grammar
+    if len(self._cache) > CACHED_GRAMMARS: self._cache.popitem(last=False)
+    return grammar.copy()
+
+  def _llguidance_tokenizer(self) -> Any:
+    if self._ll_tokenizer is None:
+      tokenizer = self._load_tokenizer()
+      if tokenizer is None: raise SamplingParamsError(PARAM, "structured output needs a tokenizer and this model has none")
+      self._eos = sorted(set(self._eos) | tokenizer.eos_token_ids)
+      if not self._eos: raise SamplingParamsError(PARAM, "structured output needs an EOS token and this model has none")
+      llg = require_llguidance()
+      adapter = _TokenizerAdapter(tokenizer, self._vocab_size, self._eos)
+      self._ll_tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(adapter), n_vocab=self._vocab_size, eos_token=self._eos)
+      log(f"structured output: llguidance {llg.__version__}'s tokenizer built ({self._vocab_size} token ids)")
+    return self._ll_tokenizer

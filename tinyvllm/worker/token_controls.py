@@ -1,0 +1,122 @@
+"""A step's token controls on the host: per logits row, the sparse bias and the bitmask of allowed tokens that
+layers/token_controls.py applies on the device (vLLM's semantics for each):
+
+- logit_bias: added to the token's logit;
+- bad_words: a one-token word is always banned (-inf); a longer word's last token is banned when the output ends with
+  its other tokens;
+- min_tokens: EOS (unless ignore_eos) and stop_token_ids are banned while the row's token would come before it;
+- allowed_token_ids: a bitmask row with only their bits set;
+- structured output: the sequence's grammar fills its bitmask rows (core/structured_output.py), ANDed with
+  allowed_token_ids.
+A verification step has 1 + k rows per sequence: row j samples the token after the sequence's output and its first j
+proposals, so its controls see them as output. Rows without controls get no bias and an all-ones mask row; a step
+without any control sends neither array.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tinyvllm.core.sequence import Sequence
+from tinyvllm.core.structured_output import BitmaskFiller, StructuredOutputGrammar
+
+MIN_BIAS_LEN = 16   # bias arrays are padded to a power of two >= this, so that captures are reused
+
+
+@dataclass
+class TokenControls:
+  bias_index: np.ndarray | None = None   # [R, L] int32: row * V + token, -1 for padding
+  bias_value: np.ndarray | None = None   # [R, L] float32
+  bitmask: np.ndarray | None = None      # [R, ceil(V / 32)] int32, bit set = allowed (llguidance's layout)
+
+  def fields(self) -> dict[str, np.ndarray]:
+    """The packed input's int32 fields (the bias values bit-cast)."""
+    out: dict[str, np.ndarray] = {}
+    if self.bias_index is not None and self.bias_value is not None:
+      out["bias_index"], out["bias_value"] = self.bias_index, self.bias_value.view(np.int32)
+    if self.bitmask is not None: out["bitmask"] = self.bitmask
+    return out
+
+
+def has_controls(seq: Sequence) -> bool:
+  p = seq.params
+  return (bool(p.logit_bias or p.allowed_token_ids or p.bad_words) or seq.grammar is not None
+          or seq.num_output_tokens < p.min_tokens)
+
+
+def stop_token_ids(seq: Sequence) -> list[int]:
+  """What min_tokens holds back: the ids that would end the sequence."""
+  return list(seq.params.stop_token_ids or []) + ([] if seq.params.ignore_eos else sorted(seq.eos_token_ids))
+
+
+def row_bias(seq: Sequence, index: int, proposals: list[int], vocab_size: int) -> dict[int, float]:
+  """The bias of the row sampling seq's output token `index`, after its output and `proposals`."""
+  p = seq.params
+  bias = {t: float(v) for t, v in (p.logit_bias or {}).items() if v != 0}
+  banned: list[int] = []
+  for word in p.bad_words_token_ids:
+    prefix = word[:-1]
+    if not prefix: banned.append(word[-1])
+    else:
+      history = (seq.output_token_ids + proposals)[-len(prefix):]
+      if history == prefix: banned.append(word[-1])
+  if index < p.min_tokens: banned += stop_token_ids(seq)
+  bias.update(dict.fromkeys(banned, float("-inf")))
+  return {t: v for t, v in bias.items() if 0 <= t < vocab_size}
+
+
+def allowed_row(token_ids: list[int], words: int) -> np.ndarray:
+  """A bitmask row ([words] int32) with the bits of token_ids set."""
+  ids = np.asarray(token_ids, np.int64)
+  ids = ids[ids < words * 32]
+  row = np.zeros(words, np.uint32)
+  np.bitwise_or.at(row, ids >> 5, np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32)))
+  return row.view(np.int32)
+
+
+def _bucket(n: int) -> int: return max(MIN_BIAS_LEN, 1 << (max(n, 1) - 1).bit_length())
+
+
+class TokenControlsBuilder:
+  """Builds each step's controls; holds the structured-output bitmask filler (llguidance's threads), made when first
+  needed."""
+
+  def __init__(self, vocab_size: int):
+    self.vocab_size, self.words = vocab_size, -(-vocab_size // 32)
+    self._filler: BitmaskFiller | None = None
+
+  def build(self, seqs: list[Sequence], steps: list[int], drafts: np.ndarray, spec_rows: int, padded_rows: int) -> TokenControls:
+    """seqs[i] samples rows i * spec_rows .. + spec_rows - 1 (its output token steps[i] + j, after its drafts[i, :j];
+    -1 past its own proposals)."""
+    biases: dict[int, dict[int, float]] = {}
+    allowed: dict[int, list[int]] = {}
+    grammars: list[tuple[StructuredOutputGrammar, int, list[int]]] = []
+    for i, (seq, step) in enumerate(zip(seqs, steps, strict=True)):
+      if not has_controls(seq): continue
+      proposals = [int(t) for t in drafts[i] if t >= 0] if spec_rows > 1 else []
+      for j in range(spec_rows):
+        if bias := row_bias(seq, step + j, proposals[:j], self.vocab_size): biases[i * spec_rows + j] = bias
+        if seq.params.allowed_token_ids: allowed[i * spec_rows + j] = seq.params.allowed_token_ids
+      if seq.grammar is not None: grammars.append((seq.grammar, i * spec_rows, proposals))
+    controls = TokenControls()
+    if biases: controls.bias_index, controls.bias_value = self._bias_arrays(biases, padded_rows)
+    if allowed or grammars: controls.bitmask = self._bitmask(allowed, grammars, padded_rows)
+    return controls
+
+  def _bias_arrays(self, biases: dict[int, dict[int, float]], padded_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    length = _bucket(max(len(b) for b in biases.values()))
+    index, value = np.full((padded_rows, length), -1, np.int32), np.zeros((padded_rows, length), np.float32)
+    for row, bias in biases.items():
+      index[row, :len(bias)] = row * self.vocab_size + np.fromiter(bias.keys(), np.int64, len(bias))
+      value[row, :len(bias)] = np.fromiter(bias.values(), np.float32, len(bias))
+    return index, value
+
+  def _bitmask(self, allowed: dict[int, list[int]], grammars: list[tuple[StructuredOutputGrammar, int, list[int]]],
+               padded_rows: int) -> np.ndarray:
+    bitmask = np.full((padded_rows, self.words), -1, np.int32)
+    if grammars:
+      if self._filler is None: self._filler = BitmaskFiller()
+      self._filler.fill(grammars, bitmask)
+    for row, token_ids in allowed.items(): bitmask[row] &= allowed_row(token_ids, self.words)
+    return bitmask
