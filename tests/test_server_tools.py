@@ -96,18 +96,20 @@ def valid_arguments(name: str, arguments: str) -> bool:
 
 
 def streamed(client, **kwargs) -> tuple[str | None, list[tuple[str, str]], str | None, list]:
-  """(content, [(name, arguments)], finish_reason, tool-call deltas) of a streamed chat, assembled as a client does."""
-  content, calls, finish, deltas = None, {}, None, []
+  """(content, [(name, arguments)], finish_reason, tool-call deltas) of a streamed chat, assembled as a client does;
+  the reasoning streamed, if any, is the deltas list's first item."""
+  content, calls, finish, deltas, reasoning = None, {}, None, [], ""
   for chunk in client.chat.completions.create(stream=True, **kwargs):
     for choice in chunk.choices:
       delta = choice.delta
+      reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
       if delta.content: content = (content or "") + delta.content
       for d in delta.tool_calls or []:
         deltas.append(d)
         if d.id is not None: calls[d.index] = [d.function.name, d.function.arguments or ""]
         else: calls[d.index][1] += d.function.arguments
       finish = choice.finish_reason or finish
-  return content, [tuple(c) for _, c in sorted(calls.items())], finish, deltas
+  return content, [tuple(c) for _, c in sorted(calls.items())], finish, [reasoning, *deltas]
 
 
 @pytest.mark.slow
@@ -134,8 +136,8 @@ def test_required_calls_round_trip_whole_and_streamed(client):
   assert finish == "tool_calls" and calls and message.content is None
   assert all(c.id.startswith("call_") and c.type == "function" for c in message.tool_calls)
   assert all(valid_arguments(name, args) for name, args in calls), calls
-  content, stream_calls, stream_finish, deltas = streamed(client, **kwargs)
-  assert (content, stream_calls, stream_finish) == (None, calls, "tool_calls")
+  content, stream_calls, stream_finish, (reasoning, *deltas) = streamed(client, **kwargs)
+  assert (content, reasoning, stream_calls, stream_finish) == (None, "", calls, "tool_calls")
   firsts = [d for d in deltas if d.id is not None]
   assert [d.index for d in firsts] == list(range(len(calls))) and all(d.type == "function" and d.id.startswith("call_") for d in firsts)
   assert all(d.function.name is None for d in deltas if d.id is None)
@@ -168,8 +170,9 @@ def test_auto_reads_the_calls_the_model_writes(client):
   assert (message.content, message.model_extra["reasoning_content"]) == ("I will check.", "The user wants the weather.")
   assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [("get_weather", {"city": "東京", "days": 2})]
   assert r.choices[0].finish_reason == "tool_calls"
-  content, calls, finish, _ = streamed(client, **kwargs)
-  assert (content, calls, finish) == ("I will check.", [("get_weather", message.tool_calls[0].function.arguments)], "tool_calls")
+  content, calls, finish, (reasoning, *_) = streamed(client, **kwargs)
+  assert (content, reasoning, calls, finish) == \
+    ("I will check.", "The user wants the weather.", [("get_weather", message.tool_calls[0].function.arguments)], "tool_calls")
 
 
 @pytest.mark.slow
