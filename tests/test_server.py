@@ -1,5 +1,5 @@
 """The OpenAI server (a real `main.py serve` process) against the official client,
-checked against the offline LLM on the same model; 64 concurrent streams; /metrics."""
+checked against the offline LLM on the same model (beam search and best_of too); 64 concurrent streams; /metrics."""
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +19,7 @@ from tinyvllm.config import EngineConfig
 from tinyvllm.engine.async_llm import AsyncLLM
 from tinyvllm.entrypoints.api_server import create_app
 from tinyvllm.entrypoints.common import ServerState
+from tinyvllm.sampling_params import BeamSearchParams
 
 MODEL = "stories"
 PROMPT = "Once upon a time"
@@ -304,3 +305,60 @@ def test_health_is_503_until_the_engine_has_loaded(stories_dir):
     while c.get("/health").status_code != 200 and time.monotonic() < deadline: time.sleep(0.05)
     assert c.get("/health").json() == {"status": "ok"}
     assert c.post("/tokenize", json={"prompt": PROMPT}).json()["count"] == 5
+
+
+# two 41-token prompts: over 8 steps each beam computes 9 to 16 tokens past its prompt's 32 cached ones (few step layouts)
+BEAM_PROMPTS = ["Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, she saw a big red",
+                "The cat sat on the mat. The dog ran to the park and saw a big red ball. He was happy and wanted to play with it."]
+
+
+@pytest.mark.slow
+def test_beam_search_completion_equals_offline_beam_search(client, llm, tokenizer):
+  offline = llm.beam_search(BEAM_PROMPTS, BeamSearchParams(beam_width=3, max_tokens=8, length_penalty=0.8))
+  r = client.completions.create(model=MODEL, prompt=BEAM_PROMPTS, n=3, max_tokens=8, temperature=0,
+                                extra_body={"use_beam_search": True, "length_penalty": 0.8, "return_token_ids": True})
+  assert [c.index for c in r.choices] == list(range(6))
+  for i, out in enumerate(offline):
+    n_prompt = len(tokenizer.encode(BEAM_PROMPTS[i]))
+    for rank, seq in enumerate(out.sequences):
+      choice = r.choices[3 * i + rank]
+      assert choice.text == seq.text and choice.finish_reason == seq.finish_reason and choice.token_ids == seq.tokens[n_prompt:]
+  assert len({c.text for c in r.choices[:3]}) == 3
+  assert r.usage.completion_tokens == sum(len(c.token_ids) for c in r.choices)
+  echo = client.completions.create(model=MODEL, prompt=BEAM_PROMPTS, n=3, max_tokens=8, temperature=0, echo=True,
+                                   extra_body={"use_beam_search": True, "length_penalty": 0.8})
+  assert [c.text for c in echo.choices] == [prompt + s.text for prompt, out in zip(BEAM_PROMPTS, offline, strict=True)
+                                            for s in out.sequences]
+
+
+@pytest.mark.slow
+def test_best_of_returns_the_n_most_probable_samples(client, llm):
+  kw = dict(n=2, temperature=1.0, seed=11, max_tokens=6)
+  samples = llm.generate([PROMPT], SamplingParams(**{**kw, "n": 5}, logprobs=0), use_tqdm=False)[0].outputs
+  best = sorted(samples, key=lambda o: o.cumulative_logprob, reverse=True)[:2]
+  assert len({o.text for o in samples}) > 2 and best != samples[:2]   # the choice is not the first two samples
+  r = client.completions.create(model=MODEL, prompt=PROMPT, best_of=5, **kw)
+  assert [(c.index, c.text, c.logprobs) for c in r.choices] == [(0, best[0].text, None), (1, best[1].text, None)]
+  assert r.usage.completion_tokens == sum(len(o.token_ids) for o in best)
+
+
+BAD_BEAM_REQUESTS = [
+  ({"use_beam_search": True, "n": 0}, "n"), ({"use_beam_search": True, "n": -2}, "n"), ({"use_beam_search": True, "n": 1.5}, "n"),
+  ({"use_beam_search": True, "n": "2"}, "n"), ({"use_beam_search": True, "n": 11}, "n"),
+  ({"use_beam_search": True, "n": 2, "stream": True}, "use_beam_search"), ({"use_beam_search": "yes"}, "use_beam_search"),
+  ({"use_beam_search": True, "n": 2, "best_of": 3}, "best_of"), ({"use_beam_search": True, "top_p": 0.5}, "top_p"),
+  ({"use_beam_search": True, "logprobs": 1}, "logprobs"), ({"use_beam_search": True, "seed": 3}, "seed"),
+  ({"use_beam_search": True, "stop": ["."]}, "stop"), ({"use_beam_search": True, "length_penalty": "long"}, "length_penalty"),
+  ({"use_beam_search": True, "max_tokens": 600}, "prompt"), ({"length_penalty": 0.5}, "length_penalty"),
+  ({"n": 2, "best_of": 1}, "best_of"), ({"best_of": 0}, "best_of"), ({"best_of": 3, "stream": True}, "best_of"),
+  ({"best_of": 129}, "best_of"),
+]
+
+
+@pytest.mark.parametrize("fields,param", BAD_BEAM_REQUESTS, ids=[f"{p}-{'+'.join(map(str, f.values()))}" for f, p in BAD_BEAM_REQUESTS])
+def test_bad_beam_search_and_best_of_values_are_400s_naming_the_field(server, fields, param):
+  r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, **fields})
+  assert r.status_code == 400, r.text
+  assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error", r.json()
+  ok = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}, timeout=120)
+  assert ok.status_code == 200 and ok.json()["choices"][0]["text"]   # the server serves on

@@ -21,13 +21,13 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
 # what the server implements (tests/test_server.py, tests/test_server_errors.py and tests/test_server_prompt_logprobs.py
 # exercise them)
 IMPLEMENTED_OPENAI_COMPLETION = {"model", "prompt", "echo", "frequency_penalty", "logprobs", "max_tokens", "n", "presence_penalty",
-                                 "seed", "stop", "stream", "stream_options", "temperature", "top_p", "user"}
+                                 "seed", "stop", "stream", "stream_options", "temperature", "top_p", "user", "best_of"}
 IMPLEMENTED_OPENAI_CHAT = {"messages", "model", "frequency_penalty", "logprobs", "max_completion_tokens", "max_tokens", "n",
                            "parallel_tool_calls", "presence_penalty", "prompt_cache_key", "safety_identifier", "seed", "stop",
                            "stream", "stream_options", "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user"}
 
 # OpenAI's request fields the server does not implement, each with a value that asks for the feature
-OPENAI_COMPLETION = {"best_of": 3, "logit_bias": {"50256": -100}, "suffix": " The end."}
+OPENAI_COMPLETION = {"logit_bias": {"50256": -100}, "suffix": " The end."}
 OPENAI_CHAT = {
   "audio": {"voice": "alloy", "format": "wav"}, "function_call": {"name": "get_weather"},
   "functions": [{"name": "get_weather", "parameters": {}}], "logit_bias": {"5": 10}, "metadata": {"run": "7"},
@@ -38,7 +38,7 @@ OPENAI_CHAT = {
 }
 # vLLM's extra sampling and request fields (both endpoints) the server does not implement
 VLLM_COMMON = {
-  "use_beam_search": True, "length_penalty": 0.5, "min_tokens": 3, "spaces_between_special_tokens": False,
+  "min_tokens": 3, "spaces_between_special_tokens": False,
   "truncate_prompt_tokens": 4, "truncation_side": "left", "allowed_token_ids": [1, 2, 3], "bad_words": ["cat"],
   "logprob_token_ids": [5], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
   "structured_outputs": {"choice": ["yes", "no"]}, "guided_json": {"type": "object"}, "guided_regex": "[a-z]+",
@@ -50,12 +50,11 @@ VLLM_COMMON = {
   "media_io_kwargs": {"image": {"mode": "RGB"}},
 }
 VLLM_COMPLETION = {**VLLM_COMMON, "prompt_embeds": "AAAA"}
-VLLM_CHAT = {**VLLM_COMMON, "echo": True}
+VLLM_CHAT = {**VLLM_COMMON, "echo": True, "use_beam_search": True, "length_penalty": 0.5}
 VLLM_TOKENIZE = {"mm_processor_kwargs": {"size": 2}, "return_token_strs": True}
 
 REFUSED = ([(CMPL, GOOD_CMPL, field, {field: value}) for field, value in {**OPENAI_COMPLETION, **VLLM_COMPLETION}.items()]
            + [(CHAT, GOOD_CHAT, field, {field: value}) for field, value in {**OPENAI_CHAT, **VLLM_CHAT}.items()]
-           + [(CMPL, {**GOOD_CMPL, "n": 2}, "best_of", {"best_of": 3})]
            + [(TOKENIZE, {"messages": GOOD_CHAT["messages"]}, field, {field: value}) for field, value in VLLM_TOKENIZE.items()]
            + [(CMPL, {**GOOD_CMPL, "stream": True}, "stream_options", {"stream_options": {"include_usage": True, **extra}})
               for extra in ({"continuous_usage_stats": True}, {"include_obfuscation": True})])

@@ -3,11 +3,12 @@ engine requests as one HTTP request, and watching for the client going away."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -23,10 +24,11 @@ from tinyvllm.entrypoints.logger import RequestLogger
 from tinyvllm.entrypoints.metrics import ServerMetrics
 from tinyvllm.entrypoints.protocol import PromptLogprob, SamplingRequest
 from tinyvllm.outputs import PromptLogprobs, RequestOutput
-from tinyvllm.sampling_params import SamplingParams, SamplingParamsError
+from tinyvllm.sampling_params import BeamSearchParams, SamplingParams, SamplingParamsError
 from tinyvllm.tokenizer import Tokenizer
 
 T = TypeVar("T")
+Source = Callable[[], AsyncIterator[RequestOutput]]   # one engine request's outputs (or a beam search's one)
 LOGPROB_FLOOR = -9999.0   # JSON has no -inf
 
 
@@ -184,15 +186,29 @@ async def generate_many(state: ServerState, prompts: list[Prompt], params: list[
                         request_id: str, priority: int = 0) -> AsyncIterator[tuple[int, RequestOutput]]:
   """One engine request per prompt, their outputs interleaved as (prompt index, output) until every one finishes.
   Closing this generator (the client went away) cancels the rest, which aborts them in the engine."""
-  engine, queue = state.require_engine(), asyncio.Queue()
-  if state.request_logger is not None:
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-      state.request_logger.log_inputs(f"{request_id}-{i}", prompt.text, prompt.token_ids, p)
+  engine = state.require_engine()
+  log_inputs(state, prompts, params, request_id)
+  sources = [functools.partial(engine.generate, prompt.engine_prompt(), p, f"{request_id}-{i}", priority, group=request_id)
+             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))]
+  async for item in run_many(state, sources): yield item
+
+
+def log_inputs(state: ServerState, prompts: list[Prompt], params: list[SamplingParams] | list[BeamSearchParams],
+               request_id: str) -> None:
+  if state.request_logger is None: return
+  for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+    state.request_logger.log_inputs(f"{request_id}-{i}", prompt.text, prompt.token_ids, p)
+
+
+async def run_many(state: ServerState, sources: list[Source]) -> AsyncIterator[tuple[int, RequestOutput]]:
+  """Every source's outputs interleaved as (source index, output) until each has given a finished one. Closing this
+  generator cancels the sources (an engine request cancelled is aborted); a shutdown ends it with an error."""
+  queue: asyncio.Queue = asyncio.Queue()
 
   async def pump(i: int) -> None:
     tracker = state.metrics.tracker()
     try:
-      async for out in engine.generate(prompts[i].engine_prompt(), params[i], f"{request_id}-{i}", priority, group=request_id):
+      async for out in sources[i]():
         tracker.observe(out)
         queue.put_nowait((i, out))
     except EngineDeadError as e:
@@ -202,10 +218,10 @@ async def generate_many(state: ServerState, prompts: list[Prompt], params: list[
     finally:
       tracker.close()
 
-  tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
+  tasks = [asyncio.create_task(pump(i)) for i in range(len(sources))]
   state.in_flight.add(queue)
   try:
-    remaining = len(prompts)
+    remaining = len(sources)
     while remaining:
       i, item = await queue.get()
       if isinstance(item, BaseException): raise item
@@ -217,12 +233,17 @@ async def generate_many(state: ServerState, prompts: list[Prompt], params: list[
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def finals(outputs: AsyncIterator[tuple[int, RequestOutput]], count: int) -> list[RequestOutput]:
+  """The finished output of each of `count` sources, in their order."""
+  done: list[RequestOutput | None] = [None] * count
+  async for i, out in outputs:
+    if out.finished: done[i] = out
+  return [f for f in done if f is not None]
+
+
 async def final_outputs(state: ServerState, prompts: list[Prompt], params: list[SamplingParams],
                         request_id: str, priority: int = 0) -> list[RequestOutput]:
-  finals: list[RequestOutput | None] = [None] * len(prompts)
-  async for i, out in generate_many(state, prompts, params, request_id, priority):
-    if out.finished: finals[i] = out
-  return [f for f in finals if f is not None]
+  return await finals(generate_many(state, prompts, params, request_id, priority), len(prompts))
 
 
 async def _disconnected(request: Request) -> None:

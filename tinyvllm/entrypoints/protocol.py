@@ -68,6 +68,9 @@ class CompletionRequest(SamplingRequest):
   max_tokens: Int64 | None = 16
   logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
   echo: bool | None = False
+  best_of: int | None = Field(None, ge=1, le=MAX_N)   # sample best_of, return the n of the highest cumulative logprob
+  use_beam_search: bool | None = False                # vLLM's: n is the beam width (entrypoints/serving_beam_search.py)
+  length_penalty: float | None = 1.0                  # vLLM's, for beam search
 
 
 class TextPart(StrictModel):

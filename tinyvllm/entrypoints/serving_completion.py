@@ -1,6 +1,9 @@
-"""POST /v1/completions: one engine request per prompt; choice index = prompt index * n + sample index."""
+"""POST /v1/completions: one engine request per prompt; choice index = prompt index * n + sample index. best_of > n
+samples best_of and returns the n of the highest cumulative logprob (vLLM's); use_beam_search runs a beam search of
+width n per prompt (entrypoints/serving_beam_search.py)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -8,6 +11,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from tinyvllm.entrypoints import serving_beam_search as beam_search
 from tinyvllm.entrypoints.common import (
   Prompt,
   ServerState,
@@ -39,6 +43,7 @@ from tinyvllm.entrypoints.protocol import (
   Usage,
   chunk_event,
 )
+from tinyvllm.entrypoints.unsupported import equals
 from tinyvllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import Tokenizer
@@ -56,15 +61,41 @@ def _prompt_logprobs(req: CompletionRequest) -> int | None:
   return req.logprobs if req.echo else None
 
 
-def _prepare(state: ServerState, req: CompletionRequest) -> tuple[list[Prompt], list[SamplingParams]]:
+def _prompts(state: ServerState, req: CompletionRequest, samples: int) -> list[Prompt]:
   given = _prompt_list(req.prompt)
-  check_request_size(state, len(given), req.n or 1)
-  prompts = [tokenize(state, p, "prompt", req.add_special_tokens is not False) for p in given]
+  check_request_size(state, len(given), samples)
+  return [tokenize(state, p, "prompt", req.add_special_tokens is not False) for p in given]
+
+
+def _check_best_of(req: CompletionRequest) -> int:
+  """The samples a prompt takes: best_of (>= n; not streamed when more), else n. length_penalty is beam search's."""
+  n = req.n or 1
+  if req.length_penalty is not None and not equals(req.length_penalty, 1):
+    raise bad_request("length_penalty applies to beam search only (use_beam_search: true)", "length_penalty")
+  if req.best_of is None: return n
+  if req.best_of < n: raise bad_request(f"best_of must be at least n ({n}), got {req.best_of}", "best_of")
+  if req.best_of > n and req.stream:
+    raise bad_request("best_of > n cannot be streamed: the best are known only at the end", "best_of")
+  return req.best_of
+
+
+def _prepare(state: ServerState, req: CompletionRequest) -> tuple[list[Prompt], list[SamplingParams]]:
+  samples = _check_best_of(req)
+  prompts = _prompts(state, req, samples)
   params = [sampling_params(req, check_context(state, p, req.max_tokens, "prompt"), req.logprobs, _prompt_logprobs(req),
                             defaults=state.sampling_defaults)
             for p in prompts]
+  if samples > (req.n or 1):   # ranked by cumulative logprob: every sample's token logprobs (its own at least)
+    params = [dataclasses.replace(sp, n=samples, logprobs=sp.logprobs if sp.logprobs is not None else 0) for sp in params]
   for p, sp in zip(prompts, params, strict=True): check_engine_limits(state, p, sp, "prompt")
   return prompts, params
+
+
+def _best(out: RequestOutput, n: int) -> list[CompletionOutput]:
+  """The n outputs to return: all of them, or (best_of > n) the n of the highest cumulative logprob, best first."""
+  if len(out.outputs) == n: return out.outputs
+  ranked = sorted(out.outputs, key=lambda o: o.cumulative_logprob or 0.0, reverse=True)[:n]
+  return [dataclasses.replace(o, index=i) for i, o in enumerate(ranked)]
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request) -> Response:
@@ -72,15 +103,23 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
   state.check_model(req.model)
   check_streaming(req)
   priority = request_priority(state, req)
-  prompts, params = _prepare(state, req)
   request_id, created, engine_id = response_id("cmpl", req), int(time.time()), f"cmpl-{uuid.uuid4().hex}"
-  if req.stream:
-    return StreamingResponse(_stream(state, req, prompts, params, (request_id, engine_id), created), media_type="text/event-stream")
-  finals = await unless_disconnected(request, final_outputs(state, prompts, params, engine_id, priority))
+  if req.use_beam_search:
+    beam_search.check_fields(req)
+    prompts = _prompts(state, req, req.n or 1)
+    searches = [beam_search.beam_search_params(state, req, p) for p in prompts]
+    work = beam_search.beam_search_outputs(state, req, prompts, searches, engine_id, priority)
+  else:
+    prompts, params = _prepare(state, req)
+    if req.stream:
+      return StreamingResponse(_stream(state, req, prompts, params, (request_id, engine_id), created), media_type="text/event-stream")
+    work = final_outputs(state, prompts, params, engine_id, priority)
+  finals = await unless_disconnected(request, work)
   if finals is None: return Response(status_code=499)  # nobody is listening
   n = req.n or 1
-  choices = [_choice(state, req, prompts[i], out, o, i * n + o.index) for i, out in enumerate(finals) for o in out.outputs]
-  usage = _usage(prompts, sum(len(o.token_ids) for out in finals for o in out.outputs))
+  returned = [_best(out, n) for out in finals]
+  choices = [_choice(state, req, prompts[i], out, o, i * n + o.index) for i, out in enumerate(finals) for o in returned[i]]
+  usage = _usage(prompts, sum(len(o.token_ids) for outputs in returned for o in outputs))
   body = CompletionResponse(id=request_id, created=created, model=state.served_model_name, choices=choices, usage=usage)
   return Response(body.model_dump_json(), media_type="application/json")
 

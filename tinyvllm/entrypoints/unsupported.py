@@ -3,7 +3,7 @@
 A request field is one of three things:
 - implemented: a field of the endpoint's pydantic model (tinyvllm/entrypoints/protocol.py);
 - refused: listed here with the feature it asks for. A value that asks for exactly the default behaviour (what clients
-  send by default: `tools: []`, `response_format: {"type": "text"}`, `best_of` equal to `n`, ...) is accepted, since
+  send by default: `tools: []`, `response_format: {"type": "text"}`, `use_beam_search: false`, ...) is accepted, since
   honouring it takes nothing; any other value is a 400 naming the field (OpenAI's code `unsupported_parameter`);
 - unknown (a typo, an extension nobody lists): a 400 as OpenAI's own server answers it, "Unrecognized request argument
   supplied: X".
@@ -45,11 +45,6 @@ def _zero_bias(value: Any, body: Mapping[str, Any]) -> bool:
   return value is None or (isinstance(value, dict) and all(equals(v, 0) for v in value.values()))
 
 
-def _best_of_n(value: Any, body: Mapping[str, Any]) -> bool:
-  n = body.get("n")
-  return value is None or equals(value, n if n is not None else 1)
-
-
 @dataclass(frozen=True)
 class Unsupported:
   feature: str              # what the field asks for that this server does not do (and what would implement it)
@@ -75,8 +70,6 @@ SAMPLING = {
   "logit_bias": Unsupported("per-token logit biases are not implemented in the sampler", _zero_bias),
   "min_tokens": Unsupported("a minimum length (EOS and stop tokens masked until it is reached) is not implemented",
                             one_of(0)),
-  "use_beam_search": Unsupported("beam search is not implemented", one_of(False)),
-  "length_penalty": Unsupported("length_penalty applies to beam search, which is not implemented", one_of(1.0)),
   "spaces_between_special_tokens": Unsupported("the detokenizer never adds spaces between special tokens",
                                                one_of(True)),
   "truncate_prompt_tokens": Unsupported("prompt truncation is not implemented: send a prompt that fits the context"),
@@ -101,7 +94,6 @@ SAMPLING = {
 COMPLETION = {
   **STRUCTURED, **SAMPLING,
   "suffix": Unsupported("insertion (text after the completion, fill-in-the-middle) is not implemented", empty),
-  "best_of": Unsupported("best_of > n (sampling more and returning the best) is not implemented", _best_of_n),
   "prompt_embeds": Unsupported("prompts as embeddings are not implemented: send text or token ids"),
 }
 
@@ -132,8 +124,16 @@ OPENAI_SERVICES = {
                                         "used blocks); only \"in_memory\" is accepted", one_of("in_memory")),
 }
 
+# beam search is the completions endpoint's (vLLM's chat endpoint has it too)
+CHAT_BEAM_SEARCH = {
+  "use_beam_search": Unsupported("beam search is not implemented in the chat endpoint (the completions endpoint has it)",
+                                 one_of(False)),
+  "length_penalty": Unsupported("length_penalty applies to beam search, which the chat endpoint does not implement",
+                                one_of(1.0)),
+}
+
 CHAT = {
-  **STRUCTURED, **SAMPLING, **FUNCTIONS, **OPENAI_SERVICES,
+  **STRUCTURED, **SAMPLING, **FUNCTIONS, **OPENAI_SERVICES, **CHAT_BEAM_SEARCH,
   "echo": Unsupported("echoing the last message into the reply is not implemented", one_of(False)),
 }
 
