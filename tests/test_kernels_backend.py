@@ -19,6 +19,7 @@ from tinyvllm.kernels.fused import FusedBackend, capabilities
 from tinyvllm.kernels.gemm import gemm_plan
 from tinyvllm.kernels.linear import LinearShape
 from tinyvllm.kernels.moe import MoEShape, moe_plan
+from tinyvllm.kernels.moe_grouped import grouped_plan
 from tinyvllm.kernels.plan import (
   AttentionShape,
   decode_plan,
@@ -244,7 +245,10 @@ def test_cuda_sources_compile_with_nvcc(tmp_path):
   sources = {name: (kernel_source("cuda", algo, plan.defines), "-arch=sm_90") for name, (algo, plan) in SPECIMENS.items()}
   sources |= {name: (kernel_source("cuda", "gemm_tc", gemm_plan(shape, CUDA)[0]), "-gencode=arch=compute_90a,code=sm_90a")
               for name, shape in GEMM_SPECIMENS.items()}
-  assert sum("#define TV_WGMMA" in src for src, _ in sources.values()) >= 5
+  sources |= {f"moe_grouped_{kernel.name}_n{n}": (kernel_source("cuda", kernel.algorithm, kernel.defines),
+                                                 "-gencode=arch=compute_90a,code=sm_90a")
+              for n in (256, 8192) for kernel in grouped_plan(MoEShape("bfloat16", n, 2048, 768, 128, 8, True, 1e-6), CUDA).kernels}
+  assert sum("#define TV_WGMMA" in src for src, _ in sources.values()) >= 7
   procs = {}
   for name, (source, arch) in sources.items():
     path = tmp_path / f"{name}.cu"

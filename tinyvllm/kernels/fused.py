@@ -24,7 +24,8 @@ from tinyvllm.config import KernelOptions
 from tinyvllm.kernels import decode_layer
 from tinyvllm.kernels.attention import attention_shape, kv_write_unsupported_reason, run_attention, run_kv_write
 from tinyvllm.kernels.linear import MAX_ROWS, fused_linear
-from tinyvllm.kernels.moe import moe_shape, run_moe
+from tinyvllm.kernels.moe import LARGE_STEP, moe_shape, run_moe
+from tinyvllm.kernels.moe_grouped import grouped_reason, run_grouped
 from tinyvllm.kernels.plan import AttentionShape, unsupported_reason
 from tinyvllm.kernels.qkv_rope import qkv_rope_shape, run_qkv_rope_write
 from tinyvllm.kernels.sample import fused_sample, takes
@@ -103,15 +104,21 @@ class FusedBackend:
     return y if y is not None else portable_linear(x, w, bias, **fused)
 
   def moe(self, x: Tensor, moe: MoEWeights, *, norm: Tensor, eps: float, residual: Tensor) -> Tensor:
-    """Decode-sized steps (up to moe.MAX_TOKENS tokens and MAX_PAIRS (token, expert) pairs) on the kernels: the router
-    product, routing and grouping by expert, the two grouped expert products, the combine (kernels/moe.py), each chosen
-    expert's weights read once; larger steps (prompts) in tinygrad ops, said once."""
+    """Decode-sized steps (up to moe.MAX_TOKENS tokens and MAX_PAIRS (token, expert) pairs) on the skinny kernels: the
+    router product, routing and grouping by expert, the two grouped expert products, the combine (kernels/moe.py), each
+    chosen expert's weights read once. Larger steps (prompt chunks, decode batches) on the grouped tensor-core GEMM
+    over the pairs sorted by expert (kernels/moe_grouped.py, CUDA); otherwise in tinygrad ops, said once."""
     shape, reason = moe_shape(x, moe, eps)
-    if shape is None or reason is not None:
-      self._fallback("moe", reason or "unsupported")
-      return portable_moe(x, moe, norm=norm, eps=eps, residual=residual)
-    self.calls["moe"] += 1
-    return run_moe(self.target, shape, x, moe, norm, residual)
+    if shape is not None and reason is None:
+      self.calls["moe"] += 1
+      return run_moe(self.target, shape, x, moe, norm, residual)
+    if shape is not None and reason == LARGE_STEP:
+      if (grouped := grouped_reason(shape, self.target)) is None:
+        self.calls["moe-grouped"] += 1
+        return run_grouped(self.target, shape, x, moe, norm, residual)
+      reason = f"{LARGE_STEP}, where {grouped}"
+    self._fallback("moe", reason or "unsupported")
+    return portable_moe(x, moe, norm=norm, eps=eps, residual=residual)
 
   def qkv_rope_write(self, qkv: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, cos: Tensor, sin: Tensor, k_cache: Tensor,
                      v_cache: Tensor, slot_mapping: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:

@@ -57,6 +57,14 @@ class GemmTuning:
 
 
 @dataclass(frozen=True)
+class MoETuning:
+  grouped_row_tiles: tuple[tuple[int, Tile], ...]   # the grouped expert products' mma.sync tile by the pairs an expert
+                                                    # has on average (up to the first number); its row blocks pad each
+                                                    # expert's run
+  grouped_wgmma_rows: int         # from this average, Hopper's wgmma 128x128 tile (three stages)
+
+
+@dataclass(frozen=True)
 class DecodeLayerTuning:
   max_context_by_rows: tuple[tuple[int, int], ...]   # (rows, the longest context bucket it takes at that many rows)
   hbm_bytes_per_sm_cycle: int     # one SM's share of HBM bandwidth: the pace of the copies of blocks without attention
@@ -71,6 +79,7 @@ class Tuning:
   attention: AttentionTuning
   linear: LinearTuning
   gemm: GemmTuning
+  moe: MoETuning
   decode_layer: DecodeLayerTuning
 
 
@@ -90,7 +99,8 @@ def _table(name: str) -> dict[str, dict[str, Any]]:
 def tuning_for(kind: str) -> Tuning:
   """The default table with the kind's own entries over it."""
   table, own = _table("default"), _table(kind)
-  sections = {"attention": AttentionTuning, "linear": LinearTuning, "gemm": GemmTuning, "decode_layer": DecodeLayerTuning}
+  sections = {"attention": AttentionTuning, "linear": LinearTuning, "gemm": GemmTuning, "moe": MoETuning,
+              "decode_layer": DecodeLayerTuning}
   unknown = set(own) - set(sections)
   if unknown: raise ValueError(f"tuning table {kind}.json has unknown section(s) {sorted(unknown)}")
   built = {}

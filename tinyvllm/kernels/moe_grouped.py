@@ -1,0 +1,186 @@
+"""A sparse layer's mixture of experts for steps above the decode kernels' bound (prompt chunks, decode batches of 17 or
+more sequences) on the tensor-core GEMM (CUDA sm_80+), vLLM's fused_moe / MegaBlocks idea: the step's (token, expert)
+pairs sorted by expert, each expert's run padded to whole row blocks of the GEMM's tile, and one grouped product over
+them per projection, so a step multiplies the pairs only (not every expert with every token) and reads each used
+expert's weights once per row block. Launches, in order:
+
+  1. tv_gemm_xprime: x' = RMSNorm(x) g over the tokens, once (gemm_xprime.inc);
+  2. the router's logits from x' (linear.py's product, float32 [N, E]);
+  3. moe_align.inc: tv_moe_topk (each token's k experts and weights), tv_moe_count (pairs an expert), tv_moe_align (the
+     padded order: each row's pair, each row block's expert, the used blocks);
+  4. tv_gemm over gate_up (gemm_tc.inc with TV_MOE_GATHER): row r multiplies x'[pair / k] with its block's expert: [M, 2I]
+     in the padded order;
+  5. tv_gemm_xprime (SwiGLU over the used rows) and tv_gemm over down (TV_MOE_SCATTER): float32 [P, H] in pair order;
+  6. tv_moe_combine (moe.inc): residual + each token's k outputs weighted by their probabilities, rounded once.
+
+M, the padded rows, is static: P + (used experts) (BM - 1) bounds them, and blocks past the step's used ones exit at
+once. At 8,192 tokens of Qwen3-30B-A3B (P = 65,536) that is [73,600, 1,536] bf16 (226 MB) for gate_up and [65,536,
+2,048] float32 (537 MB) for down, where the dense form over every expert needed [128, 8,192, 1,536] (3.2 GB) and 16
+times the products.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from tinygrad import Tensor
+
+from tinyvllm.backend.weights import MoEWeights
+from tinyvllm.kernels.gemm import GemmTiles
+from tinyvllm.kernels.linear import fused_linear
+from tinyvllm.kernels.moe import KIND_DTYPES, MoEKernel, MoEShape
+from tinyvllm.kernels.plan import Launch, Param, cdiv, dtype_code
+from tinyvllm.kernels.sources import kernel_source
+from tinyvllm.kernels.tinygrad_program import run_kernel
+from tinyvllm.kernels.tuning import tuning_for
+from tinyvllm.platform.target import DeviceTarget
+
+ALIGN_THREADS = 512    # the routing / alignment / combine source's blocks (16 tokens a routing block)
+MAX_ITEMS = 16         # pairs a thread of tv_moe_align takes per scan (a chunk: 8,192 pairs)
+MAX_EXPERTS = 1024     # the routing warp holds a token's logits in registers, E / 32 a lane
+
+
+@dataclass(frozen=True)
+class GroupedPlan:
+  shape: MoEShape
+  tiles: GemmTiles
+  rows: int            # M: the padded rows' static bound, a multiple of tiles.bm
+  routing: MoEKernel   # tv_moe_topk, tv_moe_count, tv_moe_align, tv_moe_combine
+  gate_up: MoEKernel   # tv_gemm_xprime (RMSNorm over the tokens), tv_gemm (rows gathered)
+  down: MoEKernel      # tv_gemm_xprime (SwiGLU over the used rows), tv_gemm (rows scattered to pair order)
+
+  @property
+  def kernels(self) -> tuple[MoEKernel, ...]: return self.routing, self.gate_up, self.down
+
+  @property
+  def steps(self) -> tuple[tuple[Launch, MoEKernel], ...]:
+    """Each launch after the router product with its kernel, in the order they run (x' comes before: `xprime`)."""
+    topk, count, align, combine = self.routing.launches
+    r, g, d = self.routing, self.gate_up, self.down
+    return (topk, r), (count, r), (align, r), (g.launches[1], g), (d.launches[0], d), (d.launches[1], d), (combine, r)
+
+  @property
+  def xprime(self) -> Launch: return self.gate_up.launches[0]
+
+
+def grouped_reason(shape: MoEShape, target: DeviceTarget) -> str | None:
+  """Why the grouped tensor-core path does not take the step, or None."""
+  if not target.tensor_cores: return f"device {target.arch or target.device} (the grouped expert GEMM needs CUDA sm_80 or newer)"
+  if shape.dtype not in ("float16", "bfloat16"): return f"dtype {shape.dtype} (the grouped expert GEMM takes float16 and bfloat16)"
+  if not 1 <= shape.top_k <= shape.experts <= MAX_EXPERTS:
+    return f"top {shape.top_k} of {shape.experts} experts (1 <= k <= E <= {MAX_EXPERTS})"
+  if shape.hidden % 32 or shape.intermediate % 32:
+    return f"hidden {shape.hidden} or intermediate {shape.intermediate} not a multiple of 32 (the GEMM's K slices)"
+  return None
+
+
+def grouped_tiles(shape: MoEShape, target: DeviceTarget) -> GemmTiles:
+  """The tuning table's tile for the pairs an expert has on average: small row blocks for decode batches (each expert's
+  run padded to one block; its weights read once), 128x128 for prompt chunks (wgmma on Hopper). 64-wide K slices where
+  both products' K allow them and the ring keeps three stages."""
+  t = tuning_for(target.kind).moe
+  rows = shape.pairs / shape.experts
+  bk64 = shape.hidden % 64 == 0 and shape.intermediate % 64 == 0
+  if target.wgmma and bk64 and rows >= t.grouped_wgmma_rows: return GemmTiles.warpgroup(128, 128, ring=3)
+  tile = next(tile for limit, tile in t.grouped_row_tiles if rows <= limit)
+  deep = GemmTiles(*tile, 1, 0, 64)
+  return deep if bk64 and deep.stages(target) >= 3 else GemmTiles(*tile, 1)
+
+
+def padded_rows(shape: MoEShape, bm: int) -> int:
+  """The static bound of the padded rows: each used expert's run rounded up to whole blocks of bm, at most P + (used
+  experts) (bm - 1), floored to whole blocks (their sum is)."""
+  return (shape.pairs + min(shape.experts, shape.pairs) * (bm - 1)) // bm * bm
+
+
+def routing_kernel(shape: MoEShape, bm: int, rows: int) -> MoEKernel:
+  n, h, e, k, p = shape.tokens, shape.hidden, shape.experts, shape.top_k, shape.pairs
+  nt = ALIGN_THREADS
+  defines: dict[str, int | str] = {"TV_DTYPE": dtype_code(shape.dtype), "TV_NT": nt, "TV_N": n, "TV_E": e, "TV_TOPK": k,
+                                   "TV_P": p, "TV_EPL": cdiv(e, 32), "TV_KPL": cdiv(k, 32),
+                                   "TV_NORM_TOPK": int(shape.norm_topk_prob), "TV_HIDDEN": h, "TV_BM": bm, "TV_M": rows,
+                                   "TV_MOE_ITEMS": min(MAX_ITEMS, cdiv(p, nt)), "TV_MOE_ALIGN": 1}
+  ids, counts = Param("ids", "int", False, p), Param("counts", "int", False, e)
+  align = Param("align", "int", True, rows + rows // bm + 1)
+  launches = (
+    Launch("tv_moe_topk", (cdiv(n, nt // 32), 1, 1), nt, (
+      Param("ids", "int", True, p), Param("weights", "float", True, p), Param("logits", "float", False, n * e))),
+    Launch("tv_moe_count", (e, 1, 1), nt, (Param("counts", "int", True, e), ids)),
+    Launch("tv_moe_align", (e, 1, 1), nt, (align, ids, counts)),
+    Launch("tv_moe_combine", (cdiv(h, nt), n, 1), nt, (
+      Param("out", "elem", True, n * h), Param("down", "float", False, p * h), Param("weights", "float", False, p),
+      Param("residual", "elem", False, n * h))))
+  return MoEKernel("routing", "moe_align", defines, launches)
+
+
+def product_kernel(shape: MoEShape, product: str, tiles: GemmTiles, rows: int, target: DeviceTarget) -> MoEKernel:
+  """gemm_tc.inc's grouped product for `product` "gate_up" (x': the tokens' RMSNorm, rows gathered) or "down" (x': the
+  SwiGLU of gate_up's rows, rows scattered to pair order, float32)."""
+  n, h, i, e, p = shape.tokens, shape.hidden, shape.intermediate, shape.experts, shape.pairs
+  gate_up = product == "gate_up"
+  k, nout = (h, 2 * i) if gate_up else (i, h)
+  stages, smem = tiles.stages(target), tiles.shared_bytes(target)
+  if stages < 2: raise ValueError(f"tiles {tiles} leave room for {stages} shared-memory stage(s); at least 2 are needed")
+  align = Param("align", "int", False, rows + rows // tiles.bm + 1)
+  defines: dict[str, int | str] = {"TV_DTYPE": dtype_code(shape.dtype), "TV_M": rows, "TV_K": k, "TV_NOUT": nout, "TV_BM": tiles.bm,
+                                   "TV_BN": tiles.bn, "TV_BK": tiles.bk, "TV_WM": tiles.wm, "TV_WN": tiles.wn,
+                                   "TV_NT": tiles.threads, "TV_SPLITS": 1, "TV_STAGES": stages, "TV_SMEM_BYTES": smem,
+                                   "TV_MIN_BLOCKS": tiles.min_blocks(target), "TV_XPRIME_PASS": 1, "TV_MOE": 3}
+  if tiles.wgmma: defines["TV_WGMMA"] = tiles.bn
+  if gate_up:
+    defines.update({"TV_PRO_NORM": 2, "TV_EPS": f"{shape.eps!r}f", "TV_MOE_GATHER": 1, "TV_MOE_XDIV": shape.top_k})
+    pre = Launch("tv_gemm_xprime", (n, 1, 1), tiles.threads, (
+      Param("xn", "elem", True, n * h), Param("x", "elem", False, n * h), Param("norm", "elem", False, h)))
+    params = (Param("gate_up", "elem", True, rows * nout), Param("xn", "elem", False, n * h),
+              Param("w_gate_up", "elem", False, e * nout * k), align)
+  else:
+    defines.update({"TV_PRO_SILU": 1, "TV_OUT_F32": 1, "TV_MOE_SCATTER": 1})
+    pre = Launch("tv_gemm_xprime", (rows, 1, 1), tiles.threads, (
+      Param("act", "elem", True, rows * k), Param("gate_up", "elem", False, rows * 2 * k), align))
+    params = (Param("down", "float", True, p * nout), Param("act", "elem", False, rows * k),
+              Param("w_down", "elem", False, e * nout * k), align)
+  gemm = Launch("tv_gemm", (cdiv(nout, tiles.bn), rows // tiles.bm, 1), tiles.threads, params, smem)
+  return MoEKernel(product, "gemm_tc", defines, (pre, gemm))
+
+
+def grouped_plan(shape: MoEShape, target: DeviceTarget, tiles: GemmTiles | None = None) -> GroupedPlan:
+  assert (reason := grouped_reason(shape, target)) is None, reason
+  tiles = tiles or grouped_tiles(shape, target)
+  if tiles.splits != 1 or (reason := tiles.wgmma_error()) is not None:
+    raise ValueError(reason or f"tiles {tiles}: the grouped products do not split K")
+  if shape.hidden % tiles.bk or shape.intermediate % tiles.bk:
+    raise ValueError(f"tiles {tiles}: K slices of {tiles.bk} do not divide hidden {shape.hidden} and intermediate {shape.intermediate}")
+  rows = padded_rows(shape, tiles.bm)
+  return GroupedPlan(shape, tiles, rows, routing_kernel(shape, tiles.bm, rows), product_kernel(shape, "gate_up", tiles, rows, target),
+                     product_kernel(shape, "down", tiles, rows, target))
+
+
+@functools.cache
+def grouped_sources(target: DeviceTarget, shape: MoEShape, tiles: GemmTiles | None = None) -> tuple[GroupedPlan, dict[str, str]]:
+  """The plan and each of its kernels' source by name."""
+  plan = grouped_plan(shape, target, tiles)
+  return plan, {kernel.name: kernel_source("cuda", kernel.algorithm, kernel.defines) for kernel in plan.kernels}
+
+
+def run_grouped(target: DeviceTarget, shape: MoEShape, x: Tensor, moe: MoEWeights, norm: Tensor, residual: Tensor,
+                tiles: GemmTiles | None = None) -> Tensor:
+  """residual + the step's experts ([N, H], the weights' dtype) on the grouped path (with `tiles`, else the planner's):
+  x', the router product from it, then the plan's launches, each buffer found by its parameter's name (the outputs
+  made when first written)."""
+  plan, sources = grouped_sources(target, shape, tiles)
+  dtype = moe.gate_up_proj.dtype
+  buffers = {name: t.cast(dtype).contiguous() for name, t in (("x", x), ("norm", norm), ("residual", residual))}
+  buffers.update({"w_gate_up": moe.gate_up_proj, "w_down": moe.down_proj})
+
+  def launch(step: Launch, kernel: MoEKernel) -> None:
+    for p in step.params:
+      if p.name not in buffers: buffers[p.name] = Tensor.empty(p.numel, dtype=KIND_DTYPES.get(p.kind, dtype), device=x.device)
+    after = run_kernel(step, sources[kernel.name], [buffers[p.name] for p in step.params])
+    buffers.update({p.name: t for p, t in zip(step.params, after, strict=True) if p.written})
+
+  launch(plan.xprime, plan.gate_up)
+  xn = buffers["xn"].reshape(shape.tokens, shape.hidden)
+  logits = fused_linear(target, xn, moe.router, None, out_float32=True)
+  buffers["logits"] = (logits if logits is not None else xn.float().linear(moe.router.float().T)).contiguous()
+  for step, kernel in plan.steps: launch(step, kernel)
+  return buffers["out"].reshape(shape.tokens, shape.hidden)
