@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from tinygrad import Tensor, dtypes
+from tinygrad import Tensor, TinyJit, dtypes
 
 from tests.hf_models import assert_same_greedy, hf_greedy, hf_logits, make_model
 from tinyvllm import LLM, SamplingParams
@@ -107,6 +107,29 @@ def test_both_ways_match_the_reference(tokens, experts, k):
     ref = reference_experts(x, router, gate_up, down, k, renorm)
     for way in (experts_gathered, experts_dense):
       np.testing.assert_allclose(way(Tensor(x), moe, weights, ids).numpy(), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_dense_form_runs_large_steps_in_chunks_of_bounded_memory():
+  """Above its budget the dense form runs in chunks of tokens, one after another: the reference's result, and captured
+  (as the engine runs steps) tinygrad's buffers peak at a small part of what one pass over every token keeps alive."""
+  from tinyvllm.platform.tinygrad_compat import track_peak_memory
+  tokens, experts, k, hidden, inter = 256, 16, 4, 32, 16
+  rng = np.random.default_rng(5)
+  router = rng.standard_normal((experts, hidden)).astype(np.float32)
+  gate_up = (rng.standard_normal((experts, 2 * inter, hidden)) * 0.3).astype(np.float32)
+  down = (rng.standard_normal((experts, hidden, inter)) * 0.3).astype(np.float32)
+  moe = MoEWeights(*(Tensor(a).realize() for a in (router, gate_up, down)), k, True)
+  per_token = experts * (3 * inter + hidden)
+  peaks = {}
+  for chunk in (tokens, 32):
+    step = TinyJit(lambda x, chunk=chunk: experts_dense(x, moe, *route(x, moe), chunk_elements=per_token * chunk).realize())
+    for call in range(2):   # eager, captured
+      x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+      with track_peak_memory() as peak: got = step(Tensor(x).realize()).numpy()
+      np.testing.assert_allclose(got, reference_experts(x, router, gate_up, down, k, True), rtol=1e-4, atol=1e-5)
+      if call == 1: peaks[chunk] = peak.extra_bytes
+  assert peaks[32] < peaks[tokens] / 3.5, peaks   # 8 chunks
 
 
 def test_routing_is_a_float32_softmax_top_k():

@@ -9,7 +9,10 @@ exact ways to compute the experts' outputs, chosen by the step's shape:
 - gathered: each (token, expert) pair's weights are gathered and applied to its token; it reads only the chosen
   experts, so it is the one for decode-sized steps (fewer pairs than experts);
 - dense: every expert applied to every token, the outputs weighted by a [tokens, experts] table that is zero outside
-  each token's k; its products are large batched ones, the better form when most experts have tokens anyway.
+  each token's k; its products are large batched ones, the better form when most experts have tokens anyway. Its
+  intermediates hold every expert's rows for every token ([E, N, 2I] + [E, N, I] + [E, N, H]: 9 GB for 8,192 tokens of
+  Qwen3-30B-A3B in bf16), so a large step runs in chunks of tokens, one after another, each within DENSE_CHUNK_ELEMENTS.
+(The CUDA kernels take larger steps on a grouped GEMM over the pairs only: tinyvllm/kernels/moe_grouped.py.)
 """
 from __future__ import annotations
 
@@ -42,9 +45,30 @@ def experts_gathered(x: Tensor, moe: MoEWeights, weights: Tensor, ids: Tensor) -
   return (y * weights.cast(y.dtype).reshape(n, k, 1)).sum(1)
 
 
-def experts_dense(x: Tensor, moe: MoEWeights, weights: Tensor, ids: Tensor) -> Tensor:
+# elements of the dense form's intermediates a chunk of tokens may take (256 MB in bf16; 240 tokens of Qwen3-30B-A3B)
+DENSE_CHUNK_ELEMENTS = 1 << 27
+
+
+def experts_dense(x: Tensor, moe: MoEWeights, weights: Tensor, ids: Tensor, chunk_elements: int = DENSE_CHUNK_ELEMENTS) -> Tensor:
   """The same sum with every expert applied to every token and the outputs weighted by a table that is zero outside
-  each token's chosen experts: x [N, H] -> [N, H]."""
+  each token's chosen experts: x [N, H] -> [N, H]. Above `chunk_elements` of intermediates, in chunks of tokens made to
+  run one after another: each chunk reads its tokens from the buffer the previous chunks wrote their results into (a
+  dependency the scheduler keeps; independent chunks it would start together, their intermediates all alive at once).
+  In a captured step (TinyJit, as the engine runs) the chunks share their buffers; run eagerly, each chunk's SwiGLU rows
+  (a materialised intermediate) keep a buffer of their own, [E, N, I] in all (computed inside the down product instead
+  they would cost a SiLU per output column: ten times the time on the CPU)."""
+  n, hidden = x.shape
+  inter, experts = moe.down_proj.shape[2], moe.num_experts
+  chunk = max(1, chunk_elements // (experts * (3 * inter + hidden)))
+  if n <= chunk: return _experts_dense(x, moe, weights, ids)
+  out = Tensor.empty(n, hidden, dtype=x.dtype, device=x.device).assign(x.contiguous())
+  for i in range(0, n, chunk):
+    part = slice(i, min(n, i + chunk))
+    out[part].assign(_experts_dense(out[part], moe, weights[part], ids[part]))
+  return out
+
+
+def _experts_dense(x: Tensor, moe: MoEWeights, weights: Tensor, ids: Tensor) -> Tensor:
   inter, experts = moe.down_proj.shape[2], moe.num_experts
   gate_up = x.reshape(1, *x.shape) @ moe.gate_up_proj.transpose(1, 2)     # [E, N, 2I]
   act = (gate_up[..., :inter].silu() * gate_up[..., inter:]).contiguous()
