@@ -43,6 +43,7 @@ CASES = {
   "bf16_n300_mixtral_64x64": ("bfloat16", 300, 128, 192, 8, 2, True, "random", GemmTiles(64, 64, 2, 2, 1, bk=64)),
   "f16_n300_skewed_wgmma128": ("float16", 300, 128, 64, 12, 4, True, "skewed", GemmTiles.warpgroup(128, 128, ring=3)),
   "bf16_n64_qwen3_e128_wgmma64": ("bfloat16", 64, 192, 128, 128, 8, True, "random", GemmTiles.warpgroup(64, 64, ring=2)),
+  "bf16_n40_32x64_bk128": ("bfloat16", 40, 384, 128, 16, 4, True, "random", GemmTiles(32, 64, 2, 2, 1, 2, 128)),
 }
 QUICK = {"bf16_n17_e16_k4", "f16_n64_skewed_16x64"}
 
@@ -151,7 +152,7 @@ def test_plan_at_qwen3_30b_a3b():
   wgmma tile; the padded rows' bound and the buffers at 8,192 tokens; where the path does not run."""
   qwen = lambda n: MoEShape("bfloat16", n, 2048, 768, 128, 8, True, EPS)
   decode = grouped_plan(qwen(256), HOPPER)
-  assert (decode.tiles.bm, decode.tiles.bn, decode.tiles.wgmma) == (32, 64, False)
+  assert (decode.tiles.bm, decode.tiles.bn, decode.tiles.bk, decode.tiles.wgmma) == (32, 128, 64, False)
   assert decode.rows == padded_rows(qwen(256), 32) == (2048 + 128 * 31) // 32 * 32
   prompt = grouped_plan(qwen(8192), HOPPER)
   assert prompt.tiles == GemmTiles.warpgroup(128, 128, ring=3) and prompt.rows == 65536 + 128 * 127

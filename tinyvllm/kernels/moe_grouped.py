@@ -40,11 +40,15 @@ MAX_ITEMS = 16         # pairs a thread of tv_moe_align takes per scan (a chunk:
 MAX_EXPERTS = 1024     # the routing warp holds a token's logits in registers, E / 32 a lane
 
 
+Tiles = GemmTiles | tuple[GemmTiles, GemmTiles]   # both products' tiles, or gate_up's and down's (the same rows)
+
+
 @dataclass(frozen=True)
 class GroupedPlan:
   shape: MoEShape
-  tiles: GemmTiles
-  rows: int            # M: the padded rows' static bound, a multiple of tiles.bm
+  tiles: GemmTiles     # gate_up's
+  down_tiles: GemmTiles
+  rows: int            # M: the padded rows' static bound, a multiple of the tiles' rows
   routing: MoEKernel   # tv_moe_topk, tv_moe_count, tv_moe_align, tv_moe_combine
   gate_up: MoEKernel   # tv_gemm_xprime (RMSNorm over the tokens), tv_gemm (rows gathered)
   down: MoEKernel      # tv_gemm_xprime (SwiGLU over the used rows), tv_gemm (rows scattered to pair order)
@@ -143,27 +147,29 @@ def product_kernel(shape: MoEShape, product: str, tiles: GemmTiles, rows: int, t
   return MoEKernel(product, "gemm_tc", defines, (pre, gemm))
 
 
-def grouped_plan(shape: MoEShape, target: DeviceTarget, tiles: GemmTiles | None = None) -> GroupedPlan:
+def grouped_plan(shape: MoEShape, target: DeviceTarget, tiles: Tiles | None = None) -> GroupedPlan:
   assert (reason := grouped_reason(shape, target)) is None, reason
-  tiles = tiles or grouped_tiles(shape, target)
-  if tiles.splits != 1 or (reason := tiles.wgmma_error()) is not None:
-    raise ValueError(reason or f"tiles {tiles}: the grouped products do not split K")
-  if shape.hidden % tiles.bk or shape.intermediate % tiles.bk:
-    raise ValueError(f"tiles {tiles}: K slices of {tiles.bk} do not divide hidden {shape.hidden} and intermediate {shape.intermediate}")
-  rows = padded_rows(shape, tiles.bm)
-  return GroupedPlan(shape, tiles, rows, routing_kernel(shape, tiles.bm, rows), product_kernel(shape, "gate_up", tiles, rows, target),
-                     product_kernel(shape, "down", tiles, rows, target))
+  gate_up, down = (tiles or grouped_tiles(shape, target),) * 2 if not isinstance(tiles, tuple) else tiles
+  for t in (gate_up, down):
+    if t.splits != 1 or (reason := t.wgmma_error()) is not None:
+      raise ValueError(reason or f"tiles {t}: the grouped products do not split K")
+  if gate_up.bm != down.bm: raise ValueError(f"tiles {gate_up} and {down}: both products take the same row blocks")
+  if shape.hidden % gate_up.bk or shape.intermediate % down.bk:
+    raise ValueError(f"tiles {gate_up}, {down}: K slices that do not divide hidden {shape.hidden} / intermediate {shape.intermediate}")
+  rows = padded_rows(shape, gate_up.bm)
+  return GroupedPlan(shape, gate_up, down, rows, routing_kernel(shape, gate_up.bm, rows),
+                     product_kernel(shape, "gate_up", gate_up, rows, target), product_kernel(shape, "down", down, rows, target))
 
 
 @functools.cache
-def grouped_sources(target: DeviceTarget, shape: MoEShape, tiles: GemmTiles | None = None) -> tuple[GroupedPlan, dict[str, str]]:
+def grouped_sources(target: DeviceTarget, shape: MoEShape, tiles: Tiles | None = None) -> tuple[GroupedPlan, dict[str, str]]:
   """The plan and each of its kernels' source by name."""
   plan = grouped_plan(shape, target, tiles)
   return plan, {kernel.name: kernel_source("cuda", kernel.algorithm, kernel.defines) for kernel in plan.kernels}
 
 
 def run_grouped(target: DeviceTarget, shape: MoEShape, x: Tensor, moe: MoEWeights, norm: Tensor, residual: Tensor,
-                tiles: GemmTiles | None = None) -> Tensor:
+                tiles: Tiles | None = None) -> Tensor:
   """residual + the step's experts ([N, H], the weights' dtype) on the grouped path (with `tiles`, else the planner's):
   x', the router product from it, then the plan's launches, each buffer found by its parameter's name (the outputs
   made when first written)."""
@@ -178,8 +184,10 @@ def run_grouped(target: DeviceTarget, shape: MoEShape, x: Tensor, moe: MoEWeight
     after = run_kernel(step, sources[kernel.name], [buffers[p.name] for p in step.params])
     buffers.update({p.name: t for p, t in zip(step.params, after, strict=True) if p.written})
 
+  # x' in a 2-D buffer, which the router product takes as it is (a 1-D one reshaped cost a copy)
+  buffers["xn"] = Tensor.empty(shape.tokens, shape.hidden, dtype=dtype, device=x.device)
   launch(plan.xprime, plan.gate_up)
-  xn = buffers["xn"].reshape(shape.tokens, shape.hidden)
+  xn = buffers["xn"]
   logits = fused_linear(target, xn, moe.router, None, out_float32=True)
   buffers["logits"] = (logits if logits is not None else xn.float().linear(moe.router.float().T)).contiguous()
   for step, kernel in plan.steps: launch(step, kernel)
