@@ -4,6 +4,8 @@ Parts, each in a process of its own (a 61 GB model and HF's copy of it do not fi
   decode      batch-1 decode (prompt 128, 256 new tokens): tok/s, the bytes a step reads (attention, router, the k chosen
               experts' weights, norms, LM head, KV cache) and the GB/s that makes
   throughput  workload 2 (nano-vllm's: 256 requests, prompts and outputs of 100-1,024 tokens)
+  profile     where a decode step of 256 sequences (contexts of about 600 tokens) spends its time: the captured step's
+              wall time, and each kernel of one eager step (tinygrad's DEBUG=2 timings, which inflate small kernels)
   hf          the peer: HF transformers' Qwen3MoeForCausalLM on the same shape (random bf16 weights), generate() at
               batch 1 with the same prompt and token counts
 Usage (on the GPU machine, from the repo root): DEV=CUDA python bench/moe_bench.py decode throughput hf [--model M]
@@ -74,7 +76,43 @@ def part_throughput(model: str) -> dict:
   r = run_throughput(llm, nano_vllm_workload(vocab), [nano_vllm_workload(vocab, 64, seed=1)])
   print(r.line(), flush=True)
   return {"model": model, "load_s": load_s, "requests": r.requests, "output_tokens": r.output_tokens, "seconds": r.seconds,
-          "output_tok_s": r.output_tok_s, "calls": calls(llm)}
+          "output_tok_s": r.output_tok_s, "cpu_seconds": r.cpu_seconds, "warmup_seconds": r.warmup_seconds,
+          "captures": r.captures, "captures_in_timed_run": r.captures_in_timed_run, "calls": calls(llm)}
+
+
+def part_profile(model: str, batch: int = 256, context: int = 600) -> dict:
+  import contextlib
+  import io
+
+  from tinygrad.helpers import Context
+
+  from tinyvllm import SamplingParams
+  sys.path.insert(0, str(REPO / "bench"))
+  from gpu_profile import kernel_times
+  llm, load_s = engine(model, kv_cache_memory=float(os.environ.get("MOE_KV_GIB", "40")), max_model_len=4096, max_num_seqs=batch,
+                       max_num_batched_tokens=8192, cuda_graph_sizes=[batch])
+  eng, runner = llm.engine, llm.engine.runner
+  params = SamplingParams(temperature=0.6, max_tokens=64, ignore_eos=True)
+  for i in range(batch): eng.add_request(f"p{i}", [(7 * i + j) % 10000 for j in range(context)], params)
+  while any(s.num_computed_tokens < context for s in eng.scheduler.running) or eng.scheduler.waiting: eng.step()
+  for _ in range(4): eng.step()
+  t = time.perf_counter()
+  for _ in range(16): eng.step()
+  step_ms = (time.perf_counter() - t) / 16 * 1e3
+  mode, runner.cudagraph_mode = runner.cudagraph_mode, "NONE"
+  try:
+    eng.step()   # the eager kernels compiled outside the measurement
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), Context(DEBUG=2): eng.step()
+  finally:
+    runner.cudagraph_mode = mode
+  times, counts = kernel_times(buf.getvalue())
+  top = sorted(times.items(), key=lambda kv: -kv[1])[:30]
+  eager_ms = sum(times.values())
+  print(f"batch {batch}, contexts ~{context}: captured step {step_ms:.2f} ms; eager step {eager_ms:.2f} ms of kernels", flush=True)
+  for name, ms in top: print(f"  {ms:8.3f} ms x{counts[name]:<4} {name}", flush=True)
+  return {"model": model, "load_s": load_s, "batch": batch, "context": context, "step_ms": step_ms, "eager_kernel_ms": eager_ms,
+          "top": [{"name": k, "ms": round(v, 4), "count": counts[k]} for k, v in top], "calls": calls(llm)}
 
 
 def part_hf(model: str) -> dict:
@@ -102,7 +140,7 @@ def part_hf(model: str) -> dict:
           "total_s": total_s, "prefill_s": prefill_s}
 
 
-PARTS = {"decode": part_decode, "throughput": part_throughput, "hf": part_hf}
+PARTS = {"decode": part_decode, "throughput": part_throughput, "profile": part_profile, "hf": part_hf}
 
 
 def main() -> int:
