@@ -9,7 +9,9 @@
 # timeline (bench/step_timeline.py), serve_profile (bench/serve_profile.py:
 # workload 3 against the server with timers on each stage; SERVE_ARGS adds server flags), sweep (bench/serve_sweep.py:
 # 1-256 concurrent clients; plotted here with --replot), explore (bench/attention_bench.py), sampler (bench/sampler_bench.py), spec (bench/spec_bench.py), moe (bench/moe_bench.py: the Qwen3-30B-A3B shape;
-# MOE_PARTS picks its parts; run it on nvidia-h200), host1 / host256 (bench/step_host.py: a
+# MOE_PARTS picks its parts; run it on nvidia-h200), structured (bench/structured_bench.py: batch-64 decode with every
+# row under a JSON schema against free decoding; needs the Qwen3 tokenizer in .data/qwen3 and the llguidance wheel in
+# .whl/), host1 / host256 (bench/step_host.py: a
 # decode step's host time by stage), and any part
 # of bench/gpu_benchmarks.py (with the suffix _fp8: the same part with --kv-cache-dtype fp8, e.g. throughput_fp8).
 set -u
@@ -66,6 +68,7 @@ for step in "$@"; do
     sampler) cmd=(python3 bench/sampler_bench.py) ;;
     spec) cmd=(python3 bench/spec_bench.py --parts "${SPEC_PARTS:-verify,ngram,draft}") ;;
     moe) cmd=(python3 bench/moe_bench.py ${MOE_PARTS:-decode throughput hf}) ;;
+    structured) cmd=(python3 bench/structured_bench.py --tokenizer .data/qwen3) ;;
     host1) cmd=(python3 bench/step_host.py --batch 1 --out "$OUT/step_host_b1.json") ;;
     host256) cmd=(python3 bench/step_host.py --batch 256 --kv-cache-dtype fp8 --out "$OUT/step_host_b256_fp8.json") ;;
     serve_profile) cmd=(python3 bench/serve_profile.py --out "$OUT/serve_profile.json" -- --model qwen3-0.6b --load-format dummy

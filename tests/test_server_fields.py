@@ -21,31 +21,28 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
 # what the server implements (tests/test_server.py, tests/test_server_errors.py and tests/test_server_prompt_logprobs.py
 # exercise them)
 IMPLEMENTED_OPENAI_COMPLETION = {"model", "prompt", "echo", "frequency_penalty", "logprobs", "max_tokens", "n", "presence_penalty",
-                                 "seed", "stop", "stream", "stream_options", "temperature", "top_p", "user", "best_of"}
+                                 "seed", "stop", "stream", "stream_options", "temperature", "top_p", "user", "best_of", "logit_bias"}
 IMPLEMENTED_OPENAI_CHAT = {"messages", "model", "frequency_penalty", "logprobs", "max_completion_tokens", "max_tokens", "n",
                            "parallel_tool_calls", "presence_penalty", "prompt_cache_key", "safety_identifier", "seed", "stop",
-                           "stream", "stream_options", "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user"}
+                           "stream", "stream_options", "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user",
+                           "logit_bias", "response_format"}
 
 # OpenAI's request fields the server does not implement, each with a value that asks for the feature
-OPENAI_COMPLETION = {"logit_bias": {"50256": -100}, "suffix": " The end."}
+OPENAI_COMPLETION = {"suffix": " The end."}
 OPENAI_CHAT = {
   "audio": {"voice": "alloy", "format": "wav"}, "function_call": {"name": "get_weather"},
-  "functions": [{"name": "get_weather", "parameters": {}}], "logit_bias": {"5": 10}, "metadata": {"run": "7"},
+  "functions": [{"name": "get_weather", "parameters": {}}], "metadata": {"run": "7"},
   "modalities": ["text", "audio"], "moderation": {"model": "omni-moderation-latest"},
   "prediction": {"type": "content", "content": "Once upon a time"}, "prompt_cache_options": {"mode": "explicit"},
-  "prompt_cache_retention": "24h", "reasoning_effort": "low", "response_format": {"type": "json_object"},
+  "prompt_cache_retention": "24h", "reasoning_effort": "low",
   "service_tier": "flex", "store": True, "verbosity": "low", "web_search_options": {"search_context_size": "low"},
 }
 # vLLM's extra sampling and request fields (both endpoints) the server does not implement
 VLLM_COMMON = {
-  "min_tokens": 3, "spaces_between_special_tokens": False,
-  "truncate_prompt_tokens": 4, "truncation_side": "left", "allowed_token_ids": [1, 2, 3], "bad_words": ["cat"],
-  "logprob_token_ids": [5], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
-  "structured_outputs": {"choice": ["yes", "no"]}, "guided_json": {"type": "object"}, "guided_regex": "[a-z]+",
-  "guided_choice": ["yes", "no"], "guided_grammar": "root ::= \"a\"", "structural_tag": "{}",
-  "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ", "logits_processors": ["m.P"],
+  "spaces_between_special_tokens": False, "truncate_prompt_tokens": 4, "truncation_side": "left",
+  "logprob_token_ids": [5], "structural_tag": "{}", "guided_decoding_backend": "xgrammar", "logits_processors": ["m.P"],
   "return_tokens_as_token_ids": True, "return_token_offsets": True, "cache_salt": "s4lt",
-  "kv_transfer_params": {"do_remote_decode": True}, "ec_transfer_params": {"x": 1}, "vllm_xargs": {"k": 1},
+  "kv_transfer_params": {"do_remote_decode": True}, "ec_transfer_params": {"x": 1},
   "repetition_detection": {"max_pattern_size": 4}, "thinking_token_budget": 16, "mm_processor_kwargs": {"size": 2},
   "media_io_kwargs": {"image": {"mode": "RGB"}},
 }

@@ -278,6 +278,10 @@ class EngineConfig:
   # custom logits processors (vLLM's): tinyvllm.layers.logits_processor.LogitsProcessor subclasses or their qualified
   # names ("package.module.Class"); an engine with any runs its steps eagerly
   logits_processors: list[Any] = field(default_factory=list)
+  # structured output (vLLM's structured_outputs_config): backend auto or guidance (llguidance, the one there is),
+  # disable_any_whitespace (JSON without the optional whitespace, for every request), disable_fallback (nothing to
+  # fall back to: accepted)
+  structured_outputs_config: dict[str, Any] = field(default_factory=dict)
   extra: dict[str, Any] = field(default_factory=dict)
 
   def __post_init__(self) -> None:
@@ -331,6 +335,7 @@ class EngineConfig:
     if self.logits_processors and self.speculative_config is not None:
       raise ConfigError("logits_processors do not run with speculative decoding (a verification's rows are not a batch "
                         "of requests): leave out one of them")
+    self._check_structured_outputs_config()
     if self.device in ("auto", ""): self.device = None   # vLLM's "auto": detect it
     if self.device is None: self.device = os.environ.get("DEV") or None   # tinygrad's own variable
     self.cudagraph_mode = self.cudagraph_mode.upper()
@@ -359,6 +364,18 @@ class EngineConfig:
     ]
     for ok, message in checks:
       if not ok: raise ConfigError(message)
+
+  def _check_structured_outputs_config(self) -> None:
+    config = self.structured_outputs_config
+    if not isinstance(config, dict): raise ConfigError(f"structured_outputs_config must be a JSON object, got {config!r}")
+    for key, value in config.items():
+      if key == "backend" and value not in ("auto", "guidance"):
+        raise ConfigError(f"structured_outputs_config: backend {value!r} is not available (tinyvllm runs guidance: llguidance)")
+      if key in ("disable_any_whitespace", "disable_fallback") and not isinstance(value, bool):
+        raise ConfigError(f"structured_outputs_config: {key} must be true or false, got {value!r}")
+      if key not in ("backend", "disable_any_whitespace", "disable_fallback"):
+        raise ConfigError(f"structured_outputs_config: {key} is not supported (tinyvllm takes backend, disable_any_whitespace, "
+                          "disable_fallback)")
 
   def _check_generation_override(self) -> None:
     override = self.override_generation_config

@@ -157,6 +157,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
   c.add_argument("--logits-processors", nargs="+", metavar="CLASS",
                  help="custom logits processors: qualified names of tinyvllm.layers.logits_processor.LogitsProcessor "
                       "subclasses (package.module.Class); steps then run eagerly")
+  c.add_argument("--structured-outputs-config", type=json_value,
+                 help='structured output, vLLM\'s JSON: \'{"disable_any_whitespace": true}\' (JSON outputs without optional '
+                      'whitespace, which small models can fill forever), "backend": "guidance" (llguidance, the only one)')
   c.add_argument("--speculative-config", type=json_value,
                  help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
                       '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (proposals from the sequence\'s own text) or '
@@ -207,7 +210,7 @@ ENGINE_FLAGS = ("tokenizer", "dtype", "device", "max_model_len", "load_format", 
                 "decode_layer_max_context", "download_dir", "revision", "tokenizer_revision", "hf_token", "scheduling_policy",
                 "preemption_mode", "swap_space")
 # flags passed on only when given (None: the engine's default)
-OPTIONAL_FLAGS = ("cudagraph_mode", "speculative_config", "logits_processors",
+OPTIONAL_FLAGS = ("cudagraph_mode", "speculative_config", "logits_processors", "structured_outputs_config",
                   "max_logprobs", "generation_config", "override_generation_config",
                   "skip_tokenizer_init",
                   "disable_log_stats",

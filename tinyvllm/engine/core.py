@@ -60,7 +60,8 @@ class EngineCore:
     self._seed_rng = random.Random(config.seed)
     # structured output's grammars, compiled against the tokenizer (loaded on the first structured request)
     self.grammars = GrammarCompiler(lambda: engine_tokenizer(config), self.model_config.vocab_size,
-                                    list(self.model_config.eos_token_ids))
+                                    list(self.model_config.eos_token_ids),
+                                    config.structured_outputs_config.get("disable_any_whitespace", False))
     freeze_long_lived_objects()
     log(f"engine core ready in {time.perf_counter() - start:.1f} s")
 

@@ -39,12 +39,13 @@ def kind_of(params: StructuredOutputsParams) -> str:
   return next(name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(params, name) is not None)
 
 
-def grammar_text(params: StructuredOutputsParams) -> str:
-  """The llguidance grammar of the params (not yet checked: see check_grammar)."""
+def grammar_text(params: StructuredOutputsParams, disable_any_whitespace: bool = False) -> str:
+  """The llguidance grammar of the params (not yet checked: see check_grammar); disable_any_whitespace: the engine's
+  (structured_outputs_config), for every JSON constraint without a whitespace_pattern."""
   llg, kind = require_llguidance(), kind_of(params)
   if kind in ("json", "json_object"):
     schema = {"type": "object"} if kind == "json_object" else params.json
-    options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
+    options: dict[str, Any] = {"whitespace_flexible": not (params.disable_any_whitespace or disable_any_whitespace)}
     if params.whitespace_pattern is not None: options["whitespace_pattern"] = params.whitespace_pattern
     try: return llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     except ValueError as e: raise SamplingParamsError(PARAM, f"structured_outputs.json is not a JSON schema: {e}") from None
@@ -85,14 +86,16 @@ class GrammarCompiler:
   """The engine core's: the llguidance tokenizer (built on the first structured request: about half a second for a
   150k vocabulary) and the compiled grammars, the most recent kept for requests that repeat them."""
 
-  def __init__(self, load_tokenizer: Callable[[], Tokenizer | None], vocab_size: int, eos_token_ids: list[int]):
+  def __init__(self, load_tokenizer: Callable[[], Tokenizer | None], vocab_size: int, eos_token_ids: list[int],
+               disable_any_whitespace: bool = False):
     self._load_tokenizer, self._vocab_size, self._eos = load_tokenizer, vocab_size, sorted(eos_token_ids)
+    self._disable_any_whitespace = disable_any_whitespace
     self._ll_tokenizer: Any = None
     self._cache: OrderedDict[str, StructuredOutputGrammar] = OrderedDict()
 
   def compile(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
     """A fresh matcher for the params (ValueError if they cannot be compiled for this tokenizer)."""
-    text = grammar_text(params)
+    text = grammar_text(params, self._disable_any_whitespace)
     if (cached := self._cache.get(text)) is not None:
       self._cache.move_to_end(text)
       return cached.copy()

@@ -22,6 +22,7 @@ from tinyvllm.entrypoints.chat_settings import ChatSettings
 from tinyvllm.entrypoints.errors import APIError, bad_request
 from tinyvllm.entrypoints.logger import RequestLogger
 from tinyvllm.entrypoints.metrics import ServerMetrics
+from tinyvllm.entrypoints.output_controls import REQUEST_NAMES, output_constraint, token_controls
 from tinyvllm.entrypoints.protocol import PromptLogprob, SamplingRequest
 from tinyvllm.outputs import PromptLogprobs, RequestOutput
 from tinyvllm.sampling_params import BeamSearchParams, SamplingParams, SamplingParamsError
@@ -155,14 +156,15 @@ def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
                     rename: dict[str, str] | None = None, defaults: dict[str, Any] | None = None) -> SamplingParams:
   """The engine's SamplingParams; a bad value is a 400 naming the request's field (`rename`: engine name -> request name).
   Fields the request leaves unset take `defaults` (the model's generation_config.json, as vLLM's server), whose
-  max_tokens caps the request's."""
+  max_tokens caps the request's. The token controls and the output constraint: entrypoints/output_controls.py."""
   given = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
+  given.update(token_controls(req), structured_outputs=output_constraint(req))
   model_defaults = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
   max_tokens = min(max_tokens, (defaults or {}).get("max_tokens", max_tokens))
   try:
     return SamplingParams(**{**model_defaults, **given}, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
   except SamplingParamsError as e:
-    raise bad_request(str(e), (rename or {}).get(e.param, e.param)) from None
+    raise bad_request(str(e), {**REQUEST_NAMES, **(rename or {})}.get(e.param, e.param)) from None
 
 
 def request_priority(state: ServerState, req: SamplingRequest) -> int:
@@ -179,7 +181,7 @@ def check_engine_limits(state: ServerState, prompt: Prompt, params: SamplingPara
   logprobs than --max-logprobs, ...)."""
   try: state.require_engine().validate(prompt.engine_prompt(), params)
   except PromptError as e: raise bad_request(str(e), param) from None
-  except SamplingParamsError as e: raise bad_request(str(e), (rename or {}).get(e.param, e.param)) from None
+  except SamplingParamsError as e: raise bad_request(str(e), {**REQUEST_NAMES, **(rename or {})}.get(e.param, e.param)) from None
 
 
 async def generate_many(state: ServerState, prompts: list[Prompt], params: list[SamplingParams],

@@ -11,7 +11,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tinyvllm.entrypoints.unsupported import CHAT, COMPLETION, STREAM_OPTIONS, TOKENIZE, Unsupported
+from tinyvllm.entrypoints.unsupported import CHAT, COMPLETION, STREAM_OPTIONS, STRUCTURED_OUTPUTS, TOKENIZE, Unsupported
 
 MAX_N = 128          # OpenAI's own limit on n
 MAX_COMPLETION_LOGPROBS = 5
@@ -30,6 +30,32 @@ class StrictModel(BaseModel):
 class StreamOptions(StrictModel):
   refused = STREAM_OPTIONS
   include_usage: bool | None = False
+
+
+class JsonSchemaFormat(StrictModel):
+  """OpenAI's response_format.json_schema (the schema is always enforced: strict or not, as vLLM does)."""
+  name: str
+  description: str | None = None
+  schema_: dict[str, Any] | None = Field(None, alias="schema")
+  strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+  type: Literal["text", "json_object", "json_schema"]
+  json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(StrictModel):
+  """vLLM's structured_outputs extra body: exactly one of json, regex, choice, grammar, json_object."""
+  refused = STRUCTURED_OUTPUTS
+  json_: str | dict[str, Any] | None = Field(None, alias="json")
+  regex: str | None = None
+  choice: list[str] | None = None
+  grammar: str | None = None
+  json_object: bool | None = None
+  disable_any_whitespace: bool = False
+  whitespace_pattern: str | None = None
+  disable_fallback: bool = False   # (one grammar engine: there is nothing to fall back to)
 
 
 class SamplingRequest(StrictModel):
@@ -57,6 +83,21 @@ class SamplingRequest(StrictModel):
   stream: bool | None = False
   stream_options: StreamOptions | None = None
   return_token_ids: bool | None = None     # vLLM's: prompt and output token ids beside the text (always without a tokenizer)
+  # token controls (OpenAI's logit_bias: token id strings to [-100, 100]; vLLM's others)
+  logit_bias: dict[str, float] | None = None
+  allowed_token_ids: list[Int64] | None = None
+  bad_words: list[str] | None = None
+  min_tokens: Int64 | None = None
+  vllm_xargs: dict[str, Any] | None = None   # vLLM's: the request's extra_args (for the server's --logits-processors)
+  # output constraints (entrypoints/output_controls.py): OpenAI's response_format, vLLM's structured_outputs and its older
+  # guided_* fields
+  response_format: ResponseFormat | None = None
+  structured_outputs: StructuredOutputsRequest | None = None
+  guided_json: str | dict[str, Any] | None = None
+  guided_regex: str | None = None
+  guided_choice: list[str] | None = None
+  guided_grammar: str | None = None
+  guided_whitespace_pattern: str | None = None
 
   @property
   def include_usage(self) -> bool: return bool(self.stream and self.stream_options and self.stream_options.include_usage)

@@ -3,7 +3,7 @@
 A request field is one of three things:
 - implemented: a field of the endpoint's pydantic model (tinyvllm/entrypoints/protocol.py);
 - refused: listed here with the feature it asks for. A value that asks for exactly the default behaviour (what clients
-  send by default: `tools: []`, `response_format: {"type": "text"}`, `use_beam_search: false`, ...) is accepted, since
+  send by default: `store: false`, `suffix: ""`, `modalities: ["text"]`, ...) is accepted, since
   honouring it takes nothing; any other value is a 400 naming the field (OpenAI's code `unsupported_parameter`);
 - unknown (a typo, an extension nobody lists): a 400 as OpenAI's own server answers it, "Unrecognized request argument
   supplied: X".
@@ -41,41 +41,30 @@ def _no_functions(value: Any, body: Mapping[str, Any]) -> bool:
   return value is None or value == "none" or (value == "auto" and not body.get("functions"))
 
 
-def _zero_bias(value: Any, body: Mapping[str, Any]) -> bool:
-  return value is None or (isinstance(value, dict) and all(equals(v, 0) for v in value.values()))
-
-
 @dataclass(frozen=True)
 class Unsupported:
   feature: str              # what the field asks for that this server does not do (and what would implement it)
   accepts: Accepts = unset  # the values that ask for the default behaviour, which are accepted
 
 
-STRUCTURED_OUTPUT = "structured output (decoding constrained to a schema, regex, choice or grammar) is not implemented"
 STRUCTURED = {
-  "response_format": Unsupported(f"{STRUCTURED_OUTPUT}; only {{\"type\": \"text\"}} is accepted",
-                                 lambda v, body: v is None or v == {"type": "text"}),
-  "structured_outputs": Unsupported(STRUCTURED_OUTPUT, empty),
-  "guided_json": Unsupported(STRUCTURED_OUTPUT),
-  "guided_regex": Unsupported(STRUCTURED_OUTPUT),
-  "guided_choice": Unsupported(STRUCTURED_OUTPUT),
-  "guided_grammar": Unsupported(STRUCTURED_OUTPUT),
-  "structural_tag": Unsupported(STRUCTURED_OUTPUT),
-  "guided_decoding_backend": Unsupported(STRUCTURED_OUTPUT),
-  "guided_whitespace_pattern": Unsupported(STRUCTURED_OUTPUT),
+  "structural_tag": Unsupported("structural tags (constraints triggered by tags in free text) are not implemented"),
+  "guided_decoding_backend": Unsupported("the grammar engine is llguidance; choosing another is not implemented",
+                                         one_of("auto", "guidance")),
+}
+# the fields of vLLM's structured_outputs object that the server does not implement
+STRUCTURED_OUTPUTS = {
+  "disable_additional_properties": Unsupported("rewriting the JSON schema's objects to refuse additional properties is not "
+                                               "implemented: say additionalProperties: false in the schema", one_of(False)),
+  "structural_tag": STRUCTURED["structural_tag"],
 }
 
 # vLLM's extra sampling and request fields that both generation endpoints take
 SAMPLING = {
-  "logit_bias": Unsupported("per-token logit biases are not implemented in the sampler", _zero_bias),
-  "min_tokens": Unsupported("a minimum length (EOS and stop tokens masked until it is reached) is not implemented",
-                            one_of(0)),
   "spaces_between_special_tokens": Unsupported("the detokenizer never adds spaces between special tokens",
                                                one_of(True)),
   "truncate_prompt_tokens": Unsupported("prompt truncation is not implemented: send a prompt that fits the context"),
   "truncation_side": Unsupported("prompt truncation is not implemented"),
-  "allowed_token_ids": Unsupported("restricting sampling to allowed token ids is not implemented"),
-  "bad_words": Unsupported("banning words while sampling is not implemented", empty),
   "logprob_token_ids": Unsupported("logprobs of chosen token ids are not implemented: use logprobs (top-k)", empty),
   "logits_processors": Unsupported("custom logits processors are not implemented", empty),
   "repetition_detection": Unsupported("stopping on repeated n-grams is not implemented"),
@@ -83,7 +72,6 @@ SAMPLING = {
   "cache_salt": Unsupported("salting the prefix cache per request is not implemented"),
   "kv_transfer_params": Unsupported("disaggregated serving (KV transfer) is not implemented", empty),
   "ec_transfer_params": Unsupported("disaggregated serving (encoder-cache transfer) is not implemented", empty),
-  "vllm_xargs": Unsupported("there are no custom extensions to pass arguments to", empty),
   "return_tokens_as_token_ids": Unsupported("tokens as 'token_id:N' strings in logprobs are not implemented", one_of(False)),
   "return_token_offsets": Unsupported("token offsets belong to vLLM's render endpoints, which this server does not have",
                                       one_of(False)),
@@ -170,11 +158,12 @@ def implemented_fields(model: type[BaseModel], data: dict[str, Any], path: str =
   """`data` (a request body, or an object in it) with the refused fields that ask for the default behaviour left out;
   raises RefusedField for a refused field with another value or a field in no list. `model.refused` is its table."""
   refused: Mapping[str, Unsupported] = getattr(model, "refused", {})
+  fields = {info.alias or field: field for field, info in model.model_fields.items()}   # by the name the JSON uses
   kept: dict[str, Any] = {}
   for name, value in data.items():
     where, param = f"{path}{name}", (path.split(".")[0] or name)
-    if name in model.model_fields:
-      nested = _nested_model(model, name)
+    if name in fields:
+      nested = _nested_model(model, fields[name])
       kept[name] = implemented_fields(nested, value, f"{where}.") if nested is not None and isinstance(value, dict) else value
     elif (rule := refused.get(name)) is not None:
       if not rule.accepts(value, data): raise RefusedField(param, f"{where} is not supported: {rule.feature}", "unsupported_parameter")

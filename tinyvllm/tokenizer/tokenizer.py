@@ -22,6 +22,7 @@ class Tokenizer:
     self.name = name
     self._parts = parts
     self._splitter = AddedTokenSplitter(added)
+    self._text_splitter = AddedTokenSplitter([t for t in added if not t.special])   # special tokens' text as text
     self._specials = specials
     self._chat_template = chat_template
     # templates given per call (--chat-template, a request's own), compiled once; the least recently used go first
@@ -98,13 +99,14 @@ class Tokenizer:
     return ids
 
   def encode_continuation(self, text: str) -> list[int]:
-    """Token ids of `text` as it continues earlier text (what a model emitting it generates): no BOS/EOS, and no prefix
-    space where encode() gives one (SentencePiece's "▁", add_prefix_space); added tokens written in it become their ids.
-    The text is prepared behind an "a", whose piece is then cut, so a normaliser's prefix lands before it."""
+    """Token ids of `text` as it continues earlier text (what a model writing it as text generates): no BOS/EOS, no
+    prefix space where encode() gives one (SentencePiece's "▁", add_prefix_space), and a special token's text stays
+    text (non-special added tokens become their ids). The text is prepared behind an "a", whose piece is then cut, so
+    a normaliser's prefix lands before it."""
     ids: list[int] = []
     prepare, encoding = self._parts.prepare, self._parts.encoding
     lead = len(prepare("a", False))
-    for run, token_id, _ in self._splitter.split(text):
+    for run, token_id, _ in self._text_splitter.split(text):
       if token_id is None: ids.extend(encoding.encode(prepare("a" + run, False)[lead:]))
       else: ids.append(token_id)
     return ids

@@ -1,0 +1,123 @@
+"""Structured output on the GPU (the issue's acceptance 3; docs/benchmarks.md): decode tok/s at batch 64 with every row
+under a JSON schema, against free decoding of the same prompts, on the Qwen3-0.6B shape (dummy bf16 weights) with the
+real Qwen3 tokenizer (the grammar's tokenizer is the model's).
+
+Greedy decoding with ignore_eos: a random model under the schema writes inside a JSON string most of the time (the
+grammar engine's common case; nearly every token allowed there), and rarely closes one, so its rows run to max_tokens
+like the free rows. Each mode runs twice (the first captures the step layouts, builds the llguidance tokenizer and
+compiles the grammar) and reports the second: decode tok/s over the steps after the prompt step, the median step, the
+rows' token counts, and the host time spent filling the bitmasks. Results to $OUT/structured_bench.json.
+
+Usage (GPU): DEV=CUDA python bench/structured_bench.py --tokenizer .data/qwen3
+       (CPU smoke): python bench/structured_bench.py --smoke
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SCHEMA = {"type": "object", "properties": {
+  "title": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
+  "rating": {"type": "integer", "minimum": 0, "maximum": 5}, "summary": {"type": "string"}},
+  "required": ["title", "tags", "rating", "summary"]}
+
+
+class FillTimer:
+  """Wraps the runner's bitmask filler to add up the host time its fills take."""
+  def __init__(self): self.seconds, self.calls = 0.0, 0
+
+  def install(self):
+    from tinyvllm.core.structured_output import BitmaskFiller
+    original = BitmaskFiller.fill
+
+    def timed(filler, rows, bitmask):
+      t = time.perf_counter()
+      original(filler, rows, bitmask)
+      self.seconds, self.calls = self.seconds + time.perf_counter() - t, self.calls + 1
+    BitmaskFiller.fill = timed
+
+
+def decode(engine, prompts: list[list[int]], new_tokens: int, structured: bool) -> dict:
+  from tinyvllm import SamplingParams
+  from tinyvllm.sampling_params import StructuredOutputsParams
+  constraint = StructuredOutputsParams(json=SCHEMA) if structured else None
+  params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, structured_outputs=constraint)
+  engine.reset_prefix_cache()
+  ids = [f"{'json' if structured else 'free'}-{i}" for i in range(len(prompts))]
+  for rid, prompt in zip(ids, prompts, strict=True): engine.add_request(rid, prompt, params)
+  finals, steps = {}, []
+  while not finals and engine.has_unfinished_requests():   # the prompt step (and its tokens read)
+    for out in engine.step(): finals[out.request_id] = out
+  start = last = time.perf_counter()
+  while engine.has_unfinished_requests():
+    for out in engine.step(): finals[out.request_id] = out
+    now = time.perf_counter()
+    steps.append(now - last)
+    last = now
+  counts = [len(finals[rid].outputs[0].token_ids) for rid in ids]
+  decoded = sum(c - 1 for c in counts)   # (each row's first token came from the prompt step)
+  texts = [finals[rid].outputs[0].text for rid in ids]
+  return {"mode": "json_schema" if structured else "free", "batch": len(prompts), "decode_tok_s": decoded / (last - start),
+          "median_step_ms": float(np.median(steps)) * 1e3, "steps": len(steps), "tokens_min": min(counts), "tokens_max": max(counts),
+          "sample": texts[0][:120]}
+
+
+def main() -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--model", default="qwen3-0.6b")
+  p.add_argument("--tokenizer", default=".data/qwen3", help="the Qwen3 tokenizer folder (../shared/data/tokenizers/qwen3)")
+  p.add_argument("--batch", type=int, default=64)
+  p.add_argument("--prompt-len", type=int, default=128)
+  p.add_argument("--new-tokens", type=int, default=256)
+  p.add_argument("--smoke", action="store_true", help="CPU check: the shipped stories260K (random weights), batch 4, 16 tokens")
+  p.add_argument("--profile", type=int, default=0, help="print the N functions of most host time in the structured run")
+  args = p.parse_args()
+  from tinyvllm import LLM
+  if args.smoke:
+    from tinyvllm.model.embedded import embedded_model_path
+    llm = LLM(str(embedded_model_path()), load_format="dummy", max_num_seqs=4, num_gpu_blocks=64)
+    batch, prompt_len, new_tokens = 4, 8, 16
+  else:
+    llm = LLM(args.model, load_format="dummy", dtype="bfloat16", tokenizer=args.tokenizer, max_num_seqs=args.batch,
+              kv_cache_memory=8, enable_prefix_caching=False, cuda_graph_sizes=[args.batch])
+    batch, prompt_len, new_tokens = args.batch, args.prompt_len, args.new_tokens
+  engine, timer = llm.engine, FillTimer()
+  timer.install()
+  rng = np.random.default_rng(0)
+  prompts = rng.integers(0, min(10000, engine.model_config.vocab_size), size=(batch, prompt_len)).tolist()
+  rows = []
+  for structured in (False, True):
+    decode(engine, prompts, new_tokens, structured)   # warm: captures, the grammar's tokenizer and compilation
+    timer.seconds = timer.calls = 0
+    profiler = cProfile.Profile() if args.profile and structured else None
+    if profiler is not None: profiler.enable()
+    row = decode(engine, prompts, new_tokens, structured)
+    if profiler is not None:
+      profiler.disable()
+      pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
+    row["bitmask_fill_ms_per_step"] = timer.seconds / max(timer.calls, 1) * 1e3
+    print(json.dumps(row), flush=True)
+    rows.append(row)
+  free, structured_row = rows
+  summary = {"ratio": structured_row["decode_tok_s"] / free["decode_tok_s"], "device": engine.device, "rows": rows}
+  print(f"batch {batch}: free {free['decode_tok_s']:.0f} tok/s, every row under a JSON schema {structured_row['decode_tok_s']:.0f} "
+        f"tok/s ({summary['ratio']:.1%}); bitmask fill {structured_row['bitmask_fill_ms_per_step']:.3f} ms a step", flush=True)
+  out = Path(os.environ.get("OUT", "/tmp/out"))
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "structured_bench.json").write_text(json.dumps(summary, indent=2))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
