@@ -2,11 +2,12 @@
 under a JSON schema, against free decoding of the same prompts, on the Qwen3-0.6B shape (dummy bf16 weights) with the
 real Qwen3 tokenizer (the grammar's tokenizer is the model's).
 
-Greedy decoding with ignore_eos: a random model under the schema writes inside a JSON string most of the time (the
-grammar engine's common case; nearly every token allowed there), and rarely closes one, so its rows run to max_tokens
-like the free rows. Each mode runs twice (the first captures the step layouts, builds the llguidance tokenizer and
-compiles the grammar) and reports the second: decode tok/s over the steps after the prompt step, the median step, the
-rows' token counts, and the host time spent filling the bitmasks. Results to $OUT/structured_bench.json.
+Greedy decoding with ignore_eos, JSON without optional whitespace (else a random model writes whitespace forever): under
+the schema it writes inside a JSON string most of the time (the grammar engine's common case: nearly every token
+allowed there) and rarely closes one, so its rows run to max_tokens like the free rows. Each mode runs twice (the first
+captures the step layouts, builds the llguidance tokenizer and compiles the grammar) and reports the second: decode
+tok/s over the steps after the prompt step, the median step, the rows' token counts, and the host time spent filling
+the bitmasks. Results to $OUT/structured_bench.json.
 
 Usage (GPU): DEV=CUDA python bench/structured_bench.py --tokenizer .data/qwen3
        (CPU smoke): python bench/structured_bench.py --smoke
@@ -51,7 +52,7 @@ class FillTimer:
 def decode(engine, prompts: list[list[int]], new_tokens: int, structured: bool) -> dict:
   from tinyvllm import SamplingParams
   from tinyvllm.sampling_params import StructuredOutputsParams
-  constraint = StructuredOutputsParams(json=SCHEMA) if structured else None
+  constraint = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True) if structured else None
   params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, structured_outputs=constraint)
   engine.reset_prefix_cache()
   ids = [f"{'json' if structured else 'free'}-{i}" for i in range(len(prompts))]
