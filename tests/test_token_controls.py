@@ -177,7 +177,8 @@ def test_bad_words_single_and_multi_token(llm):
   assert " little" in greedy.text and " named Lily" in greedy.text
   single, multi = tok.encode("little", add_special_tokens=False), tok.encode("named Lily", add_special_tokens=False)
   assert len(single) == 1 and len(multi) == 2   # (SentencePiece: "little" and " little" are the same token)
-  out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24, bad_words=["little", "named Lily"]), use_tqdm=False)[0].outputs[0]
+  banned = SamplingParams(temperature=0, max_tokens=24, bad_words=["little", "named Lily"])
+  out = llm.generate([PROMPT], banned, use_tqdm=False)[0].outputs[0]
   ids = out.token_ids
   assert single[0] not in ids and not any(ids[i:i + 2] == multi for i in range(len(ids)))
   assert ids[:4] == greedy.token_ids[:4] and ids[4] != greedy.token_ids[4]   # ", there was a" then not " little"
