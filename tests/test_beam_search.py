@@ -29,7 +29,8 @@ LogSoftmax = Callable[[list[int]], np.ndarray]   # tokens -> the log_softmax of 
 def reference_beam_search(next_logprobs: LogSoftmax, prompt: list[int], width: int, max_tokens: int, eos: int | None,
                           length_penalty: float = 1.0, ignore_eos: bool = False) -> list[tuple[list[int], float]]:
   """The width best (tokens with the prompt, cumulative logprob), best first."""
-  score = lambda beam: get_beam_search_score(beam[0], beam[1], eos, length_penalty)
+  # vLLM's score (vllm/beam_search.py, after HF's): over the whole sequence's length, a final EOS not counted
+  score = lambda beam: beam[1] / (len(beam[0]) - (beam[0][-1] == eos)) ** length_penalty
   beams, completed = [(list(prompt), 0.0)], []
   for _ in range(max_tokens):
     if not beams: break
@@ -140,6 +141,13 @@ def test_sampled_candidates_keep_exact_scores(tiny):
     ref = sum(next_logprobs(seq.tokens[:i])[seq.tokens[i]] for i in range(len(prompt), len(seq.tokens)))
     assert abs(seq.cum_logprob - ref) < 1e-4 and len(seq.tokens) == len(prompt) + STEPS
   assert_all_free(llm)
+
+
+def test_score_is_vllms():
+  """cumulative logprob / len ** length_penalty, len counting the prompt and not a final EOS (any of the EOS ids)."""
+  assert get_beam_search_score([5, 6, 7, 2], -3.0, 2, 1.0) == -1.0
+  assert get_beam_search_score([5, 6, 7, 2], -3.0, None, 2.0) == -3.0 / 16
+  assert get_beam_search_score([5, 6, 2], -2.0, {2, 9}, 0.5) == -2.0 / 2 ** 0.5
 
 
 def test_bad_params_are_refused_naming_the_field():

@@ -68,7 +68,9 @@ class BeamSearchInstance:
           self.completed.append(child)
         else:
           extended.append(child)
-    self.beams = sorted(extended, key=self.score, reverse=True)[:self.params.beam_width]   # (a stable sort: ties keep order)
+    # (stable sorts: ties keep their order) only the beam_width best complete beams can be in the result
+    self.beams = sorted(extended, key=self.score, reverse=True)[:self.params.beam_width]
+    self.completed = sorted(self.completed, key=self.score, reverse=True)[:self.params.beam_width]
 
   def best(self, decode: Callable[[list[int]], str] | None) -> list[BeamSearchSequence]:
     """The result: the beam_width best of the complete and live beams, best first, with their text (None without a
