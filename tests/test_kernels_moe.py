@@ -261,9 +261,9 @@ TARGETS = {"cuda": DeviceTarget.nominal("cuda"), "metal": DeviceTarget.nominal("
 TINY = {"float32": dtypes.float32, "float16": dtypes.float16}
 
 
-def backend_inputs(name: str) -> tuple[dict[str, np.ndarray], MoEWeights, dict[str, Tensor]]:
+def backend_inputs(name: str, cases: dict[str, tuple] = BACKEND) -> tuple[dict[str, np.ndarray], MoEWeights, dict[str, Tensor]]:
   """Rounded operands, the layer's weights in its dtype and the op's tensors (x, norm, residual) in it."""
-  dtype, n, h, i, e, k, norm_topk = BACKEND[name]
+  dtype, n, h, i, e, k, norm_topk = cases[name]
   rng = np.random.default_rng(len(name))
   r = lambda *s, scale=1.0, offset=0.0: round_to(offset + rng.standard_normal(s).astype(np.float32) * scale, dtype)
   a = {"x": r(n, h), "norm": r(h, scale=0.3, offset=1), "residual": r(n, h), "router": r(e, h, scale=2 * h ** -0.5),

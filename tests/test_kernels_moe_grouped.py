@@ -12,13 +12,12 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from tinygrad import Tensor
 
-from tests.emulator.cases import from_bits, round_to, to_bits
+from tests.emulator.cases import from_bits, to_bits
 from tests.emulator.emulator import EmulatedRunKernel, LazyKernels, Spec, emulate, poisoned
 from tests.test_kernels_moe import (
-  TINY,
   TOLERANCE,
+  backend_inputs,
   expert_inputs,
   portable_reference,
   portable_route,
@@ -26,7 +25,6 @@ from tests.test_kernels_moe import (
   relative_error,
   weight_bits,
 )
-from tinyvllm.backend.weights import MoEWeights
 from tinyvllm.kernels.gemm import GemmTiles
 from tinyvllm.kernels.moe import LARGE_STEP, MoEShape, moe_shape
 from tinyvllm.kernels.moe_grouped import GroupedPlan, grouped_plan, grouped_reason, padded_rows
@@ -172,18 +170,6 @@ BACKEND = {"f16_n16_decode": ("float16", 16, 64, 32, 16, 4, True), "f16_n17": ("
            "f16_n64_every_expert": ("float16", 64, 64, 32, 4, 4, False), "f16_n300_wgmma": ("float16", 300, 128, 64, 8, 4, True)}
 
 
-def backend_inputs(name: str) -> tuple[dict[str, np.ndarray], MoEWeights, dict[str, Tensor]]:
-  """Rounded operands, the layer's weights in its dtype and the op's tensors (x, norm, residual) in it."""
-  dtype, n, h, i, e, k, norm_topk = BACKEND[name]
-  rng = np.random.default_rng(len(name))
-  r = lambda *s, scale=1.0, offset=0.0: round_to(offset + rng.standard_normal(s).astype(np.float32) * scale, dtype)
-  a = {"x": r(n, h), "norm": r(h, scale=0.3, offset=1), "residual": r(n, h), "router": r(e, h, scale=2 * h ** -0.5),
-       "gate_up": r(e, 2 * i, h, scale=h ** -0.5), "down": r(e, h, i, scale=i ** -0.5)}
-  put = lambda key: Tensor(a[key]).cast(TINY[dtype]).contiguous().realize()
-  moe = MoEWeights(put("router"), put("gate_up"), put("down"), k, norm_topk)
-  return a, moe, {key: put(key) for key in ("x", "norm", "residual")}
-
-
 def test_backend_moe_picks_decode_kernels_or_grouped_path(monkeypatch):
   """FusedBackend.moe with every launch (the router products too) on the emulator against portable_moe: 16 tokens on
   the decode kernels, 17 and more on the grouped path (the 128x128 wgmma tile at 150 pairs an expert)."""
@@ -194,7 +180,7 @@ def test_backend_moe_picks_decode_kernels_or_grouped_path(monkeypatch):
   fake = EmulatedRunKernel("cuda", order="random")
   for module in (moe_module, grouped, linear): monkeypatch.setattr(module, "run_kernel", fake)
   backend = FusedBackend(replace(HOPPER, device="CPU"), log=pytest.fail)
-  cases = {name: backend_inputs(name) for name in BACKEND}
+  cases = {name: backend_inputs(name, BACKEND) for name in BACKEND}
   for _, moe, t in cases.values(): backend.moe(t["x"], moe, norm=t["norm"], eps=EPS, residual=t["residual"])   # collect
   fake.build()
   for name, (a, moe, t) in cases.items():
