@@ -21,6 +21,8 @@ WORKS: list[tuple[dict, dict]] = [
   ({"tensor_parallel_size": 1}, {}),
   ({"pipeline_parallel_size": 1}, {}),
   ({"data_parallel_size": 1}, {}),
+  ({"tensor_parallel_size": 2}, {"tensor_parallel_size": 2}),
+  ({"data_parallel_size": 2, "distributed_executor_backend": "ray"}, {"data_parallel_size": 2, "distributed_executor_backend": "ray"}),
   ({"distributed_executor_backend": "uni"}, {}),
   ({"trust_remote_code": True}, {}),
   ({"enforce_eager": True}, {"enforce_eager": True, "cudagraph_mode": "NONE"}),
@@ -78,9 +80,10 @@ WORKS: list[tuple[dict, dict]] = [
 
 # (vLLM keyword arguments, the words the error must contain: the argument's name first)
 REFUSED: list[tuple[dict, list[str]]] = [
-  ({"tensor_parallel_size": 2}, ["tensor_parallel_size=2", "one device", "parallelism is not built yet"]),
-  ({"pipeline_parallel_size": 2}, ["pipeline_parallel_size=2", "one device"]),
-  ({"data_parallel_size": 4}, ["data_parallel_size=4"]),
+  ({"tensor_parallel_size": 0}, ["tensor_parallel_size=0", "integer >= 1"]),
+  ({"pipeline_parallel_size": 2}, ["pipeline_parallel_size=2", "pipeline parallelism is not built"]),
+  ({"data_parallel_size": 4, "distributed_executor_backend": "uni"}, ["data_parallel_size 4 needs mp or ray"]),
+  ({"distributed_executor_backend": "external_launcher"}, ["distributed_executor_backend='external_launcher'"]),
   ({"quantization": "nf4"}, ["quantization must be one of", "'nf4'"]),
   ({"cpu_offload_gb": 4}, ["cpu_offload_gb=4"]),
   ({"enable_lora": True}, ["enable_lora=True", "LoRA"]),
@@ -141,7 +144,7 @@ def test_llm_takes_vllm_arguments_and_refuses_with_config_errors(stories_dir, re
   assert out.outputs[0].token_ids == reference["greedy_ids"][:8]
   with pytest.raises(SamplingParamsError, match=r"logprobs=3 is more than max_logprobs \(2\)"):
     llm.generate(reference["prompt_ids"], SamplingParams(max_tokens=2, logprobs=3), use_tqdm=False)
-  for bad in ({"tensor_parallel_size": 2}, {"unknown_thing": 1}):
+  for bad in ({"pipeline_parallel_size": 2}, {"unknown_thing": 1}):
     with pytest.raises(ConfigError): LLM(str(stories_dir), **bad)
 
 
@@ -195,6 +198,8 @@ SERVE_FLAGS: list[tuple[list[str], dict]] = [
   (["--dtype", "half"], {"dtype": "float16"}),
   (["--skip-tokenizer-init"], {"skip_tokenizer_init": True}),
   (["--seed", "5"], {"seed": 5}),
+  (["-tp", "2", "-dp", "2", "--distributed-executor-backend", "mp"],
+   {"tensor_parallel_size": 2, "data_parallel_size": 2, "distributed_executor_backend": "mp"}),
 ]
 
 
@@ -205,7 +210,7 @@ def test_a_serve_flag_works(argv, expected):
 
 
 @pytest.mark.parametrize(("argv", "words"), [
-  (["-tp", "2"], ["tensor_parallel_size=2", "one device"]),
+  (["-pp", "2"], ["pipeline_parallel_size=2", "pipeline parallelism is not built"]),
   (["--speculative-config", '{"method": "ngram"}'], ["speculative_config"]),
   (["--enable-lora"], ["enable_lora=True"]),
 ])

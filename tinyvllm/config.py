@@ -40,6 +40,9 @@ MAX_LOGPROBS = 20   # the most top-k alternatives the sampler returns per token 
 GENERATION_CONFIG_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = (None, "uni", "mp", "ray")
+
+
 class ConfigError(ValueError):
   """A model folder or an engine setting cannot be used; the message says which and why."""
 
@@ -282,6 +285,13 @@ class EngineConfig:
   # disable_any_whitespace (JSON without the optional whitespace, for every request), disable_fallback (nothing to
   # fall back to: accepted)
   structured_outputs_config: dict[str, Any] = field(default_factory=dict)
+  # parallelism (vLLM's): the weights, KV heads and KV cache split over tensor_parallel_size devices of one host
+  # (tinygrad multi-device tensors, one scheduler); data_parallel_size engine replicas behind one server, each on its
+  # own device(s); distributed_executor_backend places the replicas: mp (processes on this host) or ray (Ray actors on
+  # the cluster's GPUs); None: mp; uni: this process (one replica only)
+  tensor_parallel_size: int = 1
+  data_parallel_size: int = 1
+  distributed_executor_backend: str | None = None
   extra: dict[str, Any] = field(default_factory=dict)
 
   def __post_init__(self) -> None:
@@ -320,6 +330,7 @@ class EngineConfig:
     for ok, message in checks:
       if not ok: raise ConfigError(message)
     self._check_scheduling()
+    self._check_parallelism()
     self._check_generation_override()
     if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
       self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
@@ -364,6 +375,18 @@ class EngineConfig:
     ]
     for ok, message in checks:
       if not ok: raise ConfigError(message)
+
+  def _check_parallelism(self) -> None:
+    for name in ("tensor_parallel_size", "data_parallel_size"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+    if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+      raise ConfigError(f"distributed_executor_backend must be one of {', '.join(map(str, DISTRIBUTED_EXECUTOR_BACKENDS[1:]))}, "
+                        f"got {self.distributed_executor_backend!r}")
+    if self.distributed_executor_backend == "uni" and self.data_parallel_size > 1:
+      raise ConfigError(f"distributed_executor_backend uni runs one engine in this process; data_parallel_size "
+                        f"{self.data_parallel_size} needs mp or ray")
 
   def _check_structured_outputs_config(self) -> None:
     config = self.structured_outputs_config

@@ -17,7 +17,6 @@ from typing import Any
 from tinyvllm.config import CUDAGRAPH_MODES, ConfigError, EngineConfig
 
 Fields = dict[str, Any]
-ONE_DEVICE = "tinyvllm runs on one device; parallelism is not built yet"
 
 
 @dataclass(frozen=True)
@@ -79,15 +78,19 @@ def _kv_bytes_to_gib(value: int) -> float: return value / 2**30
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 TABLE: tuple[VllmArg, ...] = (
-  # parallelism: one device
-  VllmArg("tensor_parallel_size", _is(1), ONE_DEVICE, default=1, flag=("-tp",), kind=int),
-  VllmArg("pipeline_parallel_size", _is(1), ONE_DEVICE, default=1, flag=("-pp",), kind=int),
-  VllmArg("data_parallel_size", _is(1), ONE_DEVICE, default=1, flag=("-dp",), kind=int),
-  VllmArg("distributed_executor_backend", _is(None, "uni"), f"{ONE_DEVICE}: the engine runs in this process (\"uni\")",
-          kind=str),
-  VllmArg("enable_expert_parallel", _is(False), "tinyvllm has no mixture-of-experts models", default=False, kind=bool),
+  # parallelism: tensor and data parallel (pipeline parallelism is not built)
+  VllmArg("tensor_parallel_size", _positive_int, "must be an integer >= 1", _field("tensor_parallel_size"), default=1,
+          flag=("-tp",), kind=int),
+  VllmArg("pipeline_parallel_size", _is(1), "pipeline parallelism is not built (tensor and data parallelism are)",
+          default=1, flag=("-pp",), kind=int),
+  VllmArg("data_parallel_size", _positive_int, "must be an integer >= 1", _field("data_parallel_size"), default=1,
+          flag=("-dp",), kind=int),
+  VllmArg("distributed_executor_backend", _is(None, "uni", "mp", "ray"), "must be uni, mp or ray",
+          _field("distributed_executor_backend"), kind=str),
+  VllmArg("enable_expert_parallel", _is(False), "expert parallelism is not built",
+          default=False, kind=bool),
   VllmArg("disable_custom_all_reduce", _is_bool, "must be true or false", default=False, kind=bool,
-          note="one device has no all-reduce to customise"),
+          note="tensor parallelism all-reduces through tinygrad's multi-device tensors, the one all-reduce there is"),
   # the model
   VllmArg("trust_remote_code", _is_bool, "must be true or false", default=False, kind=bool,
           note="tinyvllm never runs code from a model repository: its own Llama/Qwen code loads the supported architectures"),
