@@ -18,6 +18,7 @@ from tinyvllm.engine.draft_model import DraftModelSpeculator
 from tinyvllm.engine.speculator import NgramSpeculator
 from tinyvllm.kernels.selection import BackendRequest, select_backend
 from tinyvllm.layers.fp8 import FP8_STORAGE
+from tinyvllm.layers.tensor_parallel import TensorParallelGroup, group_devices
 from tinyvllm.model.gguf.config import gguf_model_config, is_gguf_path
 from tinyvllm.model.gguf.loader import load_gguf_model
 from tinyvllm.model.gguf.reader import GGUFFile
@@ -26,8 +27,9 @@ from tinyvllm.model.llama import TransformerLM
 from tinyvllm.model.loader import NAME_OF_DTYPE, load_model, resolve_dtype
 from tinyvllm.model.presets import PRESETS
 from tinyvllm.model.quantization.config import resolve as resolve_quantization
+from tinyvllm.model.sharding import check_shardable, local_config
 from tinyvllm.platform import tinygrad_compat as compat
-from tinyvllm.platform.device import check_dtype, is_cpu, select_device
+from tinyvllm.platform.device import check_dtype, is_cpu, opens, select_device
 from tinyvllm.worker.cache_sizing import num_kv_blocks, num_swap_blocks
 from tinyvllm.worker.host_io import reads_back_asynchronously
 from tinyvllm.worker.input_batch import bucket
@@ -101,12 +103,15 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                            config.block_size, mc.hidden_act)
   backend = select_backend(config.attention_backend, device, request, config.kernel_options())   # before loading
   log(f"attention backend {backend.describe()}")
-  model = (load_weights(config, mc, located.folder, dtype, device, max_model_len, backend) if located.gguf is None
+  group = tensor_parallel_group(config, mc, device, located.gguf is not None)
+  model = (load_weights(config, mc, located.folder, dtype, device, max_model_len, backend, group) if located.gguf is None
            or config.load_format == "dummy" else load_gguf_weights(config, mc, located.gguf, dtype, device, max_model_len, backend))
   draft = load_draft(config, mc, dtype, device, max_model_len)
-  allocator = make_allocator(config, mc, device, kv_dtype, max_model_len, draft.config if draft is not None else None)
+  shard = mc if group is None else local_config(mc, group.size)   # what one device holds of the KV cache
+  allocator = make_allocator(config, shard, device, kv_dtype, max_model_len, draft.config if draft is not None else None)
   swap_blocks = num_swap_blocks(config, KVCache.bytes_per_token(mc, kv_dtype) * config.block_size)
-  kv_cache = KVCache(mc, allocator.num_blocks, allocator.block_size, kv_dtype, device, swap_blocks)
+  kv_cache = KVCache(shard, allocator.num_blocks, allocator.block_size, kv_dtype, device if group is None else group.devices,
+                     swap_blocks)
   sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens or 0, config.enable_chunked_prefill,
                                  config.long_prefill_token_threshold, config.scheduling_policy, config.preemption_mode,
                                  swap_blocks)
@@ -131,6 +136,24 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
   speculator = make_speculator(config, max_model_len, draft, allocator, kv_dtype, device, sched_config.max_num_batched_tokens)
   return EngineParts(device, mc, located.folder, max_model_len, dtype, kv_dtype, model, allocator, kv_cache, scheduler, runner,
                      async_scheduling, warm_up_seconds, speculator)
+
+
+def tensor_parallel_group(config: EngineConfig, mc: ModelConfig, device: str, gguf: bool) -> TensorParallelGroup | None:
+  """The devices tensor parallelism splits the model over (None: one device), after checking that it can."""
+  tp = config.tensor_parallel_size
+  if tp == 1: return None
+  check_shardable(mc, tp)
+  refusals = [(config.quantization is not None or mc.quantization_config is not None or gguf, "quantized weights"),
+              (config.preemption_mode == "swap", "--preemption-mode swap"),
+              (config.speculative_config is not None and config.speculative_config.method == "draft_model", "a draft model")]
+  for refused, what in refusals:
+    if refused: raise ConfigError(f"tensor parallelism with {what} is not supported yet (tensor_parallel_size {tp})")
+  devices = group_devices(device, tp)
+  missing = [d for d in devices if not opens(d)]
+  if missing: raise ConfigError(f"tensor_parallel_size {tp} needs devices {', '.join(devices)}; {', '.join(missing)} cannot be opened")
+  log(f"tensor parallel over {tp} devices ({', '.join(devices)}): {mc.num_heads // tp} query heads, "
+      f"{max(1, mc.num_kv_heads // tp)} KV heads and {mc.intermediate_size // tp} MLP columns each")
+  return TensorParallelGroup(devices)
 
 
 def logits_processors(config: EngineConfig, device: str) -> LogitsProcessors | None:
@@ -185,13 +208,13 @@ def load_draft(config: EngineConfig, mc: ModelConfig, dtype: DType, device: str,
 
 
 def load_weights(config: EngineConfig, mc: ModelConfig, folder: Path | None, dtype: DType, device: str, max_model_len: int,
-                 backend: ComputeBackend) -> TransformerLM:
+                 backend: ComputeBackend, group: TensorParallelGroup | None = None) -> TransformerLM:
   """The model, its linears quantized as the checkpoint or --quantization says; logs the format and the weights' bytes."""
   quantization = resolve_quantization(config.quantization, mc.quantization_config, str(folder or config.model))
   if quantization is not None and mc.moe is not None:
     raise ConfigError(f"{quantization.describe()} weights are not supported for {mc.architecture} yet: its experts would run "
                       "unquantized (serve the bfloat16/float16 checkpoint)")
-  loaded = load_model(mc, folder, config.load_format, dtype, device, max_model_len, backend, config.seed, quantization)
+  loaded = load_model(mc, folder, config.load_format, dtype, device, max_model_len, backend, config.seed, quantization, group)
   if quantization is not None:
     weights = loaded.model.weights
     log(f"weights: {quantization.describe()} linears, {weights.nbytes() / 2**20:.1f} MiB in all "

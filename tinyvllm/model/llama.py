@@ -7,11 +7,12 @@ Llama's shape (the engine refuses a sliding window that could apply). q/k/v and 
 matrix each at load time, so a layer runs four products. Qwen3-MoE and Mixtral are these layers with experts in place
 of the dense MLP (in every layer, or Qwen3-MoE's sparse ones), a backend op of its own. Every op goes through the
 compute backend the model is built with (tinyvllm/backend/interface.py): the portable tinygrad ops or the hand-written
-kernels.
+kernels. Under tensor parallelism (`group`) every device runs the layers on its share of the heads and MLP columns,
+and the products that reduce over the shares meet in an all-reduce (tinyvllm/layers/tensor_parallel.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tinygrad import Tensor
 
@@ -21,6 +22,7 @@ from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.backend.weights import DecoderLayerWeights
 from tinyvllm.config import ModelConfig
 from tinyvllm.layers.scatter import gather_rows
+from tinyvllm.layers.tensor_parallel import TensorParallelGroup
 
 
 @dataclass
@@ -31,6 +33,8 @@ class ModelWeights:
   lm_head: Tensor               # [vocab, hidden] (the embedding table itself when tied)
   rope_cos: Tensor              # [max_positions, head_dim / 2] float32
   rope_sin: Tensor
+  # under tensor parallelism with the vocabulary split (embedding and LM head): each device's first row (a local view)
+  vocab_start: Tensor | None = None
 
   def tensors(self) -> list[Tensor]:
     return [self.embed_tokens, self.norm, self.lm_head, self.rope_cos, self.rope_sin,
@@ -55,28 +59,56 @@ class StepInputs:
   attention: AttentionMetadata
   logits_index: Tensor          # [S] int32: the flat token whose logits each sampled row needs
 
+  def on(self, group: TensorParallelGroup) -> StepInputs:
+    """The inputs (on the group's first device) on every device of the group."""
+    meta = self.attention
+    copied = {name: group.broadcast(getattr(meta, name)) for name in ("slot_mapping", "block_tables", "query_index", "query_pos",
+                                                                      "output_index", "context_lens", "query_start")}
+    return StepInputs(group.broadcast(self.token_ids), group.broadcast(self.positions), replace(meta, **copied),
+                      group.broadcast(self.logits_index))
+
 
 class TransformerLM:
-  def __init__(self, config: ModelConfig, weights: ModelWeights, backend: ComputeBackend):
-    self.config, self.weights, self.backend = config, weights, backend
+  def __init__(self, config: ModelConfig, weights: ModelWeights, backend: ComputeBackend, group: TensorParallelGroup | None = None):
+    """`config` is the whole model's; under tensor parallelism (`group`) the weights are the devices' shares."""
+    self.config, self.weights, self.backend, self.group = config, weights, backend, group
     self.gated_activation = {"gelu_mul" if config.hidden_act == "gelu_pytorch_tanh" else "silu_mul": True}
 
   @property
   def dtype(self): return self.weights.embed_tokens.dtype
 
   @property
-  def device(self) -> str: return str(self.weights.embed_tokens.device)
+  def device(self) -> str:
+    """Where the step's inputs and logits are (the first device of a tensor-parallel group)."""
+    return self.group.first if self.group is not None else str(self.weights.embed_tokens.device)
 
   def __call__(self, inputs: StepInputs, kv_caches: KVCaches) -> tuple[Tensor, KVCaches]:
     """Returns float32 logits [S, vocab] and the KV caches after this step's writes."""
-    w, eps = self.weights, self.config.rms_norm_eps
-    h = gather_rows(w.embed_tokens, inputs.token_ids)
+    w, eps, group = self.weights, self.config.rms_norm_eps, self.group
+    if group is not None: inputs = inputs.on(group)
+    h = self._embed(inputs.token_ids)
     if self.config.embed_scale != 1.0: h = h * self.config.embed_scale   # a constant of h's dtype: rounded to it, as HF's
     cos, sin = gather_rows(w.rope_cos, inputs.positions), gather_rows(w.rope_sin, inputs.positions)
-    fused = self.backend.decode_layers(w.layers, h, cos, sin, kv_caches, inputs.attention, eps)
+    # the persistent layer kernels would need the all-reduces inside them: a tensor-parallel model runs op by op
+    fused = None if group is not None else self.backend.decode_layers(w.layers, h, cos, sin, kv_caches, inputs.attention, eps)
     h, new_caches = fused if fused is not None else self.decoder_layers(h, cos, sin, kv_caches, inputs.attention)
     last = gather_rows(h, inputs.logits_index)
-    return self.backend.linear(last, w.lm_head, norm=w.norm, eps=eps, out_float32=True), new_caches
+    logits = self.backend.linear(last, w.lm_head, norm=w.norm, eps=eps, out_float32=True)
+    if group is None: return logits, new_caches
+    return (group.all_gather(logits, 1) if w.vocab_start is not None else logits.to(group.first)), new_caches
+
+  def _embed(self, token_ids: Tensor) -> Tensor:
+    """The tokens' embeddings; with the vocabulary split, each device's rows (zeros for tokens outside its part), summed."""
+    w = self.weights
+    if w.vocab_start is None or self.group is None: return gather_rows(w.embed_tokens, token_ids)
+    return self.group.all_reduce(gather_rows(w.embed_tokens, token_ids - w.vocab_start))
+
+  def _row_parallel(self, x: Tensor, w, bias: Tensor | None, residual: Tensor, **fused) -> Tensor:
+    """residual + x @ w.T + bias for the products whose reduction runs over the shards (o, down): each device's partial
+    product, all-reduced, then the bias and residual (once)."""
+    if self.group is None: return self.backend.linear(x, w, bias, residual=residual, **fused)
+    out = self.group.all_reduce(self.backend.linear(x, w, **fused))
+    return residual + (out if bias is None else out + bias)
 
   def decoder_layers(self, h: Tensor, cos: Tensor, sin: Tensor, kv_caches: KVCaches, meta: AttentionMetadata,
                      layers: list[DecoderLayerWeights] | None = None) -> tuple[Tensor, KVCaches]:
@@ -93,8 +125,17 @@ class TransformerLM:
     ops, eps = self.backend, self.config.rms_norm_eps
     qkv = ops.linear(h, layer.qkv_proj, layer.qkv_bias, norm=layer.input_norm, eps=eps)
     q, k_cache, v_cache = ops.qkv_rope_write(qkv, layer.q_norm, layer.k_norm, cos, sin, k_cache, v_cache, meta.slot_mapping, eps)
-    h = ops.linear(ops.attention(q, k_cache, v_cache, meta), layer.o_proj, layer.o_bias, residual=h)
-    if layer.moe is not None: return ops.moe(h, layer.moe, norm=layer.post_attention_norm, eps=eps, residual=h), k_cache, v_cache
+    h = self._row_parallel(ops.attention(q, k_cache, v_cache, meta), layer.o_proj, layer.o_bias, residual=h)
+    if layer.moe is not None: return self._experts(h, layer), k_cache, v_cache
     gate_up = ops.linear(h, layer.gate_up_proj, layer.gate_up_bias, norm=layer.post_attention_norm, eps=eps)
-    h = ops.linear(gate_up, layer.down_proj, layer.down_bias, residual=h, **self.gated_activation)
+    h = self._row_parallel(gate_up, layer.down_proj, layer.down_bias, residual=h, **self.gated_activation)
     return h, k_cache, v_cache
+
+  def _experts(self, h: Tensor, layer: DecoderLayerWeights) -> Tensor:
+    """A sparse layer's MLP; under tensor parallelism each device's experts have its share of their columns: their
+    partial outputs (added to zeros, the op's residual) are all-reduced, then the residual added."""
+    assert layer.moe is not None
+    ops, eps = self.backend, self.config.rms_norm_eps
+    if self.group is None: return ops.moe(h, layer.moe, norm=layer.post_attention_norm, eps=eps, residual=h)
+    partial = ops.moe(h, layer.moe, norm=layer.post_attention_norm, eps=eps, residual=h.zeros_like())
+    return h + self.group.all_reduce(partial)

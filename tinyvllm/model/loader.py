@@ -13,10 +13,12 @@ from tinyvllm.backend.interface import ComputeBackend
 from tinyvllm.backend.weights import DecoderLayerWeights, MoEWeights
 from tinyvllm.config import ConfigError, ModelConfig
 from tinyvllm.layers.rotary import rope_tables
+from tinyvllm.layers.tensor_parallel import TensorParallelGroup
 from tinyvllm.model.llama import ModelWeights, TransformerLM
 from tinyvllm.model.quantization.config import QuantizationConfig
 from tinyvllm.model.quantization.source import QuantizedSource
 from tinyvllm.model.safetensors_file import Checkpoint, bf16_as_float32
+from tinyvllm.model.sharding import shard_layer, shard_vocabulary, splits_vocabulary, vocabulary_starts
 
 DTYPE_BY_NAME = {"bfloat16": dtypes.bfloat16, "float16": dtypes.float16, "float32": dtypes.float32}
 NAME_OF_DTYPE = {dtype: name for name, dtype in DTYPE_BY_NAME.items()}   # (tinygrad's own names: "float", "__bf16")
@@ -123,28 +125,44 @@ def _realized(layer: DecoderLayerWeights) -> DecoderLayerWeights:
   return layer
 
 
-def build_model(cfg: ModelConfig, get: TensorSource, device: str, max_positions: int, backend: ComputeBackend) -> TransformerLM:
+def build_model(cfg: ModelConfig, get: TensorSource, device: str, max_positions: int, backend: ComputeBackend,
+                group: TensorParallelGroup | None = None) -> TransformerLM:
+  """The model from `get`'s tensors (on `device`); with a tensor-parallel `group` (its first device is `device`), each
+  layer split over the group as soon as it is loaded (model/sharding.py)."""
   if cfg.norm_weight_offset: get = offset_norms(get, cfg.norm_weight_offset)
+  place = (lambda layer: layer) if group is None else (lambda layer: shard_layer(layer, cfg, group))
   try:
     embed = get(["model.embed_tokens.weight"], (cfg.vocab_size, cfg.hidden_size), "matrix")
-    layers = [_realized(_layer(cfg, get, i)) for i in range(cfg.num_layers)]
+    layers = [place(_realized(_layer(cfg, get, i))) for i in range(cfg.num_layers)]
     norm = get(["model.norm.weight"], (cfg.hidden_size,), "norm")
     lm_head = embed if cfg.tie_word_embeddings else get(["lm_head.weight"], (cfg.vocab_size, cfg.hidden_size), "matrix")
   except KeyError as e:
     raise ConfigError(f"checkpoint is missing tensor(s) {e.args[0]} needed by {cfg.architecture}") from None
   cos, sin = rope_tables(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
   weights = ModelWeights(embed, layers, norm, lm_head, Tensor(cos, device=device), Tensor(sin, device=device))
+  if group is not None: weights = _shard_outer(weights, cfg, group)
   Tensor.realize(*weights.tensors())
-  return TransformerLM(cfg, weights, backend)
+  return TransformerLM(cfg, weights, backend, group)
+
+
+def _shard_outer(w: ModelWeights, cfg: ModelConfig, group: TensorParallelGroup) -> ModelWeights:
+  """The embedding and LM head split by vocabulary rows (where tp divides it), the rest whole on every device."""
+  split = splits_vocabulary(cfg, group.size)
+  embed = shard_vocabulary(w.embed_tokens, group, split)
+  lm_head = embed if w.lm_head is w.embed_tokens else shard_vocabulary(w.lm_head, group, split)
+  return ModelWeights(embed, w.layers, group.replicate(w.norm), lm_head, group.replicate(w.rope_cos), group.replicate(w.rope_sin),
+                      vocabulary_starts(cfg, group) if split else None)
 
 
 def load_model(cfg: ModelConfig, folder: Path | None, load_format: str, dtype: DType, device: str, max_positions: int,
-               backend: ComputeBackend, seed: int = 0, quantization: QuantizationConfig | None = None) -> LoadedModel:
-  """The model with its weights on `device`, its ops run by `backend`, its linears quantized as `quantization` says."""
+               backend: ComputeBackend, seed: int = 0, quantization: QuantizationConfig | None = None,
+               group: TensorParallelGroup | None = None) -> LoadedModel:
+  """The model with its weights on `device` (split over `group`, whose first device it is), its ops run by `backend`,
+  its linears quantized as `quantization` says."""
   checkpoint, used = None if load_format == "dummy" else Checkpoint(folder), set()
   get = dummy_source(dtype, device, seed) if checkpoint is None else checkpoint_source(checkpoint, dtype, device, used)
   if quantization is not None: get = QuantizedSource(get, quantization, checkpoint, dtype, device, used)
-  model = build_model(cfg, get, device, max_positions, backend)
+  model = build_model(cfg, get, device, max_positions, backend, group)
   notices = get.notices if isinstance(get, QuantizedSource) else []
   if checkpoint is None: return LoadedModel(model, notices)
   extra = [n for n in checkpoint.names() if n not in used and not n.endswith(IGNORED_SUFFIXES)]

@@ -11,7 +11,7 @@ from tinyvllm.config import ConfigError, cpu_c_compiler
 from tinyvllm.platform import tinygrad_compat as compat
 
 
-def _opens(name: str) -> bool:
+def opens(name: str) -> bool:
   try:
     Device[name]
     return True
@@ -20,9 +20,9 @@ def _opens(name: str) -> bool:
 
 
 def detect_device() -> str:
-  if sys.platform == "darwin" and _opens("METAL"): return "METAL"
+  if sys.platform == "darwin" and opens("METAL"): return "METAL"
   # On Hopper, tinygrad's own NV driver does not start; the CUDA backend (libcuda + NVRTC) does.
-  if shutil.which("nvidia-smi") and _opens("CUDA"): return "CUDA"
+  if shutil.which("nvidia-smi") and opens("CUDA"): return "CUDA"
   return "CPU"
 
 
@@ -41,7 +41,7 @@ def check_device_name(device: str) -> str:
   if suffix.isdigit():
     raise ConfigError(f"device {device!r}: device indices are not supported; tinyvllm runs on one device, the backend's "
                       "first (pick a GPU with CUDA_VISIBLE_DEVICES)")
-  if not _opens(backend): raise ConfigError(f"device {device!r} is not available on this machine")
+  if not opens(backend): raise ConfigError(f"device {device!r} is not available on this machine")
   renderers = compat.renderer_names(backend)
   if suffix.upper() not in renderers:
     raise ConfigError(f"device {device!r}: {backend.upper()} has no renderer {suffix!r} (it has {', '.join(renderers)}); "
@@ -54,7 +54,7 @@ def select_device(requested: str | None) -> str:
   device = check_device_name(requested) if requested else detect_device()
   if is_cpu(device) and not shutil.which(cpu_c_compiler()):
     raise ConfigError(f"the CPU backend needs a `{cpu_c_compiler()}` binary on PATH (e.g. `apt-get install clang`); none was found")
-  if not _opens(device): raise ConfigError(f"device {device!r} is not available on this machine")
+  if not opens(device): raise ConfigError(f"device {device!r} is not available on this machine")
   return compat.set_default_device(device)
 
 

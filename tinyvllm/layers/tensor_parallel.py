@@ -1,0 +1,64 @@
+"""Tensor parallelism's devices and collectives, on tinygrad's multi-device tensors.
+
+The model runs on every device of the group at once, each device on its share: a tinygrad tensor whose device is the
+group's tuple of devices is computed on all of them. Its weights are *local views*: device i's buffer holds shard i (q,
+k and v of its heads, its columns of gate/up, its rows of o and down, its part of the vocabulary), the tensor's shape
+is the shard's, and every op on it runs per device on that device's shard. So a layer runs exactly as on one device
+(the hand-written kernels included), on H / tp heads and I / tp intermediate columns; only the products whose
+reduction runs over the shards (o and down, the vocabulary-split embedding) meet: their per-device partial sums are
+viewed as one tensor sharded over the devices and summed (`all_reduce`: tinygrad's all-reduce), and the vocabulary-split
+logits are viewed as one tensor sharded on the vocabulary and copied to the first device (`all_gather`), where the
+sampler runs. Activations between layers are replicated: the same values on every device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tinygrad import Tensor
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+  devices: tuple[str, ...]   # device i holds shard i
+
+  @property
+  def size(self) -> int: return len(self.devices)
+
+  @property
+  def first(self) -> str: return self.devices[0]
+
+  def local(self, parts: list[Tensor]) -> Tensor:
+    """A realized local view: device i's buffer holds parts[i] (equal shapes and dtypes)."""
+    if len(parts) != self.size: raise ValueError(f"{len(parts)} shards for {self.size} devices")
+    stacked = Tensor.stack(*parts).shard(self.devices, axis=0).contiguous().realize()
+    return Tensor(_local_of(stacked)).reshape(parts[0].shape)
+
+  def replicate(self, t: Tensor) -> Tensor:
+    """t copied to every device, realized (a weight every shard needs whole: norms, RoPE tables)."""
+    return t.to(self.devices).contiguous().realize()
+
+  def broadcast(self, t: Tensor) -> Tensor:
+    """t (on the first device) on every device, lazily: a step's inputs."""
+    return t.to(self.devices)
+
+  def all_reduce(self, partial: Tensor) -> Tensor:
+    """The sum over devices of a local view's per-device values, replicated on every device."""
+    return Tensor(partial.uop.unshard(0)).reshape(self.size, *partial.shape).sum(0)
+
+  def all_gather(self, local: Tensor, axis: int) -> Tensor:
+    """A local view's shards concatenated along `axis`, on the first device."""
+    return Tensor(local.uop.unshard(axis)).to(self.first)
+
+
+def _local_of(sharded: Tensor):
+  """The per-device value under a realized sharded tensor (tinygrad's UNSHARD of the shards' buffer)."""
+  uop = sharded.uop
+  if uop.op.name != "UNSHARD": raise RuntimeError(f"expected a realized sharded tensor, got {uop.op}")
+  return uop.src[0]
+
+
+def group_devices(device: str, size: int) -> tuple[str, ...]:
+  """`size` consecutive devices of `device`'s backend, from its index (CUDA -> CUDA:0, CUDA:1, ...; CUDA:2 -> CUDA:2, ...)."""
+  backend, _, index = device.partition(":")
+  start = int(index) if index.isdigit() else 0
+  return tuple(f"{backend}:{start + i}" for i in range(size))
