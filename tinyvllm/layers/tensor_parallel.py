@@ -38,8 +38,10 @@ class TensorParallelGroup:
     return t.to(self.devices).contiguous().realize()
 
   def broadcast(self, t: Tensor) -> Tensor:
-    """t (on the first device) on every device, lazily: a step's inputs."""
-    return t.to(self.devices)
+    """t (on the first device) on every device, lazily: a step's inputs. Broadcast a whole buffer (the step's packed
+    input) or a computed tensor, not a slice of a buffer: tinygrad copies a slice from a view at its offset, which the
+    CPU's vectorised loads (they assume 16-byte alignment) read out of line."""
+    return t if isinstance(t.device, tuple) else t.to(self.devices)
 
   def all_reduce(self, partial: Tensor) -> Tensor:
     """The sum over devices of a local view's per-device values, replicated on every device."""

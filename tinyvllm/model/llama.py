@@ -60,7 +60,7 @@ class StepInputs:
   logits_index: Tensor          # [S] int32: the flat token whose logits each sampled row needs
 
   def on(self, group: TensorParallelGroup) -> StepInputs:
-    """The inputs (on the group's first device) on every device of the group."""
+    """The inputs on every device of the group (those on its first device copied)."""
     meta = self.attention
     copied = {name: group.broadcast(getattr(meta, name)) for name in ("slot_mapping", "block_tables", "query_index", "query_pos",
                                                                       "output_index", "context_lens", "query_start")}
