@@ -37,7 +37,7 @@ def parameters(cfg: ModelConfig) -> tuple[int, int]:
 
 # published sizes (all parameters, active per token)
 PUBLISHED = {"qwen3-0.6b": (596e6, 596e6), "qwen2.5-0.5b": (494e6, 494e6), "llama-3.2-1b": (1236e6, 1236e6),
-             "qwen3-30b-a3b": (30.5e9, 3.3e9)}
+             "qwen3-8b": (8.19e9, 8.19e9), "qwen3-30b-a3b": (30.5e9, 3.3e9)}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

@@ -95,14 +95,17 @@ def run_kernel(launch: Launch, source: str, tensors: list[Tensor]) -> list[Tenso
     raise ValueError(f"{launch.kernel} takes {len(launch.params)} tensors, got {len(tensors)}")
   for p, t in zip(launch.params, tensors, strict=True):
     if t.numel() != p.numel: raise ValueError(f"{launch.kernel}: {p.name} has {t.numel()} elements, the plan says {p.numel}")
-  device = str(tensors[0].device)
+  # a tensor-parallel shard's tensors are on every device of its group: the kernel runs on each (one binary, the devices
+  # being alike)
+  devices = tensors[0].device if isinstance(tensors[0].device, tuple) else (str(tensors[0].device),)
+  device = devices[0]
   if _pending is not None and (device, source) not in _binaries:
     _pending.add((device, source))
     binary = b""
   else: binary = compile_source(device, source)
   if launch.shared_bytes and binary:
     if device_target(device).dialect != "cuda": raise KernelBuildError(f"{launch.kernel}: dynamic shared memory is CUDA only")
-    compat.use_dynamic_shared(device, binary, launch.kernel, launch.shared_bytes)
+    for d in devices: compat.use_dynamic_shared(d, binary, launch.kernel, launch.shared_bytes)
   outs = tuple(i for i, p in enumerate(launch.params) if p.written)
   ins = tuple(i for i, p in enumerate(launch.params) if not p.written)
   return Tensor.custom_kernel(*tensors, fxn=compat.program(launch.kernel, launch.grid, launch.threads, outs, ins, source,

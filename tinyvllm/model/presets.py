@@ -24,6 +24,12 @@ PRESETS: dict[str, dict[str, Any]] = {
                      "original_max_position_embeddings": 8192},
     "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
   },
+  "qwen3-8b": {
+    "architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
+  },
   # 30.5B parameters, 3.3B of them active per token: 128 experts of 768 a layer, 8 per token
   "qwen3-30b-a3b": {
     "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
