@@ -94,13 +94,16 @@ def step_breakdown(engine, batch: int, steps: int = 50) -> dict:
     runner._step_fn, runner.launch = orig_step_fn, orig_launch
   layout = next(lay for lay in reversed(list(seen)) if lay.query_len == 1)
   fn, packed = seen[layout]
-  dev = Device[engine.model.device]
+  group = engine.model.group   # a tensor-parallel model's step runs on every device of its group
+  devices = [Device[d] for d in (group.devices if group is not None else (engine.model.device,))]
+  def synchronize() -> None:
+    for dev in devices: dev.synchronize()
   for _ in range(3): fn(packed)
-  dev.synchronize()
+  synchronize()
   t = time.perf_counter()
   for _ in range(steps): fn(packed)
   graph_launch_s = (time.perf_counter() - t) / steps
-  dev.synchronize()
+  synchronize()
   replay_s = (time.perf_counter() - t) / steps
   tail = len(step_s) // 2   # the second half: decode steps only, captures warm
   ms = lambda xs: round(1e3 * sorted(xs)[len(xs) // 2], 3)
@@ -135,6 +138,7 @@ def main() -> None:
   p.add_argument("--max-model-len", type=int, default=4096)
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--tag", default="default")
+  p.add_argument("--tensor-parallel-size", type=int, default=1)
   p.add_argument("--stories", help="stories260K-hf folder: check the greedy reference on this device first")
   args = p.parse_args()
   from tinyvllm import LLM, SamplingParams
@@ -149,7 +153,7 @@ def main() -> None:
     del llm
   t0 = time.perf_counter()
   llm = LLM(args.model, load_format="dummy", dtype=args.dtype, num_gpu_blocks=2048, max_model_len=args.max_model_len,
-            max_num_seqs=256)
+            max_num_seqs=256, tensor_parallel_size=args.tensor_parallel_size)
   result["load_s"] = time.perf_counter() - t0
   t0 = time.perf_counter()
   runs = run_decode_bench(llm.engine, args.batch, 128, 256, no_kv_cache=False)
