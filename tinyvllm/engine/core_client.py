@@ -1,13 +1,13 @@
-"""The API process's handle on the engine-core process (vLLM v1's AsyncMPClient): it spawns the process, binds the two
-ZeroMQ sockets (requests, aborts and stops out without ever blocking; each step's outputs in, read by asyncio) and
-watches the process: its exit is noticed at once (the process sentinel, on the event loop), and from then on every
-read raises EngineDeadError with the reason (the FAILED message it sent, or its exit status) and sends are dropped.
+"""The API process's handle on the engine-core process (vLLM v1's AsyncMPClient): it binds the two ZeroMQ sockets
+(requests, aborts and stops out without ever blocking; each step's outputs in, read by asyncio), starts the core (a
+spawned process, or a Ray actor: engine/core_launcher.py) and watches it: its exit is noticed at once (the process
+sentinel, on the event loop), and from then on every read raises EngineDeadError with the reason (the FAILED message
+it sent, or how it ended) and sends are dropped.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import multiprocessing
 import shutil
 import tempfile
 from pathlib import Path
@@ -17,8 +17,7 @@ import zmq
 import zmq.asyncio
 
 from tinyvllm.config import EngineConfig
-from tinyvllm.engine import core_process
-from tinyvllm.engine.core_setup import log
+from tinyvllm.engine.core_launcher import CoreLauncher, ProcessLauncher
 from tinyvllm.engine.exceptions import EngineDeadError, EngineLoadError
 from tinyvllm.engine.messages import EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest, OutputType, RequestType, SampleRef
 from tinyvllm.engine.serialization import decode_output, encode
@@ -28,31 +27,29 @@ SHUTDOWN_TIMEOUT_S = 10.0  # how long a SHUTDOWN may take before the process is 
 
 
 class CoreClient:
-  def __init__(self, config: EngineConfig):
-    """Spawn the core process (it starts loading the model at once); call from the event loop that will read it."""
+  def __init__(self, config: EngineConfig, launcher: CoreLauncher | None = None):
+    """Start the core (it starts loading the model at once; launcher: a process on this host unless given); call from
+    the event loop that will read it."""
+    launcher = launcher or ProcessLauncher()
     self._loop = asyncio.get_running_loop()
     self._folder = Path(tempfile.mkdtemp(prefix="tinyvllm-"))
-    input_address, output_address = f"ipc://{self._folder}/input", f"ipc://{self._folder}/output"
     self._context = zmq.Context()
     self._input = self._context.socket(zmq.PUSH)
     self._input.setsockopt(zmq.SNDHWM, 0)
-    self._input.bind(input_address)
+    self._input.bind(launcher.endpoint(self._folder, "input"))
     self._output = zmq.asyncio.Context(self._context).socket(zmq.PULL)
     self._output.setsockopt(zmq.RCVHWM, 0)
-    self._output.bind(output_address)
-    spawn = multiprocessing.get_context("spawn")
-    self.process = spawn.Process(target=core_process.run_engine_core, args=(config, input_address, output_address),
-                                 name="tinyvllm-engine-core", daemon=True)
-    self.process.start()
-    log(f"engine core process started (pid {self.process.pid})")
+    self._output.bind(launcher.endpoint(self._folder, "output"))
+    addresses = [s.getsockopt_string(zmq.LAST_ENDPOINT) for s in (self._input, self._output)]   # tcp://...:* gets its port
+    self.process = launcher.start(config, *addresses)
     self._exited = self._loop.create_future()
-    self._loop.add_reader(self.process.sentinel, self._on_exit)
+    self.process.watch(self._loop, self._on_exit)
     self._receiving: asyncio.Future | None = None
     self.dead: EngineDeadError | None = None
     self.ready = self._closing = False
 
   def _on_exit(self) -> None:
-    self._loop.remove_reader(self.process.sentinel)
+    self.process.unwatch(self._loop)
     if not self._exited.done(): self._exited.set_result(None)
 
   # ---- to the core
@@ -100,9 +97,7 @@ class CoreClient:
     if self._receiving.done() and not self._receiving.cancelled():
       frames, self._receiving = self._receiving.result(), None
       return decode_output(frames)
-    code = self.process.exitcode
-    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with status {code}"
-    self.dead = EngineDeadError(f"the engine core process (pid {self.process.pid}) {how}")
+    self.dead = EngineDeadError(self.process.death())
     raise self.dead
 
   # ---- the end
@@ -119,6 +114,7 @@ class CoreClient:
     self._on_exit()
     if self._receiving is not None: self._receiving.cancel()
     self.dead = self.dead or EngineDeadError("the engine core was shut down")
+    self.process.close()
     self._input.close(linger=0)
     self._output.close(linger=0)
     self._context.term()
