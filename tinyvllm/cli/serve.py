@@ -16,6 +16,7 @@ from tinyvllm.cli.args import (
   positive_float,
   positive_int,
 )
+from tinyvllm.config import EngineConfig
 from tinyvllm.model.embedded import EMBEDDED_MODEL
 
 # the names of the parsers in tinyvllm/entrypoints (which needs the serve extra, so they are not imported here)
@@ -137,4 +138,15 @@ def run(args: argparse.Namespace) -> int:
     return 2
   check_server_flags(args)
   config = engine_config(args)   # every engine flag is checked before the server starts
+  check_executor(config)
   return run_server(config, server_settings(args))
+
+
+def check_executor(config: EngineConfig) -> None:
+  """Before the server starts: the devices data parallelism places its replicas on are there (executor mp), Ray is
+  installed (executor ray; its cluster is checked once the server has joined it)."""
+  from tinyvllm.engine.dp_client import check_data_parallel
+  check_data_parallel(config)
+  if config.distributed_executor_backend == "ray":
+    from tinyvllm.engine.ray_executor import import_ray
+    import_ray()

@@ -1,6 +1,7 @@
 """AsyncLLM: the server's engine (vLLM v1's). The frontend runs here, on the event loop: tokenization and validation
 (engine/input_processor.py) when a request comes, detokenization, stop strings, logprob text and RequestOutputs
-(engine/output_processor.py) when a step's outputs come; the EngineCore runs in its own process (engine/core_client.py).
+(engine/output_processor.py) when a step's outputs come; the EngineCore runs in its own process (engine/core_client.py),
+or data_parallel_size of them behind a router (engine/dp_client.py).
 
 Each request gets an async stream of RequestOutputs (with delta_text / delta_token_ids); when its consumer goes away
 (the generator is closed or cancelled) the request is aborted in the core, which frees its blocks. When the core
@@ -17,6 +18,7 @@ from tinyvllm.config import EngineConfig
 from tinyvllm.engine.beam_search import candidates, start_search, step_params
 from tinyvllm.engine.core_client import CoreClient
 from tinyvllm.engine.core_setup import log
+from tinyvllm.engine.dp_client import DPCoreClient, ReplicaStats, start_core_client
 from tinyvllm.engine.exceptions import EngineDeadError
 from tinyvllm.engine.input_processor import FrontendFiles, InputProcessor, PromptError, PromptType, load_frontend_files, model_folder
 from tinyvllm.engine.messages import EngineCoreInfo, EngineCoreOutputs, SchedulerStats
@@ -30,7 +32,7 @@ _ids = itertools.count()
 
 
 class AsyncLLM:
-  def __init__(self, config: EngineConfig, client: CoreClient, info: EngineCoreInfo, files: FrontendFiles,
+  def __init__(self, config: EngineConfig, client: CoreClient | DPCoreClient, info: EngineCoreInfo, files: FrontendFiles,
                on_dead: Callable[[EngineDeadError], None] = lambda e: None):
     self.config, self.client, self.info, self.on_dead = config, client, info, on_dead
     self.tokenizer, self.default_sampling_params = files.tokenizer, files.default_sampling_params
@@ -44,9 +46,9 @@ class AsyncLLM:
 
   @classmethod
   async def from_config(cls, config: EngineConfig, on_dead: Callable[[EngineDeadError], None] = lambda e: None) -> AsyncLLM:
-    """Start the core process and load the tokenizer meanwhile; EngineLoadError (or the frontend's own error) if
+    """Start the core process(es) and load the tokenizer meanwhile; EngineLoadError (or the frontend's own error) if
     either fails, with the core process stopped."""
-    client = CoreClient(config)
+    client = await start_core_client(config)
     try:
       files = asyncio.to_thread(lambda: load_frontend_files(config, model_folder(config)))
       info, frontend_files = await asyncio.gather(client.wait_ready(), files)
@@ -60,6 +62,10 @@ class AsyncLLM:
 
   @property
   def vocab_size(self) -> int: return self.info.vocab_size
+
+  def replica_stats(self) -> list[ReplicaStats]:
+    """With data parallelism, each replica's requests and latest stats (self.stats sums them); else nothing."""
+    return self.client.replica_stats() if isinstance(self.client, DPCoreClient) else []
 
   @property
   def is_dead(self) -> bool:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tinyvllm.config import EngineConfig
+from tinyvllm.config import ConfigError, EngineConfig
 from tinyvllm.core.scheduling_policy import check_priority
 from tinyvllm.core.sequence import Request
 from tinyvllm.engine.core import EngineCore
@@ -29,11 +29,21 @@ from tinyvllm.worker.model_runner import freeze_long_lived_objects
 __all__ = ["LLMEngine", "PromptError", "PromptType", "log"]
 
 
+def check_one_replica(config: EngineConfig) -> None:
+  """The offline engine is one replica: data parallelism is the server's (vLLM's offline one is a separate launcher)."""
+  dp = config.data_parallel_size
+  if dp > 1:
+    raise ConfigError(f"data_parallel_size {dp}: the offline engine (LLM, generate, chat, bench) runs one engine in this "
+                      f"process; serve the model with `tinyvllm serve MODEL --data-parallel-size {dp}` ({dp} replicas behind "
+                      "one endpoint), or start one LLM per device")
+
+
 class LLMEngine:
   def __init__(self, config: EngineConfig, check_frontend_files: Callable[[FrontendFiles], None] | None = None):
     """check_frontend_files: called with the tokenizer and sampling defaults before the weights load; what it raises
     stops the engine there (the command line refuses a model without a tokenizer so, in a second, not after the load)."""
     start = time.perf_counter()
+    check_one_replica(config)
     self.config = config
     # the frontend's files first: a missing or mismatched tokenizer is found before the weights load (seconds to minutes)
     files = load_frontend_files(config, model_folder(config))

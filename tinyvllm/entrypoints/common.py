@@ -51,7 +51,8 @@ class ServerState:
   max_seqs_per_request: int = 4096          # prompts x n one request may ask for (--max-seqs-per-request)
 
   def __post_init__(self) -> None:
-    self.metrics = ServerMetrics(lambda: self.engine.stats if self.engine is not None else None)
+    self.metrics = ServerMetrics(lambda: self.engine.stats if self.engine is not None else None,
+                                 lambda: self.engine.replica_stats() if self.engine is not None else [])
 
   def require_ready(self) -> AsyncLLM:
     """The engine, for a new request (503 while loading or shutting down)."""

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from tinyvllm.engine.dp_client import ReplicaStats
 from tinyvllm.engine.messages import SchedulerStats
 from tinyvllm.outputs import RequestOutput
 
@@ -57,13 +58,40 @@ class EngineCollector:
                    spec.mean_acceptance_length)
 
 
+class ReplicaCollector:
+  """With data parallelism (vLLM's `engine` label): per replica, the requests routed to it, its running and waiting
+  requests and KV cache blocks in use; the unlabelled families above are the sums over the replicas."""
+
+  def __init__(self, get_replicas: Callable[[], list[ReplicaStats]]):
+    self.get_replicas = get_replicas
+
+  def describe(self) -> list[Metric]: return []
+
+  def collect(self) -> Iterator[Metric]:
+    replicas = self.get_replicas()
+    if not replicas: return
+    routed = CounterMetricFamily("tinyvllm:dp_requests_routed", "Requests the router sent to each data-parallel replica",
+                                 labels=["engine"])
+    running = GaugeMetricFamily("tinyvllm:dp_num_requests_running", "Running requests of each replica", labels=["engine"])
+    waiting = GaugeMetricFamily("tinyvllm:dp_num_requests_waiting", "Waiting requests of each replica", labels=["engine"])
+    blocks = GaugeMetricFamily("tinyvllm:dp_kv_cache_blocks_used", "KV cache blocks in use on each replica", labels=["engine"])
+    for r in replicas:
+      label = [str(r.engine)]
+      routed.add_metric(label, r.routed)
+      if r.stats is None: continue
+      running.add_metric(label, r.stats.num_running_reqs)
+      waiting.add_metric(label, r.stats.num_waiting_reqs)
+      blocks.add_metric(label, r.stats.kv_cache_blocks_used)
+    yield from (routed, running, waiting, blocks)
+
+
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily: return GaugeMetricFamily(f"tinyvllm:{name}", doc, value=value)
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
   return CounterMetricFamily(f"tinyvllm:{name}", doc, value=value)
 
 
 class ServerMetrics:
-  def __init__(self, get_stats: Callable[[], SchedulerStats | None]):
+  def __init__(self, get_stats: Callable[[], SchedulerStats | None], get_replicas: Callable[[], list[ReplicaStats]] = lambda: []):
     self.registry = r = CollectorRegistry()
     self.prompt_tokens = Counter("tinyvllm:prompt_tokens", "Prompt tokens prefilled", registry=r)
     self.generation_tokens = Counter("tinyvllm:generation_tokens", "Tokens generated", registry=r)
@@ -76,6 +104,7 @@ class ServerMetrics:
                           buckets=_TOKEN_BUCKETS, registry=r)
     self.e2e = Histogram("tinyvllm:e2e_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS, registry=r)
     r.register(EngineCollector(get_stats))
+    r.register(ReplicaCollector(get_replicas))
 
   def render(self) -> bytes: return generate_latest(self.registry)
 
