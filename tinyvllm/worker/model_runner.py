@@ -121,8 +121,11 @@ class ModelRunner:
     samples on the device. Penalties need every earlier token on the host, so those rows must have none in flight."""
     host, layout, packed, prompt = self._prepare(sched)
     if self._processors is not None: self._processors.update(host.sample_seqs)
-    # processors may read any row's output: every row's tokens must be on the host
-    on_host = self._processors is not None or any(s.params.needs_output_on_host for s in host.sample_seqs)
+    # processors may read any row's output: every row's tokens must be on the host; otherwise only rows with penalties
+    # or token controls may need theirs there (the variant says whether the step has any: a plain step checks no row)
+    variant = layout.variant
+    on_host = self._processors is not None or ((variant.penalties or variant.bias or variant.mask)
+                                               and any(s.params.needs_output_on_host for s in host.sample_seqs))
     if on_host and any(item.token_source >= 0 and item.seq.params.needs_output_on_host for item in sched.scheduled):
       raise RuntimeError("a sequence that needs its output on the host (penalties, a bad word of several tokens, "
                          "structured output) was scheduled before its previous token was read")
