@@ -201,15 +201,15 @@ def part_peers() -> dict:
   return out
 
 
-def serve_workload3(rate: str) -> dict:
+def serve_workload3(rate: str, *flags: str) -> dict:
   """Workload 3: 500 prompts of 512 random tokens, 128 output tokens, streamed over HTTP, arriving at `rate` requests/s
-  (inf: all at once); BENCH_SERVE_ARGS adds server flags."""
+  (inf: all at once); `flags` and BENCH_SERVE_ARGS add server flags."""
   port = 8765
   server = subprocess.Popen([sys.executable, "main.py", "serve", MODEL, "--load-format", "dummy", "--dtype", DTYPE,
                              "--port", str(port), "--kv-cache-memory", "40", "--max-num-seqs", "256", "--max-model-len", "4096",
-                             *os.environ.get("BENCH_SERVE_ARGS", "").split()], cwd=REPO)
+                             *flags, *os.environ.get("BENCH_SERVE_ARGS", "").split()], cwd=REPO)
   try:
-    result_file = Path(os.environ.get("OUT", "/tmp"), f"bench_serve_raw_{rate}.json")
+    result_file = Path(os.environ.get("OUT", "/tmp"), f"bench_serve_raw_{rate}{''.join(flags).replace('-', '_')}.json")
     cmd = [sys.executable, "main.py", "bench", "serve", "--url", f"http://127.0.0.1:{port}", "--num-prompts", "500",
            "--input-len", "512", "--output-len", "128", "--request-rate", rate, "--result-file", str(result_file),
            "--disable-tqdm"]
@@ -229,12 +229,14 @@ def serve_workload3(rate: str) -> dict:
 
 def part_serve() -> dict: return serve_workload3("inf")
 def part_serve16() -> dict: return serve_workload3("16")
+def part_serve_dp2() -> dict: return serve_workload3("inf", "--data-parallel-size", "2")
 
 
 PARTS = {"decode": part_decode, "decode_quant": part_decode_quant, "throughput": part_throughput,
          "coldstart": part_coldstart, "startup": part_startup,
          "prefill": part_prefill, "context": part_context,
-         "peers": part_peers, "serve": part_serve, "serve16": part_serve16}
+         "peers": part_peers, "serve": part_serve, "serve16": part_serve16,
+         "serve_dp2": part_serve_dp2}
 
 
 def main() -> None:
