@@ -46,9 +46,6 @@ class DPCoreClient:
     self.dead: EngineDeadError | None = None
     self.ready = self._closing = False
 
-  @property
-  def processes(self) -> list[Any]: return [c.process for c in self.clients]
-
   # ---- to the replicas
   def add_request(self, request: EngineCoreRequest) -> None:
     assert self.router is not None, "add_request before wait_ready"
