@@ -1,13 +1,16 @@
 """Configuration: the model's shape (read from an HF config.json), the engine's settings, and the environment.
 
 This is the one module of the runtime package that reads environment variables (the CLI layer reads its own): `DEV`
-(tinygrad's device) and `CC` (the C compiler tinygrad's CPU backend runs). The hub's (`HF_HOME`, `HF_HUB_CACHE`,
+(tinygrad's device), `CC` (the C compiler tinygrad's CPU backend runs) and `CUDA_VISIBLE_DEVICES` (which GPUs
+data-parallel replicas may be given; set for each replica's process as vLLM does). The hub's (`HF_HOME`, `HF_HUB_CACHE`,
 `HF_TOKEN`, `HF_ENDPOINT`, `HF_HUB_OFFLINE`) are read by huggingface_hub itself.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -433,3 +436,23 @@ class HubSettings:
 def cpu_c_compiler() -> str:
   """The C compiler tinygrad's CPU backend runs (its `CC`, default clang)."""
   return os.environ.get("CC", "clang")
+
+
+def cuda_visible_devices() -> list[str] | None:
+  """CUDA_VISIBLE_DEVICES's entries (None: it is not set, every GPU is visible)."""
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+  return None if visible is None else [d.strip() for d in visible.split(",") if d.strip()]
+
+
+@contextlib.contextmanager
+def environment_for_children(env: dict[str, str]) -> Iterator[None]:
+  """os.environ with `env` set while inside, for a child process spawned there (vLLM gives each data-parallel engine
+  its GPUs so, through CUDA_VISIBLE_DEVICES); restored after."""
+  saved = {k: os.environ.get(k) for k in env}
+  os.environ.update(env)
+  try:
+    yield
+  finally:
+    for k, v in saved.items():
+      if v is None: os.environ.pop(k, None)
+      else: os.environ[k] = v

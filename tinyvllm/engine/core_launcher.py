@@ -6,14 +6,12 @@ waits for it and says how it ended.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import multiprocessing
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from tinyvllm.config import EngineConfig
+from tinyvllm.config import EngineConfig, environment_for_children
 from tinyvllm.engine import core_process
 from tinyvllm.engine.core_setup import log
 
@@ -83,20 +81,7 @@ class ProcessLauncher:
     spawn = multiprocessing.get_context("spawn")
     process = spawn.Process(target=core_process.run_engine_core, args=(config, input_address, output_address),
                             name="tinyvllm-engine-core", daemon=True)
-    with environment(self.env): process.start()
+    with environment_for_children(self.env): process.start()
     placed = "".join(f", {k}={v}" for k, v in self.env.items())
     log(f"engine core process started (pid {process.pid}){rank_words(self.rank)}{placed}")
     return ProcessCore(process, self.rank)
-
-
-@contextlib.contextmanager
-def environment(env: dict[str, str]) -> Iterator[None]:
-  """os.environ with `env` set, for a child spawned inside (vLLM sets each data-parallel engine's devices so)."""
-  saved = {k: os.environ.get(k) for k in env}
-  os.environ.update(env)
-  try:
-    yield
-  finally:
-    for k, v in saved.items():
-      if v is None: os.environ.pop(k, None)
-      else: os.environ[k] = v

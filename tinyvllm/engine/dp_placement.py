@@ -6,12 +6,11 @@ replica uses the CPU. Read without opening a device in the API process (no CUDA 
 """
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
 
-from tinyvllm.config import ConfigError, EngineConfig
+from tinyvllm.config import ConfigError, EngineConfig, cuda_visible_devices
 
 NVIDIA_SMI_TIMEOUT_S = 30
 
@@ -24,8 +23,8 @@ def cuda_devices() -> list[str] | None:
   try: listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S, check=False).stdout
   except (OSError, subprocess.SubprocessError): return None
   count = sum(line.startswith("GPU ") for line in listing.splitlines())
-  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-  if visible is not None: return [d.strip() for d in visible.split(",") if d.strip()][:count]
+  visible = cuda_visible_devices()
+  if visible is not None: return visible[:count]
   return [str(i) for i in range(count)]
 
 
