@@ -266,7 +266,7 @@ def step_correctness(target, device: str, cases: list[dict]) -> None:
 
 # ---------------------------------------------------------------- 3. engine
 
-def step_engine(model: str | None, device: str, backend_name: str) -> None:
+def step_engine(model: str | None, device: str, backend_name: str, tp: int = 1) -> None:
   if not model:
     fail("engine", "no --model given (the stories260K-hf folder)")
     return
@@ -277,7 +277,8 @@ def step_engine(model: str | None, device: str, backend_name: str) -> None:
   from tinyvllm import LLM, SamplingParams
   ref = json.loads((folder / "reference_greedy.json").read_text())
   t = time.perf_counter()
-  llm = LLM(str(folder), device=device, max_num_seqs=8, num_gpu_blocks=256, attention_backend=backend_name)
+  llm = LLM(str(folder), device=device, max_num_seqs=8, num_gpu_blocks=256, attention_backend=backend_name,
+            tensor_parallel_size=tp)
   backend = llm.engine.model.backend
   out = llm.generate([ref["prompt_ids"]], SamplingParams(temperature=0, max_tokens=len(ref["greedy_ids"])), use_tqdm=False)[0]
   same = out.outputs[0].token_ids == ref["greedy_ids"]
@@ -286,7 +287,7 @@ def step_engine(model: str | None, device: str, backend_name: str) -> None:
   calls = dict(getattr(backend, "calls", {}))
   fallbacks = {k: v for k, v in calls.items() if k.startswith("portable")}
   RESULTS["engine"] = {"backend": backend.describe(), "greedy_ok": same, "zoo_ok": zoo_same, "calls": calls,
-                       "seconds": round(time.perf_counter() - t, 1)}
+                       "tensor_parallel_size": tp, "seconds": round(time.perf_counter() - t, 1)}
   note = f"; head_dim 8 fell back to the portable path: {fallbacks}" if fallbacks else "; no portable fallback"
   log(f"{'ok  ' if same and zoo_same else 'FAIL'} engine stories260K greedy ({len(ref['greedy_ids'])} tokens) with "
       f"{backend.describe()}: matches={same}, zoo={zoo_same}, kernel calls {calls}{note}")
@@ -329,16 +330,17 @@ def step_bench(target, device: str, batches: list[int], iters: int) -> None:
       fail(f"bench batch {b}", f"fused and portable differ by {r['err_fused_vs_portable']:.3g}")
 
 
-def step_e2e(device: str, dialect: str) -> None:
+def step_e2e(device: str, dialect: str, tp: int = 1) -> None:
   from tinyvllm.bench.decode import run_decode_bench
   from tinyvllm.config import EngineConfig
   from tinyvllm.engine.llm_engine import LLMEngine
   for backend in (dialect, "portable"):
     t = time.perf_counter()
     engine = LLMEngine(EngineConfig(model="qwen3-0.6b", load_format="dummy", device=device, max_model_len=1024,
-                                    max_num_seqs=8, num_gpu_blocks=512, attention_backend=backend))
+                                    max_num_seqs=8, num_gpu_blocks=512, attention_backend=backend, tensor_parallel_size=tp))
     r = run_decode_bench(engine, batch=1, prompt_len=128, new_tokens=64, no_kv_cache=False)[0]
-    RESULTS["e2e"].append({"backend": backend, "tok_s": r.decode_tok_s, "ms_per_step": r.decode_s / (r.new_tokens - 1) * 1e3,
+    RESULTS["e2e"].append({"backend": backend, "tensor_parallel_size": tp, "tok_s": r.decode_tok_s,
+                           "ms_per_step": r.decode_s / (r.new_tokens - 1) * 1e3,
                            "seconds": round(time.perf_counter() - t, 1)})
     log(f"e2e qwen3-0.6b (random weights) batch 1, {backend}: {r.line()}")
     del engine
@@ -354,6 +356,8 @@ def main() -> int:
   p.add_argument("--batches", default="1,8,32,128,256", help="decode batch sizes to time")
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--no-e2e", action="store_true", help="skip the whole-model decode timing")
+  p.add_argument("--tensor-parallel-size", type=int, default=1,
+                 help="run the engine checks (stories260K's reference, e2e) with the model split over this many GPUs")
   p.add_argument("--skip", default="",
                  help="comma list of steps to skip: compile,correctness,engine,engine-fp8,sample,quant,moe,bench,prefill-bench,e2e")
   args = p.parse_args()
@@ -377,14 +381,14 @@ def main() -> int:
     cases = case_list(args.quick)
     steps = [("compile", lambda: step_compile(target, device, cases)),
              ("correctness", lambda: step_correctness(target, device, cases)),
-             ("engine", lambda: step_engine(args.model, device, dialect)),
+             ("engine", lambda: step_engine(args.model, device, dialect, args.tensor_parallel_size)),
              ("engine-fp8", lambda: step_fp8_engine(device, dialect)),
              ("sample", lambda: log(f"ok   sampling kernel: {RESULTS.setdefault('sample', check_sample(dialect, device))}")),
              ("quant", lambda: log(f"ok   packed-weight products: {RESULTS.setdefault('quant', check_quant(target, device))}")),
              ("moe", lambda: log(f"ok   mixture of experts: {RESULTS.setdefault('moe', check_moe(target, device))}")),
              ("bench", lambda: step_bench(target, device, [int(b) for b in args.batches.split(",") if b], args.iters)),
              ("prefill-bench", lambda: step_prefill_bench(target, device, args.iters)),
-             ("e2e", lambda: step_e2e(device, dialect))]
+             ("e2e", lambda: step_e2e(device, dialect, args.tensor_parallel_size))]
     for name, fn in steps:
       if name in skip: continue
       log(f"==== {name}")

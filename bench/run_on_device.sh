@@ -14,7 +14,7 @@
 # .whl/), host1 / host256 (bench/step_host.py: a
 # decode step's host time by stage), and any part
 # of bench/gpu_benchmarks.py (with the suffix _fp8: the same part with --kv-cache-dtype fp8, e.g. throughput_fp8);
-# tp2 / tp4 (bench/tp_check.py: tensor parallelism's greedy tokens against stories260K's reference and TP=1),
+# check_tp2 (bench/check_kernels.py with its engine checks at TP=2), tp2 / tp4 (bench/tp_check.py: tensor parallelism's greedy tokens against stories260K's reference and TP=1),
 # decode_8b_tp1 / _tp2 / _tp4 (batch-1 decode of the Qwen3-8B shape over that many GPUs), profile8b_tp1 / _tp2 (bench/gpu_profile.py
 # on it), serve_dp2 (workload 3 against two data-parallel replicas), serve_2clients / serve_dp2_2clients (the same with
 # two client processes).
@@ -79,6 +79,8 @@ for step in "$@"; do
                         --dtype bfloat16 --kv-cache-memory 40 --max-num-seqs 256 --max-model-len 4096 ${SERVE_ARGS:-}) ;;
     sweep) cmd=(python3 bench/serve_sweep.py --out "$OUT/serve_sweep.json" --prompts-per-client 2 -- --model qwen3-0.6b
                 --load-format dummy --dtype bfloat16 --kv-cache-memory 40 --max-num-seqs 256 --max-model-len 4096 ${SERVE_ARGS:-}) ;;
+    check_tp2) cmd=(python3 bench/check_kernels.py --model .data/stories260K-hf --tensor-parallel-size 2
+                    --skip bench,prefill-bench) ;;
     profile8b_tp*) cmd=(python3 bench/gpu_profile.py --model qwen3-8b --batch 1 --tensor-parallel-size "${step#profile8b_tp}"
                         --tag "8b_tp${step#profile8b_tp}") ;;
     tp2|tp4) cmd=(python3 bench/tp_check.py --tp "${step#tp}" --stories .data/stories260K-hf) ;;
