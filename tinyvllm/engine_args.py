@@ -30,6 +30,7 @@ class VllmArg:
   default: Any = None                           # vLLM's default (a value equal to it is never noted)
   flag: tuple[str, ...] = ()                    # command-line names beyond --name-with-dashes (e.g. -tp)
   kind: Any = None                              # the command-line value's type: bool, int, float, str, "json"; None: no flag
+  help: str = ""                                # the flag's help, where neither the note nor the refusal says what it does
 
 
 def _field(name: str, convert: Callable[[Any], Any] = lambda v: v) -> Callable[[Any], Fields]:
@@ -80,13 +81,14 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 TABLE: tuple[VllmArg, ...] = (
   # parallelism: tensor and data parallel (pipeline parallelism is not built)
   VllmArg("tensor_parallel_size", _positive_int, "must be an integer >= 1", _field("tensor_parallel_size"), default=1,
-          flag=("-tp",), kind=int),
+          flag=("-tp",), kind=int, help="split the model over this many GPUs of this host (default 1)"),
   VllmArg("pipeline_parallel_size", _is(1), "pipeline parallelism is not built (tensor and data parallelism are)",
           default=1, flag=("-pp",), kind=int),
   VllmArg("data_parallel_size", _positive_int, "must be an integer >= 1", _field("data_parallel_size"), default=1,
-          flag=("-dp",), kind=int),
+          flag=("-dp",), kind=int, help="serve: this many engine replicas behind one endpoint (default 1)"),
   VllmArg("distributed_executor_backend", _is(None, "uni", "mp", "ray"), "must be uni, mp or ray",
-          _field("distributed_executor_backend"), kind=str),
+          _field("distributed_executor_backend"), kind=str,
+          help="where data-parallel replicas run: mp (processes on this host, the default) or ray (Ray actors)"),
   VllmArg("enable_expert_parallel", _is(False), "expert parallelism is not built",
           default=False, kind=bool),
   VllmArg("disable_custom_all_reduce", _is_bool, "must be true or false", default=False, kind=bool,

@@ -196,7 +196,7 @@ TABLE_TYPES: dict[str, Callable[[str], Any]] = {
 
 def _flag_options(arg: VllmArg) -> dict[str, Any]:
   """How the command line takes a table argument; its default None leaves it out (the engine's default holds)."""
-  help_text = arg.note or arg.refusal
+  help_text = arg.help or arg.note or arg.refusal
   if arg.kind is bool: return {"action": argparse.BooleanOptionalAction, "default": None, "help": help_text}
   kind = TABLE_TYPES.get(arg.name) or (json_value if arg.kind == "json" else arg.kind)
   return {"type": kind, "default": None, "help": help_text}
