@@ -11,6 +11,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("TINYVLLM_SHARED", REPO.parent / "shared"))
+
+# tinygrad lowers new kernels in a pool of PARALLEL worker processes, by default the CPUs over the xdist workers. At one
+# worker a process (CI: 2 cores, -n 2) the pool runs nothing in parallel and only adds pickling and a fresh worker
+# every 16 kernels: a quarter of each capture's time. There the kernels are lowered in-process. (Set before tinygrad is
+# imported; server processes the tests start inherit it.)
+if (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) \
+    // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))) <= 1:
+  os.environ.setdefault("PARALLEL", "0")
 SHARED_DATA = SHARED / "data"
 STORIES = SHARED_DATA / "models" / "stories260K-hf"
 
