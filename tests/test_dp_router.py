@@ -141,6 +141,7 @@ def test_sum_stats_adds_nested_stats_and_keeps_none():
 
 
 def test_replicas_take_consecutive_gpus(monkeypatch):
+  monkeypatch.delenv("DEV", raising=False)   # tinygrad sets DEV once any test in this worker opened a device
   monkeypatch.setattr(dp_placement, "cuda_devices", lambda: ["4", "5", "6", "7"])
   config = EngineConfig(model="m", data_parallel_size=2, tensor_parallel_size=2)
   assert dp_placement.replica_environments(config) == [{"CUDA_VISIBLE_DEVICES": "4,5"}, {"CUDA_VISIBLE_DEVICES": "6,7"}]
