@@ -63,6 +63,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                  help="seconds an idle kept-alive connection stays open (default 5)")
   s.add_argument("--max-seqs-per-request", type=positive_int, default=4096,
                  help="the most sequences (prompts x n) one request may ask for (default 4096)")
+  s.add_argument("--api-server-count", "-asc", type=positive_int, default=1,
+                 help="API server processes sharing the port and the engine cores, so that HTTP, tokenization and streaming "
+                      "of a busy server use that many CPUs (default 1)")
   s.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc, /openapi.json (always the case)")
   s.add_argument("--disable-frontend-multiprocessing", action="store_true",
                  help="the HTTP server and the frontend (tokenization, detokenization) share one process, the engine core "
@@ -126,7 +129,8 @@ def server_settings(args: argparse.Namespace):
     ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
     allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
     allow_credentials=args.allow_credentials, allowed_hosts=args.allowed_hosts, header_timeout=args.header_timeout,
-    body_timeout=args.body_timeout, keep_alive_timeout=args.timeout_keep_alive, max_seqs_per_request=args.max_seqs_per_request)
+    body_timeout=args.body_timeout, keep_alive_timeout=args.timeout_keep_alive, max_seqs_per_request=args.max_seqs_per_request,
+    api_server_count=args.api_server_count)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -138,8 +142,19 @@ def run(args: argparse.Namespace) -> int:
     return 2
   check_server_flags(args)
   config = engine_config(args)   # every engine flag is checked before the server starts
+  settings = server_settings(args)
+  if settings.api_server_count > 1: check_api_servers(config)
   check_executor(config)
-  return run_server(config, server_settings(args))
+  if settings.api_server_count == 1: return run_server(config, settings)
+  from tinyvllm.entrypoints.api_servers import run_api_servers
+  return run_api_servers(config, settings)
+
+
+def check_api_servers(config: EngineConfig) -> None:
+  from tinyvllm.config import ConfigError
+  if config.distributed_executor_backend == "ray":
+    raise ConfigError("--api-server-count > 1 with --distributed-executor-backend ray: several API servers front engine "
+                      "cores on this host only (executor mp)")
 
 
 def check_executor(config: EngineConfig) -> None:

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.beam_search import candidates, start_search, step_params
 from tinyvllm.engine.core_client import CoreClient
+from tinyvllm.engine.core_launcher import SharedCores
 from tinyvllm.engine.core_setup import log
 from tinyvllm.engine.dp_client import DPCoreClient, ReplicaStats, start_core_client
 from tinyvllm.engine.exceptions import EngineDeadError
@@ -45,10 +46,11 @@ class AsyncLLM:
     self._output_task = asyncio.get_running_loop().create_task(self._output_handler())
 
   @classmethod
-  async def from_config(cls, config: EngineConfig, on_dead: Callable[[EngineDeadError], None] = lambda e: None) -> AsyncLLM:
+  async def from_config(cls, config: EngineConfig, on_dead: Callable[[EngineDeadError], None] = lambda e: None,
+                        shared: SharedCores | None = None) -> AsyncLLM:
     """Start the core process(es) and load the tokenizer meanwhile; EngineLoadError (or the frontend's own error) if
-    either fails, with the core process stopped."""
-    client = await start_core_client(config)
+    either fails, with the core process stopped. shared: one of several API servers, the cores it shares."""
+    client = await start_core_client(config, shared)
     try:
       files = asyncio.to_thread(lambda: load_frontend_files(config, model_folder(config)))
       info, frontend_files = await asyncio.gather(client.wait_ready(), files)

@@ -27,10 +27,11 @@ SHUTDOWN_TIMEOUT_S = 10.0  # how long a SHUTDOWN may take before the process is 
 
 
 class CoreClient:
-  def __init__(self, config: EngineConfig, launcher: CoreLauncher | None = None):
+  def __init__(self, config: EngineConfig, launcher: CoreLauncher | None = None, client_index: int = 0):
     """Start the core (it starts loading the model at once; launcher: a process on this host unless given); call from
-    the event loop that will read it."""
+    the event loop that will read it. client_index: this API server's among several sharing the core."""
     launcher = launcher or ProcessLauncher()
+    self.client_index = client_index
     self._loop = asyncio.get_running_loop()
     self._folder = Path(tempfile.mkdtemp(prefix="tinyvllm-"))
     self._context = zmq.Context()
@@ -53,7 +54,9 @@ class CoreClient:
     if not self._exited.done(): self._exited.set_result(None)
 
   # ---- to the core
-  def add_request(self, request: EngineCoreRequest) -> None: self._send(RequestType.ADD, request)
+  def add_request(self, request: EngineCoreRequest) -> None:
+    request.client_index = self.client_index
+    self._send(RequestType.ADD, request)
   def abort_requests(self, request_ids: list[str]) -> None: self._send(RequestType.ABORT, request_ids)
   def stop_samples(self, samples: list[SampleRef]) -> None: self._send(RequestType.STOP_SAMPLES, samples)
 
@@ -102,16 +105,11 @@ class CoreClient:
 
   # ---- the end
   async def shutdown(self) -> None:
-    """Stop the core (SHUTDOWN once it is serving, else at once), wait for it, close the sockets. Never leaves it running."""
+    """Stop the core (SHUTDOWN once it is serving, else at once), wait for it, close the sockets. Never leaves it running
+    (a shared core is left to the supervisor that started it)."""
     if self._closing: return
     self._closing = True
-    if self.process.is_alive() and self.ready and self.dead is None:
-      self._send(RequestType.SHUTDOWN, None)
-      with contextlib.suppress(asyncio.TimeoutError): await asyncio.wait_for(asyncio.shield(self._exited), SHUTDOWN_TIMEOUT_S)
-    if self.process.is_alive():
-      self.process.kill()
-    await asyncio.to_thread(self.process.join)
-    self._on_exit()
+    if self.process.owned: await self._stop_core()
     if self._receiving is not None: self._receiving.cancel()
     self.dead = self.dead or EngineDeadError("the engine core was shut down")
     self.process.close()
@@ -119,3 +117,12 @@ class CoreClient:
     self._output.close(linger=0)
     self._context.term()
     shutil.rmtree(self._folder, ignore_errors=True)
+
+  async def _stop_core(self) -> None:
+    if self.process.is_alive() and self.ready and self.dead is None:
+      self._send(RequestType.SHUTDOWN, None)
+      with contextlib.suppress(asyncio.TimeoutError): await asyncio.wait_for(asyncio.shield(self._exited), SHUTDOWN_TIMEOUT_S)
+    if self.process.is_alive():
+      self.process.kill()
+    await asyncio.to_thread(self.process.join)
+    self._on_exit()

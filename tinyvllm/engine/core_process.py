@@ -1,13 +1,17 @@
-"""The server's engine-core process (vLLM v1's EngineCoreProc): an EngineCore behind two ZeroMQ sockets, requests and
+"""The server's engine-core process (vLLM v1's EngineCoreProc): an EngineCore behind ZeroMQ sockets, requests and
 aborts in, each step's outputs out, so that nothing the API process does (HTTP, JSON, tokenization, detokenization,
 stop strings, SSE) shares a GIL with the step loop.
 
-The API process spawns it (multiprocessing's spawn: CUDA must not be initialised in a forked child) and binds both
+The API process spawns it (multiprocessing's spawn: CUDA must not be initialised in a forked child) and binds the
 sockets; this process connects, loads the model and says READY with the facts the frontend validates requests with
-(or FAILED with the reason, and exits 1). Then a busy loop: drain the input without blocking while there is work, run a
-step, send its outputs; block on the input when idle. A crash in the loop is sent as FAILED before the process exits 1.
-Its life is bound to the API process: SIGINT (a terminal's Ctrl-C reaches the whole process group) is left to the API
-process, which drains and then sends SHUTDOWN; if the API process dies, this one exits at once.
+(or FAILED with the reason, and exits 1). Then a busy loop: drain the input without blocking while there is work, run
+a step, send its outputs; block on the input when idle. A crash in the loop is sent as FAILED before the process exits
+1. Its life is bound to the API process: SIGINT (a terminal's Ctrl-C reaches the whole process group) is left to the
+API process, which drains and then sends SHUTDOWN; if the API process dies, this one exits at once.
+
+With several API server processes (--api-server-count, entrypoints/api_servers.py) it connects to each one's pair and
+to the supervisor's (which started it and sends the SHUTDOWN): one input socket takes every sender's messages, and
+each step's outputs are split by the server that sent the request (its client_index), every server getting the stats.
 """
 from __future__ import annotations
 
@@ -32,38 +36,43 @@ from tinyvllm.engine.serialization import decode_input, encode
 FAILED_MESSAGE_LINGER_MS = 5000   # how long closing waits for the last message (FAILED) to leave
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
-  """The process's entry point."""
+def run_engine_core(config: EngineConfig, input_addresses: list[str], output_addresses: list[str]) -> None:
+  """The process's entry point: input_addresses, where requests come from; output_addresses[i], API server i's."""
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   exit_with_parent()
-  sys.exit(EngineCoreProc(config, input_address, output_address).run())
+  sys.exit(EngineCoreProc(config, input_addresses, output_addresses).run())
 
 
-def exit_with_parent() -> None:
-  """Exit as soon as the API process is gone (killed, crashed): an engine core never outlives it."""
+def exit_with_parent(who: str = "engine core") -> None:
+  """Exit as soon as the parent process (the API server, or the supervisor of several) is gone (killed, crashed): a
+  child never outlives it."""
   parent = multiprocessing.parent_process()
   if parent is None or parent.sentinel is None: return
 
   def watch() -> None:
     multiprocessing.connection.wait([parent.sentinel])
-    log("the API server process is gone: the engine core exits")
+    log(f"the parent process is gone: the {who} exits")
     os._exit(1)
   threading.Thread(target=watch, name="tinyvllm-parent-watch", daemon=True).start()
 
 
 class EngineCoreProc:
-  def __init__(self, config: EngineConfig, input_address: str, output_address: str):
+  def __init__(self, config: EngineConfig, input_addresses: list[str], output_addresses: list[str]):
     self.config = config
     self.context = zmq.Context()
-    self.input = self.context.socket(zmq.PULL)
+    self.input = self.context.socket(zmq.PULL)   # fair-queued over every sender
     self.input.setsockopt(zmq.RCVHWM, 0)
-    self.input.connect(input_address)
-    self.output = self.context.socket(zmq.PUSH)
-    self.output.setsockopt(zmq.SNDHWM, 0)
-    self.output.connect(output_address)
+    for address in input_addresses: self.input.connect(address)
+    self.outputs: list[zmq.Socket] = []
+    for address in output_addresses:
+      output = self.context.socket(zmq.PUSH)
+      output.setsockopt(zmq.SNDHWM, 0)
+      output.connect(address)
+      self.outputs.append(output)
     self.core: EngineCore | None = None
     self.shutdown_requested = False
     self.rejected: list[tuple[str, str]] = []
+    self.owners: dict[str, int] = {}   # request id -> the API server it came from (with several)
 
   def run(self) -> int:
     """Load, say READY, serve until SHUTDOWN; the exit status (1: loading failed or the loop crashed)."""
@@ -83,7 +92,7 @@ class EngineCoreProc:
       return 0
     finally:
       self.input.close(linger=0)
-      self.output.close(linger=FAILED_MESSAGE_LINGER_MS)
+      for output in self.outputs: output.close(linger=FAILED_MESSAGE_LINGER_MS)
       self.context.term()
 
   def busy_loop(self) -> None:
@@ -110,6 +119,7 @@ class EngineCoreProc:
   def handle(self, kind: RequestType, payload: Any) -> None:
     assert self.core is not None
     if kind is RequestType.ADD:
+      if len(self.outputs) > 1: self.owners[payload.request_id] = payload.client_index
       try: self.core.add_request(payload)
       except ValueError as e: self.rejected.append((payload.request_id, str(e)))
     elif kind is RequestType.ABORT: self.core.abort_requests(payload)
@@ -118,6 +128,22 @@ class EngineCoreProc:
 
   def send_outputs(self, outputs: EngineCoreOutputs) -> None:
     outputs.rejected, self.rejected = self.rejected, []
-    self._send(OutputType.OUTPUTS, outputs)
+    if len(self.outputs) == 1:
+      self.outputs[0].send_multipart(encode(OutputType.OUTPUTS, outputs))
+      return
+    for output, share in zip(self.outputs, self.split(outputs), strict=True): output.send_multipart(encode(OutputType.OUTPUTS, share))
 
-  def _send(self, kind: OutputType, payload: Any) -> None: self.output.send_multipart(encode(kind, payload))
+  def split(self, outputs: EngineCoreOutputs) -> list[EngineCoreOutputs]:
+    """Each API server's share of a step's outputs (its requests'), each with the step's stats; the owners of
+    requests that ended (finished, aborted, refused) forgotten."""
+    assert self.core is not None
+    shares = [EngineCoreOutputs([], outputs.scheduler_stats, outputs.timestamp) for _ in self.outputs]
+    for out in outputs.outputs: shares[self.owners.get(out.request_id, 0)].outputs.append(out)
+    for rejected in outputs.rejected: shares[self.owners.pop(rejected[0], 0)].rejected.append(rejected)
+    for rid in [rid for rid in self.owners if rid not in self.core.requests]: del self.owners[rid]
+    return shares
+
+  def _send(self, kind: OutputType, payload: Any) -> None:
+    """READY and FAILED go to every API server."""
+    frames = encode(kind, payload)
+    for output in self.outputs: output.send_multipart(frames)

@@ -37,8 +37,15 @@ from tinyvllm.worker.kv_cache import KVCache
 from tinyvllm.worker.logits_processors import LogitsProcessors, processor_class
 from tinyvllm.worker.model_runner import ModelRunner
 
+_log_label = ["tinyvllm"]   # one of several API server processes says which
 
-def log(message: str) -> None: print(f"[tinyvllm] {message}", file=sys.stderr, flush=True)
+
+def log(message: str) -> None: print(f"[{_log_label[0]}] {message}", file=sys.stderr, flush=True)
+
+
+def set_log_label(label: str) -> None:
+  """What this process's log lines start with (one of several API servers: 'tinyvllm api server 1')."""
+  _log_label[0] = label
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.core_client import CoreClient
-from tinyvllm.engine.core_launcher import CoreLauncher, ProcessLauncher
+from tinyvllm.engine.core_launcher import CoreLauncher, ProcessLauncher, SharedCores
 from tinyvllm.engine.core_setup import log
 from tinyvllm.engine.dp_placement import replica_environments
 from tinyvllm.engine.dp_router import PrefixRouter
@@ -167,9 +167,14 @@ def _sum(items: list[Any]) -> Any:
   return type(items[0])(**merged)
 
 
-async def start_core_client(config: EngineConfig) -> CoreClient | DPCoreClient:
+async def start_core_client(config: EngineConfig, shared: SharedCores | None = None) -> CoreClient | DPCoreClient:
   """The engine cores the server's frontend talks to: one process (data_parallel_size 1, executor mp), else a
-  DPCoreClient over data_parallel_size replicas placed by the executor (mp: processes on this host; ray: actors)."""
+  DPCoreClient over data_parallel_size replicas placed by the executor (mp: processes on this host; ray: actors).
+  shared: one of several API servers, the cores the supervisor started."""
+  prefix_aware = config.enable_prefix_caching and config.kv_cache == "paged"
+  if shared is not None:
+    shared_clients = [CoreClient(config, core, shared.client_index) for core in shared.cores]
+    return shared_clients[0] if len(shared_clients) == 1 else DPCoreClient(shared_clients, prefix_aware)
   dp = config.data_parallel_size
   if config.distributed_executor_backend != "ray" and dp == 1: return CoreClient(config)
   on_close: Callable[[], None] = lambda: None
@@ -188,7 +193,7 @@ async def start_core_client(config: EngineConfig) -> CoreClient | DPCoreClient:
     for client in clients: await client.shutdown()
     await asyncio.to_thread(on_close)
     raise
-  return DPCoreClient(clients, prefix_aware=config.enable_prefix_caching and config.kv_cache == "paged", on_close=on_close)
+  return DPCoreClient(clients, prefix_aware, on_close=on_close)
 
 
 def check_data_parallel(config: EngineConfig) -> None:

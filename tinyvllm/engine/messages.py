@@ -40,6 +40,7 @@ class EngineCoreRequest:
   arrival_time: float               # time.time() when the frontend received it
   priority: int = 0                 # for the scheduler's priority policy (lower runs first, as vLLM's)
   group: str | None = None          # the API request it came with: admission takes turns between groups
+  client_index: int = 0             # which API server sent it (--api-server-count): its outputs go back there
 
 
 @dataclass(frozen=True)

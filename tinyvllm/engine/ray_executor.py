@@ -45,7 +45,7 @@ class EngineCoreActor:
   def run(self, config: EngineConfig, input_address: str, output_address: str) -> int:
     """Load, say READY, serve until SHUTDOWN, as a core process does; the exit status."""
     from tinyvllm.engine.core_process import EngineCoreProc
-    return EngineCoreProc(config, input_address, output_address).run()
+    return EngineCoreProc(config, [input_address], [output_address]).run()
 
 
 class RayExecutor:
@@ -113,6 +113,7 @@ class RayLauncher:
 class RayCore:
   """A core in a Ray actor, watched through its run() call: the call returns (SHUTDOWN, or a crash it reported) or
   raises (the actor died)."""
+  owned = True
 
   def __init__(self, ray: Any, actor: Any, where: Any, run: Any, rank: int):
     self.ray, self.actor, self.run, self.rank = ray, actor, run, rank

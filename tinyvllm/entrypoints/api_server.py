@@ -6,12 +6,17 @@ status 1 and the core's message. A guard in front of the routes checks the API k
 JSON is parsed. SIGINT/SIGTERM stop new connections and requests, give in-flight requests --shutdown-timeout seconds
 to finish, end the rest with an error (aborting them in the engine), stop the core process and exit 0. If the core
 process fails or dies, every waiting client gets an error, new requests a 503, and the server exits with status 1.
+
+As one of several API server processes (--api-server-count, entrypoints/api_servers.py) it serves on the listening
+socket they share and talks to the engine cores they share; it starts taking connections only once the cores are ready
+(so that no server says 503 while another serves), and only SIGTERM (which the supervisor passes on) stops it.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import signal
+import socket
 import threading
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -25,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.async_llm import AsyncLLM
+from tinyvllm.engine.core_launcher import SharedCores
 from tinyvllm.engine.core_setup import log
 from tinyvllm.engine.exceptions import EngineDeadError, EngineLoadError
 from tinyvllm.entrypoints.chat_settings import ChatSettings
@@ -64,11 +70,13 @@ class CorsSettings:
 
 def create_app(state: ServerState, start: Callable[[], Awaitable[AsyncLLM]], on_load_failure: Callable[[], None] = lambda: None,
                max_body: int = MAX_BODY_BYTES, cors: CorsSettings | None = None, root_path: str = "",
-               allowed_hosts: list[str] | tuple[str, ...] | None = None) -> FastAPI:
-  """`start` makes the engine (AsyncLLM.from_config(config), in the server): it runs once the app has started."""
+               allowed_hosts: list[str] | tuple[str, ...] | None = None, load_before_serving: bool = False) -> FastAPI:
+  """`start` makes the engine (AsyncLLM.from_config(config), in the server): it runs once the app has started
+  (load_before_serving: connections are taken only after it has finished)."""
   @contextlib.asynccontextmanager
   async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-    loading = asyncio.create_task(_start_engine(state, start, on_load_failure))
+    loading = state.loading = asyncio.create_task(_start_engine(state, start, on_load_failure))
+    if load_before_serving: await asyncio.wait([loading])   # a signal cancels it (_Server)
     try:
       yield
     finally:
@@ -127,9 +135,10 @@ async def _drain(state: ServerState, grace: float) -> None:
 
 
 class _Server(uvicorn.Server):
-  def __init__(self, config: uvicorn.Config, state: ServerState, grace: float):
+  def __init__(self, config: uvicorn.Config, state: ServerState, grace: float,
+               signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)):
     super().__init__(config)
-    self.state, self.grace = state, grace
+    self.state, self.grace, self.signals = state, grace, signals
     self._drain_task: asyncio.Task | None = None
     self._signals = 0
 
@@ -146,6 +155,7 @@ class _Server(uvicorn.Server):
       if self._signals == 2: loop.call_soon_threadsafe(self.state.abort_in_flight)
 
   def _start_draining(self, loop: asyncio.AbstractEventLoop) -> None:
+    if self.state.engine is None and self.state.loading is not None: self.state.loading.cancel()   # still loading: stop
     self._drain_task = loop.create_task(_drain(self.state, self.grace))
 
   @contextlib.contextmanager
@@ -155,7 +165,7 @@ class _Server(uvicorn.Server):
     if threading.current_thread() is not threading.main_thread():
       yield
       return
-    previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, self.handle_exit) for sig in self.signals}
     try:
       yield
     finally:
@@ -195,6 +205,7 @@ class ServerSettings:
   body_timeout: float = 60.0                  # seconds for its body to arrive after the head
   keep_alive_timeout: float = 5.0             # seconds an idle connection stays open (uvicorn's)
   max_seqs_per_request: int = 4096            # prompts x n one request may ask for
+  api_server_count: int = 1                   # API server processes in front of the engine cores
 
   def chat(self) -> ChatSettings:
     return ChatSettings(self.chat_template, self.trust_request_chat_template, self.enable_auto_tool_choice, self.tool_call_parser,
@@ -217,15 +228,27 @@ class ServerSettings:
             "http": protocol_class(ReadTimeouts(self.header_timeout, self.body_timeout))}
 
 
-def server_state(config: EngineConfig, settings: ServerSettings) -> ServerState:
+@dataclass
+class ServerRole:
+  """One of several API server processes, as the supervisor (entrypoints/api_servers.py) starts it: its index, the
+  listening socket they share, the engine cores they share, the folder their request metrics add up in."""
+  index: int
+  listener: socket.socket
+  cores: SharedCores
+  metrics_dir: str
+
+
+def server_state(config: EngineConfig, settings: ServerSettings, metrics_dir: str | None = None) -> ServerState:
   return ServerState(settings.served_model_name or config.model, config.model, settings.api_key or None,
                      other_model_names=settings.other_model_names, chat=settings.chat(),
                      request_logger=RequestLogger(log, settings.max_log_len) if settings.log_requests else None,
-                     max_seqs_per_request=settings.max_seqs_per_request)
+                     max_seqs_per_request=settings.max_seqs_per_request, metrics_dir=metrics_dir)
 
 
-def run_server(config: EngineConfig, settings: ServerSettings) -> int:
-  state = server_state(config, settings)
+def run_server(config: EngineConfig, settings: ServerSettings, role: ServerRole | None = None) -> int:
+  """Serve until stopped; the exit status. role: one of several API server processes (else the only one, which
+  starts the engine cores itself)."""
+  state = server_state(config, settings, role.metrics_dir if role else None)
   server: _Server | None = None
 
   def stop() -> None:
@@ -235,12 +258,13 @@ def run_server(config: EngineConfig, settings: ServerSettings) -> int:
     state.engine_error = str(error)
     stop()
 
-  start = lambda: AsyncLLM.from_config(config, on_dead=on_engine_dead)
+  start = lambda: AsyncLLM.from_config(config, on_dead=on_engine_dead, shared=role.cores if role else None)
   app = create_app(state, start, on_load_failure=stop, cors=settings.cors(), root_path=settings.root_path,
-                   allowed_hosts=settings.hosts())
-  server = _Server(uvicorn.Config(app, **settings.uvicorn_options()), state, settings.shutdown_timeout)
+                   allowed_hosts=settings.hosts(), load_before_serving=role is not None)
+  signals = (signal.SIGTERM,) if role else (signal.SIGINT, signal.SIGTERM)   # the supervisor turns SIGINT into SIGTERM
+  server = _Server(uvicorn.Config(app, **settings.uvicorn_options()), state, settings.shutdown_timeout, signals)
   try:
-    server.run()
+    server.run(sockets=[role.listener] if role else None)
   except Exception:
     traceback.print_exc()
     return 1

@@ -49,10 +49,12 @@ class ServerState:
   chat: ChatSettings = field(default_factory=ChatSettings)   # --chat-template, tool calling, the reasoning parser
   request_logger: RequestLogger | None = None
   max_seqs_per_request: int = 4096          # prompts x n one request may ask for (--max-seqs-per-request)
+  metrics_dir: str | None = None            # one of several API servers: where their request metrics add up
+  loading: asyncio.Task | None = None       # the engine's start, while it runs
 
   def __post_init__(self) -> None:
     self.metrics = ServerMetrics(lambda: self.engine.stats if self.engine is not None else None,
-                                 lambda: self.engine.replica_stats() if self.engine is not None else [])
+                                 lambda: self.engine.replica_stats() if self.engine is not None else [], self.metrics_dir)
 
   def require_ready(self) -> AsyncLLM:
     """The engine, for a new request (503 while loading or shutting down)."""

@@ -1,11 +1,16 @@
 """Prometheus metrics in the server's own registry: the engine core's state as of its latest step, read at scrape time;
-request timings as they happen."""
+request timings as they happen.
+
+With several API server processes (--api-server-count) the request counters and histograms are prometheus_client's
+multiprocess values (files in a folder the supervisor gives every server: PROMETHEUS_MULTIPROC_DIR, set before this
+module is imported), and whichever server answers /metrics shows their sums; every server gets each step's stats, so
+the engine's gauges are its own."""
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from tinyvllm.engine.dp_client import ReplicaStats
@@ -59,8 +64,8 @@ class EngineCollector:
 
 
 class ReplicaCollector:
-  """With data parallelism (vLLM's `engine` label): per replica, the requests routed to it, its running and waiting
-  requests and KV cache blocks in use; the unlabelled families above are the sums over the replicas."""
+  """With data parallelism (vLLM's `engine` label): per replica, its running and waiting requests and KV cache blocks in
+  use; the unlabelled families above are the sums over the replicas."""
 
   def __init__(self, get_replicas: Callable[[], list[ReplicaStats]]):
     self.get_replicas = get_replicas
@@ -70,19 +75,16 @@ class ReplicaCollector:
   def collect(self) -> Iterator[Metric]:
     replicas = self.get_replicas()
     if not replicas: return
-    routed = CounterMetricFamily("tinyvllm:dp_requests_routed", "Requests the router sent to each data-parallel replica",
-                                 labels=["engine"])
     running = GaugeMetricFamily("tinyvllm:dp_num_requests_running", "Running requests of each replica", labels=["engine"])
     waiting = GaugeMetricFamily("tinyvllm:dp_num_requests_waiting", "Waiting requests of each replica", labels=["engine"])
     blocks = GaugeMetricFamily("tinyvllm:dp_kv_cache_blocks_used", "KV cache blocks in use on each replica", labels=["engine"])
     for r in replicas:
       label = [str(r.engine)]
-      routed.add_metric(label, r.routed)
       if r.stats is None: continue
       running.add_metric(label, r.stats.num_running_reqs)
       waiting.add_metric(label, r.stats.num_waiting_reqs)
       blocks.add_metric(label, r.stats.kv_cache_blocks_used)
-    yield from (routed, running, waiting, blocks)
+    yield from (running, waiting, blocks)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily: return GaugeMetricFamily(f"tinyvllm:{name}", doc, value=value)
@@ -91,7 +93,10 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 
 
 class ServerMetrics:
-  def __init__(self, get_stats: Callable[[], SchedulerStats | None], get_replicas: Callable[[], list[ReplicaStats]] = lambda: []):
+  def __init__(self, get_stats: Callable[[], SchedulerStats | None], get_replicas: Callable[[], list[ReplicaStats]] = lambda: [],
+               multiprocess_dir: str | None = None):
+    """multiprocess_dir: one of several API servers, where they all keep their request metrics (PROMETHEUS_MULTIPROC_DIR)."""
+    self.get_replicas = get_replicas
     self.registry = r = CollectorRegistry()
     self.prompt_tokens = Counter("tinyvllm:prompt_tokens", "Prompt tokens prefilled", registry=r)
     self.generation_tokens = Counter("tinyvllm:generation_tokens", "Tokens generated", registry=r)
@@ -103,10 +108,25 @@ class ServerMetrics:
     self.tpot = Histogram("tinyvllm:time_per_output_token_seconds", "Time between successive outputs of a request",
                           buckets=_TOKEN_BUCKETS, registry=r)
     self.e2e = Histogram("tinyvllm:e2e_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS, registry=r)
+    self.routed = Counter("tinyvllm:dp_requests_routed", "Requests the router sent to each data-parallel replica", ["engine"],
+                          registry=r)
+    self._routed_seen: dict[int, int] = {}
+    if multiprocess_dir is not None:   # the request metrics are read back from every server's files
+      r = self.registry = CollectorRegistry()
+      multiprocess.MultiProcessCollector(r, path=multiprocess_dir)
     r.register(EngineCollector(get_stats))
     r.register(ReplicaCollector(get_replicas))
 
-  def render(self) -> bytes: return generate_latest(self.registry)
+  def render(self) -> bytes:
+    self._count_routed()
+    return generate_latest(self.registry)
+
+  def _count_routed(self) -> None:
+    """The routing counts since the last scrape, into the counter (which several servers' files add up)."""
+    for replica in self.get_replicas():
+      new = replica.routed - self._routed_seen.get(replica.engine, 0)
+      if new: self.routed.labels(str(replica.engine)).inc(new)
+      self._routed_seen[replica.engine] = replica.routed
 
   def tracker(self) -> RequestTracker: return RequestTracker(self)
 
