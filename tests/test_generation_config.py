@@ -102,7 +102,7 @@ def test_the_cli_takes_the_models_defaults_for_flags_not_given(greedy_model, ref
 def test_the_server_fills_unset_request_fields_from_the_models_defaults(greedy_model, reference):
   state = ServerState("stories", str(greedy_model))
   with TestClient(create_app(state, lambda: AsyncLLM.from_config(EngineConfig(str(greedy_model), num_gpu_blocks=64)))) as c:
-    while c.get("/health").status_code != 200: pass
+    while c.get("/health").status_code != 200: assert state.load_error is None, state.load_error   # not ready yet
     greedy = reference["greedy_ids"]
     unset = c.post("/v1/completions", json={"prompt": reference["prompt_ids"], "max_tokens": 20}).json()
     assert unset["usage"]["completion_tokens"] == 7   # the model's max_new_tokens caps the request's, as vLLM's
