@@ -148,7 +148,8 @@ def test_sigint_drains_and_exits_0_leaving_nothing(stories_dir, tmp_path):
     everyone = set(api_server_pids(s)) | set(core_pids(s))
     assert s.stop(signal.SIGINT) == 0
   reader.join(30)
-  assert reader.lines[-1] == "data: [DONE]" and reader.chunks()[-1].get("choices", [{}])[0].get("finish_reason") == "length", reader.chunks()[-1]
+  last = reader.chunks()[-1]
+  assert reader.lines[-1] == "data: [DONE]" and last.get("choices", [{}])[0].get("finish_reason") == "length", last   # drained
   assert not wait_gone(everyone), "a process outlived the server"
   assert "Traceback" not in s.log() and "second signal" not in s.log()
 
