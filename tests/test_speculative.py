@@ -187,10 +187,12 @@ def test_stop_strings_and_max_tokens_end_where_plain_decoding_does(plain, specul
 
 
 def test_seeded_sampling_with_speculation_is_reproducible(speculating):
-  params = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, n=2)
+  params = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=16, n=2)
+  drafts = speculating.engine.scheduler.spec.num_drafts
   first = [[c.token_ids for c in o.outputs] for o in speculating.generate(PROMPTS[:3], params, use_tqdm=False)]
   again = [[c.token_ids for c in o.outputs] for o in speculating.generate(PROMPTS[:3], params, use_tqdm=False)]
-  assert first == again and all(len(t) == 40 for o in first for t in o)
+  assert first == again and all(len(t) == 16 for o in first for t in o)
+  assert speculating.engine.scheduler.spec.num_drafts > drafts   # the sampled rows were verified, not decoded plainly
 
 
 def test_greedy_under_preemption_equals_plain_decoding(stories_dir, plain):
