@@ -159,3 +159,42 @@ def test_ray_with_several_api_servers_is_refused(stories_dir):
   run, _ = cli("serve", "--model", str(stories_dir), "--api-server-count", "2", "--distributed-executor-backend", "ray", timeout=120)
   assert run.returncode != 0 and "--api-server-count > 1 with --distributed-executor-backend ray" in run.stderr
   assert "Traceback" not in run.stderr
+
+
+class StandInCore:
+  """What EngineCoreProc's routing reads of an EngineCore: its live requests; add_request refuses ids starting 'bad'."""
+
+  def __init__(self) -> None: self.requests: dict[str, object] = {}
+
+  def add_request(self, request) -> None:
+    if request.request_id.startswith("bad"): raise ValueError(f"refused {request.request_id}")
+    self.requests[request.request_id] = request
+
+  def abort_requests(self, ids) -> None:
+    for rid in ids: self.requests.pop(rid, None)
+
+
+def test_the_core_routes_outputs_and_refusals_to_the_server_that_sent_the_request(tmp_path):
+  from tinyvllm.config import EngineConfig
+  from tinyvllm.engine.core_process import EngineCoreProc
+  from tinyvllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, RequestType, SchedulerStats
+  from tinyvllm.sampling_params import SamplingParams
+  proc = EngineCoreProc(EngineConfig(model="m"), [], [f"ipc://{tmp_path}/out-0", f"ipc://{tmp_path}/out-1"])
+  try:
+    proc.core = core = StandInCore()
+    for rid, client in (("a", 0), ("b", 1), ("c", 1), ("bad-1", 1), ("bad-0", 0)):
+      proc.handle(RequestType.ADD, EngineCoreRequest(rid, [1], SamplingParams(), [2], 0.0, client_index=client))
+    proc.handle(RequestType.ABORT, ["c"])
+    stats = SchedulerStats(num_running_reqs=2)
+    step = EngineCoreOutputs([EngineCoreOutput("a", 0, [5]), EngineCoreOutput("b", 0, [6], finish_reason="length")], stats, 1.0)
+    del core.requests["b"]   # finished in the step
+    refused, proc.rejected = proc.rejected, []
+    shares = proc.split(step, refused)
+    assert [[o.request_id for o in s.outputs] for s in shares] == [["a"], ["b"]]
+    assert [s.rejected for s in shares] == [[("bad-0", "refused bad-0")], [("bad-1", "refused bad-1")]]
+    assert all(s.scheduler_stats is stats and s.timestamp == 1.0 for s in shares)   # every server gets the stats
+    assert proc.owners == {"a": 0}   # b finished, c aborted, the refused never owned
+  finally:
+    for output in proc.outputs: output.close(linger=0)
+    proc.input.close(linger=0)
+    proc.context.term()

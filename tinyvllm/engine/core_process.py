@@ -71,7 +71,7 @@ class EngineCoreProc:
       self.outputs.append(output)
     self.core: EngineCore | None = None
     self.shutdown_requested = False
-    self.rejected: list[tuple[str, str]] = []
+    self.rejected: list[tuple[int, str, str]] = []   # refused requests: (the API server that sent it, its id, why)
     self.owners: dict[str, int] = {}   # request id -> the API server it came from (with several)
 
   def run(self) -> int:
@@ -119,28 +119,42 @@ class EngineCoreProc:
   def handle(self, kind: RequestType, payload: Any) -> None:
     assert self.core is not None
     if kind is RequestType.ADD:
-      if len(self.outputs) > 1: self.owners[payload.request_id] = payload.client_index
-      try: self.core.add_request(payload)
-      except ValueError as e: self.rejected.append((payload.request_id, str(e)))
-    elif kind is RequestType.ABORT: self.core.abort_requests(payload)
-    elif kind is RequestType.STOP_SAMPLES: self.core.stop_samples(payload)
+      try:
+        self.core.add_request(payload)
+      except ValueError as e:
+        self.rejected.append((payload.client_index, payload.request_id, str(e)))
+      else:
+        if len(self.outputs) > 1: self.owners[payload.request_id] = payload.client_index
+    elif kind is RequestType.ABORT:
+      self.core.abort_requests(payload)
+      self._forget(payload)
+    elif kind is RequestType.STOP_SAMPLES:
+      self.core.stop_samples(payload)
+      self._forget([ref.request_id for ref in payload])   # the last sample stopped retires its request
     elif kind is RequestType.SHUTDOWN: self.shutdown_requested = True
 
+  def _forget(self, request_ids: list[str]) -> None:
+    """The owners of requests the core no longer has."""
+    assert self.core is not None
+    for rid in request_ids:
+      if rid not in self.core.requests: self.owners.pop(rid, None)
+
   def send_outputs(self, outputs: EngineCoreOutputs) -> None:
-    outputs.rejected, self.rejected = self.rejected, []
+    refused, self.rejected = self.rejected, []
     if len(self.outputs) == 1:
+      outputs.rejected = [(rid, reason) for _, rid, reason in refused]
       self.outputs[0].send_multipart(encode(OutputType.OUTPUTS, outputs))
       return
-    for output, share in zip(self.outputs, self.split(outputs), strict=True): output.send_multipart(encode(OutputType.OUTPUTS, share))
+    for output, share in zip(self.outputs, self.split(outputs, refused), strict=True):
+      output.send_multipart(encode(OutputType.OUTPUTS, share))
 
-  def split(self, outputs: EngineCoreOutputs) -> list[EngineCoreOutputs]:
-    """Each API server's share of a step's outputs (its requests'), each with the step's stats; the owners of
-    requests that ended (finished, aborted, refused) forgotten."""
-    assert self.core is not None
+  def split(self, outputs: EngineCoreOutputs, refused: list[tuple[int, str, str]]) -> list[EngineCoreOutputs]:
+    """Each API server's share of a step's outputs (its requests', and the refusals of what it sent), each with the
+    step's stats; the owners of requests that finished in the step forgotten."""
     shares = [EngineCoreOutputs([], outputs.scheduler_stats, outputs.timestamp) for _ in self.outputs]
     for out in outputs.outputs: shares[self.owners.get(out.request_id, 0)].outputs.append(out)
-    for rejected in outputs.rejected: shares[self.owners.pop(rejected[0], 0)].rejected.append(rejected)
-    for rid in [rid for rid in self.owners if rid not in self.core.requests]: del self.owners[rid]
+    for owner, rid, reason in refused: shares[owner].rejected.append((rid, reason))
+    self._forget([out.request_id for out in outputs.outputs if out.finished])
     return shares
 
   def _send(self, kind: OutputType, payload: Any) -> None:

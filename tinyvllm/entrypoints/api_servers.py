@@ -35,7 +35,7 @@ from types import FrameType
 import zmq
 
 from tinyvllm.config import ConfigError, EngineConfig, environment_for_children
-from tinyvllm.engine.core_launcher import ProcessLauncher, SharedCoreLauncher, SharedCores
+from tinyvllm.engine.core_launcher import ProcessCore, ProcessLauncher, SharedCoreLauncher, SharedCores
 from tinyvllm.engine.core_process import exit_with_parent
 from tinyvllm.engine.core_setup import log, set_log_label
 from tinyvllm.engine.dp_placement import replica_environments
@@ -198,10 +198,7 @@ class Supervisor:
 
   def _core_died(self, core: Core) -> None:
     core.reported = True
-    code = core.process.exitcode
-    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with status {code}"
-    rank = "" if core.rank is None else f" of data-parallel rank {core.rank}"
-    death = f"the engine core process{rank} (pid {core.process.pid}) {how}"
+    death = ProcessCore(core.process, core.rank).death()
     log(death)
     self.failed = True
     for notice in core.notices:
