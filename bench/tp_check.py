@@ -1,7 +1,9 @@
-"""Tensor parallelism on the GPU, checked: stories260K's greedy reference with the model split over N GPUs (the
-hand-written kernels running per shard), and a bf16 Qwen3 shape's greedy tokens at TP=N against TP=1 (a split changes
-the order of the all-reduced sums, so bf16 tokens may part where two logits nearly tie: the agreement is reported).
-Prints one JSON line per check; exits 1 if stories260K's tokens differ from the reference.
+"""Tensor parallelism on the GPU, checked: the peer all-reduce kernel against the portable copies and adds (the same
+bits, over many launches, eager and inside a captured TinyJit, shapes from one row to a whole decode batch),
+stories260K's greedy reference with the model split over N GPUs (the hand-written kernels running per shard), and a
+bf16 Qwen3 shape's greedy tokens at TP=N against TP=1 (a split changes the order of the all-reduced sums, so bf16
+tokens may part where two logits nearly tie: the agreement is reported). Prints one JSON line per check; exits 1 if
+the kernel's sums or stories260K's tokens differ.
 
   python3 bench/tp_check.py --tp 2 --stories .data/stories260K-hf
 """
@@ -25,6 +27,40 @@ def stories(folder: str, tp: int) -> dict:
   calls = dict(getattr(llm.engine.model.backend, "calls", {}))
   return {"check": "stories260K", "tp": tp, "equal": tokens == ref["greedy_ids"][:64], "backend": llm.engine.model.backend.name,
           "kernel_calls": calls}
+
+
+def peer_all_reduce(tp: int) -> dict:
+  """The kernel's sums against the group's copies and adds on random bf16 partials: 40 launches of each shape eagerly,
+  then 40 replays of a captured step of three chained all-reduces; every launch's result compared bit for bit."""
+  from tinygrad import Tensor, TinyJit, dtypes
+
+  from tinyvllm.kernels.all_reduce import PeerAllReduce
+  from tinyvllm.layers.tensor_parallel import TensorParallelGroup, group_devices
+  group = TensorParallelGroup(group_devices("CUDA", tp))
+  kernel, rng, mismatches, launches = PeerAllReduce(group), np.random.default_rng(0), 0, 0
+
+  def partial(rows: int, cols: int) -> Tensor:
+    return group.local([Tensor(rng.standard_normal((rows, cols)).astype(np.float32), device=group.first).cast(dtypes.bfloat16)
+                        for _ in range(tp)])
+
+  def same(a: Tensor, b: Tensor) -> bool:
+    return all(np.array_equal(Tensor(a.uop.mselect(i)).bitcast(dtypes.uint16).numpy(),
+                              Tensor(b.uop.mselect(i)).bitcast(dtypes.uint16).numpy()) for i in range(tp))
+  for rows, cols in ((1, 4096), (4, 4096), (256, 4096), (7, 1024), (1, 5120)):
+    for _ in range(40):
+      x = partial(rows, cols).realize()
+      mismatches += not same(kernel(x).realize(), group.all_reduce(x).realize())
+      launches += 1
+
+  @TinyJit
+  def step(x: Tensor) -> Tensor: return kernel(kernel(kernel(x) * 0.5) * 0.5).realize()
+  for _ in range(40):
+    x = partial(8, 4096).realize()
+    want = group.all_reduce(group.all_reduce(group.all_reduce(x) * 0.5) * 0.5)
+    mismatches += not same(step(x), want.realize())
+    launches += 3
+  return {"check": "peer all-reduce vs copies and adds", "tp": tp, "launches": launches, "mismatches": mismatches,
+          "equal": mismatches == 0}
 
 
 def qwen_tokens(tp: int, model: str) -> list[list[int]]:
@@ -56,16 +92,19 @@ def main() -> int:
   p.add_argument("--tp", type=int, required=True)
   p.add_argument("--stories")
   p.add_argument("--model", default="qwen3-0.6b")
-  p.add_argument("--only", choices=("stories", "tokens"))
+  p.add_argument("--only", choices=("all_reduce", "stories", "tokens"))
   args = p.parse_args()
-  if args.only == "stories": print(json.dumps(stories(args.stories, args.tp)))
+  if args.only == "all_reduce": print(json.dumps(peer_all_reduce(args.tp)))
+  elif args.only == "stories": print(json.dumps(stories(args.stories, args.tp)))
   elif args.only == "tokens": print(json.dumps(qwen_tokens(args.tp, args.model)))
   else:
+    kernel = in_subprocess("--tp", str(args.tp), "--only", "all_reduce")
+    print(json.dumps(kernel), flush=True)
     result = in_subprocess("--tp", str(args.tp), "--stories", args.stories, "--only", "stories")
     print(json.dumps(result), flush=True)
     one, split = (in_subprocess("--tp", str(tp), "--model", args.model, "--only", "tokens") for tp in (1, args.tp))
     print(json.dumps({"check": f"{args.model} bf16 greedy, tp {args.tp} vs 1", **agreement(split, one)}), flush=True)
-    return 0 if result["equal"] else 1
+    return 0 if result["equal"] and kernel["equal"] else 1
   return 0
 
 

@@ -10,6 +10,7 @@ Two backends exist: `PortableBackend` (tinygrad ops on every device, tinyvllm/la
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,6 +49,15 @@ class BackendCapabilities:
     if quantization is not None and quantization not in self.quantization:
       return f"quantization {quantization} (it runs {', '.join(self.quantization) or 'none'})"
     return None
+
+
+class DeviceGroup(Protocol):
+  """What a backend needs of a tensor-parallel group (tinyvllm/layers/tensor_parallel.py: TensorParallelGroup)."""
+  devices: tuple[str, ...]
+
+  def all_reduce(self, partial: Tensor) -> Tensor:
+    """The portable all-reduce: copies between the devices and adds."""
+    ...
 
 
 class ComputeBackend(Protocol):
@@ -97,6 +107,11 @@ class ComputeBackend(Protocol):
                     meta: AttentionMetadata, eps: float) -> tuple[Tensor, KVCaches] | None:
     """Every decoder layer of a decode step in fused kernels, where the backend has them for this step: the hidden
     states after the layers and the caches after their writes; None: the model runs each layer op by op."""
+    ...
+
+  def all_reduce_for(self, group: DeviceGroup) -> Callable[[Tensor], Tensor]:
+    """The all-reduce of a tensor-parallel group's model (a local view's per-device values summed, on every device):
+    TensorParallelGroup.all_reduce or a kernel of the backend's with its result. Called once, as the model is built."""
     ...
 
   def sample(self, logits: Tensor, params_bits: Tensor, rng_bits: Tensor, variant: SamplerVariant,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 
 from tinygrad import Tensor, dtypes
@@ -22,6 +23,7 @@ from tinyvllm.backend.sampling import SamplerVariant
 from tinyvllm.backend.weights import DecoderLayerWeights, MoEWeights, Weight
 from tinyvllm.config import KernelOptions
 from tinyvllm.kernels import decode_layer
+from tinyvllm.kernels.all_reduce import all_reduce_for
 from tinyvllm.kernels.attention import attention_shape, kv_write_unsupported_reason, run_attention, run_kv_write
 from tinyvllm.kernels.linear import MAX_ROWS, fused_linear
 from tinyvllm.kernels.moe import LARGE_STEP, moe_shape, run_moe
@@ -34,6 +36,7 @@ from tinyvllm.layers.attention import paged_attention, write_kv
 from tinyvllm.layers.linear import portable_linear
 from tinyvllm.layers.moe import portable_moe
 from tinyvllm.layers.portable import qkv_rope_write
+from tinyvllm.layers.tensor_parallel import TensorParallelGroup
 from tinyvllm.platform.target import DeviceTarget
 
 ATTENTION_DTYPES = ("float32", "float16", "bfloat16")
@@ -88,6 +91,9 @@ class FusedBackend:
               f"{self.target.multiprocessors} SMs (context buckets up to {bounds} sequences)") if self.decode_layer_bounds else ""
     return (f"{self.name} (hand-written kernels for {self.target.arch or self.target.device}: fused paged attention, KV write, "
             f"qkv norm/RoPE/write, decode-batch matmuls, sampling{layers})")
+
+  def all_reduce_for(self, group: TensorParallelGroup) -> Callable[[Tensor], Tensor]:
+    return all_reduce_for(group, self.name, self._log)
 
   def linear(self, x: Tensor, w: Weight, bias: Tensor | None = None, **fused) -> Tensor:
     """Products (and the norm, SwiGLU or residual fused with them) in one kernel: the skinny one for decode rows, the

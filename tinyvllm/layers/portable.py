@@ -2,6 +2,8 @@
 against, and what they hand a call to where a step's shape is outside their range."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tinygrad import Tensor
 
 from tinyvllm.backend.interface import BackendCapabilities, KVCaches
@@ -13,6 +15,7 @@ from tinyvllm.layers.moe import portable_moe
 from tinyvllm.layers.norm import rms_norm
 from tinyvllm.layers.rotary import apply_rope
 from tinyvllm.layers.sampler import sample_packed
+from tinyvllm.layers.tensor_parallel import TensorParallelGroup
 
 CAPABILITIES = BackendCapabilities(dtypes=("float32", "float16", "bfloat16"),
                                    fp8_kv_cache_dtypes=("float32", "float16", "bfloat16"), head_sizes=None,
@@ -58,6 +61,8 @@ class PortableBackend:
   def describe(self) -> str: return "portable (tinygrad ops)" + (f": {self.reason}" if self.reason else "")
 
   def linear(self, x: Tensor, w: Weight, bias: Tensor | None = None, **fused) -> Tensor: return portable_linear(x, w, bias, **fused)
+
+  def all_reduce_for(self, group: TensorParallelGroup) -> Callable[[Tensor], Tensor]: return group.all_reduce
 
   def moe(self, x: Tensor, moe: MoEWeights, *, norm: Tensor, eps: float, residual: Tensor) -> Tensor:
     return portable_moe(x, moe, norm=norm, eps=eps, residual=residual)

@@ -72,6 +72,8 @@ class TransformerLM:
   def __init__(self, config: ModelConfig, weights: ModelWeights, backend: ComputeBackend, group: TensorParallelGroup | None = None):
     """`config` is the whole model's; under tensor parallelism (`group`) the weights are the devices' shares."""
     self.config, self.weights, self.backend, self.group = config, weights, backend, group
+    # the backend's all-reduce for the group, its buffers (if any) allocated now, outside any capture
+    self.all_reduce = backend.all_reduce_for(group) if group is not None else None
     self.gated_activation = {"gelu_mul" if config.hidden_act == "gelu_pytorch_tanh" else "silu_mul": True}
 
   @property
@@ -101,13 +103,13 @@ class TransformerLM:
     """The tokens' embeddings; with the vocabulary split, each device's rows (zeros for tokens outside its part), summed."""
     w = self.weights
     if w.vocab_start is None or self.group is None: return gather_rows(w.embed_tokens, token_ids)
-    return self.group.all_reduce(gather_rows(w.embed_tokens, token_ids - w.vocab_start))
+    return self.all_reduce(gather_rows(w.embed_tokens, token_ids - w.vocab_start))
 
   def _row_parallel(self, x: Tensor, w, bias: Tensor | None, residual: Tensor, **fused) -> Tensor:
     """residual + x @ w.T + bias for the products whose reduction runs over the shards (o, down): each device's partial
     product, all-reduced, then the bias and residual (once)."""
     if self.group is None: return self.backend.linear(x, w, bias, residual=residual, **fused)
-    out = self.group.all_reduce(self.backend.linear(x, w, **fused))
+    out = self.all_reduce(self.backend.linear(x, w, **fused))
     return residual + (out if bias is None else out + bias)
 
   def decoder_layers(self, h: Tensor, cos: Tensor, sin: Tensor, kv_caches: KVCaches, meta: AttentionMetadata,
@@ -138,4 +140,4 @@ class TransformerLM:
     ops, eps = self.backend, self.config.rms_norm_eps
     if self.group is None: return ops.moe(h, layer.moe, norm=layer.post_attention_norm, eps=eps, residual=h)
     partial = ops.moe(h, layer.moe, norm=layer.post_attention_norm, eps=eps, residual=h.zeros_like())
-    return h + self.group.all_reduce(partial)
+    return h + self.all_reduce(partial)

@@ -5,6 +5,7 @@ its UOp DSL. What it needs beyond that is here, with the reason:
 - kernels it compiles itself: a PROGRAM node (`ProgramInfo`, SINK / LINEAR / SOURCE / BINARY), the NVRTC and Metal
   compiler classes, tinygrad's disk cache, a device's renderer target, and `runtime_t` wrapped so that a program
   launches with dynamic shared memory (tinygrad builds programs as `runtime(elf)`, without CUDAProgram's `smem`);
+- a realized buffer's device address and whether CUDA devices reach each other's memory (the peer all-reduce);
 - a step's two copies without the scheduler: a Buffer's allocator `_copyin` / `_copyout`, and on CUDA pinned host
   memory, an event and the device's `pending_copyin` list (freed by tinygrad only on a full synchronize);
 - device facts: the CUDA driver's device attributes and free memory, a device's `arch`, the backends tinygrad has
@@ -217,6 +218,28 @@ def copy_in(t: Tensor, data: np.ndarray) -> None:
   """Copy `data` (contiguous, t's size in bytes) straight into realized tensor t's buffer through its allocator."""
   buf = t.uop.buffer.ensure_allocated()
   Device[str(t.device)].allocator._copyin(buf._buf, memoryview(data).cast("B"))
+
+
+def device_address(t: Tensor) -> int:
+  """The device address of realized tensor t's buffer (a CUDA device pointer), for a kernel that reads it from another
+  device (tinyvllm/kernels/all_reduce.py)."""
+  buf = t.uop.buffer.ensure_allocated()._buf
+  return int(getattr(buf, "value", buf))
+
+
+def peers_accessible(devices: tuple[str, ...]) -> bool:
+  """Whether every CUDA device of `devices` can read every other's memory: tinygrad enables peer access between each
+  pair the driver allows as it opens the devices, so once all are open this is what the driver says."""
+  if any(d.split(":")[0] != "CUDA" for d in devices): return False
+  from tinygrad.runtime.autogen import cuda
+  from tinygrad.runtime.ops_cuda import check as cuda_check
+  opened = [Device[d] for d in devices]
+  for a in opened:
+    for b in opened:
+      if a is b: continue
+      cuda_check(cuda.cuDeviceCanAccessPeer(ctypes.byref(can := ctypes.c_int()), a.cu_device, b.cu_device))
+      if can.value != 1: return False
+  return True
 
 
 def copy_out(t: Tensor) -> np.ndarray:

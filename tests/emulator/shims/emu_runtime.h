@@ -18,6 +18,9 @@
 // run each as far as it goes.
 // Static shared arrays are still one instance for all blocks, which now run interleaved: a cooperative kernel must keep
 // all its shared memory in dynamic shared memory. A grid barrier outside a cooperative launch is reported as a deadlock.
+//
+// Launches on different OS threads run independently (the scheduler's state is per thread), so a test can run several
+// devices' launches at once, as the all-reduce kernel needs (static shared arrays would still be one instance for all).
 #pragma once
 #if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
 #define _XOPEN_SOURCE 700   // macOS declares the (deprecated) ucontext functions only with it
@@ -51,9 +54,9 @@ struct Fiber {
 
 struct Group;
 struct GridSync { int nt = 0, arrived = 0; unsigned gen = 0; };   // the grid barrier of a cooperative launch
-inline Group*& current_group() { static Group* g = nullptr; return g; }
-inline Fiber*& current_fiber() { static Fiber* f = nullptr; return f; }
-inline GridSync*& current_grid() { static GridSync* s = nullptr; return s; }   // null outside a cooperative launch
+inline Group*& current_group() { static thread_local Group* g = nullptr; return g; }
+inline Fiber*& current_fiber() { static thread_local Fiber* f = nullptr; return f; }
+inline GridSync*& current_grid() { static thread_local GridSync* s = nullptr; return s; }   // null outside a cooperative launch
 
 struct Group {
   int nt = 0;

@@ -1,0 +1,116 @@
+"""The peer all-reduce kernel (csrc/cuda/all_reduce.inc) run on the CPU through the C++ emulation, each device's launch
+on a thread of its own (as GPUs run them at once), against the sum it promises: every device's partial added in the
+devices' order in float32, rounded once to the dtype, the same bits on every device. Several launches in a row (the
+exchange slots alternate, the launch counters and flags carry over), launches of other sizes between them (other
+grids), 2 and 4 devices, all three dtypes, a tail block; and what the kernel takes and how a group chooses it."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from tests.emulator.cases import from_bits, to_bits
+from tests.emulator.emulator import LazyKernels, Spec, emulate
+from tinyvllm.kernels import all_reduce as ar
+from tinyvllm.layers.tensor_parallel import TensorParallelGroup
+
+# (elements, devices, dtype): one block with a partial round, several blocks with a tail, the most blocks
+CASES = [(4096, 2, "bfloat16"), (3 * 512 * 8 + 40, 2, "float16"), (1000, 4, "float32"), (ar.MAX_BLOCKS * ar.THREADS * 8 * 2, 2, "bfloat16"),
+         (2048, 4, "bfloat16")]
+
+
+def _name(numel: int, world: int, dtype: str) -> str: return f"ar_{numel}_{world}_{dtype}"
+
+
+@pytest.fixture(scope="module")
+def emu() -> LazyKernels:
+  specs = []
+  for numel, world, dtype in CASES:
+    plan = ar.all_reduce_plan(numel, world, dtype)
+    specs.append(Spec(_name(numel, world, dtype), "all_reduce", plan.defines, plan.launches))
+  return emulate("cuda", specs)
+
+
+class Devices:
+  """Each emulated device's exchange and signal buffers (zeroed, as PeerAllReduce allocates them) and its table."""
+
+  def __init__(self, world: int):
+    self.exchanges = [np.zeros(2 * ar.SLOT_BYTES, np.uint8) for _ in range(world)]
+    self.signals = [np.zeros(ar.signal_words(world), np.uint32) for _ in range(world)]
+    addresses = [x.ctypes.data for x in self.exchanges], [s.ctypes.data for s in self.signals]
+    self.tables = [ar.device_table(rank, *addresses) for rank in range(world)]
+
+  def all_reduce(self, emu: LazyKernels, partials: list[np.ndarray], dtype: str, order: str = "forward") -> list[np.ndarray]:
+    """Every device's launch at once on its partial (float32 values representable in dtype); each device's result."""
+    numel, world = partials[0].size, len(partials)
+    outs = [np.full(numel, 0x7FC0 if dtype != "float32" else np.nan, np.uint16 if dtype != "float32" else np.float32)
+            for _ in range(world)]
+    errors: list[BaseException] = []
+    emu.library(_name(numel, world, dtype))   # built before the threads start, once
+
+    def run(rank: int) -> None:
+      try: emu.launch(_name(numel, world, dtype), 0, [outs[rank], to_bits(partials[rank], dtype), self.tables[rank]], order)
+      except BaseException as e: errors.append(e)
+    threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(world)]
+    for t in threads: t.start()
+    for t in threads: t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "the devices' launches never met (a deadlock)"
+    assert not errors, errors
+    return outs
+
+
+def _partials(rng: np.random.Generator, numel: int, world: int, dtype: str) -> list[np.ndarray]:
+  return [from_bits(to_bits((rng.standard_normal(numel) * 4).astype(np.float32), dtype), dtype) for _ in range(world)]
+
+
+def _expected(partials: list[np.ndarray], dtype: str) -> np.ndarray:
+  total = partials[0].astype(np.float32)
+  for p in partials[1:]: total = total + p.astype(np.float32)
+  return to_bits(total, dtype)
+
+
+@pytest.mark.parametrize("numel,world,dtype", CASES)
+def test_every_device_gets_the_ordered_float32_sum(emu, numel, world, dtype):
+  devices, rng = Devices(world), np.random.default_rng(numel + world)
+  for launch in range(3):   # the slots alternate and the counters carry over
+    partials = _partials(rng, numel, world, dtype)
+    outs = devices.all_reduce(emu, partials, dtype, order=("forward", "reverse", "random")[launch])
+    for rank, out in enumerate(outs): assert np.array_equal(out, _expected(partials, dtype)), f"launch {launch}, device {rank}"
+
+
+def test_launches_of_other_sizes_between_keep_the_exchange_consistent(emu):
+  """Launches of two sizes (grids of other block counts) alternate on the same buffers, as a step's all-reduces of
+  different shapes do: each block's counter and flags stay in step across the devices."""
+  devices, rng = Devices(2), np.random.default_rng(7)
+  sizes = [(4096, "bfloat16"), (ar.MAX_BLOCKS * ar.THREADS * 8 * 2, "bfloat16"), (4096, "bfloat16"), (3 * 512 * 8 + 40, "float16"),
+           (ar.MAX_BLOCKS * ar.THREADS * 8 * 2, "bfloat16")]
+  for numel, dtype in sizes:
+    partials = _partials(rng, numel, 2, dtype)
+    for out in devices.all_reduce(emu, partials, dtype): assert np.array_equal(out, _expected(partials, dtype))
+  counters = [s[ar.MAX_BLOCKS * 2:] for s in devices.signals]
+  assert np.array_equal(counters[0], counters[1]) and counters[0][0] == len(sizes)
+
+
+def test_plan_blocks_and_refusals():
+  one = ar.all_reduce_plan(4096, 2, "bfloat16")   # 512 vectors: one block of 512 threads
+  assert one.launches[0].grid == (1, 1, 1) and one.defines["TV_CHUNK"] == 4096
+  big = ar.all_reduce_plan(ar.MAX_BLOCKS * ar.THREADS * 8 * 2, 2, "bfloat16")
+  assert big.launches[0].grid == (ar.MAX_BLOCKS, 1, 1) and big.defines["TV_CHUNK"] == ar.THREADS * 8 * 2
+  tail = ar.all_reduce_plan(3 * 512 * 8 + 40, 2, "float16")
+  grid, chunk = tail.launches[0].grid[0], tail.defines["TV_CHUNK"]
+  assert (grid - 1) * chunk < 3 * 512 * 8 + 40 <= grid * chunk
+  assert "16-byte vectors" in ar.unsupported_reason(4100, "bfloat16", 2)
+  assert "exchange slot" in ar.unsupported_reason(ar.SLOT_BYTES // 2 + 8, "bfloat16", 2)
+  assert "devices" in ar.unsupported_reason(4096, "bfloat16", 9)
+  assert ar.unsupported_reason(4096, "float64", 2) == "dtype float64"
+  with pytest.raises(ValueError, match="does not take"): ar.all_reduce_plan(4100, 2, "bfloat16")
+
+
+def test_a_group_without_peer_access_uses_the_copies_and_adds():
+  """On the CPU (no CUDA, no peer access) the model's all-reduce is the group's portable one, and the log says why."""
+  group, said = TensorParallelGroup(("CPU:0", "CPU:1")), []
+  assert ar.all_reduce_for(group, "metal", said.append) == group.all_reduce
+  assert ar.all_reduce_for(group, "cuda", said.append) == group.all_reduce
+  assert said == ["all-reduce: copies between the devices and adds (no peer all-reduce kernel for metal)",
+                  "all-reduce: copies between the devices and adds (no peer access between the GPUs)"]
