@@ -18,17 +18,20 @@ from tinyvllm.layers.tensor_parallel import TensorParallelGroup
 # (elements, devices, dtype): one block with a partial round, several blocks with a tail, the most blocks
 CASES = [(4096, 2, "bfloat16"), (3 * 512 * 8 + 40, 2, "float16"), (1000, 4, "float32"), (ar.MAX_BLOCKS * ar.THREADS * 8 * 2, 2, "bfloat16"),
          (2048, 4, "bfloat16")]
+RESIDUAL_CASES = [(4096, 2, "bfloat16"), (2048, 4, "float16")]
 
 
-def _name(numel: int, world: int, dtype: str) -> str: return f"ar_{numel}_{world}_{dtype}"
+def _name(numel: int, world: int, dtype: str, residual: bool = False) -> str:
+  return f"ar_{numel}_{world}_{dtype}" + ("_residual" if residual else "")
 
 
 @pytest.fixture(scope="module")
 def emu() -> LazyKernels:
   specs = []
-  for numel, world, dtype in CASES:
-    plan = ar.all_reduce_plan(numel, world, dtype)
-    specs.append(Spec(_name(numel, world, dtype), "all_reduce", plan.defines, plan.launches))
+  for cases, residual in ((CASES, False), (RESIDUAL_CASES, True)):
+    for numel, world, dtype in cases:
+      plan = ar.all_reduce_plan(numel, world, dtype, residual)
+      specs.append(Spec(_name(numel, world, dtype, residual), "all_reduce", plan.defines, plan.launches))
   return emulate("cuda", specs)
 
 
@@ -41,16 +44,20 @@ class Devices:
     addresses = [x.ctypes.data for x in self.exchanges], [s.ctypes.data for s in self.signals]
     self.tables = [ar.device_table(rank, *addresses) for rank in range(world)]
 
-  def all_reduce(self, emu: LazyKernels, partials: list[np.ndarray], dtype: str, order: str = "forward") -> list[np.ndarray]:
-    """Every device's launch at once on its partial (float32 values representable in dtype); each device's result."""
+  def all_reduce(self, emu: LazyKernels, partials: list[np.ndarray], dtype: str, order: str = "forward",
+                 residual: np.ndarray | None = None) -> list[np.ndarray]:
+    """Every device's launch at once on its partial (float32 values representable in dtype), with the residual given
+    to every device's; each device's result."""
     numel, world = partials[0].size, len(partials)
+    name = _name(numel, world, dtype, residual is not None)
+    extra = [] if residual is None else [to_bits(residual, dtype)]
     outs = [np.full(numel, 0x7FC0 if dtype != "float32" else np.nan, np.uint16 if dtype != "float32" else np.float32)
             for _ in range(world)]
     errors: list[BaseException] = []
-    emu.library(_name(numel, world, dtype))   # built before the threads start, once
+    emu.library(name)   # built before the threads start, once
 
     def run(rank: int) -> None:
-      try: emu.launch(_name(numel, world, dtype), 0, [outs[rank], to_bits(partials[rank], dtype), self.tables[rank]], order)
+      try: emu.launch(name, 0, [outs[rank], to_bits(partials[rank], dtype), self.tables[rank], *extra], order)
       except BaseException as e: errors.append(e)
     threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(world)]
     for t in threads: t.start()
@@ -79,6 +86,17 @@ def test_every_device_gets_the_ordered_float32_sum(emu, numel, world, dtype):
     for rank, out in enumerate(outs): assert np.array_equal(out, _expected(partials, dtype)), f"launch {launch}, device {rank}"
 
 
+@pytest.mark.parametrize("numel,world,dtype", RESIDUAL_CASES)
+def test_a_residual_is_added_to_the_rounded_sum(emu, numel, world, dtype):
+  """residual + sum, the sum rounded to the dtype first: the model's add after the portable all-reduce, bit for bit."""
+  devices, rng = Devices(world), np.random.default_rng(numel)
+  for launch in range(2):
+    partials, residual = _partials(rng, numel, world, dtype), _partials(rng, numel, 1, dtype)[0]
+    want = to_bits(residual + from_bits(_expected(partials, dtype), dtype), dtype)
+    for rank, out in enumerate(devices.all_reduce(emu, partials, dtype, residual=residual)):
+      assert np.array_equal(out, want), f"launch {launch}, device {rank}"
+
+
 def test_launches_of_other_sizes_between_keep_the_exchange_consistent(emu):
   """Launches of two sizes (grids of other block counts) alternate on the same buffers, as a step's all-reduces of
   different shapes do: each block's counter and flags stay in step across the devices."""
@@ -104,6 +122,8 @@ def test_plan_blocks_and_refusals():
   assert "exchange slot" in ar.unsupported_reason(ar.SLOT_BYTES // 2 + 8, "bfloat16", 2)
   assert "devices" in ar.unsupported_reason(4096, "bfloat16", 9)
   assert ar.unsupported_reason(4096, "float64", 2) == "dtype float64"
+  assert [p.name for p in ar.all_reduce_plan(4096, 2, "bfloat16", residual=True).launches[0].params] == \
+    ["out", "partial", "table", "residual"]
   with pytest.raises(ValueError, match="does not take"): ar.all_reduce_plan(4100, 2, "bfloat16")
 
 

@@ -55,8 +55,8 @@ class DeviceGroup(Protocol):
   """What a backend needs of a tensor-parallel group (tinyvllm/layers/tensor_parallel.py: TensorParallelGroup)."""
   devices: tuple[str, ...]
 
-  def all_reduce(self, partial: Tensor) -> Tensor:
-    """The portable all-reduce: copies between the devices and adds."""
+  def all_reduce(self, partial: Tensor, residual: Tensor | None = None) -> Tensor:
+    """The portable all-reduce: copies between the devices and adds ([residual +] the sum)."""
     ...
 
 
@@ -109,9 +109,10 @@ class ComputeBackend(Protocol):
     states after the layers and the caches after their writes; None: the model runs each layer op by op."""
     ...
 
-  def all_reduce_for(self, group: DeviceGroup) -> Callable[[Tensor], Tensor]:
-    """The all-reduce of a tensor-parallel group's model (a local view's per-device values summed, on every device):
-    TensorParallelGroup.all_reduce or a kernel of the backend's with its result. Called once, as the model is built."""
+  def all_reduce_for(self, group: DeviceGroup) -> Callable[..., Tensor]:
+    """The all-reduce of a tensor-parallel group's model, `(partial, residual=None) -> [residual +] the sum` (a local
+    view's per-device values summed, on every device): TensorParallelGroup.all_reduce or a kernel of the backend's with
+    its result. Called once, as the model is built."""
     ...
 
   def sample(self, logits: Tensor, params_bits: Tensor, rng_bits: Tensor, variant: SamplerVariant,

@@ -28,6 +28,7 @@ from tinyvllm.platform import tinygrad_compat as compat
 THREADS = 512
 MAX_BLOCKS = 32          # blocks of one launch (the signal buffer's flag rows); larger calls give each block more vectors
 SLOT_BYTES = 8 << 20     # one of an exchange buffer's two slots: 256 rows of 16,384 bfloat16 values
+AllReduce = Callable[..., Tensor]   # (partial, residual=None) -> residual + the sum over the devices
 DTYPE_NAMES = {dtypes.float32: "float32", dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}
 
 
@@ -36,6 +37,7 @@ class AllReducePlan:
   numel: int
   world: int
   dtype: str
+  residual: bool
   defines: dict[str, int | str] = field(compare=False)
   launches: tuple[Launch, ...] = field(compare=False)
 
@@ -59,19 +61,20 @@ def unsupported_reason(numel: int, dtype: str, world: int) -> str | None:
   return None
 
 
-def all_reduce_plan(numel: int, world: int, dtype: str) -> AllReducePlan:
-  """The launch for `numel` elements over `world` devices: as many blocks (up to MAX_BLOCKS) as whole rounds of THREADS
-  vectors need, each block a contiguous chunk."""
+def all_reduce_plan(numel: int, world: int, dtype: str, residual: bool = False) -> AllReducePlan:
+  """The launch for `numel` elements over `world` devices (adding a residual after the sum): as many blocks (up to
+  MAX_BLOCKS) as whole rounds of THREADS vectors need, each block a contiguous chunk."""
   if (reason := unsupported_reason(numel, dtype, world)) is not None: raise ValueError(f"the all-reduce kernel does not take {reason}")
   code = dtype_code(dtype)
   vec = 16 // ELEM_BYTES[code]
   vectors = numel // vec
   chunk = cdiv(vectors, min(MAX_BLOCKS, cdiv(vectors, THREADS)))
   defines: dict[str, int | str] = {"TV_DTYPE": code, "TV_NT": THREADS, "TV_N": numel, "TV_W": world, "TV_CHUNK": chunk * vec,
-                                   "TV_SLOT": SLOT_BYTES // ELEM_BYTES[code], "TV_MAX_BLOCKS": MAX_BLOCKS}
+                                   "TV_SLOT": SLOT_BYTES // ELEM_BYTES[code], "TV_MAX_BLOCKS": MAX_BLOCKS,
+                                   "TV_RESIDUAL": int(residual)}
   params = (Param("out", "elem", True, numel), Param("partial", "elem", False, numel),
-            Param("table", "uint", False, table_words(world)))
-  return AllReducePlan(numel, world, dtype, defines, (Launch("tv_all_reduce", (cdiv(vectors, chunk), 1, 1), THREADS, params),))
+            Param("table", "uint", False, table_words(world)), *([Param("residual", "elem", False, numel)] if residual else []))
+  return AllReducePlan(numel, world, dtype, residual, defines, (Launch("tv_all_reduce", (cdiv(vectors, chunk), 1, 1), THREADS, params),))
 
 
 def device_table(rank: int, exchanges: list[int], signals: list[int]) -> np.ndarray:
@@ -82,8 +85,8 @@ def device_table(rank: int, exchanges: list[int], signals: list[int]) -> np.ndar
 
 
 @functools.cache
-def _compiled(numel: int, world: int, dtype: str) -> tuple[AllReducePlan, str]:
-  plan = all_reduce_plan(numel, world, dtype)
+def _compiled(numel: int, world: int, dtype: str, residual: bool) -> tuple[AllReducePlan, str]:
+  plan = all_reduce_plan(numel, world, dtype, residual)
   return plan, kernel_source("cuda", "all_reduce", plan.defines)
 
 
@@ -99,16 +102,19 @@ class PeerAllReduce:
     exchanges, signals = [compat.device_address(t) for t in self._exchanges], [compat.device_address(t) for t in self._signals]
     self.table = group.local([Tensor(device_table(rank, exchanges, signals), device=group.first) for rank in range(group.size)])
 
-  def __call__(self, partial: Tensor) -> Tensor:
-    """The sum over the group's devices of a local view's per-device values, on every device."""
+  def __call__(self, partial: Tensor, residual: Tensor | None = None) -> Tensor:
+    """The sum over the group's devices of a local view's per-device values, on every device (residual + it)."""
     dtype = DTYPE_NAMES.get(partial.dtype, partial.dtype.name)
-    if unsupported_reason(partial.numel(), dtype, self.group.size) is not None: return self.group.all_reduce(partial)
-    plan, source = _compiled(partial.numel(), self.group.size, dtype)
+    if (unsupported_reason(partial.numel(), dtype, self.group.size) is not None
+        or (residual is not None and (residual.dtype != partial.dtype or residual.shape != partial.shape))):
+      return self.group.all_reduce(partial, residual)
+    plan, source = _compiled(partial.numel(), self.group.size, dtype, residual is not None)
     out = Tensor.empty(*partial.shape, dtype=partial.dtype, device=partial.device)
-    return run_kernel(plan.launches[0], source, [out, partial.contiguous(), self.table])[0]
+    extra = [] if residual is None else [residual.contiguous()]
+    return run_kernel(plan.launches[0], source, [out, partial.contiguous(), self.table, *extra])[0]
 
 
-def all_reduce_for(group: TensorParallelGroup, dialect: str | None, log: Callable[[str], None]) -> Callable[[Tensor], Tensor]:
+def all_reduce_for(group: TensorParallelGroup, dialect: str | None, log: Callable[[str], None]) -> AllReduce:
   """The all-reduce a group's model uses: the peer kernel on CUDA devices that reach each other's memory, else the
   portable copies and adds (`log` says which)."""
   if dialect == "cuda" and compat.peers_accessible(group.devices):

@@ -92,7 +92,7 @@ class FusedBackend:
     return (f"{self.name} (hand-written kernels for {self.target.arch or self.target.device}: fused paged attention, KV write, "
             f"qkv norm/RoPE/write, decode-batch matmuls, sampling{layers})")
 
-  def all_reduce_for(self, group: TensorParallelGroup) -> Callable[[Tensor], Tensor]:
+  def all_reduce_for(self, group: TensorParallelGroup) -> Callable[..., Tensor]:
     return all_reduce_for(group, self.name, self._log)
 
   def linear(self, x: Tensor, w: Weight, bias: Tensor | None = None, **fused) -> Tensor:

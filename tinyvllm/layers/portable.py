@@ -62,7 +62,7 @@ class PortableBackend:
 
   def linear(self, x: Tensor, w: Weight, bias: Tensor | None = None, **fused) -> Tensor: return portable_linear(x, w, bias, **fused)
 
-  def all_reduce_for(self, group: TensorParallelGroup) -> Callable[[Tensor], Tensor]: return group.all_reduce
+  def all_reduce_for(self, group: TensorParallelGroup) -> Callable[..., Tensor]: return group.all_reduce
 
   def moe(self, x: Tensor, moe: MoEWeights, *, norm: Tensor, eps: float, residual: Tensor) -> Tensor:
     return portable_moe(x, moe, norm=norm, eps=eps, residual=residual)

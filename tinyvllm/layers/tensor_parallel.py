@@ -44,15 +44,17 @@ class TensorParallelGroup:
     CPU's vectorised loads (they assume 16-byte alignment) read out of line."""
     return t if isinstance(t.device, tuple) else t.to(self.devices)
 
-  def all_reduce(self, partial: Tensor) -> Tensor:
-    """The sum over devices of a local view's per-device values, replicated on every device: each device adds every
-    shard (copied to it), in the same order everywhere (so that every device gets the same bits), in float32.
+  def all_reduce(self, partial: Tensor, residual: Tensor | None = None) -> Tensor:
+    """The sum over devices of a local view's per-device values, replicated on every device (plus `residual`, added to
+    the sum rounded to its dtype): each device adds every shard (copied to it), in the same order everywhere (so that
+    every device gets the same bits), in float32.
     Written as copies and adds rather than tinygrad's ALLREDUCE op, which runs as a function call of its own between
     two CUDA graphs: 72 of them split a Qwen3-8B decode step into as many graphs, 3.8 ms of host time a step."""
     shards = [Tensor(partial.uop.mselect(i)) for i in range(self.size)]
     total = [functools.reduce(lambda a, b: a + b, [s.to(device).float() for s in shards]).cast(partial.dtype)
              for device in self.devices]
-    return Tensor(UOp.mstack(*[t.uop for t in total]))
+    out = Tensor(UOp.mstack(*[t.uop for t in total]))
+    return out if residual is None else residual + out
 
   def all_gather(self, local: Tensor, axis: int) -> Tensor:
     """A local view's shards concatenated along `axis`, on the first device."""

@@ -109,8 +109,8 @@ class TransformerLM:
     """residual + x @ w.T + bias for the products whose reduction runs over the shards (o, down): each device's partial
     product, all-reduced, then the bias and residual (once)."""
     if self.group is None: return self.backend.linear(x, w, bias, residual=residual, **fused)
-    out = self.all_reduce(self.backend.linear(x, w, **fused))
-    return residual + (out if bias is None else out + bias)
+    if bias is None: return self.all_reduce(self.backend.linear(x, w, **fused), residual)
+    return residual + (self.all_reduce(self.backend.linear(x, w, **fused)) + bias)
 
   def decoder_layers(self, h: Tensor, cos: Tensor, sin: Tensor, kv_caches: KVCaches, meta: AttentionMetadata,
                      layers: list[DecoderLayerWeights] | None = None) -> tuple[Tensor, KVCaches]:
@@ -140,4 +140,4 @@ class TransformerLM:
     ops, eps = self.backend, self.config.rms_norm_eps
     if self.group is None: return ops.moe(h, layer.moe, norm=layer.post_attention_norm, eps=eps, residual=h)
     partial = ops.moe(h, layer.moe, norm=layer.post_attention_norm, eps=eps, residual=h.zeros_like())
-    return h + self.all_reduce(partial)
+    return self.all_reduce(partial, h)
