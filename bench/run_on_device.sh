@@ -18,7 +18,8 @@
 # decode_8b_tp1 / _tp2 / _tp4 (batch-1 decode of the Qwen3-8B shape over that many GPUs), profile8b_tp1 / _tp2 (bench/gpu_profile.py
 # on it), serve_dp2 (workload 3 against two data-parallel replicas), serve_2clients / serve_dp2_2clients (the same with
 # two client processes), serve_asc2 / serve_asc2_2clients (two API server processes, one or two clients),
-# serve_dp2_asc4_4clients (two replicas behind four API servers, four clients).
+# serve_dp2_asc4_4clients (two replicas behind four API servers, four clients), serve_asc4_2clients /
+# serve_dp2_asc8_4clients (one replica behind four API servers with two clients; two behind eight with four).
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD DEV=CUDA OUT=${OUT:-/tmp/out}
