@@ -132,5 +132,14 @@ def test_a_group_without_peer_access_uses_the_copies_and_adds():
   group, said = TensorParallelGroup(("CPU:0", "CPU:1")), []
   assert ar.all_reduce_for(group, "metal", said.append) == group.all_reduce
   assert ar.all_reduce_for(group, "cuda", said.append) == group.all_reduce
+  assert ar.all_reduce_for(group, "cuda", said.append, enabled=False) == group.all_reduce
   assert said == ["all-reduce: copies between the devices and adds (no peer all-reduce kernel for metal)",
-                  "all-reduce: copies between the devices and adds (no peer access between the GPUs)"]
+                  "all-reduce: copies between the devices and adds (no peer access between the GPUs)",
+                  "all-reduce: copies between the devices and adds (--disable-custom-all-reduce)"]
+
+
+def test_disable_custom_all_reduce_reaches_the_kernels():
+  """vLLM's --disable-custom-all-reduce is a real switch: it sets the backend's kernel options."""
+  from tinyvllm.engine_args import engine_config
+  assert engine_config("m", {"disable_custom_all_reduce": True}).kernel_options().custom_all_reduce is False
+  assert engine_config("m", {}).kernel_options().custom_all_reduce is True

@@ -263,6 +263,9 @@ class EngineConfig:
   # overrides the table's context bound for every row count
   decode_layer_kernel: bool = True
   decode_layer_max_context: int | None = None
+  # tensor parallelism on CUDA GPUs that reach each other's memory all-reduces with a kernel reading it (vLLM's custom
+  # all-reduce); disabled, or elsewhere, with copies between the devices and adds
+  disable_custom_all_reduce: bool = False
   # hub ids (vLLM's names): downloaded through huggingface_hub into download_dir, default HF's cache (HF_HOME /
   # HF_HUB_CACHE), shared with every HF tool; revision: a branch, tag or commit; tokenizer_revision: the tokenizer's
   # (default: revision); hf_token: a token, or True for the stored one (default: HF_TOKEN or the stored one)
@@ -412,7 +415,7 @@ class EngineConfig:
                         f"({', '.join(GENERATION_CONFIG_FIELDS)})")
 
   def kernel_options(self) -> KernelOptions:
-    return KernelOptions(self.decode_layer_kernel, self.decode_layer_max_context)
+    return KernelOptions(self.decode_layer_kernel, self.decode_layer_max_context, not self.disable_custom_all_reduce)
 
   def hub_settings(self) -> HubSettings:
     return HubSettings(self.download_dir, self.hf_token)
@@ -423,6 +426,7 @@ class KernelOptions:
   """The hand-written kernels' engine-level choices."""
   decode_layer: bool = True                    # the persistent decode-layer kernel where the device's table bounds it
   decode_layer_max_context: int | None = None  # its context bound for every row count (None: the tuning table's)
+  custom_all_reduce: bool = True               # tensor parallelism's peer all-reduce kernel where the GPUs allow it
 
 
 @dataclass(frozen=True)

@@ -91,8 +91,9 @@ TABLE: tuple[VllmArg, ...] = (
           help="where data-parallel replicas run: mp (processes on this host, the default) or ray (Ray actors)"),
   VllmArg("enable_expert_parallel", _is(False), "expert parallelism is not built",
           default=False, kind=bool),
-  VllmArg("disable_custom_all_reduce", _is_bool, "must be true or false", default=False, kind=bool,
-          note="tensor parallelism all-reduces through tinygrad's multi-device tensors, the one all-reduce there is"),
+  VllmArg("disable_custom_all_reduce", _is_bool, "must be true or false", _field("disable_custom_all_reduce"), default=False,
+          kind=bool, help="tensor parallelism: all-reduce with copies between the GPUs and adds instead of the kernel that "
+          "reads the other GPUs' memory"),
   # the model
   VllmArg("trust_remote_code", _is_bool, "must be true or false", default=False, kind=bool,
           note="tinyvllm never runs code from a model repository: its own Llama/Qwen code loads the supported architectures"),

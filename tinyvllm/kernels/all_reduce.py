@@ -114,12 +114,13 @@ class PeerAllReduce:
     return run_kernel(plan.launches[0], source, [out, partial.contiguous(), self.table, *extra])[0]
 
 
-def all_reduce_for(group: TensorParallelGroup, dialect: str | None, log: Callable[[str], None]) -> AllReduce:
-  """The all-reduce a group's model uses: the peer kernel on CUDA devices that reach each other's memory, else the
-  portable copies and adds (`log` says which)."""
-  if dialect == "cuda" and compat.peers_accessible(group.devices):
+def all_reduce_for(group: TensorParallelGroup, dialect: str, log: Callable[[str], None], enabled: bool = True) -> AllReduce:
+  """The all-reduce a group's model uses: the peer kernel on CUDA devices that reach each other's memory (unless not
+  `enabled`: --disable-custom-all-reduce), else the portable copies and adds (`log` says which)."""
+  if enabled and dialect == "cuda" and compat.peers_accessible(group.devices):
     log(f"all-reduce: a kernel on each GPU reading the others' memory ({', '.join(group.devices)})")
     return PeerAllReduce(group)
-  why = "no peer access between the GPUs" if dialect == "cuda" else f"no peer all-reduce kernel for {dialect}"
+  why = ("--disable-custom-all-reduce" if not enabled else "no peer access between the GPUs" if dialect == "cuda"
+         else f"no peer all-reduce kernel for {dialect}")
   log(f"all-reduce: copies between the devices and adds ({why})")
   return group.all_reduce

@@ -73,6 +73,7 @@ class FusedBackend:
   def __init__(self, target: DeviceTarget, options: KernelOptions | None = None, log=_log):
     if target.dialect is None: raise ValueError(f"no hand-written kernels for device {target.device}")
     options = options or KernelOptions()
+    self._custom_all_reduce = options.custom_all_reduce
     self.name, self.target, self._log = target.dialect, target, log
     self.capabilities = capabilities(target)
     self.calls: Counter[str] = Counter()     # which path each traced call took (decode, prefill, write, portable-*)
@@ -93,7 +94,7 @@ class FusedBackend:
             f"qkv norm/RoPE/write, decode-batch matmuls, sampling{layers})")
 
   def all_reduce_for(self, group: TensorParallelGroup) -> Callable[..., Tensor]:
-    return all_reduce_for(group, self.name, self._log)
+    return all_reduce_for(group, self.name, self._log, self._custom_all_reduce)
 
   def linear(self, x: Tensor, w: Weight, bias: Tensor | None = None, **fused) -> Tensor:
     """Products (and the norm, SwiGLU or residual fused with them) in one kernel: the skinny one for decode rows, the
