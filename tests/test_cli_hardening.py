@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import multiprocessing
 import os
@@ -347,8 +348,9 @@ class Chat:
   """A chat subprocess, its stdout and stderr read as they come."""
 
   def __init__(self, *argv: str):
-    self.proc = subprocess.Popen([sys.executable, "main.py", "chat", *argv], cwd=REPO, stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # faulthandler: a chat that does not exit is made to print every thread's stack (exit_code)
+    self.proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "main.py", "chat", *argv], cwd=REPO,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     self.out, self.err = bytearray(), bytearray()
     for stream, buffer in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
       threading.Thread(target=self._pump, args=(stream, buffer), daemon=True).start()
@@ -370,6 +372,15 @@ class Chat:
 
   def prompts(self) -> int: return self.out.count(b"> ")
 
+  def exit_code(self, timeout: float = 60) -> int:
+    """The chat's exit status; one still running after `timeout` seconds fails the test with its threads' stacks."""
+    try: return self.proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      self.proc.send_signal(signal.SIGABRT)   # faulthandler dumps the stacks to stderr, then the process dies
+      with contextlib.suppress(subprocess.TimeoutExpired): self.proc.wait(timeout=10)
+      time.sleep(0.5)   # the pump threads drain stderr
+      raise AssertionError(f"chat did not exit within {timeout} s; its stacks and stderr:\n{self.err.decode()[-8000:]}") from None
+
 
 @pytest.mark.slow
 def test_ctrl_c_stops_the_reply_and_chat_goes_on():
@@ -383,7 +394,7 @@ def test_ctrl_c_stops_the_reply_and_chat_goes_on():
       chat.proc.send_signal(signal.SIGINT)
       chat.wait_for(lambda n=shown: chat.out.count(b"> ", n) == 1)   # back at the prompt
     chat.send("/exit")
-    assert chat.proc.wait(timeout=60) == 0
+    assert chat.exit_code() == 0
   finally:
     chat.proc.kill()
   err = chat.err.decode()
@@ -397,7 +408,7 @@ def test_ctrl_c_at_the_prompt_quits_quietly():
   try:
     chat.wait_for(lambda: chat.prompts() == 1)
     chat.proc.send_signal(signal.SIGINT)
-    assert chat.proc.wait(timeout=60) == 0
+    assert chat.exit_code() == 0
   finally:
     chat.proc.kill()
   assert "Traceback" not in chat.err.decode() and "KeyboardInterrupt" not in chat.err.decode()
