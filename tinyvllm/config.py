@@ -263,6 +263,10 @@ class EngineConfig:
   # overrides the table's context bound for every row count
   decode_layer_kernel: bool = True
   decode_layer_max_context: int | None = None
+  # tinygrad's scheduling and codegen of each step built (its kernels' ASTs, rendered sources and binaries) kept in
+  # tinygrad's disk cache (cache.db), so that a second start skips them (platform/tinygrad_compat.py,
+  # install_disk_caches); tinygrad's CACHELEVEL=0 turns it off too
+  compile_cache: bool = True
   # hub ids (vLLM's names): downloaded through huggingface_hub into download_dir, default HF's cache (HF_HOME /
   # HF_HUB_CACHE), shared with every HF tool; revision: a branch, tag or commit; tokenizer_revision: the tokenizer's
   # (default: revision); hf_token: a token, or True for the stored one (default: HF_TOKEN or the stored one)
