@@ -266,6 +266,10 @@ class EngineConfig:
   # tensor parallelism on CUDA GPUs that reach each other's memory all-reduces with a kernel reading it (vLLM's custom
   # all-reduce); disabled, or elsewhere, with copies between the devices and adds
   disable_custom_all_reduce: bool = False
+  # tinygrad's scheduling and codegen of each step built (its kernels' ASTs, rendered sources and binaries) kept in
+  # tinygrad's disk cache (cache.db), so that a second start skips them (platform/tinygrad_compat.py,
+  # install_disk_caches); tinygrad's CACHELEVEL=0 turns it off too
+  compile_cache: bool = True
   # hub ids (vLLM's names): downloaded through huggingface_hub into download_dir, default HF's cache (HF_HOME /
   # HF_HUB_CACHE), shared with every HF tool; revision: a branch, tag or commit; tokenizer_revision: the tokenizer's
   # (default: revision); hf_token: a token, or True for the stored one (default: HF_TOKEN or the stored one)

@@ -127,6 +127,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                  help="CUDA, Hopper: every layer of 1-4-sequence decode steps in one persistent kernel (default: on)")
   g.add_argument("--decode-layer-max-context", type=positive_int,
                  help="the longest context bucket the decode-layer kernel takes (default: the device's tuning table)")
+  g.add_argument("--compile-cache", action=argparse.BooleanOptionalAction, default=True,
+                 help="keep tinygrad's scheduling and codegen of every step built in its disk cache, so that a second "
+                      "start skips them (default: on)")
   g.add_argument("--download-dir", help="HF cache folder for hub models (default: HF's, $HF_HUB_CACHE or $HF_HOME/hub)")
   g.add_argument("--revision", help="hub model's branch, tag or commit (default: main)")
   g.add_argument("--tokenizer-revision", help="the tokenizer's branch, tag or commit (default: --revision)")
@@ -206,7 +209,7 @@ ENGINE_FLAGS = ("tokenizer", "dtype", "device", "max_model_len", "load_format", 
                 "kv_cache_dtype",
                 "gpu_memory_utilization", "num_gpu_blocks", "enable_prefix_caching", "scheduler", "max_num_seqs",
                 "max_num_batched_tokens", "enable_chunked_prefill", "long_prefill_token_threshold", "attention_backend",
-                "cuda_graph_sizes", "async_scheduling", "enforce_eager", "decode_layer_kernel",
+                "cuda_graph_sizes", "async_scheduling", "enforce_eager", "decode_layer_kernel", "compile_cache",
                 "decode_layer_max_context", "download_dir", "revision", "tokenizer_revision", "hf_token", "scheduling_policy",
                 "preemption_mode", "swap_space")
 # flags passed on only when given (None: the engine's default)

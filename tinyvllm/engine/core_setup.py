@@ -97,6 +97,7 @@ class DraftModel:
 def build_engine_parts(config: EngineConfig) -> EngineParts:
   compat.check()   # a tinygrad that lacks an internal we use fails here, not mid-step
   compat.install()
+  compat.install_disk_caches(config.compile_cache)
   device = select_device(config.device)
   compat.check(device)
   located = locate_model(config)
@@ -249,11 +250,16 @@ def warm_up(config: EngineConfig, runner: ModelRunner, device: str, max_num_batc
   if sizes is None:
     top = bucket(max(config.max_num_seqs, max_num_batched_tokens))
     sizes = [] if is_cpu(device) else [1 << i for i in range(top.bit_length())]
+  before = {kind: replace(stats) for kind, stats in compat.disk_cache_stats.items()}
   done = runner.warm_up(sizes, max_num_batched_tokens)
   if done.decode or done.prompt:
     contexts = runner.buckets.min_context
+    read, wrote = ({kind: getattr(stats, field) - getattr(before[kind], field) for kind, stats in compat.disk_cache_stats.items()}
+                   for field in ("hits", "stores"))
+    cached = (f"; compile cache: read {read['schedule']} schedules and {read['program']} kernels, wrote {wrote['schedule']} "
+              f"and {wrote['program']}" if config.compile_cache else "")
     log(f"captured {done.decode} decode steps and {done.prompt} prompt-step layouts in {done.seconds:.1f} s "
-        f"(contexts up to {contexts} tokens; a longer context's layouts are captured when first met)")
+        f"(contexts up to {contexts} tokens; a longer context's layouts are captured when first met{cached})")
   return done.seconds
 
 
