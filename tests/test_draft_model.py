@@ -52,13 +52,23 @@ def test_stories260k_as_its_own_draft_accepts_every_proposal(stories_dir, refere
   assert_all_free(llm)
 
 
-def test_a_random_draft_changes_no_greedy_token_batched_and_under_preemption(models):
+def drafting(models, blocks: int) -> LLM:
+  return LLM(str(models / "target"), max_num_seqs=4, num_gpu_blocks=blocks,
+             speculative_config={"model": str(models / "draft"), "num_speculative_tokens": K})
+
+
+@pytest.fixture(scope="module")
+def drafting_64(models):
+  """The random target with the random draft and 64 blocks (the batch fits); shared by the tests that need no other."""
+  return drafting(models, 64)
+
+
+def test_a_random_draft_changes_no_greedy_token_batched_and_under_preemption(models, drafting_64):
   plain = LLM(str(models / "target"), max_num_seqs=4, num_gpu_blocks=64)
   params = [greedy(m) for m in (40, 2, 60, 25)]
   want = tokens(plain, PROMPTS, params)
   for blocks in (64, 6):   # 6 blocks of 16 tokens: the batch does not fit, sequences are preempted
-    llm = LLM(str(models / "target"), max_num_seqs=4, num_gpu_blocks=blocks,
-              speculative_config={"model": str(models / "draft"), "num_speculative_tokens": K})
+    llm = drafting_64 if blocks == 64 else drafting(models, blocks)
     assert tokens(llm, PROMPTS, params) == want
     spec = llm.engine.scheduler.spec
     assert spec.num_draft_tokens > spec.num_accepted_tokens
@@ -66,12 +76,12 @@ def test_a_random_draft_changes_no_greedy_token_batched_and_under_preemption(mod
     assert_all_free(llm)
 
 
-def test_aborts_mid_verification_leave_nothing_behind(models):
-  llm = LLM(str(models / "target"), max_num_seqs=4, num_gpu_blocks=64,
-            speculative_config={"model": str(models / "draft"), "num_speculative_tokens": K})
+def test_aborts_mid_verification_leave_nothing_behind(drafting_64):
+  llm = drafting_64   # the engine of the test above, all free after its generate (checked there)
   engine = llm.engine
+  before = engine.scheduler.spec.num_drafts
   for i, prompt in enumerate(PROMPTS): engine.add_request(f"a{i}", prompt, greedy(50))
-  while engine.scheduler.spec.num_drafts < 6: engine.step()
+  while engine.scheduler.spec.num_drafts < before + 6: engine.step()
   for i in range(len(PROMPTS)): engine.abort_request(f"a{i}")
   assert_all_free(llm)
 
