@@ -407,6 +407,9 @@ def test_ctrl_c_at_the_prompt_quits_quietly():
   chat = Chat("--model", str(embedded_model_path()), "--num-gpu-blocks", "16")
   try:
     chat.wait_for(lambda: chat.prompts() == 1)
+    # the prompt is written just before input() starts reading stdin; a SIGINT in between is taken by CPython before
+    # the read begins, which then waits for a line (a person's second Ctrl-C would end it): let the read begin first
+    time.sleep(1.0)
     chat.proc.send_signal(signal.SIGINT)
     assert chat.exit_code() == 0
   finally:
