@@ -344,13 +344,21 @@ def test_chat_outgrows_its_context_and_goes_on():
   assert all(answered[i] for i in (0, 1, 2, 4)) and answered[3] == ""   # the too-long message got no reply, the next one did
 
 
+def _sigint_as_from_a_terminal() -> None:
+  signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Chat:
   """A chat subprocess, its stdout and stderr read as they come."""
 
   def __init__(self, *argv: str):
-    # faulthandler: a chat that does not exit is made to print every thread's stack (exit_code)
+    # faulthandler: a chat that does not exit is made to print every thread's stack (exit_code). SIGINT starts at its
+    # default, unblocked, as from a terminal: a child inherits an ignored or blocked signal, and a test earlier in this
+    # worker process (or a library it loaded) may have left SIGINT so, which no chat could then see
     self.proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "main.py", "chat", *argv], cwd=REPO,
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 preexec_fn=_sigint_as_from_a_terminal)
     self.out, self.err = bytearray(), bytearray()
     for stream, buffer in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
       threading.Thread(target=self._pump, args=(stream, buffer), daemon=True).start()
@@ -376,6 +384,9 @@ class Chat:
     """The chat's exit status; one still running after `timeout` seconds fails the test with its threads' stacks."""
     try: return self.proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
+      with contextlib.suppress(OSError):   # which signals it blocks, ignores, catches, has pending (Linux)
+        masks = [line for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines() if line.startswith(("Sig", "ShdPnd"))]
+        self.err.extend(("\n".join(masks) + "\n").encode())
       self.proc.send_signal(signal.SIGABRT)   # faulthandler dumps the stacks to stderr, then the process dies
       with contextlib.suppress(subprocess.TimeoutExpired): self.proc.wait(timeout=10)
       time.sleep(0.5)   # the pump threads drain stderr
@@ -407,9 +418,6 @@ def test_ctrl_c_at_the_prompt_quits_quietly():
   chat = Chat("--model", str(embedded_model_path()), "--num-gpu-blocks", "16")
   try:
     chat.wait_for(lambda: chat.prompts() == 1)
-    # the prompt is written just before input() starts reading stdin; a SIGINT in between is taken by CPython before
-    # the read begins, which then waits for a line (a person's second Ctrl-C would end it): let the read begin first
-    time.sleep(1.0)
     chat.proc.send_signal(signal.SIGINT)
     assert chat.exit_code() == 0
   finally:
