@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tinygrad import Tensor, dtypes
 
+from tinyvllm.kernels.attention import DTYPE_NAMES
 from tinyvllm.kernels.plan import DTYPE_CODES, ELEM_BYTES, Launch, Param, cdiv, dtype_code
 from tinyvllm.kernels.sources import kernel_source
 from tinyvllm.kernels.tinygrad_program import run_kernel
@@ -29,7 +30,6 @@ THREADS = 512
 MAX_BLOCKS = 32          # blocks of one launch (the signal buffer's flag rows); larger calls give each block more vectors
 SLOT_BYTES = 8 << 20     # one of an exchange buffer's two slots: 256 rows of 16,384 bfloat16 values
 AllReduce = Callable[..., Tensor]   # (partial, residual=None) -> residual + the sum over the devices
-DTYPE_NAMES = {dtypes.float32: "float32", dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}
 
 
 @dataclass(frozen=True)
