@@ -246,6 +246,8 @@ def part_serve_asc2_2clients() -> dict: return serve_workload3("inf", "--api-ser
 def part_serve_dp2_asc4_4clients() -> dict:
   return serve_workload3("inf", "--data-parallel-size", "2", "--api-server-count", "4", clients=4)
 def part_serve_asc4_2clients() -> dict: return serve_workload3("inf", "--api-server-count", "4", clients=2)
+def part_serve_asc4_16k() -> dict:   # the serving target's configuration: 4 API servers, 16,384-token steps
+  return serve_workload3("inf", "--api-server-count", "4", "--max-num-batched-tokens", "16384")
 def part_serve_dp2_asc8_4clients() -> dict:   # each replica with what serve_asc4_2clients gives one: 4 servers, 2 clients
   return serve_workload3("inf", "--data-parallel-size", "2", "--api-server-count", "8", clients=4)
 
@@ -257,7 +259,7 @@ PARTS = {"decode": part_decode, "decode_quant": part_decode_quant, "throughput":
          "serve_dp2": part_serve_dp2, "serve_2clients": part_serve_2clients, "serve_dp2_2clients": part_serve_dp2_2clients,
          "serve_asc2": part_serve_asc2, "serve_asc2_2clients": part_serve_asc2_2clients,
          "serve_dp2_asc4_4clients": part_serve_dp2_asc4_4clients, "serve_asc4_2clients": part_serve_asc4_2clients,
-         "serve_dp2_asc8_4clients": part_serve_dp2_asc8_4clients}
+         "serve_dp2_asc8_4clients": part_serve_dp2_asc8_4clients, "serve_asc4_16k": part_serve_asc4_16k}
 
 
 def main() -> None:

@@ -19,7 +19,8 @@
 # on it), serve_dp2 (workload 3 against two data-parallel replicas), serve_2clients / serve_dp2_2clients (the same with
 # two client processes), serve_asc2 / serve_asc2_2clients (two API server processes, one or two clients),
 # serve_dp2_asc4_4clients (two replicas behind four API servers, four clients), serve_asc4_2clients /
-# serve_dp2_asc8_4clients (one replica behind four API servers with two clients; two behind eight with four).
+# serve_dp2_asc8_4clients (one replica behind four API servers with two clients; two behind eight with four),
+# serve_asc4_16k (the serving target's flags), startup_profile (the startup part under cProfile: where a start's time goes).
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD DEV=CUDA OUT=${OUT:-/tmp/out}
@@ -88,6 +89,7 @@ for step in "$@"; do
     tp2|tp4) cmd=(python3 bench/tp_check.py --tp "${step#tp}" --stories .data/stories260K-hf) ;;
     decode_8b_tp*) cmd=(python3 main.py bench decode --model qwen3-8b --load-format dummy --dtype bfloat16 --batch-size 1
                         --prompt-len 128 --max-tokens 256 --max-model-len 4096 -tp "${step#decode_8b_tp}") ;;
+    startup_profile) cmd=(python3 bench/profile_part.py startup --out "$OUT/startup.prof") ;;
     *_fp8) cmd=(env BENCH_KV_CACHE_DTYPE=fp8 python3 bench/gpu_benchmarks.py "${step%_fp8}") ;;
     *) cmd=(python3 bench/gpu_benchmarks.py "$step") ;;
   esac
