@@ -28,7 +28,9 @@ def decode_tokens(text: str) -> int:
 
 def goodput_slo(text: str) -> str:
   """One --goodput item, METRIC:MS with a metric bench serve measures and a time > 0."""
-  from tinyvllm.bench.serve import parse_goodput  # a pure HTTP client: no engine imported
+  try:
+    from tinyvllm.bench.serve import parse_goodput  # a pure HTTP client: no engine imported
+  except ImportError as e: raise argparse.ArgumentTypeError(f"needs the serve extra ({e.name} is not installed)") from None
   try: ms = parse_goodput([text])
   except ValueError as e: raise argparse.ArgumentTypeError(str(e)) from None
   if not all(0 < v < float("inf") for v in ms.values()):
@@ -139,7 +141,10 @@ def run_throughput(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-  from tinyvllm.bench.serve import ServeBenchConfig, parse_goodput, report, run_benchmark
+  try:
+    from tinyvllm.bench.serve import ServeBenchConfig, parse_goodput, report, run_benchmark
+  except ImportError as e:
+    return _usage_error(f"`bench serve` needs the serve extra ({e.name} is not installed): pip install -e '.[serve]'")
   goodput = parse_goodput(args.goodput)   # each item was checked at parse time (goodput_slo)
   cfg = ServeBenchConfig(url=args.url.rstrip("/"), num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
                          request_rate=args.request_rate, max_concurrency=args.max_concurrency, model=args.model, seed=args.seed,
