@@ -28,6 +28,8 @@ inline void tv_emu_wgmma(float* d, int n, const void* a, const void* b, bool bf1
 inline unsigned char* tv_emu_dynamic_shared() { return emu::dynamic_shared(); }
 // a persistent kernel's grid barrier (cooperative launches only: Launch.cooperative); kernels call it under TV_EMULATOR
 inline void tv_emu_grid_sync() { emu::grid_barrier(); }
+// a thread spinning on memory another device's launch writes (the all-reduce's flags) lets its block's other fibers run
+inline void tv_emu_yield() { emu::yield(); }
 
 #define TV_EMULATOR 1
 #define TV_LINKAGE
