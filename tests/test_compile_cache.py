@@ -152,3 +152,27 @@ def test_a_stored_buffer_node_leaves_its_device_buffer_behind():
   assert node.realized is not None and b"Buffer" in pickle.dumps(node)
   assert b"Buffer" not in zlib.decompress(compat._dumps(node))
 
+
+
+def test_start_up_precompiles_the_rest_only_when_the_first_capture_compiled_something():
+  """A second start (the first layout's kernels all in the disk cache) does not build the other layouts' graphs a second
+  time to collect their sources; a first start compiles them all in parallel before capturing."""
+  from tinyvllm.worker.model_runner import ModelRunner
+
+  class Runner:
+    def __init__(self, compiled_first: int):
+      self.compiled_first, self.batches = compiled_first, []
+    def _forward(self, layout, packed, realize=True): return None
+    def _prepare(self, sched): return None, None, f"packed-{sched}", None
+    def precompile(self, builds):
+      self.batches.append([b[1] for b in builds])
+      return self.compiled_first if len(self.batches) == 1 else len(builds)
+
+  todo = {"a": 1, "b": 2, "c": 3}
+  warm, cold = Runner(compiled_first=0), Runner(compiled_first=5)
+  ModelRunner._precompile_warm_up(warm, todo)
+  ModelRunner._precompile_warm_up(cold, todo)
+  assert warm.batches == [["packed-1"]]
+  assert cold.batches == [["packed-1"], ["packed-2", "packed-3"]]
+  ModelRunner._precompile_warm_up(empty := Runner(compiled_first=0), {})
+  assert empty.batches == []

@@ -169,13 +169,19 @@ class ModelRunner:
     if self.cudagraph_mode == "FULL" and self.buckets.coarse_query_runs:
       for sched in self._prompt_batches(sizes, max_num_batched_tokens): prompt.setdefault(self._prepare(sched)[1], sched)
     todo = {layout: sched for layout, sched in (decode | prompt).items() if layout not in self._captures}
-    if self._kernels:
-      self.precompile([(functools.partial(self._forward, layout), self._prepare(sched)[2]) for layout, sched in todo.items()])
+    if self._kernels: self._precompile_warm_up(todo)
     for sched in todo.values():
       _, layout, packed, _ = self._prepare(sched)   # again: a same-sized upload buffer may hold another batch's data
       self._step_fn(layout, precompiled=True)(packed)
     return StartUpCaptures(sum(layout in todo for layout in decode), sum(layout in todo for layout in prompt),
                            time.perf_counter() - t)
+
+  def _precompile_warm_up(self, todo: dict[StepLayout, SchedulerOutput]) -> None:
+    """Compile the start-up captures' kernels in parallel before capturing them. The first layout goes alone: when it
+    compiled nothing (every source was in the disk cache: a second start), the others are not built twice to collect
+    their sources (about 0.1 s a layout); a source still missing is then compiled when its capture meets it."""
+    builds = [(functools.partial(self._forward, layout), self._prepare(sched)[2]) for layout, sched in todo.items()]
+    if builds and self.precompile(builds[:1]) > 0: self.precompile(builds[1:])
 
   def _prompt_batches(self, sizes: list[int], max_num_batched_tokens: int) -> list[SchedulerOutput]:
     """A step of N token rows whose longest run takes query run Tq, for every (N, Tq) of `sizes` tokens."""
