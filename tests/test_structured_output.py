@@ -2,7 +2,7 @@
 makes an output valid, 200 generations under each of 10 JSON schemas validate (the `jsonschema` package), and regexes,
 choices and a Lark arithmetic grammar all match (Python's `re`, `ast`); on stories260K, structured rows leave free
 rows' greedy output alone, work with n > 1, stop strings and streaming, and greedy structured output is the same with
-n-gram speculative decoding and through preemption."""
+n-gram speculative decoding and through preemption (by recomputation and by swapping)."""
 from __future__ import annotations
 
 import ast
@@ -204,6 +204,24 @@ def test_speculation_and_preemption_keep_greedy_structured_output(llm, stories_d
   outs = tight.generate(prompts, params, use_tqdm=False)
   assert [o.outputs[0].text for o in outs] == plain
   assert tight.engine.scheduler.num_preemptions > 0 and sum(o.metrics.num_accepted_tokens for o in outs) > 0
+  for text in plain[::2]: jsonschema.validate(json.loads(text), STORY)
+  assert all(re.fullmatch(LONG_WORDS, t) for t in plain[1::2])
+  assert_all_free(tight)
+
+
+@pytest.mark.slow
+def test_preemption_by_swapping_keeps_greedy_structured_output(llm, stories_dir):
+  """A KV cache too small for the batch with preemption by swapping: a swapped-out sequence's matcher stands for its
+  output tokens, which come back with its blocks; the same greedy structured outputs as a plain engine's, all valid."""
+  prompts = [PROMPT, "Tom and Sue", "The dog was happy.", "Lily saw a bird."]
+  params = [_greedy(json=STORY, disable_any_whitespace=True), _greedy(regex=LONG_WORDS)] * 2
+  plain = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+  tight = LLM(str(stories_dir), max_num_seqs=8, num_gpu_blocks=7, preemption_mode="swap", swap_space=0.01)
+  outs = tight.generate(prompts, params, use_tqdm=False)
+  assert [o.outputs[0].text for o in outs] == plain
+  sched = tight.engine.scheduler
+  assert sched.num_preemptions > 0 and sched.num_swapped_out_blocks > 0 and sched.num_swapped_in_blocks > 0
+  assert sched.num_swap_fallbacks == 0
   for text in plain[::2]: jsonschema.validate(json.loads(text), STORY)
   assert all(re.fullmatch(LONG_WORDS, t) for t in plain[1::2])
   assert_all_free(tight)
