@@ -49,6 +49,15 @@ def test_response_format_round_trips(client):
   assert isinstance(json.loads(anything.choices[0].message.content), dict) and anything.choices[0].finish_reason == "stop"
 
 
+def test_disable_additional_properties_closes_the_schemas_objects(client):
+  """An open object (no additionalProperties) with disable_additional_properties: the output has the schema's keys
+  only (validated against the closed schema), as vLLM's guidance backend gives."""
+  open_pet = {key: value for key, value in PET.items() if key != "additionalProperties"}
+  out = client.completions.create(model=MODEL, prompt="A pet:", max_tokens=60, temperature=1.0, seed=3, n=4,
+                                  extra_body={"structured_outputs": {"json": open_pet, "disable_additional_properties": True}})
+  for choice in out.choices: jsonschema.validate(json.loads(choice.text), PET)
+
+
 def test_completions_take_vllm_constraints_and_token_controls(client):
   regex = r"[A-Z][a-z]{2,6} (ran|sat|ate)\."
   out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=1.0, seed=5, n=3,
@@ -71,7 +80,7 @@ def test_completions_take_vllm_constraints_and_token_controls(client):
   ("chat", {"structured_outputs": {"regex": "(?=a)b"}}, "structured_outputs"),
   ("completions", {"guided_regex": r"(a)\1"}, "guided_regex"),
   ("completions", {"guided_json": {"type": "object"}, "guided_choice": ["a"]}, "guided_choice"),
-  ("completions", {"structured_outputs": {"json": {"type": "object"}, "disable_additional_properties": True}}, "structured_outputs"),
+  ("completions", {"structured_outputs": {"json": {"type": "object"}, "disable_additional_properties": [True]}}, "structured_outputs"),
   ("completions", {"logit_bias": {"100000": 5}}, "logit_bias"),
   ("completions", {"logit_bias": {"7": 200}}, "logit_bias"),
   ("completions", {"logit_bias": {"seven": 1}}, "logit_bias"),

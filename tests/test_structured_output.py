@@ -117,6 +117,31 @@ def test_qwen3_tokenizer_masks(qwen):
   assert 151645 in allowed() and grammar.advance(151645)   # accepting: EOS ends it
 
 
+def test_disable_additional_properties_closes_every_open_object(qwen):
+  """Every object with properties that does not say otherwise gets additionalProperties: false (nested, in arrays and
+  $defs; an explicit setting is kept, a JSON string schema too); the grammar then refuses a key the schema lacks, which
+  it accepts without the flag."""
+  from tinyvllm.engine.structured_outputs import closed_objects
+  schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                                            "list": {"type": "array", "items": {"patternProperties": {"^x": {}}}},
+                                            "free": {"type": "object", "properties": {}, "additionalProperties": True}},
+            "$defs": {"p": {"properties": {"q": {}}}}, "required": ["a"]}
+  closed = closed_objects(json.dumps(schema))
+  assert closed["additionalProperties"] is False and closed["properties"]["a"]["additionalProperties"] is False
+  assert closed["properties"]["list"]["items"]["additionalProperties"] is False
+  assert closed["properties"]["free"]["additionalProperties"] is True and closed["$defs"]["p"]["additionalProperties"] is False
+  assert "additionalProperties" not in schema and "additionalProperties" not in closed["properties"]["list"]   # a copy; arrays stay open
+  compiler = GrammarCompiler(lambda: qwen, 151936, [151645])
+  pet = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+  extra = qwen.encode_continuation('{"name":"Rex","legs":4}')
+  for flag, accepted in ((False, len(extra)), (True, None)):
+    params = StructuredOutputsParams(json=pet, disable_additional_properties=flag, disable_any_whitespace=True)
+    count = compiler.compile(params).matcher.validate_tokens(extra)
+    assert count == accepted if accepted is not None else count < len(extra), (flag, count)
+  with pytest.raises(SamplingParamsError, match="disable_additional_properties must be a bool"):
+    StructuredOutputsParams(json=pet, disable_additional_properties="yes")
+
+
 # ---- a random-weight model: only the mask makes its outputs valid
 @pytest.fixture(scope="module")
 def random_llm(stories_dir):

@@ -52,7 +52,9 @@ class StructuredOutputsParams:
   """What a request's output must match (vLLM's shape): exactly one of `json` (a JSON schema, as a dict or a JSON
   string), `regex`, `choice` (the output is one of these strings), `grammar` (Lark, or llama.cpp's GBNF) and
   `json_object` (True: any JSON object). `disable_any_whitespace` allows no whitespace between JSON's tokens;
-  `whitespace_pattern` is the regex that whitespace must match instead. The grammar engine (llguidance, the
+  `whitespace_pattern` is the regex that whitespace must match instead; `disable_additional_properties` closes every
+  object of a `json` schema that has properties but does not say whether others may follow (additionalProperties
+  false, as vLLM's guidance backend does). The grammar engine (llguidance, the
   `structured` extra) compiles it when the request arrives: an invalid schema or grammar is refused then."""
   json: str | dict | None = None
   regex: str | None = None
@@ -61,6 +63,7 @@ class StructuredOutputsParams:
   json_object: bool | None = None
   disable_any_whitespace: bool = False
   whitespace_pattern: str | None = None
+  disable_additional_properties: bool = False
 
   def __post_init__(self) -> None:
     param = "structured_outputs"
@@ -75,7 +78,8 @@ class StructuredOutputsParams:
     _check(self.choice is None or (isinstance(self.choice, list) and len(self.choice) > 0 and all(isinstance(c, str) for c in self.choice)),
            param, "structured_outputs.choice must be a non-empty list of strings")
     _check(self.json_object in (None, True), param, "structured_outputs.json_object must be true when given")
-    _check(isinstance(self.disable_any_whitespace, bool), param, "structured_outputs.disable_any_whitespace must be a bool")
+    for flag in ("disable_any_whitespace", "disable_additional_properties"):
+      _check(isinstance(getattr(self, flag), bool), param, f"structured_outputs.{flag} must be a bool")
     _check(self.whitespace_pattern is None or isinstance(self.whitespace_pattern, str), param,
            "structured_outputs.whitespace_pattern must be a string")
     _check(not (self.disable_any_whitespace and self.whitespace_pattern is not None), param,

@@ -45,6 +45,7 @@ def grammar_text(params: StructuredOutputsParams, disable_any_whitespace: bool =
   llg, kind = require_llguidance(), kind_of(params)
   if kind in ("json", "json_object"):
     schema = {"type": "object"} if kind == "json_object" else params.json
+    if kind == "json" and params.disable_additional_properties: schema = closed_objects(schema)
     options: dict[str, Any] = {"whitespace_flexible": not (params.disable_any_whitespace or disable_any_whitespace)}
     if params.whitespace_pattern is not None: options["whitespace_pattern"] = params.whitespace_pattern
     try: return llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
@@ -53,6 +54,22 @@ def grammar_text(params: StructuredOutputsParams, disable_any_whitespace: bool =
   if kind == "choice": return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice or []))
   try: return llg.grammar_from("grammar", params.grammar)   # Lark, or GBNF converted to Lark
   except ValueError as e: raise SamplingParamsError(PARAM, f"structured_outputs.grammar: {e}") from None
+
+
+def closed_objects(schema: str | dict) -> dict:
+  """A copy of the JSON schema in which every subschema with properties (or patternProperties) that does not say
+  whether other properties may follow says additionalProperties: false."""
+  if isinstance(schema, str):
+    try: schema = json.loads(schema)
+    except json.JSONDecodeError as e: raise SamplingParamsError(PARAM, f"structured_outputs.json is not JSON: {e}") from None
+
+  def close(node: Any) -> Any:
+    if isinstance(node, list): return [close(x) for x in node]
+    if not isinstance(node, dict): return node
+    out = {key: close(value) for key, value in node.items()}
+    if ("properties" in out or "patternProperties" in out) and "additionalProperties" not in out: out["additionalProperties"] = False
+    return out
+  return close(schema)
 
 
 def check_grammar(params: StructuredOutputsParams) -> None:

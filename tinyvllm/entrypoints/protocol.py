@@ -55,6 +55,7 @@ class StructuredOutputsRequest(StrictModel):
   json_object: bool | None = None
   disable_any_whitespace: bool = False
   whitespace_pattern: str | None = None
+  disable_additional_properties: bool = False
   disable_fallback: bool = False   # (one grammar engine: there is nothing to fall back to)
 
 

@@ -54,8 +54,6 @@ STRUCTURED = {
 }
 # the fields of vLLM's structured_outputs object that the server does not implement
 STRUCTURED_OUTPUTS = {
-  "disable_additional_properties": Unsupported("rewriting the JSON schema's objects to refuse additional properties is not "
-                                               "implemented: say additionalProperties: false in the schema", one_of(False)),
   "structural_tag": STRUCTURED["structural_tag"],
 }
 
