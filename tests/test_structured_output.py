@@ -254,9 +254,10 @@ def test_preemption_by_swapping_keeps_greedy_structured_output(llm, stories_dir)
 
 @pytest.mark.slow
 def test_asynchronous_scheduling_changes_nothing(llm, stories_dir):
-  """Under asynchronous scheduling the steps of rows whose sampling reads their output on the host (a grammar, a bad
-  word of several tokens, penalties) are read before the next is scheduled: the outputs are the synchronous engine's,
-  beside rows that chain ahead."""
+  """Under asynchronous scheduling the steps of rows whose preparation reads their output on the host (a bad word of
+  several tokens, penalties) are read before the next is scheduled; grammar rows' steps are scheduled and prepared
+  while the previous step runs and launched once it landed (their masks need its tokens): the outputs are the
+  synchronous engine's, beside rows that chain ahead."""
   prompts = [PROMPT, "Tom and Sue", "The dog was happy.", "Lily saw a bird.", "Max had a red ball."]
   params = [_greedy(40, json=STORY, disable_any_whitespace=True),
             SamplingParams(temperature=1.0, seed=3, max_tokens=30, structured_outputs=StructuredOutputsParams(regex=WORDS)),
@@ -266,4 +267,16 @@ def test_asynchronous_scheduling_changes_nothing(llm, stories_dir):
   ahead = LLM(str(stories_dir), max_num_seqs=8, num_gpu_blocks=64, async_scheduling=True)
   assert ahead.engine.async_scheduling
   assert [o.outputs[0].token_ids for o in ahead.generate(prompts, params, use_tqdm=False)] == expected
+  assert_all_free(ahead)
+  # grammar rows alone: every step after the first is prepared while the one before is still in flight
+  core, in_flight_at_prepare = ahead.engine.core, []
+  prepare = core.runner.prepare
+  def watched(sched):
+    in_flight_at_prepare.append(core._in_flight is not None)
+    return prepare(sched)
+  core.runner.prepare = watched
+  structured = [params[0], params[1]] * 2
+  outs = ahead.generate(prompts[:4], structured, use_tqdm=False)
+  assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in llm.generate(prompts[:4], structured, use_tqdm=False)]
+  assert len(in_flight_at_prepare) > 20 and all(in_flight_at_prepare[2:-1]), in_flight_at_prepare
   assert_all_free(ahead)

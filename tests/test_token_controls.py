@@ -65,7 +65,9 @@ def test_builder_sends_nothing_for_rows_without_controls():
   assert controls.fields() == {}
   allowed = Sequence("a", [1], SP(allowed_token_ids=[3, 40]), seed=0)
   controls = builder.build([*plain, allowed], [0] * 4, np.zeros((0, 0), np.int32), 1, 4)
-  assert set(controls.fields()) == {"bitmask"} and (controls.bitmask[:3] == -1).all()
+  assert set(controls.fields()) == {"bitmask"} and (controls.bitmask == -1).all()   # filled at launch, in place
+  controls.fill_bitmask()
+  assert (controls.bitmask[:3] == -1).all()
   bits = np.unpackbits(controls.bitmask[3].view(np.uint8), bitorder="little")
   assert np.flatnonzero(bits).tolist() == [3, 40]
 

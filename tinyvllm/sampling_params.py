@@ -188,10 +188,10 @@ class SamplingParams:
 
   @property
   def needs_output_on_host(self) -> bool:
-    """Whether sampling a token needs every earlier output token on the host: penalties count them, a bad word of
-    several tokens is banned after its other tokens (and structured output advances its grammar with each)."""
-    return (self.uses_penalties or self.structured_outputs is not None
-            or any(len(ids) > 1 for ids in self.bad_words_token_ids))
+    """Whether preparing a step's row needs every earlier output token on the host: penalties count them, a bad word
+    of several tokens is banned after its other tokens. (Structured output needs them later, for the mask: its grammar
+    advances with each token as it lands, before the next step's launch fills the mask.)"""
+    return self.uses_penalties or any(len(ids) > 1 for ids in self.bad_words_token_ids)
 
 
 MAX_BEAM_WIDTH = 10   # each beam's candidates are its 2 x beam_width top logprobs, and a step returns at most 20

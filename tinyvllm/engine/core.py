@@ -118,13 +118,17 @@ class EngineCore:
     """Schedule and launch one step; return the outputs of the step that finished, and the stats after it.
 
     With asynchronous scheduling the finished step is the previous one: this step was scheduled and launched while
-    it ran, its tokens still in flight counted as placeholders (core/async_scheduling.py) and read on the device."""
+    it ran, its tokens still in flight counted as placeholders (core/async_scheduling.py) and read on the device. A
+    step with grammar rows is scheduled and prepared while the previous one runs too, but launched after it landed:
+    its masks need the grammars advanced by those tokens (the GPU waits only for the masks, not the whole host step)."""
     outputs: list[EngineCoreOutput] = []
     if self._in_flight is not None and not self._in_flight.launched.chains: self._finish_in_flight(outputs)
     if self.speculator is not None: self.scheduler.set_proposals(self.speculator.propose(self.scheduler.running))
     sched = self.scheduler.schedule()
     if self.speculator is not None and sched.speculates: sched = self.speculator.complete(sched)
-    launched = InFlightStep(sched, self.runner.launch(sched)) if sched else None
+    prepared = self.runner.prepare(sched) if sched else None
+    if self._in_flight is not None and prepared is not None and prepared.waits_for_tokens: self._finish_in_flight(outputs)
+    launched = InFlightStep(sched, self.runner.launch(prepared)) if prepared is not None else None
     if self._in_flight is not None: self._finish_in_flight(outputs)
     self._in_flight = launched
     if launched is not None and not self.async_scheduling: self._finish_in_flight(outputs)

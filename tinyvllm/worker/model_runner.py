@@ -34,7 +34,7 @@ from tinyvllm.worker.kv_cache import KVCache
 from tinyvllm.worker.logits_processors import LogitsProcessors
 from tinyvllm.worker.logprobs import PromptRows, ScoredPromptChunk, TokenLogprobs, prompt_rows, score, split_chunks
 from tinyvllm.worker.step_layout import StepLayout, covers, logprobs_bucket, packed_fields
-from tinyvllm.worker.token_controls import TokenControlsBuilder
+from tinyvllm.worker.token_controls import TokenControls, TokenControlsBuilder
 
 _NO_DRAFTS = np.zeros((0, 0), np.int32)
 
@@ -67,6 +67,23 @@ class LaunchedStep:
     logprobs = TokenLogprobs(*(a[:n * self.spec_rows] for a in arrays[:4])) if self.sample_logprobs else None
     prompt = [] if self.prompt is None else split_chunks(self.prompt, TokenLogprobs(*(a[:self.prompt.num_rows] for a in arrays[-4:])))
     return StepResult(self.seqs, token_ids, logprobs, prompt, self.spec_rows)
+
+
+@dataclass
+class PreparedStep:
+  """A step's host inputs, ready to launch (ModelRunner.prepare); the grammar rows' masks are filled at launch."""
+  sched: SchedulerOutput
+  host: HostBatch
+  layout: StepLayout
+  fields: dict[str, np.ndarray]   # the packed input's arrays (the bitmask filled in place at launch)
+  prompt: PromptRows | None
+  controls: TokenControls
+  on_host: bool                   # some row needed every earlier token on the host: the next step must not chain
+
+  @property
+  def waits_for_tokens(self) -> bool:
+    """Whether a grammar row's previous token is still in flight: the step before must land before this launches."""
+    return any(item.token_source >= 0 and item.seq.grammar is not None for item in self.sched.scheduled)
 
 
 @dataclass
@@ -114,31 +131,44 @@ class ModelRunner:
     self._io = StepIO(model.device)
     self._controls = TokenControlsBuilder(self.vocab_size)
 
-  def execute(self, sched: SchedulerOutput) -> StepResult: return self.launch(sched).result()
+  def execute(self, sched: SchedulerOutput) -> StepResult: return self.launch(self.prepare(sched)).result()
 
-  def launch(self, sched: SchedulerOutput) -> LaunchedStep:
-    """Enqueue the step and the copy of its samples to the host; tokens still in flight come from the previous step's
-    samples on the device. Penalties need every earlier token on the host, so those rows must have none in flight."""
-    host, layout, packed, prompt = self._prepare(sched)
+  def prepare(self, sched: SchedulerOutput) -> PreparedStep:
+    """The step's host inputs, before its launch. Rows that need every earlier token on the host to be prepared
+    (penalties, a bad word of several tokens, logits processors) must have none in flight; a grammar row may (its mask
+    is filled at launch, once the step before has landed: `PreparedStep.waits_for_tokens`)."""
+    host, layout, fields, prompt, controls = self._plan(sched)
     if self._processors is not None: self._processors.update(host.sample_seqs)
     # processors may read any row's output: every row's tokens must be on the host; otherwise only rows with penalties
     # or token controls may need theirs there (the variant says whether the step has any: a plain step checks no row)
     variant = layout.variant
-    on_host = self._processors is not None or ((variant.penalties or variant.bias or variant.mask)
+    on_host = self._processors is not None or ((variant.penalties or variant.bias)
                                                and any(s.params.needs_output_on_host for s in host.sample_seqs))
     if on_host and any(item.token_source >= 0 and item.seq.params.needs_output_on_host for item in sched.scheduled):
-      raise RuntimeError("a sequence that needs its output on the host (penalties, a bad word of several tokens, "
-                         "structured output) was scheduled before its previous token was read")
+      raise RuntimeError("a sequence that needs its output on the host (penalties, a bad word of several tokens) was "
+                         "scheduled before its previous token was read")
+    return PreparedStep(sched, host, layout, fields, prompt, controls, on_host)
+
+  def launch(self, step: PreparedStep) -> LaunchedStep:
+    """Fill the grammar rows' masks, enqueue the step and the copy of its samples to the host; tokens still in flight
+    come from the previous step's samples on the device."""
+    sched, host, layout = step.sched, step.host, step.layout
+    # (under asynchronous scheduling a sequence's own sample in this step is pending already: one, never more)
+    if any(seq.num_pending > 1 for seq, _, _ in step.controls.grammar_rows):
+      raise RuntimeError("a grammar's mask was asked for before its sequence's previous token landed")
+    step.controls.fill_bitmask()
+    packed = self._io.upload(np.concatenate([a.reshape(-1) for a in step.fields.values()]))
     if sched.blocks_to_swap_out: self.kv_cache.swap_out(sched.blocks_to_swap_out)   # first: its blocks may be reused below
     if sched.blocks_to_swap_in: self.kv_cache.swap_in(sched.blocks_to_swap_in)
     if sched.block_copies: self.kv_cache.copy_blocks(sched.block_copies)
     out = self._step_fn(self._covering(layout))(packed)
-    chains = len(host.sample_seqs) <= self.chain_rows and not on_host and host.spec_rows == 1
+    chains = len(host.sample_seqs) <= self.chain_rows and not step.on_host and host.spec_rows == 1
     return LaunchedStep(host.sample_seqs, self._io.download_later(out if isinstance(out, tuple) else (out,)), chains,
-                        layout.logprobs >= 0, prompt, host.spec_rows)
+                        layout.logprobs >= 0, step.prompt, host.spec_rows)
 
-  def _prepare(self, sched: SchedulerOutput) -> tuple[HostBatch, StepLayout, Tensor, PromptRows | None]:
-    """The step's host batch, its layout, its packed metadata uploaded to the device, and the prompt tokens it scores."""
+  def _plan(self, sched: SchedulerOutput) -> tuple[HostBatch, StepLayout, dict[str, np.ndarray], PromptRows | None, TokenControls]:
+    """The step's host batch, its layout, its packed int32 fields (the bitmask's rows not yet filled), the prompt
+    tokens it scores and its token controls."""
     host = prepare_batch(sched.scheduled, self.kv_cache.block_size, self.buckets, self.num_speculative_tokens)
     sampling = self._sampling_batch(host)
     controls = self._controls.build(host.sample_seqs, host.sample_steps, host.arrays.get("draft_tokens", _NO_DRAFTS),
@@ -148,6 +178,13 @@ class ModelRunner:
     fields = packed_fields(host, sampling, prompt, controls)
     layout = StepLayout(tuple((name, a.shape) for name, a in fields.items()), host.context_len, variant,
                         logprobs_bucket(host.sample_seqs), prompt.k if prompt is not None else -1, host.prompt_chunks)
+    return host, layout, fields, prompt, controls
+
+  def _prepare(self, sched: SchedulerOutput) -> tuple[HostBatch, StepLayout, Tensor, PromptRows | None]:
+    """The step's host batch, its layout, its packed metadata uploaded to the device, and the prompt tokens it scores
+    (warm-up and scoring: no step in flight)."""
+    host, layout, fields, prompt, controls = self._plan(sched)
+    controls.fill_bitmask()
     return host, layout, self._io.upload(np.concatenate([a.reshape(-1) for a in fields.values()])), prompt
 
   def warm_up(self, sizes: list[int], max_num_batched_tokens: int) -> StartUpCaptures:

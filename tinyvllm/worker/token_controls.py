@@ -14,12 +14,12 @@ without any control sends neither array.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from tinyvllm.core.sequence import Sequence
-from tinyvllm.core.structured_output import BitmaskFiller, StructuredOutputGrammar
+from tinyvllm.core.structured_output import BitmaskFiller
 
 MIN_BIAS_LEN = 16   # bias arrays are padded to a power of two >= this, so that captures are reused
 
@@ -29,6 +29,25 @@ class TokenControls:
   bias_index: np.ndarray | None = None   # [R, L] int32: row * V + token, -1 for padding
   bias_value: np.ndarray | None = None   # [R, L] float32
   bitmask: np.ndarray | None = None      # [R, ceil(V / 32)] int32, bit set = allowed (llguidance's layout)
+  # what fill_bitmask writes into bitmask: (sequence with a grammar, its first row, its proposals) and
+  # allowed_token_ids by row
+  grammar_rows: list[tuple[Sequence, int, list[int]]] = field(default_factory=list)
+  allowed_rows: dict[int, list[int]] = field(default_factory=dict)
+  filler: BitmaskFiller | None = None
+
+  def fill_bitmask(self) -> None:
+    """The grammars' rows, then allowed_token_ids ANDed in, into `bitmask` in place (the array `fields` hands out).
+    Each grammar must have taken every earlier token of its sequence: the step's launch calls this, after the step
+    before has landed (build runs earlier, while that step may still be in flight). A sequence that ended meanwhile
+    keeps all-ones rows: its token is dropped when it lands."""
+    if self.bitmask is None: return
+    rows = [(seq.grammar, row, proposals) for seq, row, proposals in self.grammar_rows
+            if seq.grammar is not None and not seq.is_finished]
+    if rows:
+      assert self.filler is not None
+      self.filler.fill(rows, self.bitmask)
+    words = self.bitmask.shape[1]
+    for row, token_ids in self.allowed_rows.items(): self.bitmask[row] &= allowed_row(token_ids, words)
 
   def fields(self) -> dict[str, np.ndarray]:
     """The packed input's int32 fields (the bias values bit-cast)."""
@@ -91,17 +110,20 @@ class TokenControlsBuilder:
     -1 past its own proposals)."""
     biases: dict[int, dict[int, float]] = {}
     allowed: dict[int, list[int]] = {}
-    grammars: list[tuple[StructuredOutputGrammar, int, list[int]]] = []
+    grammars: list[tuple[Sequence, int, list[int]]] = []
     for i, (seq, step) in enumerate(zip(seqs, steps, strict=True)):
       if not has_controls(seq): continue
       proposals = [int(t) for t in drafts[i] if t >= 0] if spec_rows > 1 else []
       for j in range(spec_rows):
         if bias := row_bias(seq, step + j, proposals[:j], self.vocab_size): biases[i * spec_rows + j] = bias
         if seq.params.allowed_token_ids: allowed[i * spec_rows + j] = seq.params.allowed_token_ids
-      if seq.grammar is not None: grammars.append((seq.grammar, i * spec_rows, proposals))
-    controls = TokenControls()
+      if seq.grammar is not None: grammars.append((seq, i * spec_rows, proposals))
+    controls = TokenControls(grammar_rows=grammars, allowed_rows=allowed)
     if biases: controls.bias_index, controls.bias_value = self._bias_arrays(biases, padded_rows)
-    if allowed or grammars: controls.bitmask = self._bitmask(allowed, grammars, padded_rows)
+    if allowed or grammars:   # all ones until fill_bitmask
+      controls.bitmask = np.full((padded_rows, self.words), -1, np.int32)
+      if grammars and self._filler is None: self._filler = BitmaskFiller()
+      controls.filler = self._filler
     return controls
 
   def _bias_arrays(self, biases: dict[int, dict[int, float]], padded_rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -111,12 +133,3 @@ class TokenControlsBuilder:
       index[row, :len(bias)] = row * self.vocab_size + np.fromiter(bias.keys(), np.int64, len(bias))
       value[row, :len(bias)] = np.fromiter(bias.values(), np.float32, len(bias))
     return index, value
-
-  def _bitmask(self, allowed: dict[int, list[int]], grammars: list[tuple[StructuredOutputGrammar, int, list[int]]],
-               padded_rows: int) -> np.ndarray:
-    bitmask = np.full((padded_rows, self.words), -1, np.int32)
-    if grammars:
-      if self._filler is None: self._filler = BitmaskFiller()
-      self._filler.fill(grammars, bitmask)
-    for row, token_ids in allowed.items(): bitmask[row] &= allowed_row(token_ids, self.words)
-    return bitmask
