@@ -80,13 +80,14 @@ def profiled_engine_core(config, input_address: str, output_address: str) -> Non
   from tinyvllm.core.scheduler import Scheduler, SchedulerBase
   from tinyvllm.engine import core_process
   from tinyvllm.engine.core import EngineCore
-  from tinyvllm.worker.model_runner import LaunchedStep, ModelRunner
+  from tinyvllm.worker.model_runner import ModelRunner
+  from tinyvllm.worker.runner_steps import LaunchedStep
   timers, gaps, rows, cores = Timers(), [], [], []
   for cls in {Scheduler, AsyncScheduler, SchedulerBase}:
     if "schedule" in vars(cls): timers.wrap(cls, "schedule", "schedule")
     if "update_from_output" in vars(cls): timers.wrap(cls, "update_from_output", "update_from_output (land tokens, stop checks)")
-  timers.wrap(ModelRunner, "_prepare", "runner: prepare batch + upload")
-  timers.wrap(ModelRunner, "launch", "runner: launch (prepare + enqueue)")
+  timers.wrap(ModelRunner, "prepare", "runner: prepare batch")
+  timers.wrap(ModelRunner, "launch", "runner: launch (upload + enqueue)")
   timers.wrap(LaunchedStep, "result", "wait for sampled tokens (GPU)")
   timers.wrap(EngineCore, "_output", "  of which: build the step's outputs")
   timers.wrap(EngineCore, "stats", "stats snapshot")

@@ -47,9 +47,10 @@ def record_steps(llm, clock: EventClock) -> list[dict]:
   runner, steps = llm.engine.runner, []
   original = runner.launch
 
-  def launch(sched):
+  def launch(step):
+    sched = step.sched
     start, t = clock.record(), time.perf_counter()
-    out = original(sched)
+    out = original(step)
     steps.append({"start": start, "end": clock.record(), "host_launch_ms": (time.perf_counter() - t) * 1e3,
                   "rows": len(sched.scheduled), "tokens": sched.num_tokens,
                   "prompt": any(item.num_new_tokens > 1 for item in sched.scheduled),

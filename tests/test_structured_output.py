@@ -256,8 +256,8 @@ def test_preemption_by_swapping_keeps_greedy_structured_output(llm, stories_dir)
 def test_asynchronous_scheduling_changes_nothing(llm, stories_dir):
   """Under asynchronous scheduling the steps of rows whose preparation reads their output on the host (a bad word of
   several tokens, penalties) are read before the next is scheduled; grammar rows' steps are scheduled and prepared
-  while the previous step runs and launched once it landed (their masks need its tokens): the outputs are the
-  synchronous engine's, beside rows that chain ahead."""
+  while the previous step runs, their forward passes launched behind it and their sampling once it landed (their
+  masks need its tokens): the outputs are the synchronous engine's, beside rows that chain ahead."""
   prompts = [PROMPT, "Tom and Sue", "The dog was happy.", "Lily saw a bird.", "Max had a red ball."]
   params = [_greedy(40, json=STORY, disable_any_whitespace=True),
             SamplingParams(temperature=1.0, seed=3, max_tokens=30, structured_outputs=StructuredOutputsParams(regex=WORDS)),
@@ -275,8 +275,15 @@ def test_asynchronous_scheduling_changes_nothing(llm, stories_dir):
     in_flight_at_prepare.append(core._in_flight is not None)
     return prepare(sched)
   core.runner.prepare = watched
+  split, launch_forward = [], core.runner.launch_forward
+  def forward_ahead(step):
+    launch_forward(step)
+    split.append(step.logits is not None)
+  core.runner.launch_forward = forward_ahead
   structured = [params[0], params[1]] * 2
   outs = ahead.generate(prompts[:4], structured, use_tqdm=False)
   assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in llm.generate(prompts[:4], structured, use_tqdm=False)]
   assert len(in_flight_at_prepare) > 20 and all(in_flight_at_prepare[2:-1]), in_flight_at_prepare
+  # and their forward passes went ahead of the landing (the sampling alone waited for it)
+  assert len(split) >= len(in_flight_at_prepare) - 3 and all(split), split
   assert_all_free(ahead)

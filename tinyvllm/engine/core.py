@@ -33,7 +33,8 @@ from tinyvllm.engine.messages import (
 )
 from tinyvllm.engine.structured_outputs import GrammarCompiler
 from tinyvllm.worker.logprobs import ScoredPromptChunk, TokenLogprobs
-from tinyvllm.worker.model_runner import LaunchedStep, StepResult, freeze_long_lived_objects
+from tinyvllm.worker.model_runner import freeze_long_lived_objects
+from tinyvllm.worker.runner_steps import LaunchedStep, StepResult
 
 
 @dataclass
@@ -119,15 +120,18 @@ class EngineCore:
 
     With asynchronous scheduling the finished step is the previous one: this step was scheduled and launched while
     it ran, its tokens still in flight counted as placeholders (core/async_scheduling.py) and read on the device. A
-    step with grammar rows is scheduled and prepared while the previous one runs too, but launched after it landed:
-    its masks need the grammars advanced by those tokens (the GPU waits only for the masks, not the whole host step)."""
+    step with grammar rows is scheduled and prepared while the previous one runs too, and its forward pass launched;
+    its sampling is launched once that step has landed (its masks need the grammars advanced by those tokens), while
+    the forward pass runs."""
     outputs: list[EngineCoreOutput] = []
     if self._in_flight is not None and not self._in_flight.launched.chains: self._finish_in_flight(outputs)
     if self.speculator is not None: self.scheduler.set_proposals(self.speculator.propose(self.scheduler.running))
     sched = self.scheduler.schedule()
     if self.speculator is not None and sched.speculates: sched = self.speculator.complete(sched)
     prepared = self.runner.prepare(sched) if sched else None
-    if self._in_flight is not None and prepared is not None and prepared.waits_for_tokens: self._finish_in_flight(outputs)
+    if self._in_flight is not None and prepared is not None and prepared.waits_for_tokens:
+      self.runner.launch_forward(prepared)   # its forward pass now, behind the step in flight; its sampling after it landed
+      self._finish_in_flight(outputs)
     launched = InFlightStep(sched, self.runner.launch(prepared)) if prepared is not None else None
     if self._in_flight is not None: self._finish_in_flight(outputs)
     self._in_flight = launched

@@ -13,7 +13,7 @@ import functools
 import gc
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 from tinygrad import Tensor, TinyJit, dtypes
@@ -28,62 +28,16 @@ from tinyvllm.layers.token_controls import apply_token_controls
 from tinyvllm.model.llama import StepInputs, TransformerLM
 from tinyvllm.platform import tinygrad_compat as compat
 from tinyvllm.sampling_params import SamplingParams
-from tinyvllm.worker.host_io import Download, StepIO
+from tinyvllm.worker.host_io import StepIO
 from tinyvllm.worker.input_batch import HostBatch, StepBuckets, bucket, prepare_batch
 from tinyvllm.worker.kv_cache import KVCache
 from tinyvllm.worker.logits_processors import LogitsProcessors
-from tinyvllm.worker.logprobs import PromptRows, ScoredPromptChunk, TokenLogprobs, prompt_rows, score, split_chunks
+from tinyvllm.worker.logprobs import PromptRows, prompt_rows, score
+from tinyvllm.worker.runner_steps import LaunchedStep, PreparedStep, StepResult
 from tinyvllm.worker.step_layout import StepLayout, covers, logprobs_bucket, packed_fields
 from tinyvllm.worker.token_controls import TokenControls, TokenControlsBuilder
 
 _NO_DRAFTS = np.zeros((0, 0), np.int32)
-
-
-@dataclass
-class StepResult:
-  seqs: list[Sequence]       # each sampled sequence (a fork appears here before it joins the running set)
-  token_ids: list[list[int]]   # each one's new tokens: the sampled one, or the accepted proposals and the one after
-  logprobs: TokenLogprobs | None = None   # rows spec_rows apart: a sequence's new tokens' from row i * spec_rows on
-  prompt_logprobs: list[ScoredPromptChunk] = field(default_factory=list)   # the prompt tokens the step scored
-  spec_rows: int = 1
-
-
-@dataclass
-class LaunchedStep:
-  """A step enqueued on the device; `result()` waits for its sampled tokens (and the logprobs asked for)."""
-  seqs: list[Sequence]       # the sequence of each sampling row
-  download: Download
-  chains: bool               # whether the next step may take these tokens on the device before they are read
-  sample_logprobs: bool = False
-  prompt: PromptRows | None = None
-  spec_rows: int = 1         # > 1: a verification step (its tokens [S, spec_rows] and their counts come first)
-
-  def result(self) -> StepResult:
-    arrays, n = self.download.result(), len(self.seqs)
-    if self.spec_rows > 1:
-      tokens, emitted, arrays = arrays[0], arrays[1], arrays[2:]
-      token_ids = [tokens[i, :emitted[i]].tolist() for i in range(n)]
-    else: token_ids, arrays = [[t] for t in arrays[0][:n].tolist()], arrays[1:]
-    logprobs = TokenLogprobs(*(a[:n * self.spec_rows] for a in arrays[:4])) if self.sample_logprobs else None
-    prompt = [] if self.prompt is None else split_chunks(self.prompt, TokenLogprobs(*(a[:self.prompt.num_rows] for a in arrays[-4:])))
-    return StepResult(self.seqs, token_ids, logprobs, prompt, self.spec_rows)
-
-
-@dataclass
-class PreparedStep:
-  """A step's host inputs, ready to launch (ModelRunner.prepare); the grammar rows' masks are filled at launch."""
-  sched: SchedulerOutput
-  host: HostBatch
-  layout: StepLayout
-  fields: dict[str, np.ndarray]   # the packed input's arrays (the bitmask filled in place at launch)
-  prompt: PromptRows | None
-  controls: TokenControls
-  on_host: bool                   # some row needed every earlier token on the host: the next step must not chain
-
-  @property
-  def waits_for_tokens(self) -> bool:
-    """Whether a grammar row's previous token is still in flight: the step before must land before this launches."""
-    return any(item.token_source >= 0 and item.seq.grammar is not None for item in self.sched.scheduled)
 
 
 @dataclass
@@ -125,6 +79,7 @@ class ModelRunner:
     self._kernels = backend.builds_kernels
     self.vocab_size = model.config.vocab_size
     self._captures: dict[StepLayout, TinyJit] = {}
+    self._split: dict[StepLayout, tuple[Callable, Callable]] = {}   # launch_forward's steps: forward pass, sampling
     self._capture_when_repeated = capture_repeated_prompt_layouts
     self._met_once: set[StepLayout] = set()   # prompt layouts run eagerly once, to be captured when met again
     self.capture_seconds = 0.0    # spent in steps that captured a new layout (building + running them)
@@ -149,22 +104,42 @@ class ModelRunner:
                          "scheduled before its previous token was read")
     return PreparedStep(sched, host, layout, fields, prompt, controls, on_host)
 
+  def launch_forward(self, step: PreparedStep) -> None:
+    """Enqueue the step's forward pass alone, leaving its sampling to `launch`, which fills the grammar rows' masks
+    then: the step before may land in between, while this one's forward pass runs. Steps that score prompt tokens or
+    verify proposals, and steps under logits processors, are not split (they run whole at `launch`)."""
+    if step.layout.prompt_logprobs >= 0 or step.layout.verifies or self._processors is not None: return
+    packed = self._upload(step.fields)
+    self._move_blocks(step)
+    step.logits = self._split_fns(step.layout)[0](packed)
+
   def launch(self, step: PreparedStep) -> LaunchedStep:
-    """Fill the grammar rows' masks, enqueue the step and the copy of its samples to the host; tokens still in flight
-    come from the previous step's samples on the device."""
-    sched, host, layout = step.sched, step.host, step.layout
+    """Fill the grammar rows' masks, enqueue the step (or its sampling, after `launch_forward`) and the copy of its
+    samples to the host; tokens still in flight come from the previous step's samples on the device."""
+    host, layout = step.host, step.layout
     # (under asynchronous scheduling a sequence's own sample in this step is pending already: one, never more)
     if any(seq.num_pending > 1 for seq, _, _ in step.controls.grammar_rows):
       raise RuntimeError("a grammar's mask was asked for before its sequence's previous token landed")
     step.controls.fill_bitmask()
-    packed = self._io.upload(np.concatenate([a.reshape(-1) for a in step.fields.values()]))
-    if sched.blocks_to_swap_out: self.kv_cache.swap_out(sched.blocks_to_swap_out)   # first: its blocks may be reused below
-    if sched.blocks_to_swap_in: self.kv_cache.swap_in(sched.blocks_to_swap_in)
-    if sched.block_copies: self.kv_cache.copy_blocks(sched.block_copies)
-    out = self._step_fn(self._covering(layout))(packed)
+    # (after launch_forward, the same upload buffer again: the copy is ordered after the forward pass that reads it)
+    packed = self._upload(step.fields)
+    if step.logits is not None: out = self._split_fns(layout)[1](packed, step.logits)
+    else:
+      self._move_blocks(step)
+      out = self._step_fn(self._covering(layout))(packed)
     chains = len(host.sample_seqs) <= self.chain_rows and not step.on_host and host.spec_rows == 1
     return LaunchedStep(host.sample_seqs, self._io.download_later(out if isinstance(out, tuple) else (out,)), chains,
                         layout.logprobs >= 0, step.prompt, host.spec_rows)
+
+  def _upload(self, fields: dict[str, np.ndarray]) -> Tensor:
+    return self._io.upload(np.concatenate([a.reshape(-1) for a in fields.values()]))
+
+  def _move_blocks(self, step: PreparedStep) -> None:
+    """The step's swaps and block copies, enqueued before its forward pass."""
+    sched = step.sched
+    if sched.blocks_to_swap_out: self.kv_cache.swap_out(sched.blocks_to_swap_out)   # first: its blocks may be reused below
+    if sched.blocks_to_swap_in: self.kv_cache.swap_in(sched.blocks_to_swap_in)
+    if sched.block_copies: self.kv_cache.copy_blocks(sched.block_copies)
 
   def _plan(self, sched: SchedulerOutput) -> tuple[HostBatch, StepLayout, dict[str, np.ndarray], PromptRows | None, TokenControls]:
     """The step's host batch, its layout, its packed int32 fields (the bitmask's rows not yet filled), the prompt
@@ -185,7 +160,7 @@ class ModelRunner:
     (warm-up and scoring: no step in flight)."""
     host, layout, fields, prompt, controls = self._plan(sched)
     controls.fill_bitmask()
-    return host, layout, self._io.upload(np.concatenate([a.reshape(-1) for a in fields.values()])), prompt
+    return host, layout, self._upload(fields), prompt
 
   def warm_up(self, sizes: list[int], max_num_batched_tokens: int) -> StartUpCaptures:
     """Capture now rather than when first met, compiling all their kernels in parallel first: the decode steps of
@@ -299,6 +274,33 @@ class ModelRunner:
   def _forward(self, layout: StepLayout, packed: Tensor, realize: bool = True) -> Tensor | tuple[Tensor, ...]:
     """Outputs: the sampled tokens; then, if asked for, the sampled tokens' logprobs (logprob, rank, top ids, top
     logprobs) and the scored prompt tokens' (the same four)."""
+    logits, prompt_logits, caches = self._model_logits(layout, packed)
+    return self._sample(layout, packed, logits, prompt_logits, caches, realize)
+
+  def _split_fns(self, layout: StepLayout) -> tuple[Callable, Callable]:
+    """The step's forward pass (packed -> logits, the caches written) and its sampling ((packed, logits) -> what
+    _forward returns), each captured on its first call where the step would be."""
+    fns = self._split.get(layout)
+    if fns is None:
+      forward = functools.partial(self._forward_logits, layout)
+      sample = functools.partial(self._sample_logits, layout)
+      eager = (self.cudagraph_mode == "NONE" or (layout.multi_token and self.cudagraph_mode == "FULL_DECODE_ONLY")
+               or (layout.multi_token and self._capture_when_repeated))
+      if not eager: forward, sample = (compat.capture_on_first_call(TinyJit(fn)) for fn in (forward, sample))
+      fns = self._split[layout] = (forward, sample)
+    return fns
+
+  def _forward_logits(self, layout: StepLayout, packed: Tensor) -> Tensor:
+    logits, _, caches = self._model_logits(layout, packed)
+    logits = logits.contiguous()
+    Tensor.realize(logits, *[t for pair in caches for t in pair])
+    return logits
+
+  def _sample_logits(self, layout: StepLayout, packed: Tensor, logits: Tensor) -> Tensor | tuple[Tensor, ...]:
+    return self._sample(layout, packed, logits, None, [], realize=True)
+
+  def _model_logits(self, layout: StepLayout, packed: Tensor) -> tuple[Tensor, Tensor | None, list]:
+    """The sampling rows' logits, the scored prompt rows' (or None) and the caches after the step's KV writes."""
     f = layout.unpack(packed)
     source = f["token_source"]
     token_ids = (source >= 0).where(self.last_tokens[source.maximum(0)], f["token_ids"])
@@ -307,7 +309,14 @@ class ModelRunner:
     model_f = f if self.model.group is None else layout.unpack(self.model.group.broadcast(packed))
     logits_index = model_f["logits_index"].cat(model_f["prompt_index"]) if scores_prompt else None
     logits, caches = self.model(self._step_inputs(model_f, layout.context_len, token_ids, logits_index), self.kv_cache.layers)
-    if scores_prompt: logits, prompt_logits = logits[:layout.rows], logits[layout.rows:]
+    if scores_prompt: return logits[:layout.rows], logits[layout.rows:], caches
+    return logits, None, caches
+
+  def _sample(self, layout: StepLayout, packed: Tensor, logits: Tensor, prompt_logits: Tensor | None, caches: list,
+              realize: bool) -> Tensor | tuple[Tensor, ...]:
+    """The token controls, the sampler (or the verification of proposals), the logprobs asked for, the tokens kept on
+    the device for the next step."""
+    f = layout.unpack(packed)
     raw_logits = logits   # what the logprobs come from (vLLM's raw_logprobs)
     if layout.variant.bias or layout.variant.mask:
       bias = (f["bias_index"], f["bias_value"].bitcast(dtypes.float32)) if layout.variant.bias else None
@@ -330,7 +339,7 @@ class ModelRunner:
       tokens = self.model.backend.sample(logits, f["params"], f["rng"], layout.variant, penalties)
       outputs = (tokens,)
     if layout.logprobs >= 0: outputs += score(raw_logits, tokens, layout.logprobs)
-    if scores_prompt: outputs += score(prompt_logits, f["prompt_target"], layout.prompt_logprobs)
+    if prompt_logits is not None: outputs += score(prompt_logits, f["prompt_target"], layout.prompt_logprobs)
     chained = () if layout.verifies else (self.last_tokens,)
     if realize and chained:   # (a build that only collects kernel sources must leave no assignment pending)
       kept = min(layout.rows, self.chain_rows)
