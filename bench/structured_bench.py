@@ -49,6 +49,46 @@ class FillTimer:
     BitmaskFiller.fill = timed
 
 
+class StageTimers:
+  """Host milliseconds a call of the engine step's stages: methods wrapped on instances or classes, put back by
+  `report`."""
+  def __init__(self):
+    self.seconds, self.calls, self.undo = {}, {}, []
+
+  def wrap(self, owner, attr: str, name: str) -> None:
+    original = getattr(owner, attr)
+    def timed(*args, **kwargs):
+      t = time.perf_counter()
+      try: return original(*args, **kwargs)
+      finally:
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+        self.calls[name] = self.calls.get(name, 0) + 1
+    setattr(owner, attr, timed)
+    # an instance's wrapper shadows its class's method (deleting it puts that back); a class gets its function back
+    self.undo.append((lambda: setattr(owner, attr, original)) if isinstance(owner, type) else (lambda: delattr(owner, attr)))
+
+  def report(self) -> dict:
+    for undo in reversed(self.undo): undo()
+    return {name: round(1e3 * s / self.calls[name], 3) for name, s in sorted(self.seconds.items(), key=lambda kv: -kv[1])}
+
+
+def stage_timers(engine) -> StageTimers:
+  from tinyvllm.worker.runner_steps import LaunchedStep
+  from tinyvllm.worker.token_controls import TokenControls
+  timers, core = StageTimers(), engine.core
+  timers.wrap(engine, "step", "LLMEngine.step (all)")
+  timers.wrap(core, "step", "EngineCore.step")
+  timers.wrap(core.scheduler, "schedule", "schedule")
+  timers.wrap(core.runner, "prepare", "runner.prepare")
+  timers.wrap(core.runner, "launch_forward", "runner.launch_forward")
+  timers.wrap(core, "_finish_in_flight", "finish in flight (wait + land)")
+  timers.wrap(LaunchedStep, "result", "  wait for the tokens")
+  timers.wrap(core.scheduler, "update_from_output", "  update_from_output (grammars advance)")
+  timers.wrap(core.runner, "launch", "runner.launch (masks + upload + enqueue)")
+  timers.wrap(TokenControls, "fill_bitmask", "  fill the masks")
+  return timers
+
+
 def decode(engine, prompts: list[list[int]], new_tokens: int, structured: bool) -> dict:
   from tinyvllm import SamplingParams
   from tinyvllm.sampling_params import StructuredOutputsParams
@@ -83,6 +123,8 @@ def main() -> int:
   p.add_argument("--new-tokens", type=int, default=256)
   p.add_argument("--smoke", action="store_true", help="CPU check: the shipped stories260K (random weights), batch 4, 16 tokens")
   p.add_argument("--profile", type=int, default=0, help="print the N functions of most host time in the structured run")
+  p.add_argument("--stages", action="store_true", help="time the engine step's stages (host ms a call) in both runs")
+  p.add_argument("--repeat", type=int, default=1, help="timed runs of each mode (the report takes each mode's median)")
   args = p.parse_args()
   from tinyvllm import LLM
   if args.smoke:
@@ -100,16 +142,21 @@ def main() -> int:
   rows = []
   for structured in (False, True):
     decode(engine, prompts, new_tokens, structured)   # warm: captures, the grammar's tokenizer and compilation
-    timer.seconds = timer.calls = 0
-    profiler = cProfile.Profile() if args.profile and structured else None
-    if profiler is not None: profiler.enable()
-    row = decode(engine, prompts, new_tokens, structured)
-    if profiler is not None:
-      profiler.disable()
-      pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
-    row["bitmask_fill_ms_per_step"] = timer.seconds / max(timer.calls, 1) * 1e3
-    print(json.dumps(row), flush=True)
-    rows.append(row)
+    runs = []
+    for _ in range(args.repeat):
+      timer.seconds = timer.calls = 0
+      stages = stage_timers(engine) if args.stages else None
+      profiler = cProfile.Profile() if args.profile and structured else None
+      if profiler is not None: profiler.enable()
+      row = decode(engine, prompts, new_tokens, structured)
+      if profiler is not None:
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
+      if stages is not None: row["stages_ms_per_call"] = stages.report()
+      row["bitmask_fill_ms_per_step"] = timer.seconds / max(timer.calls, 1) * 1e3
+      print(json.dumps(row), flush=True)
+      runs.append(row)
+    rows.append(sorted(runs, key=lambda r: r["decode_tok_s"])[len(runs) // 2])
   free, structured_row = rows
   summary = {"ratio": structured_row["decode_tok_s"] / free["decode_tok_s"], "device": engine.device, "rows": rows}
   print(f"batch {batch}: free {free['decode_tok_s']:.0f} tok/s, every row under a JSON schema {structured_row['decode_tok_s']:.0f} "
