@@ -30,6 +30,17 @@ def test_copies_in_and_out_of_a_buffer_without_the_scheduler():
   assert compat.copy_out(t).tolist() == [0, 7, 14, 21, 28, 35] and t.numpy().tolist() == [0, 7, 14, 21, 28, 35]
   assert compat.copy_out(t + 1).tolist() == [1, 8, 15, 22, 29, 36]   # no buffer of its own: through the scheduler
   assert compat.has_buffer_identity(t) and not compat.has_buffer_identity(t + 1)
+  compat.copy_in(t, np.array([-1, -2], dtype=np.int32), offset_bytes=12)   # a part, the rest as it was
+  assert compat.copy_out(t).tolist() == [0, 7, 14, -1, -2, 35]
+  with pytest.raises(ValueError, match="pass the buffer"): compat.copy_in(t, np.zeros(2, np.int32), offset_bytes=20)
+
+
+def test_step_io_uploads_a_part_into_the_buffer_of_its_size():
+  from tinyvllm.worker.host_io import StepIO
+  io = StepIO("CPU")
+  whole = io.upload(np.arange(5, dtype=np.int32))
+  part = io.upload(np.array([9, 9], dtype=np.int32), size=5, offset=3)
+  assert part is whole and compat.copy_out(whole).tolist() == [0, 1, 2, 9, 9]
 
 
 def test_capture_on_first_call_replays_from_the_first_call():

@@ -229,10 +229,13 @@ def has_buffer_identity(t: Tensor) -> bool:
   return t.uop.has_buffer_identity(after_ok=True)
 
 
-def copy_in(t: Tensor, data: np.ndarray) -> None:
-  """Copy `data` (contiguous, t's size in bytes) straight into realized tensor t's buffer through its allocator."""
+def copy_in(t: Tensor, data: np.ndarray, offset_bytes: int = 0) -> None:
+  """Copy `data` (contiguous) straight into realized tensor t's buffer through its allocator, from `offset_bytes` on."""
   buf = t.uop.buffer.ensure_allocated()
-  Device[str(t.device)].allocator._copyin(buf._buf, memoryview(data).cast("B"))
+  allocator, view = Device[str(t.device)].allocator, memoryview(data).cast("B")
+  if offset_bytes + view.nbytes > buf.nbytes: raise ValueError(f"{view.nbytes} bytes at {offset_bytes} pass the buffer's {buf.nbytes}")
+  dest = allocator._offset(buf._buf, view.nbytes, offset_bytes) if offset_bytes else buf._buf
+  allocator._copyin(dest, view)
 
 
 def device_address(t: Tensor) -> int:

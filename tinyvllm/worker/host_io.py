@@ -30,12 +30,14 @@ class StepIO:
     self.device = device
     self._inputs: dict[int, Tensor] = {}
 
-  def upload(self, packed: np.ndarray) -> Tensor:
-    """The device tensor holding `packed` (int32): the same tensor every time for a given size."""
+  def upload(self, packed: np.ndarray, size: int | None = None, offset: int = 0) -> Tensor:
+    """The device tensor of `size` int32s (default: packed's) holding `packed` from `offset` on: the same tensor every
+    time for a given size (a part uploaded leaves the rest as it was)."""
     packed = np.ascontiguousarray(packed, dtype=np.int32)
-    t = self._inputs.get(packed.size)
-    if t is None: t = self._inputs[packed.size] = Tensor.zeros(packed.size, dtype=dtypes.int32, device=self.device).contiguous().realize()
-    compat.copy_in(t, packed)
+    size = packed.size if size is None else size
+    t = self._inputs.get(size)
+    if t is None: t = self._inputs[size] = Tensor.zeros(size, dtype=dtypes.int32, device=self.device).contiguous().realize()
+    compat.copy_in(t, packed, offset * 4)
     return t
 
   def download(self, t: Tensor) -> np.ndarray:

@@ -109,7 +109,7 @@ class ModelRunner:
     then: the step before may land in between, while this one's forward pass runs. Steps that score prompt tokens or
     verify proposals, and steps under logits processors, are not split (they run whole at `launch`)."""
     if step.layout.prompt_logprobs >= 0 or step.layout.verifies or self._processors is not None: return
-    packed = self._upload(step.fields)
+    packed = self._upload(step.fields, "inputs")
     self._move_blocks(step)
     step.logits = self._split_fns(step.layout)[0](packed)
 
@@ -121,8 +121,8 @@ class ModelRunner:
     if any(seq.num_pending > 1 for seq, _, _ in step.controls.grammar_rows):
       raise RuntimeError("a grammar's mask was asked for before its sequence's previous token landed")
     step.controls.fill_bitmask()
-    # (after launch_forward, the same upload buffer again: the copy is ordered after the forward pass that reads it)
-    packed = self._upload(step.fields)
+    # (after launch_forward, the masks into the same upload buffer: the copy is ordered after the forward pass)
+    packed = self._upload(step.fields, "bitmask" if step.logits is not None else "all")
     if step.logits is not None: out = self._split_fns(layout)[1](packed, step.logits)
     else:
       self._move_blocks(step)
@@ -131,8 +131,14 @@ class ModelRunner:
     return LaunchedStep(host.sample_seqs, self._io.download_later(out if isinstance(out, tuple) else (out,)), chains,
                         layout.logprobs >= 0, step.prompt, host.spec_rows)
 
-  def _upload(self, fields: dict[str, np.ndarray]) -> Tensor:
-    return self._io.upload(np.concatenate([a.reshape(-1) for a in fields.values()]))
+  def _upload(self, fields: dict[str, np.ndarray], part: str = "all") -> Tensor:
+    """The step's packed input on the device: "all" of it, its "inputs" (all but the trailing bitmask, which the
+    forward pass does not read) or the "bitmask" alone (after the inputs, into the same buffer)."""
+    arrays, size = list(fields.values()), sum(a.size for a in fields.values())
+    if part != "all" and next(reversed(fields)) == "bitmask":
+      if part == "bitmask": return self._io.upload(fields["bitmask"].reshape(-1), size, size - fields["bitmask"].size)
+      arrays = arrays[:-1]
+    return self._io.upload(np.concatenate([a.reshape(-1) for a in arrays]), size)
 
   def _move_blocks(self, step: PreparedStep) -> None:
     """The step's swaps and block copies, enqueued before its forward pass."""
