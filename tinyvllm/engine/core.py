@@ -34,7 +34,7 @@ from tinyvllm.engine.messages import (
 from tinyvllm.engine.structured_outputs import GrammarCompiler
 from tinyvllm.worker.logprobs import ScoredPromptChunk, TokenLogprobs
 from tinyvllm.worker.model_runner import freeze_long_lived_objects
-from tinyvllm.worker.runner_steps import LaunchedStep, StepResult
+from tinyvllm.worker.runner_steps import LaunchedStep, PreparedStep, StepResult
 
 
 @dataclass
@@ -58,6 +58,8 @@ class EngineCore:
     self.requests: dict[str, Request] = {}
     self._eos_ids: dict[str, frozenset[int]] = {}   # request id -> the token ids that end its samples
     self._in_flight: InFlightStep | None = None
+    # a grammar step whose forward pass runs and whose masks are being filled: its sampling launches at the next step
+    self._sampling_ahead: tuple[SchedulerOutput, PreparedStep] | None = None
     self._seed_rng = random.Random(config.seed)
     # structured output's grammars, compiled against the tokenizer (loaded on the first structured request)
     self.grammars = GrammarCompiler(lambda: engine_tokenizer(config), self.model_config.vocab_size,
@@ -104,7 +106,8 @@ class EngineCore:
       self.scheduler.abort([request.seqs[ref.index]])
       if request.is_finished: self._retire(request)
 
-  def has_unfinished_requests(self) -> bool: return bool(self.requests) or self._in_flight is not None
+  def has_unfinished_requests(self) -> bool:
+    return bool(self.requests) or self._in_flight is not None or self._sampling_ahead is not None
 
   def reset_prefix_cache(self) -> None:
     """Forget every cached prefix block (blocks in use stay where they are)."""
@@ -121,17 +124,23 @@ class EngineCore:
     With asynchronous scheduling the finished step is the previous one: this step was scheduled and launched while
     it ran, its tokens still in flight counted as placeholders (core/async_scheduling.py) and read on the device. A
     step with grammar rows is scheduled and prepared while the previous one runs too, and its forward pass launched;
-    its sampling is launched once that step has landed (its masks need the grammars advanced by those tokens), while
-    the forward pass runs."""
+    its masks need the grammars advanced by that step's tokens, so they are filled once it has landed, on a thread,
+    while this call returns and its caller processes the outputs, and its sampling is launched by the next call."""
     outputs: list[EngineCoreOutput] = []
+    if self._sampling_ahead is not None:   # the last step's sampling, its masks filled since on a thread
+      ahead, self._sampling_ahead = self._sampling_ahead, None
+      self._in_flight = InFlightStep(ahead[0], self.runner.launch(ahead[1]))
     if self._in_flight is not None and not self._in_flight.launched.chains: self._finish_in_flight(outputs)
     if self.speculator is not None: self.scheduler.set_proposals(self.speculator.propose(self.scheduler.running))
     sched = self.scheduler.schedule()
     if self.speculator is not None and sched.speculates: sched = self.speculator.complete(sched)
     prepared = self.runner.prepare(sched) if sched else None
     if self._in_flight is not None and prepared is not None and prepared.waits_for_tokens:
-      self.runner.launch_forward(prepared)   # its forward pass now, behind the step in flight; its sampling after it landed
+      self.runner.launch_forward(prepared)   # its forward pass now, behind the step in flight
       self._finish_in_flight(outputs)
+      if prepared.logits is not None:   # its sampling at the next step; the masks are filled meanwhile, beside the
+        prepared.controls.start_fill()   # caller's own work with these outputs
+        self._sampling_ahead, prepared = (sched, prepared), None
     launched = InFlightStep(sched, self.runner.launch(prepared)) if prepared is not None else None
     if self._in_flight is not None: self._finish_in_flight(outputs)
     self._in_flight = launched

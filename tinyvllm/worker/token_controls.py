@@ -14,6 +14,7 @@ without any control sends neither array.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,12 +35,29 @@ class TokenControls:
   grammar_rows: list[tuple[Sequence, int, list[int]]] = field(default_factory=list)
   allowed_rows: dict[int, list[int]] = field(default_factory=dict)
   filler: BitmaskFiller | None = None
+  _filling: threading.Thread | None = None
+  _error: BaseException | None = None
+
+  def start_fill(self) -> None:
+    """Begin fill_bitmask on a thread of its own (llguidance computes the masks with the GIL released), so the caller's
+    other host work runs meanwhile; fill_bitmask then waits for it."""
+    if self._filling is not None or self.bitmask is None: return
+    def fill() -> None:
+      try: self._fill()
+      except BaseException as e: self._error = e   # raised where fill_bitmask waits for it
+    self._filling = threading.Thread(target=fill, name="tinyvllm-masks", daemon=True)
+    self._filling.start()
 
   def fill_bitmask(self) -> None:
     """The grammars' rows, then allowed_token_ids ANDed in, into `bitmask` in place (the array `fields` hands out).
     Each grammar must have taken every earlier token of its sequence: the step's launch calls this, after the step
     before has landed (build runs earlier, while that step may still be in flight). A sequence that ended meanwhile
     keeps all-ones rows: its token is dropped when it lands."""
+    if self._filling is None: return self._fill()
+    self._filling.join()
+    if self._error is not None: raise self._error
+
+  def _fill(self) -> None:
     if self.bitmask is None: return
     rows = [(seq.grammar, row, proposals) for seq, row, proposals in self.grammar_rows
             if seq.grammar is not None and not seq.is_finished]
