@@ -111,7 +111,7 @@ def decode(engine, prompts: list[list[int]], new_tokens: int, structured: bool) 
   texts = [finals[rid].outputs[0].text for rid in ids]
   return {"mode": "json_schema" if structured else "free", "batch": len(prompts), "decode_tok_s": decoded / (last - start),
           "median_step_ms": float(np.median(steps)) * 1e3, "steps": len(steps), "tokens_min": min(counts), "tokens_max": max(counts),
-          "sample": texts[0][:120]}
+          "sample": texts[0][:120], "token_ids": [finals[rid].outputs[0].token_ids for rid in ids]}
 
 
 def main() -> int:
@@ -125,15 +125,20 @@ def main() -> int:
   p.add_argument("--profile", type=int, default=0, help="print the N functions of most host time in the structured run")
   p.add_argument("--stages", action="store_true", help="time the engine step's stages (host ms a call) in both runs")
   p.add_argument("--repeat", type=int, default=1, help="timed runs of each mode (the report takes each mode's median)")
+  p.add_argument("--check-sync", action="store_true",
+                 help="then check the structured run's greedy tokens against an engine without asynchronous scheduling")
   args = p.parse_args()
+  from tinygrad import Device
+
   from tinyvllm import LLM
   if args.smoke:
     from tinyvllm.model.embedded import embedded_model_path
     llm = LLM(str(embedded_model_path()), load_format="dummy", max_num_seqs=4, num_gpu_blocks=64)
     batch, prompt_len, new_tokens = 4, 8, 16
   else:
-    llm = LLM(args.model, load_format="dummy", dtype="bfloat16", tokenizer=args.tokenizer, max_num_seqs=args.batch,
-              kv_cache_memory=8, enable_prefix_caching=False, cuda_graph_sizes=[args.batch])
+    settings = dict(load_format="dummy", dtype="bfloat16", tokenizer=args.tokenizer, max_num_seqs=args.batch, kv_cache_memory=8,
+                    enable_prefix_caching=False, cuda_graph_sizes=[args.batch])
+    llm = LLM(args.model, **settings)
     batch, prompt_len, new_tokens = args.batch, args.prompt_len, args.new_tokens
   engine, timer = llm.engine, FillTimer()
   timer.install()
@@ -153,13 +158,20 @@ def main() -> int:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
       if stages is not None: row["stages_ms_per_call"] = stages.report()
       row["bitmask_fill_ms_per_step"] = timer.seconds / max(timer.calls, 1) * 1e3
-      print(json.dumps(row), flush=True)
+      print(json.dumps({k: v for k, v in row.items() if k != "token_ids"}), flush=True)
       runs[structured].append(row)
   rows = [sorted(runs[mode], key=lambda r: r["decode_tok_s"])[len(runs[mode]) // 2] for mode in (False, True)]
   pair_ratios = sorted(j["decode_tok_s"] / f["decode_tok_s"] for f, j in zip(runs[False], runs[True], strict=True))
   free, structured_row = rows
+  if args.check_sync and not args.smoke:
+    del llm, engine
+    reference = decode(LLM(args.model, **settings, async_scheduling=False).engine, prompts, new_tokens, True)["token_ids"]
+    equal = sum(a == b for a, b in zip(runs[True][-1]["token_ids"], reference, strict=True))
+    print(f"sync check: {equal} of {batch} structured rows equal the engine without asynchronous scheduling", flush=True)
+    structured_row["sync_equal_rows"] = equal
+  for row in rows: row.pop("token_ids")
   summary = {"ratio": structured_row["decode_tok_s"] / free["decode_tok_s"], "round_ratios": pair_ratios,
-             "device": engine.device, "rows": rows}
+             "device": str(Device.DEFAULT), "rows": rows}
   print(f"batch {batch}: free {free['decode_tok_s']:.0f} tok/s, every row under a JSON schema {structured_row['decode_tok_s']:.0f} "
         f"tok/s ({summary['ratio']:.1%} of the medians; rounds {', '.join(f'{r:.0%}' for r in pair_ratios)}); "
         f"bitmask fill {structured_row['bitmask_fill_ms_per_step']:.3f} ms a step", flush=True)
