@@ -75,7 +75,7 @@ for step in "$@"; do
     sampler) cmd=(python3 bench/sampler_bench.py) ;;
     spec) cmd=(python3 bench/spec_bench.py --parts "${SPEC_PARTS:-verify,ngram,draft}") ;;
     moe) cmd=(python3 bench/moe_bench.py ${MOE_PARTS:-decode throughput hf}) ;;
-    structured) cmd=(python3 bench/structured_bench.py --tokenizer .data/qwen3) ;;
+    structured) cmd=(python3 bench/structured_bench.py --tokenizer .data/qwen3 --repeat 3 --check-sync) ;;
     host1) cmd=(python3 bench/step_host.py --batch 1 --out "$OUT/step_host_b1.json") ;;
     host256) cmd=(python3 bench/step_host.py --batch 256 --kv-cache-dtype fp8 --out "$OUT/step_host_b256_fp8.json") ;;
     serve_profile) cmd=(python3 bench/serve_profile.py --out "$OUT/serve_profile.json" -- --model qwen3-0.6b --load-format dummy
