@@ -100,7 +100,7 @@ REFUSED: list[tuple[dict, list[str]]] = [
   ({"override_generation_config": {"do_sample": True}}, ["override_generation_config", "do_sample"]),
   ({"dtype": "int8"}, ["dtype must be one of"]),
   ({"load_format": "gguf"}, ["load_format"]),
-  ({"reasoning_parser": "deepseek_r1"}, ["reasoning_parser='deepseek_r1'"]),
+  ({"reasoning_parser": "deepseek_r1"}, ["reasoning_parser 'deepseek_r1' is not available"]),
   ({"num_gpu_blocks": 8, "num_gpu_blocks_override": 16}, ["num_gpu_blocks", "num_gpu_blocks_override", "give one"]),
   ({"tensor_paralel_size": 1}, ["tensor_paralel_size", "did you mean 'tensor_parallel_size'"]),
   ({"gpu_memory_utilisation": 0.5}, ["gpu_memory_utilisation", "did you mean 'gpu_memory_utilization'"]),

@@ -142,6 +142,62 @@ def test_disable_additional_properties_closes_every_open_object(qwen):
     StructuredOutputsParams(json=pet, disable_additional_properties="yes")
 
 
+def test_a_grammar_after_reasoning_masks_only_the_rows_after_its_end(qwen):
+  """While the model reasons, its rows are free; a verification's rows after a proposal that ends the reasoning get the
+  grammar's masks from its start (the same as a fresh grammar's, then after the next proposal)."""
+  from types import SimpleNamespace
+
+  from tinyvllm.worker.token_controls import TokenControls
+  compiler, end = GrammarCompiler(lambda: qwen, 151936, [151645]), 151668
+  params = StructuredOutputsParams(choice=["yes", "no"])
+  yes = qwen.encode_continuation("yes")[0]
+  words, filler = 151936 // 32, BitmaskFiller()
+  controls = TokenControls(bitmask=np.full((5, words), -1, np.int32), filler=filler, grammar_rows=[
+    (SimpleNamespace(grammar=compiler.compile(params).after_reasoning(end), is_finished=False), 0, [11, end, yes, 12])])
+  controls.fill_bitmask()
+  fresh, expected = compiler.compile(params), np.full((2, words), -1, np.int32)
+  filler.fill([(fresh, 0, [])], expected[:1])
+  assert fresh.matcher.consume_token(yes)
+  filler.fill([(fresh, 1, [])], expected)
+  assert (controls.bitmask[:2] == -1).all()   # reasoning: free
+  np.testing.assert_array_equal(controls.bitmask[2:4], expected)
+  assert not (controls.bitmask[2] == -1).all()
+  waiting = compiler.compile(params).after_reasoning(end)
+  assert not waiting.active and not waiting.advance(11) and not waiting.advance(end) and waiting.active
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(shared_data, tmp_path_factory):
+  """A random-weight Qwen3 with the real Qwen3 tokenizer (its <think> and </think> are one token each)."""
+  import shutil
+
+  from tests.test_server_tools import CONFIG
+  from tests.test_tokenizer import QWEN3
+  folder = tmp_path_factory.mktemp("model") / "tiny-qwen3"
+  shutil.copytree(shared_data / QWEN3, folder, ignore=shutil.ignore_patterns("derived"))
+  (folder / "config.json").write_text(json.dumps(CONFIG))
+  return folder
+
+
+@pytest.mark.slow
+def test_with_a_reasoning_parser_the_constraint_starts_after_the_reasoning(tiny_qwen3):
+  """vLLM's --reasoning-parser semantics: the model reasons freely and the grammar holds from after </think>; a prompt
+  that closed its reasoning is constrained from the first token; without a parser, from the first token."""
+  settings = dict(load_format="dummy", max_num_seqs=4, num_gpu_blocks=64, max_model_len=256)
+  thinking, plain = LLM(str(tiny_qwen3), reasoning_parser="qwen3", **settings), LLM(str(tiny_qwen3), **settings)
+  choice, end = StructuredOutputsParams(choice=["yes", "no"]), 151668
+  ends_reasoning = SamplingParams(temperature=0, max_tokens=8, logit_bias={end: 100}, structured_outputs=choice)
+  out = thinking.generate(["Answer:"], ends_reasoning, use_tqdm=False)[0].outputs[0]
+  assert out.token_ids[0] == end and out.text in ("</think>yes", "</think>no") and out.finish_reason == "stop", out
+  for llm, prompt in ((plain, "Answer:"), (thinking, "<think>\n\n</think>\n\nAnswer:")):
+    out = llm.generate([prompt], ends_reasoning, use_tqdm=False)[0].outputs[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop", out
+  free_params = SamplingParams(temperature=0, max_tokens=8, structured_outputs=choice)
+  free = thinking.generate(["Answer:"], free_params, use_tqdm=False)[0].outputs[0]
+  assert end not in free.token_ids and free.text not in ("yes", "no") and free.finish_reason == "length"   # still reasoning
+  assert_all_free(thinking)
+
+
 # ---- a random-weight model: only the mask makes its outputs valid
 @pytest.fixture(scope="module")
 def random_llm(stories_dir):

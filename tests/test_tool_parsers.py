@@ -208,6 +208,20 @@ def test_the_output_parser_splits_reasoning_then_reads_calls_in_the_content():
   assert hidden.reasoning_content is None and hidden.content == "Checking." and len(hidden.tool_calls) == 1
 
 
+def test_a_forced_call_after_the_reasoning():
+  """With a reasoning parser the engine's grammar starts after the reasoning (vLLM's): a required call's reply is the
+  reasoning, then the array of calls, whole and streamed."""
+  plan = ToolPlan(schema={"type": "array"}, parser=RequiredToolCalls)
+  text = '<think>\nThe user wants the time.\n</think>\n\n[{"name": "get_time", "parameters": {"zone": "UTC"}}]'
+  message = ChatOutputParser(plan, "qwen3", QWEN3_PROMPT, True).message(text)
+  assert (message.content, message.reasoning_content) == (None, "The user wants the time.")
+  assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [("get_time", {"zone": "UTC"})]
+  streamed = ChatOutputParser(plan, "qwen3", QWEN3_PROMPT, True)
+  deltas = [streamed.feed(text[i:i + 5], i + 5 >= len(text)) for i in range(0, len(text), 5)]
+  assert "".join(d.reasoning for d in deltas) == "The user wants the time." and not "".join(d.content for d in deltas)
+  assert [d.name for delta in deltas for d in delta.tool_calls if d.name] == ["get_time"]
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call():
   plan = plan_tools(request(tools=[WEATHER, PING], parallel_tool_calls=False), AUTO)
   message = ChatOutputParser(plan, None, "", True).message(HERMES_TWO_CALLS)

@@ -17,6 +17,9 @@ from typing import Any
 
 from tinyvllm.moe_config import MOE_ARCHITECTURES, MoEConfig, moe_config
 
+# the reasoning parsers' markers (vLLM's --reasoning-parser names): the model reasons between them, each one token
+REASONING_MARKERS = {"qwen3": ("<think>", "</think>")}
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
                            *MOE_ARCHITECTURES)
 # architectures refused with a reason more useful than "unsupported"
@@ -295,6 +298,9 @@ class EngineConfig:
   # disable_any_whitespace (JSON without the optional whitespace, for every request), disable_fallback (nothing to
   # fall back to: accepted)
   structured_outputs_config: dict[str, Any] = field(default_factory=dict)
+  # the model reasons first (vLLM's --reasoning-parser: qwen3, <think>...</think>): structured output constrains what
+  # follows the reasoning, not the reasoning itself (a prompt that closed the reasoning block: from the first token)
+  reasoning_parser: str | None = None
   # parallelism (vLLM's): the weights, KV heads and KV cache split over tensor_parallel_size devices of one host
   # (tinygrad multi-device tensors, one scheduler); data_parallel_size engine replicas behind one server, each on its
   # own device(s); distributed_executor_backend places the replicas: mp (processes on this host) or ray (Ray actors on
@@ -399,6 +405,8 @@ class EngineConfig:
                         f"{self.data_parallel_size} needs mp or ray")
 
   def _check_structured_outputs_config(self) -> None:
+    if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_MARKERS:
+      raise ConfigError(f"reasoning_parser {self.reasoning_parser!r} is not available (tinyvllm has {', '.join(REASONING_MARKERS)})")
     config = self.structured_outputs_config
     if not isinstance(config, dict): raise ConfigError(f"structured_outputs_config must be a JSON object, got {config!r}")
     for key, value in config.items():

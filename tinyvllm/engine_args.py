@@ -120,7 +120,6 @@ TABLE: tuple[VllmArg, ...] = (
   VllmArg("allowed_local_media_path", _empty, "tinyvllm has no multimodal models", default="", kind=str),
   VllmArg("limit_mm_per_prompt", _empty, "tinyvllm has no multimodal models", kind="json"),
   VllmArg("mm_processor_kwargs", _empty, "tinyvllm has no multimodal models", kind="json"),
-  VllmArg("reasoning_parser", _empty, "the reasoning parser splits the server's chat responses: `serve --reasoning-parser`"),
   VllmArg("dtype", lambda v: isinstance(v, str), "must be a dtype name", _field("dtype", lambda v: DTYPE_ALIASES.get(v, v))),
   VllmArg("seed", lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)), "must be an integer or None",
           _field("seed", lambda v: random.SystemRandom().getrandbits(32) if v is None else v)),   # None: a fresh seed

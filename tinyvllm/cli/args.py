@@ -213,7 +213,7 @@ ENGINE_FLAGS = ("tokenizer", "dtype", "device", "max_model_len", "load_format", 
                 "decode_layer_max_context", "download_dir", "revision", "tokenizer_revision", "hf_token", "scheduling_policy",
                 "preemption_mode", "swap_space")
 # flags passed on only when given (None: the engine's default)
-OPTIONAL_FLAGS = ("cudagraph_mode", "speculative_config", "logits_processors", "structured_outputs_config",
+OPTIONAL_FLAGS = ("cudagraph_mode", "speculative_config", "logits_processors", "structured_outputs_config", "reasoning_parser",
                   "max_logprobs", "generation_config", "override_generation_config",
                   "skip_tokenizer_init",
                   "disable_log_stats",

@@ -16,12 +16,11 @@ from tinyvllm.cli.args import (
   positive_float,
   positive_int,
 )
-from tinyvllm.config import EngineConfig
+from tinyvllm.config import REASONING_MARKERS, EngineConfig
 from tinyvllm.model.embedded import EMBEDDED_MODEL
 
 # the names of the parsers in tinyvllm/entrypoints (which needs the serve extra, so they are not imported here)
 TOOL_PARSER_NAMES = ("hermes", "llama3_json")
-REASONING_PARSER_NAMES = ("qwen3",)
 SERVE_PACKAGES = {"fastapi", "uvicorn", "starlette", "prometheus_client", "pydantic", "zmq", "msgspec"}
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -87,8 +86,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       "Qwen3) or llama3_json (Llama 3.1/3.2's JSON)")
   t.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                  help='tool_choice "none": the chat template gets no tools either (default: it gets them)')
-  t.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSER_NAMES),
-                 help="split the model's reasoning (qwen3: <think>...</think>) from its answer, as message.reasoning_content")
+  t.add_argument("--reasoning-parser", choices=sorted(REASONING_MARKERS),
+                 help="split the model's reasoning (qwen3: <think>...</think>) from its answer, as message.reasoning_content; "
+                      "structured output constrains the answer after it")
   p.set_defaults(run=run)
 
 

@@ -18,19 +18,42 @@ from typing import Any
 import numpy as np
 
 
-class StructuredOutputGrammar:
-  """One sequence's matcher (an llguidance.LLMatcher)."""
+def reasoning_ended(token_ids: Sequence[int], start: int, end: int) -> bool:
+  """Whether a prompt has closed its reasoning: its last end marker comes after its last start marker."""
+  last = {start: -1, end: -1}
+  for i, t in enumerate(token_ids):
+    if t in last: last[t] = i
+  return last[end] > last[start]
 
-  def __init__(self, matcher: Any):
-    self.matcher = matcher
+
+class StructuredOutputGrammar:
+  """One sequence's matcher (an llguidance.LLMatcher). With `reasoning_end` (an engine with a reasoning parser, as
+  vLLM's) the constraint starts after the model's reasoning: until that token lands the sequence samples freely and
+  the matcher takes nothing."""
+
+  def __init__(self, matcher: Any, reasoning_end: int | None = None):
+    self.matcher, self.reasoning_end = matcher, reasoning_end
+
+  @property
+  def active(self) -> bool:
+    """Whether the constraint applies to the next token (the reasoning, if any, has ended)."""
+    return self.reasoning_end is None
 
   def copy(self) -> StructuredOutputGrammar:
-    return StructuredOutputGrammar(self.matcher.deep_copy())
+    return StructuredOutputGrammar(self.matcher.deep_copy(), self.reasoning_end)
+
+  def after_reasoning(self, end: int) -> StructuredOutputGrammar:
+    """This grammar, applied once token `end` has landed."""
+    self.reasoning_end = end
+    return self
 
   def advance(self, token: int) -> bool:
     """Take a landed token; whether the output ends with it: the grammar is complete (nothing may follow but EOS), or
     it rejected the token. Only a row whose other controls leave the grammar no token can sample one it rejects (say
     allowed_token_ids without a token the grammar allows there); that sequence ends, said on stderr."""
+    if self.reasoning_end is not None:
+      if token == self.reasoning_end: self.reasoning_end = None
+      return False
     if not self.matcher.consume_token(token):
       print(f"[tinyvllm] structured output: the grammar rejected token {token} ({self.matcher.get_error()}); "
             "the sequence ends here", file=sys.stderr, flush=True)

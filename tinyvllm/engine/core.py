@@ -18,6 +18,7 @@ from tinyvllm.config import EngineConfig
 from tinyvllm.core.block_manager import BlockManager
 from tinyvllm.core.scheduler_output import SchedulerOutput
 from tinyvllm.core.sequence import Request, Sequence, SequenceStatus, StopVerdict
+from tinyvllm.core.structured_output import reasoning_ended
 from tinyvllm.engine.core_setup import build_engine_parts, log
 from tinyvllm.engine.input_processor import engine_tokenizer
 from tinyvllm.engine.messages import (
@@ -64,7 +65,8 @@ class EngineCore:
     # structured output's grammars, compiled against the tokenizer (loaded on the first structured request)
     self.grammars = GrammarCompiler(lambda: engine_tokenizer(config), self.model_config.vocab_size,
                                     list(self.model_config.eos_token_ids),
-                                    config.structured_outputs_config.get("disable_any_whitespace", False))
+                                    config.structured_outputs_config.get("disable_any_whitespace", False),
+                                    config.reasoning_parser)
     freeze_long_lived_objects()
     log(f"engine core ready in {time.perf_counter() - start:.1f} s")
 
@@ -82,6 +84,9 @@ class EngineCore:
     base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
     eos = frozenset(request.eos_token_ids)
     grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs is not None else None
+    if grammar is not None and (markers := self.grammars.reasoning_markers()) is not None \
+        and not reasoning_ended(request.prompt_token_ids, *markers):
+      grammar = grammar.after_reasoning(markers[1])
     seqs = [Sequence(rid, request.prompt_token_ids, params, seed=hash((base_seed, i)) if i else base_seed, index=i,
                      priority=request.priority, group=request.group, eos_token_ids=eos,
                      grammar=grammar.copy() if grammar is not None and i else grammar)

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from tinyvllm.config import REASONING_MARKERS
 from tinyvllm.core.structured_output import StructuredOutputGrammar
 from tinyvllm.engine.core_setup import log
 from tinyvllm.sampling_params import SamplingParamsError, StructuredOutputsParams
@@ -104,9 +105,10 @@ class GrammarCompiler:
   150k vocabulary) and the compiled grammars, the most recent kept for requests that repeat them."""
 
   def __init__(self, load_tokenizer: Callable[[], Tokenizer | None], vocab_size: int, eos_token_ids: list[int],
-               disable_any_whitespace: bool = False):
+               disable_any_whitespace: bool = False, reasoning_parser: str | None = None):
     self._load_tokenizer, self._vocab_size, self._eos = load_tokenizer, vocab_size, sorted(eos_token_ids)
-    self._disable_any_whitespace = disable_any_whitespace
+    self._disable_any_whitespace, self._reasoning_parser = disable_any_whitespace, reasoning_parser
+    self._markers: tuple[int, int] | None = None
     self._ll_tokenizer: Any = None
     self._cache: OrderedDict[str, StructuredOutputGrammar] = OrderedDict()
 
@@ -123,6 +125,21 @@ class GrammarCompiler:
     self._cache[text] = grammar
     if len(self._cache) > CACHED_GRAMMARS: self._cache.popitem(last=False)
     return grammar.copy()
+
+  def reasoning_markers(self) -> tuple[int, int] | None:
+    """The reasoning parser's start and end token ids (None without a parser): a constraint starts after the end."""
+    if self._reasoning_parser is None or self._markers is not None: return self._markers
+    tokenizer = self._load_tokenizer()
+    if tokenizer is None: raise SamplingParamsError(PARAM, "structured output needs a tokenizer and this model has none")
+    ids = []
+    for marker in REASONING_MARKERS[self._reasoning_parser]:
+      encoded = tokenizer.added_tokens.get(marker)
+      if encoded is None:
+        raise SamplingParamsError(PARAM, f"reasoning parser {self._reasoning_parser}: {marker!r} is not one token of this "
+                                         "model's tokenizer, so the reasoning's end cannot be told")
+      ids.append(encoded)
+    self._markers = (ids[0], ids[1])
+    return self._markers
 
   def _llguidance_tokenizer(self) -> Any:
     if self._ll_tokenizer is None:

@@ -26,8 +26,8 @@ class MessageDelta:
 
 class ChatOutputParser:
   def __init__(self, plan: ToolPlan, reasoning_parser: str | None, prompt: str, include_reasoning: bool):
-    # a forced call's output is the grammar's JSON from its first token: there is no reasoning to split off
-    make_reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser is not None and not plan.forced else None
+    # a forced call's JSON follows the reasoning too (with a reasoning parser the engine's grammar starts after it)
+    make_reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser is not None else None
     self.reasoning = make_reasoning(prompt) if make_reasoning is not None else None
     self.tools = plan.parser() if plan.parser is not None else None
     self.plan, self.include_reasoning = plan, include_reasoning

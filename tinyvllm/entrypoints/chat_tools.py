@@ -33,7 +33,7 @@ class ToolPlan:
 
   @property
   def forced(self) -> bool:
-    """The output is the grammar's JSON: there is no reasoning before it and no text beside it."""
+    """The output is the grammar's JSON (after the reasoning, with a reasoning parser): no text beside it."""
     return self.schema is not None
 
 

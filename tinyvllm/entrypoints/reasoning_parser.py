@@ -9,11 +9,12 @@ reply cut before `</think>` is all reasoning, streamed or not.
 """
 from __future__ import annotations
 
+from tinyvllm.config import REASONING_MARKERS
 from tinyvllm.entrypoints.tool_parsers.abstract import held_back
 
 
 class Qwen3ReasoningParser:
-  START, END = "<think>", "</think>"
+  START, END = REASONING_MARKERS["qwen3"]
 
   def __init__(self, prompt: str) -> None:
     self._state = "reasoning" if prompt.rstrip().endswith(self.START) else "start"

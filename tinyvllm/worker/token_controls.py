@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tinyvllm.core.sequence import Sequence
-from tinyvllm.core.structured_output import BitmaskFiller
+from tinyvllm.core.structured_output import BitmaskFiller, StructuredOutputGrammar
 
 MIN_BIAS_LEN = 16   # bias arrays are padded to a power of two >= this, so that captures are reused
 
@@ -59,8 +59,8 @@ class TokenControls:
 
   def _fill(self) -> None:
     if self.bitmask is None: return
-    rows = [(seq.grammar, row, proposals) for seq, row, proposals in self.grammar_rows
-            if seq.grammar is not None and not seq.is_finished]
+    rows = [r for seq, row, proposals in self.grammar_rows if not seq.is_finished
+            and (r := _constrained_rows(seq.grammar, row, proposals)) is not None]
     if rows:
       assert self.filler is not None
       self.filler.fill(rows, self.bitmask)
@@ -110,6 +110,18 @@ def allowed_row(token_ids: list[int], words: int) -> np.ndarray:
   row = np.zeros(words, np.uint32)
   np.bitwise_or.at(row, ids >> 5, np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32)))
   return row.view(np.int32)
+
+
+def _constrained_rows(grammar: StructuredOutputGrammar | None, row: int, proposals: list[int]
+                      ) -> tuple[StructuredOutputGrammar, int, list[int]] | None:
+  """What the filler computes for a sequence's rows (grammar, first row, proposals): all of them once its reasoning has
+  ended; while it reasons, the rows after a proposal that ends it (their masks: the grammar's from its start), or none
+  (free rows keep all ones)."""
+  if grammar is None: return None
+  if grammar.active: return grammar, row, proposals
+  if grammar.reasoning_end not in proposals: return None
+  at = proposals.index(grammar.reasoning_end)
+  return grammar, row + at + 1, proposals[at + 1:]
 
 
 def _bucket(n: int) -> int: return max(MIN_BIAS_LEN, 1 << (max(n, 1) - 1).bit_length())
