@@ -40,7 +40,7 @@ OPENAI_CHAT = {
 # vLLM's extra sampling and request fields (both endpoints) the server does not implement
 VLLM_COMMON = {
   "spaces_between_special_tokens": False, "truncate_prompt_tokens": 4, "truncation_side": "left",
-  "logprob_token_ids": [5], "structural_tag": "{}", "guided_decoding_backend": "xgrammar", "logits_processors": ["m.P"],
+  "logprob_token_ids": [5], "guided_decoding_backend": "xgrammar", "logits_processors": ["m.P"],
   "return_tokens_as_token_ids": True, "return_token_offsets": True, "cache_salt": "s4lt",
   "kv_transfer_params": {"do_remote_decode": True}, "ec_transfer_params": {"x": 1},
   "repetition_detection": {"max_pattern_size": 4}, "thinking_token_budget": 16, "mm_processor_kwargs": {"size": 2},

@@ -58,6 +58,20 @@ def test_disable_additional_properties_closes_the_schemas_objects(client):
   for choice in out.choices: jsonschema.validate(json.loads(choice.text), PET)
 
 
+def test_structural_tags_on_both_endpoints(client):
+  """vLLM's structural_tag as a chat response_format and as structured_outputs.structural_tag (and its older request
+  field): with "<" (token 504) pushed by a bias, every block the model opens holds one digit and ends."""
+  from tests.test_structured_output import DIGIT_TAG, digit_blocks
+  tag = json.loads(DIGIT_TAG)
+  chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=30, temperature=0, logit_bias={"504": 100},
+                                        response_format={"type": "structural_tag", **tag})
+  assert digit_blocks(chat.choices[0].message.content) >= 2, chat.choices[0].message.content
+  for extra in ({"structured_outputs": {"structural_tag": DIGIT_TAG}}, {"structural_tag": DIGIT_TAG}):
+    out = client.completions.create(model=MODEL, prompt="Once", max_tokens=30, temperature=0, logit_bias={"504": 100},
+                                    extra_body=extra)
+    assert digit_blocks(out.choices[0].text) >= 2, out.choices[0].text
+
+
 def test_completions_take_vllm_constraints_and_token_controls(client):
   regex = r"[A-Z][a-z]{2,6} (ran|sat|ate)\."
   out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=1.0, seed=5, n=3,
@@ -81,6 +95,8 @@ def test_completions_take_vllm_constraints_and_token_controls(client):
   ("completions", {"guided_regex": r"(a)\1"}, "guided_regex"),
   ("completions", {"guided_json": {"type": "object"}, "guided_choice": ["a"]}, "guided_choice"),
   ("completions", {"structured_outputs": {"json": {"type": "object"}, "disable_additional_properties": [True]}}, "structured_outputs"),
+  ("completions", {"structured_outputs": {"structural_tag": '{"structures": [], "triggers": ["<"]}'}}, "structured_outputs"),
+  ("chat", {"response_format": {"type": "structural_tag", "triggers": ["<"]}}, "response_format"),
   ("completions", {"logit_bias": {"100000": 5}}, "logit_bias"),
   ("completions", {"logit_bias": {"7": 200}}, "logit_bias"),
   ("completions", {"logit_bias": {"seven": 1}}, "logit_bias"),

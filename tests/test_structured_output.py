@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -164,6 +165,43 @@ def test_a_grammar_after_reasoning_masks_only_the_rows_after_its_end(qwen):
   assert not (controls.bitmask[2] == -1).all()
   waiting = compiler.compile(params).after_reasoning(end)
   assert not waiting.active and not waiting.advance(11) and not waiting.advance(end) and waiting.active
+
+
+DIGIT_TAG = json.dumps({"structures": [{"begin": "<f>", "schema": {"type": "integer", "minimum": 0, "maximum": 9}, "end": "</f>"}],
+                        "triggers": ["<"]})
+
+
+def digit_blocks(text: str) -> int:
+  """How many <f>D</f> blocks text holds, every block it opens having a digit and its end (the last may be cut)."""
+  blocks = re.findall(r"<f>\d</f>", text)
+  cut = text[text.rfind("<f>"):] if text.count("<f>") > len(blocks) else ""
+  assert text.count("<f>") <= len(blocks) + 1 and (not cut or "<f>0</f>".startswith(re.sub(r"\d", "0", cut))), text
+  return len(blocks)
+
+
+@pytest.mark.parametrize("tag, words", [
+  ("{", "is not JSON"),
+  (json.dumps({"structures": [], "triggers": ["<"]}), "structures must be a non-empty list"),
+  (json.dumps({"structures": [{"begin": "<f>", "schema": {}, "end": ""}], "triggers": []}), "triggers must be a non-empty list"),
+  (json.dumps({"structures": [{"begin": "[f]", "schema": {}, "end": ""}], "triggers": ["<"]}), "starts with none of the triggers"),
+  (json.dumps({"structures": [{"begin": "<f>", "end": ""}], "triggers": ["<"]}), "structures[0] must be an object of begin"),
+  (json.dumps({"structures": [{"begin": "<f>", "schema": {}, "end": ""}], "triggers": ["<"], "tags": 1}), "an object of structures"),
+])
+def test_bad_structural_tags_are_refused_naming_the_part(tag, words):
+  with pytest.raises(SamplingParamsError, match=re.escape(words)) as e: StructuredOutputsParams(structural_tag=tag)
+  assert e.value.param == "structured_outputs"
+
+
+@pytest.mark.slow
+def test_a_structural_tag_constrains_what_follows_each_trigger(tiny_qwen3):
+  """vLLM's structural_tag: free text in which the trigger starts a structure (its begin, JSON under its schema, its
+  end), then free text again. "<" (token 27) pushed by a bias: every block the model opens holds one digit and ends."""
+  llm = LLM(str(tiny_qwen3), load_format="dummy", max_num_seqs=4, num_gpu_blocks=64, max_model_len=256)
+  pushed = SamplingParams(temperature=0, max_tokens=24, logit_bias={27: 100}, ignore_eos=True)
+  tagged = replace(pushed, structured_outputs=StructuredOutputsParams(structural_tag=DIGIT_TAG))
+  free, out = (llm.generate(["Go:"], p, use_tqdm=False)[0].outputs[0].text for p in (pushed, tagged))
+  assert free.startswith("<<<"), free   # without the tag: the bias alone
+  assert out.startswith("<f>") and digit_blocks(out) >= 2, out
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,11 +48,40 @@ def _check_in(value: object, param: str, low: float, high: float, low_open: bool
          f"{'' if low_open else '0 or '}at least 1.2e-38")
 
 
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+def structural_tags(text: object) -> list[tuple[str, str, dict | bool, str]]:
+  """(trigger, begin, schema, end) of each structure of a structural_tag (a JSON string: {"structures": [{"begin",
+  "schema", "end"}, ...], "triggers": [...]}); each begin starts with one of the triggers."""
+  param, name = "structured_outputs", "structured_outputs.structural_tag"
+  _check(isinstance(text, str), param, f"{name} must be a JSON string")
+  try: tag = json.loads(text)  # type: ignore[arg-type]
+  except json.JSONDecodeError as e: raise SamplingParamsError(param, f"{name} is not JSON: {e}") from None
+  _check(isinstance(tag, dict) and set(tag) <= {"type", "structures", "triggers"}, param,
+         f"{name} must be an object of structures and triggers")
+  triggers, structures = tag.get("triggers"), tag.get("structures")
+  _check(isinstance(triggers, list) and len(triggers) > 0 and all(isinstance(t, str) and t for t in triggers), param,
+         f"{name}.triggers must be a non-empty list of non-empty strings")
+  _check(isinstance(structures, list) and len(structures) > 0, param, f"{name}.structures must be a non-empty list")
+  out = []
+  for i, s in enumerate(structures):  # type: ignore[arg-type]
+    _check(isinstance(s, dict) and set(s) == {"begin", "schema", "end"} and isinstance(s["begin"], str)
+           and isinstance(s["end"], str) and isinstance(s["schema"], (dict, bool)), param,
+           f"{name}.structures[{i}] must be an object of begin (a string), schema (a JSON schema) and end (a string)")
+    trigger = next((t for t in triggers if s["begin"].startswith(t)), None)  # type: ignore[union-attr]
+    _check(trigger is not None, param, f"{name}.structures[{i}].begin {s['begin']!r} starts with none of the triggers")
+    out.append((trigger, s["begin"], s["schema"], s["end"]))
+  return out
+
+
 @dataclass
 class StructuredOutputsParams:
   """What a request's output must match (vLLM's shape): exactly one of `json` (a JSON schema, as a dict or a JSON
   string), `regex`, `choice` (the output is one of these strings), `grammar` (Lark, or llama.cpp's GBNF) and
-  `json_object` (True: any JSON object). `disable_any_whitespace` allows no whitespace between JSON's tokens;
+  `json_object` (True: any JSON object), `structural_tag` (a JSON string: free text in which each of `triggers` starts
+  one of `structures`, its `begin` text, then JSON under its `schema`, then its `end` text, vLLM's; see
+  `structural_tags`). `disable_any_whitespace` allows no whitespace between JSON's tokens;
   `whitespace_pattern` is the regex that whitespace must match instead; `disable_additional_properties` closes every
   object of a `json` schema that has properties but does not say whether others may follow (additionalProperties
   false, as vLLM's guidance backend does). The grammar engine (llguidance, the
@@ -61,15 +91,17 @@ class StructuredOutputsParams:
   choice: list[str] | None = None
   grammar: str | None = None
   json_object: bool | None = None
+  structural_tag: str | None = None
   disable_any_whitespace: bool = False
   whitespace_pattern: str | None = None
   disable_additional_properties: bool = False
 
   def __post_init__(self) -> None:
     param = "structured_outputs"
-    kinds = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name) is not None]
-    _check(len(kinds) == 1, param, f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object; got "
+    kinds = [name for name in CONSTRAINT_KINDS if getattr(self, name) is not None]
+    _check(len(kinds) == 1, param, f"structured_outputs needs exactly one of {', '.join(CONSTRAINT_KINDS)}; got "
            f"{', '.join(kinds) or 'none'}")
+    if self.structural_tag is not None: structural_tags(self.structural_tag)
     _check(self.json is None or isinstance(self.json, (str, dict)), param,
            "structured_outputs.json must be a JSON schema (a dict or a JSON string)")
     for name in ("regex", "grammar"):

@@ -19,7 +19,7 @@ from typing import Any
 from tinyvllm.config import REASONING_MARKERS
 from tinyvllm.core.structured_output import StructuredOutputGrammar
 from tinyvllm.engine.core_setup import log
-from tinyvllm.sampling_params import SamplingParamsError, StructuredOutputsParams
+from tinyvllm.sampling_params import CONSTRAINT_KINDS, SamplingParamsError, StructuredOutputsParams, structural_tags
 from tinyvllm.tokenizer import Tokenizer
 
 PARAM = "structured_outputs"
@@ -36,8 +36,8 @@ def require_llguidance() -> Any:
 
 
 def kind_of(params: StructuredOutputsParams) -> str:
-  """Which constraint the params hold (json, regex, choice, grammar, json_object)."""
-  return next(name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(params, name) is not None)
+  """Which constraint the params hold (one of CONSTRAINT_KINDS)."""
+  return next(name for name in CONSTRAINT_KINDS if getattr(params, name) is not None)
 
 
 def grammar_text(params: StructuredOutputsParams, disable_any_whitespace: bool = False) -> str:
@@ -52,6 +52,10 @@ def grammar_text(params: StructuredOutputsParams, disable_any_whitespace: bool =
     try: return llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     except ValueError as e: raise SamplingParamsError(PARAM, f"structured_outputs.json is not a JSON schema: {e}") from None
   if kind == "regex": return llg.LLMatcher.grammar_from_regex(params.regex)
+  if kind == "structural_tag":
+    tags = [llg.StructTag(trigger=trigger, begin=begin, grammar=schema, end=end)
+            for trigger, begin, schema, end in structural_tags(params.structural_tag)]
+    return llg.StructTag.to_grammar(tags)
   if kind == "choice": return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice or []))
   try: return llg.grammar_from("grammar", params.grammar)   # Lark, or GBNF converted to Lark
   except ValueError as e: raise SamplingParamsError(PARAM, f"structured_outputs.grammar: {e}") from None

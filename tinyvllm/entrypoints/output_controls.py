@@ -5,6 +5,7 @@ guided_json / guided_regex / guided_choice / guided_grammar. A constraint the gr
 naming the field it came in."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from tinyvllm.engine.structured_outputs import check_grammar
@@ -12,7 +13,8 @@ from tinyvllm.entrypoints.errors import bad_request
 from tinyvllm.entrypoints.protocol import ResponseFormat, SamplingRequest
 from tinyvllm.sampling_params import SamplingParamsError, StructuredOutputsParams
 
-GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
+          "structural_tag": "structural_tag"}
 # a SamplingParams field's name in the request (the rest are the same)
 REQUEST_NAMES = {"extra_args": "vllm_xargs"}
 
@@ -59,6 +61,11 @@ def _given(req: SamplingRequest) -> list[tuple[str, dict[str, Any]]]:
 
 def _response_format(fmt: ResponseFormat) -> dict[str, Any]:
   if fmt.type == "json_object": return {"json_object": True}
+  if fmt.type == "structural_tag":
+    if not fmt.structures or not fmt.triggers:
+      raise bad_request("response_format of type structural_tag needs structures and triggers", "response_format")
+    structures = [{"begin": t.begin, "schema": t.schema_, "end": t.end} for t in fmt.structures]
+    return {"structural_tag": json.dumps({"structures": structures, "triggers": fmt.triggers})}
   if fmt.json_schema is None or fmt.json_schema.schema_ is None:
     raise bad_request("response_format of type json_schema needs json_schema.schema (the JSON schema)", "response_format")
   return {"json": fmt.json_schema.schema_}

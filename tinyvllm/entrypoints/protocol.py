@@ -40,9 +40,18 @@ class JsonSchemaFormat(StrictModel):
   strict: bool | None = None
 
 
+class StructuralTag(StrictModel):
+  """One structure of vLLM's structural_tag response format: its begin text, the JSON schema of what follows, its end."""
+  begin: str
+  schema_: dict[str, Any] = Field(alias="schema")
+  end: str
+
+
 class ResponseFormat(StrictModel):
-  type: Literal["text", "json_object", "json_schema"]
+  type: Literal["text", "json_object", "json_schema", "structural_tag"]
   json_schema: JsonSchemaFormat | None = None
+  structures: list[StructuralTag] | None = None   # structural_tag: free text in which each trigger starts a structure
+  triggers: list[str] | None = None
 
 
 class StructuredOutputsRequest(StrictModel):
@@ -53,6 +62,7 @@ class StructuredOutputsRequest(StrictModel):
   choice: list[str] | None = None
   grammar: str | None = None
   json_object: bool | None = None
+  structural_tag: str | None = None
   disable_any_whitespace: bool = False
   whitespace_pattern: str | None = None
   disable_additional_properties: bool = False
@@ -98,6 +108,7 @@ class SamplingRequest(StrictModel):
   guided_regex: str | None = None
   guided_choice: list[str] | None = None
   guided_grammar: str | None = None
+  structural_tag: str | None = None   # (vLLM's before structured_outputs.structural_tag)
   guided_whitespace_pattern: str | None = None
 
   @property

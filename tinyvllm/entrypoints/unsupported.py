@@ -48,14 +48,11 @@ class Unsupported:
 
 
 STRUCTURED = {
-  "structural_tag": Unsupported("structural tags (constraints triggered by tags in free text) are not implemented"),
   "guided_decoding_backend": Unsupported("the grammar engine is llguidance; choosing another is not implemented",
                                          one_of("auto", "guidance")),
 }
-# the fields of vLLM's structured_outputs object that the server does not implement
-STRUCTURED_OUTPUTS = {
-  "structural_tag": STRUCTURED["structural_tag"],
-}
+# the fields of vLLM's structured_outputs object that the server does not implement (none now)
+STRUCTURED_OUTPUTS: dict[str, Unsupported] = {}
 
 # vLLM's extra sampling and request fields that both generation endpoints take
 SAMPLING = {
