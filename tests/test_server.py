@@ -333,6 +333,28 @@ def test_beam_search_completion_equals_offline_beam_search(client, llm, tokenize
 
 
 @pytest.mark.slow
+def test_beam_search_chat_equals_offline_beam_search_of_the_rendered_messages(client, llm, tokenizer):
+  """use_beam_search on the chat endpoint (vLLM's): the n choices are the beams of the chat-rendered prompt, best first,
+  each as a message; max_completion_tokens bounds them."""
+  messages = [{"role": "user", "content": "Tell me a story about a cat and a dog who play with a big red ball."}]
+  rendered = tokenizer.apply_chat_template(messages)
+  offline = llm.beam_search([{"prompt_token_ids": tokenizer.encode(rendered, add_special_tokens=False)}],
+                            BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.8))[0]
+  r = client.chat.completions.create(model=MODEL, messages=messages, n=3, max_completion_tokens=6, temperature=0,
+                                     extra_body={"use_beam_search": True, "length_penalty": 0.8})
+  assert [c.index for c in r.choices] == [0, 1, 2]
+  assert [(c.message.content, c.finish_reason) for c in r.choices] == [(s.text, s.finish_reason) for s in offline.sequences]
+  assert len({c.message.content for c in r.choices}) == 3 and r.usage.completion_tokens > 0
+  for fields, param in (({"stream": True}, "use_beam_search"), ({"top_p": 0.5}, "top_p"), ({"logprobs": True}, "logprobs"),
+                        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools")):
+    bad = httpx.post(f"{client.base_url}chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 4, "n": 2,
+                                                                 "use_beam_search": True, **fields})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+  plain = httpx.post(f"{client.base_url}chat/completions", json={"model": MODEL, "messages": messages, "length_penalty": 0.5})
+  assert plain.status_code == 400 and plain.json()["error"]["param"] == "length_penalty"
+
+
+@pytest.mark.slow
 def test_best_of_returns_the_n_most_probable_samples(client, llm):
   kw = dict(n=2, temperature=1.0, seed=11, max_tokens=6)
   samples = llm.generate([PROMPT], SamplingParams(**{**kw, "n": 5}, logprobs=0), use_tqdm=False)[0].outputs

@@ -47,7 +47,7 @@ VLLM_COMMON = {
   "media_io_kwargs": {"image": {"mode": "RGB"}},
 }
 VLLM_COMPLETION = {**VLLM_COMMON, "prompt_embeds": "AAAA"}
-VLLM_CHAT = {**VLLM_COMMON, "echo": True, "use_beam_search": True, "length_penalty": 0.5}
+VLLM_CHAT = {**VLLM_COMMON, "echo": True}
 VLLM_TOKENIZE = {"mm_processor_kwargs": {"size": 2}, "return_token_strs": True}
 
 REFUSED = ([(CMPL, GOOD_CMPL, field, {field: value}) for field, value in {**OPENAI_COMPLETION, **VLLM_COMPLETION}.items()]

@@ -110,6 +110,8 @@ class SamplingRequest(StrictModel):
   guided_grammar: str | None = None
   structural_tag: str | None = None   # (vLLM's before structured_outputs.structural_tag)
   guided_whitespace_pattern: str | None = None
+  use_beam_search: bool | None = False   # vLLM's: n is the beam width (entrypoints/serving_beam_search.py)
+  length_penalty: float | None = 1.0     # vLLM's, for beam search
 
   @property
   def include_usage(self) -> bool: return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -122,8 +124,6 @@ class CompletionRequest(SamplingRequest):
   logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
   echo: bool | None = False
   best_of: int | None = Field(None, ge=1, le=MAX_N)   # sample best_of, return the n of the highest cumulative logprob
-  use_beam_search: bool | None = False                # vLLM's: n is the beam width (entrypoints/serving_beam_search.py)
-  length_penalty: float | None = 1.0                  # vLLM's, for beam search
 
 
 class TextPart(StrictModel):

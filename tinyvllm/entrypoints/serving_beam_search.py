@@ -1,7 +1,8 @@
-"""Beam search in POST /v1/completions (vLLM's `use_beam_search`): n is the beam width, and each prompt's n choices are
-its beams, best first (AsyncLLM.beam_search). It takes max_tokens, temperature (unset: the model's default, else 1.0,
-as vLLM's), length_penalty, ignore_eos, include_stop_str_in_output, skip_special_tokens and echo; a sampling field it
-has no use for is refused rather than ignored, and so is streaming (the beams are known only at the end)."""
+"""Beam search in POST /v1/completions and /v1/chat/completions (vLLM's `use_beam_search`): n is the beam width, and
+each prompt's n choices are its beams, best first (AsyncLLM.beam_search). It takes max_tokens (max_completion_tokens),
+temperature (unset: the model's default, else 1.0, as vLLM's), length_penalty, ignore_eos, include_stop_str_in_output,
+skip_special_tokens and (completions) echo; a sampling field it has no use for is refused rather than ignored, and so
+are streaming (the beams are known only at the end) and tools."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -10,7 +11,7 @@ from tinyvllm.engine.async_llm import AsyncLLM
 from tinyvllm.engine.input_processor import PromptError
 from tinyvllm.entrypoints.common import Prompt, ServerState, check_context, finals, log_inputs, run_many
 from tinyvllm.entrypoints.errors import bad_request
-from tinyvllm.entrypoints.protocol import CompletionRequest
+from tinyvllm.entrypoints.protocol import SamplingRequest
 from tinyvllm.entrypoints.unsupported import equals
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import BeamSearchParams, SamplingParamsError
@@ -25,24 +26,31 @@ NOT_FOR_BEAM_SEARCH = {"top_p": (1,), "top_k": (0, -1), "min_p": (0,), "presence
 TAKES = "n (the beam width), max_tokens, temperature, length_penalty, ignore_eos, include_stop_str_in_output"
 
 
-def check_fields(req: CompletionRequest) -> None:
-  """What beam search cannot honour: streaming, best_of other than n, a sampling field it does not use."""
+# the chat endpoint's own fields beam search does not use, with the values that ask for nothing
+NOT_FOR_CHAT_BEAM_SEARCH = {"logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",)}
+
+
+def check_fields(req: SamplingRequest, chat: bool = False) -> None:
+  """What beam search cannot honour: streaming, best_of other than n, a sampling field (or tools) it does not use."""
   if req.stream: raise bad_request("use_beam_search is not available with stream: true (the beams are known at the end)",
                                    "use_beam_search")
-  if req.best_of is not None and req.best_of != (req.n or 1):
-    raise bad_request(f"with use_beam_search, n is the beam width: best_of must be unset or equal to n, got {req.best_of}",
-                      "best_of")
-  for name, neutral in NOT_FOR_BEAM_SEARCH.items():
+  best_of = getattr(req, "best_of", None)
+  if best_of is not None and best_of != (req.n or 1):
+    raise bad_request(f"with use_beam_search, n is the beam width: best_of must be unset or equal to n, got {best_of}", "best_of")
+  unused = {**NOT_FOR_BEAM_SEARCH, **(NOT_FOR_CHAT_BEAM_SEARCH if chat else {})}
+  for name, neutral in unused.items():
     value = getattr(req, name, None)
     if name == "response_format" and getattr(value, "type", None) == "text": continue
     if value is not None and not any(equals(value, v) for v in neutral):
       raise bad_request(f"{name} does not apply to beam search, which takes {TAKES}", name)
 
 
-def beam_search_params(state: ServerState, req: CompletionRequest, prompt: Prompt) -> BeamSearchParams:
-  """A prompt's search, checked against the engine (context, KV cache, max_logprobs); a 400 naming the field."""
+def beam_search_params(state: ServerState, req: SamplingRequest, prompt: Prompt, max_tokens: int | None = None,
+                       param: str = "prompt") -> BeamSearchParams:
+  """A prompt's search, checked against the engine (context, KV cache, max_logprobs); a 400 naming the field. `param`:
+  what a context overflow is the fault of (the prompt, the chat's messages)."""
   defaults = state.sampling_defaults
-  max_tokens = check_context(state, prompt, req.max_tokens, "prompt")
+  max_tokens = check_context(state, prompt, max_tokens if max_tokens is not None else req.max_tokens, param)
   max_tokens = min(max_tokens, defaults.get("max_tokens", max_tokens))   # (the model's caps the request's, as in sampling)
   temperature = req.temperature if req.temperature is not None else defaults.get("temperature", 1.0)
   try:
@@ -53,11 +61,11 @@ def beam_search_params(state: ServerState, req: CompletionRequest, prompt: Promp
   except SamplingParamsError as e:
     if e.param == "beam_width": raise bad_request(f"n is the beam width with use_beam_search: {e}", "n") from None
     raise bad_request(str(e), e.param) from None
-  except PromptError as e: raise bad_request(str(e), "prompt") from None
+  except PromptError as e: raise bad_request(str(e), param) from None
   return params
 
 
-async def beam_search_outputs(state: ServerState, req: CompletionRequest, prompts: list[Prompt], params: list[BeamSearchParams],
+async def beam_search_outputs(state: ServerState, req: SamplingRequest, prompts: list[Prompt], params: list[BeamSearchParams],
                               request_id: str, priority: int) -> list[RequestOutput]:
   """Every prompt's search, run together; one finished RequestOutput a prompt, its beams as outputs."""
   engine = state.require_engine()

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from tinyvllm.entrypoints import serving_beam_search as beam_search
 from tinyvllm.entrypoints.chat_output import ChatOutputParser, MessageDelta
 from tinyvllm.entrypoints.chat_tools import ToolPlan, plan_tools
 from tinyvllm.entrypoints.common import (
@@ -45,7 +46,8 @@ from tinyvllm.entrypoints.protocol import (
   Usage,
   chunk_event,
 )
-from tinyvllm.outputs import CompletionOutput, Logprob
+from tinyvllm.entrypoints.unsupported import equals
+from tinyvllm.outputs import CompletionOutput, Logprob, RequestOutput
 from tinyvllm.sampling_params import SamplingParams, StructuredOutputsParams
 from tinyvllm.tokenizer import Tokenizer, TokenizerError
 from tinyvllm.tokenizer.chat_template import parse_tool_call_arguments
@@ -128,8 +130,12 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
   if req.include_reasoning is False and state.chat.reasoning_parser is None:
     raise bad_request("include_reasoning: false needs a server started with --reasoning-parser (without one the reply is not "
                       "split into reasoning and content)", "include_reasoning")
+  if req.use_beam_search: beam_search.check_fields(req, chat=True)
+  elif req.length_penalty is not None and not equals(req.length_penalty, 1):
+    raise bad_request("length_penalty applies to beam search only (use_beam_search: true)", "length_penalty")
   plan = plan_tools(req, state.chat)
   prompt, logprobs = _prepare(state, req, plan)
+  if req.use_beam_search: return await _beam_search_reply(state, req, request, plan, prompt, max_tokens, param, priority)
   # a forced call's grammar is made from the tools' parameters: a schema the grammar engine refuses is the tools' fault
   rename = {"logprobs": "top_logprobs", "max_tokens": param, **({"structured_outputs": "tools"} if plan.forced else {})}
   params = sampling_params(req, check_context(state, prompt, max_tokens, "messages"), logprobs, req.prompt_logprobs, rename,
@@ -142,7 +148,23 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                              media_type="text/event-stream")
   finals = await unless_disconnected(request, final_outputs(state, [prompt], [params], engine_id, priority))
   if finals is None: return Response(status_code=499)
-  tokenizer, out, ids = state.require_engine().tokenizer, finals[0], returns_token_ids(state, req)
+  return _reply(state, req, plan, prompt, finals[0], request_id, created, logprobs)
+
+
+async def _beam_search_reply(state: ServerState, req: ChatCompletionRequest, request: Request, plan: ToolPlan, prompt: Prompt,
+                             max_tokens: int | None, param: str, priority: int) -> Response:
+  """use_beam_search: the reply's n choices are the prompt's beams, best first (serving_beam_search.py)."""
+  search = beam_search.beam_search_params(state, req, prompt, max_tokens, "messages")
+  request_id, created, engine_id = response_id("chatcmpl", req), int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+  finals = await unless_disconnected(request, beam_search.beam_search_outputs(state, req, [prompt], [search], engine_id, priority))
+  if finals is None: return Response(status_code=499)
+  return _reply(state, req, plan, prompt, finals[0], request_id, created, None)
+
+
+def _reply(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan, prompt: Prompt, out: RequestOutput, request_id: str,
+           created: int, logprobs: int | None) -> Response:
+  """The whole reply: a message per output (reasoning and tool calls parsed out), its logprobs, the usage."""
+  tokenizer, ids = state.require_engine().tokenizer, returns_token_ids(state, req)
   parsers = [_output_parser(state, req, plan, prompt) for _ in out.outputs]
   choices = [ChatChoice(index=o.index, message=p.message(o.text), finish_reason=p.finish_reason(o.finish_reason),
                         stop_reason=o.stop_reason, logprobs=_logprobs(tokenizer, o.token_ids, o.logprobs, logprobs),

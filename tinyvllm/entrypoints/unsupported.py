@@ -108,15 +108,8 @@ OPENAI_SERVICES = {
 }
 
 # beam search is the completions endpoint's (vLLM's chat endpoint has it too)
-CHAT_BEAM_SEARCH = {
-  "use_beam_search": Unsupported("beam search is not implemented in the chat endpoint (the completions endpoint has it)",
-                                 one_of(False)),
-  "length_penalty": Unsupported("length_penalty applies to beam search, which the chat endpoint does not implement",
-                                one_of(1.0)),
-}
-
 CHAT = {
-  **STRUCTURED, **SAMPLING, **FUNCTIONS, **OPENAI_SERVICES, **CHAT_BEAM_SEARCH,
+  **STRUCTURED, **SAMPLING, **FUNCTIONS, **OPENAI_SERVICES,
   "echo": Unsupported("echoing the last message into the reply is not implemented", one_of(False)),
 }
 
