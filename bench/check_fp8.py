@@ -21,10 +21,15 @@ def _top2(logprobs: dict) -> tuple[int, int, float]:
   return a, b, la - lb
 
 
+SWAP_SLACK = 2.0   # a swap may need up to this many times the largest disagreement measured elsewhere (its tail)
+
+
 def _swap_bound(fused: list, portable: list) -> float:
   """How far the two paths' gaps between the same top two tokens differ at the positions where both chose the same
   token (the same prefix, so the same state): the measured disagreement of their numerics. A swap of the top two
-  tokens needs the gaps to differ by the two gaps' sum; one within this bound (or NEAR_TIE) is explained by it."""
+  tokens needs the gaps to differ by the two gaps' sum; one within SWAP_SLACK times the largest such difference of the
+  run (or NEAR_TIE) is explained by it: ~190 positions show the spread, not its tail, and a real fault moves logprobs
+  by far more."""
   worst = 0.0
   for f, p in zip(fused, portable, strict=True):
     for tf, tp, lf, lp in zip(f.token_ids, p.token_ids, f.logprobs, p.logprobs, strict=True):
@@ -32,7 +37,7 @@ def _swap_bound(fused: list, portable: list) -> float:
       fa, fb, fgap = _top2(lf)
       pa, pb, pgap = _top2(lp)
       if (fa, fb) == (pa, pb): worst = max(worst, abs(fgap - pgap))
-  return max(NEAR_TIE, worst)
+  return max(NEAR_TIE, SWAP_SLACK * worst)
 
 
 def check_kv_write_fp8(target, device: str) -> dict:
@@ -91,7 +96,7 @@ def step_engine_fp8(device: str, dialect: str) -> dict:
     pa, pb, pgap = _top2(p.logprobs[first])
     if (fa, fb) != (pb, pa) or fgap + pgap > bound:
       problems.append(f"prompt {i} differs at token {first}: fused top two {fa}, {fb} (gap {fgap:.3f}), portable {pa}, "
-                      f"{pb} (gap {pgap:.3f}); the paths disagree by up to {bound:.3f} elsewhere")
+                      f"{pb} (gap {pgap:.3f}); beyond {bound:.3f}, {SWAP_SLACK:g}x the paths' largest disagreement elsewhere")
   record = {"name": "engine_fp8_qwen3_dummy", "ok": not problems, "tokens_matched": matched, "swap_bound": bound,
             "calls": calls, "problems": problems}
   assert not problems, "; ".join(problems)
