@@ -39,9 +39,9 @@ def instrument() -> None:
   for cls in (find("tinyvllm.core.scheduler", "SchedulerBase"), find("tinyvllm.core.async_scheduling", "AsyncScheduling")):
     wrap(cls, "schedule", "schedule")
     wrap(cls, "update_from_output", "update_from_output")
+  wrap(find("tinyvllm.worker.model_runner", "ModelRunner"), "prepare", "prepare")
   wrap(find("tinyvllm.worker.model_runner", "ModelRunner"), "launch", "launch")
-  wrap(find("tinyvllm.worker.model_runner", "ModelRunner"), "_prepare", "  of which prepare")
-  wrap(find("tinyvllm.worker.model_runner", "LaunchedStep"), "result", "wait for tokens")
+  wrap(find("tinyvllm.worker.runner_steps", "LaunchedStep"), "result", "wait for tokens")
   processor = find("tinyvllm.engine.output_processor", "OutputProcessor")
   wrap(processor, "process_outputs", "frontend outputs")
   wrap(processor, "request_output", "request_output")

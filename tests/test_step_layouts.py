@@ -56,13 +56,13 @@ def test_bad_capture_sizes_are_refused():
 
 
 def record_steps(llm: LLM) -> list[tuple[int, int]]:
-  seen, prepare = [], llm.engine.runner._prepare
+  seen, plan = [], llm.engine.runner._plan
 
   def recording(sched):
-    host, layout, *rest = prepare(sched)
+    host, layout, *rest = plan(sched)
     seen.append((layout.query_len, host.context_lens.shape[0]))
     return host, layout, *rest
-  llm.engine.runner._prepare = recording
+  llm.engine.runner._plan = recording
   return seen
 
 
