@@ -144,9 +144,11 @@ class TokenControlsBuilder:
     for i, (seq, step) in enumerate(zip(seqs, steps, strict=True)):
       if not has_controls(seq): continue
       proposals = [int(t) for t in drafts[i] if t >= 0] if spec_rows > 1 else []
+      p = seq.params
+      biased = bool(p.logit_bias or p.bad_words_token_ids) or step < p.min_tokens   # (a grammar alone has no bias)
       for j in range(spec_rows):
-        if bias := row_bias(seq, step + j, proposals[:j], self.vocab_size): biases[i * spec_rows + j] = bias
-        if seq.params.allowed_token_ids: allowed[i * spec_rows + j] = seq.params.allowed_token_ids
+        if biased and (bias := row_bias(seq, step + j, proposals[:j], self.vocab_size)): biases[i * spec_rows + j] = bias
+        if p.allowed_token_ids: allowed[i * spec_rows + j] = p.allowed_token_ids
       if seq.grammar is not None: grammars.append((seq, i * spec_rows, proposals))
     controls = TokenControls(grammar_rows=grammars, allowed_rows=allowed)
     if biases: controls.bias_index, controls.bias_value = self._bias_arrays(biases, padded_rows)
