@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import json
 import os
 import shlex
@@ -28,42 +27,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections import defaultdict
 from pathlib import Path
 
 from serve_sweep import wait_healthy  # (this script's folder is on sys.path)
+from stage_timers import Timers
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 CORE_REPORT_ENV = "SERVE_PROFILE_CORE_REPORT"   # where the core process writes its timers (set for the child by main())
 
-
-class Timers:
-  """Seconds and calls per named stage, from any thread."""
-
-  def __init__(self) -> None:
-    self.seconds: dict[str, float] = defaultdict(float)
-    self.calls: dict[str, int] = defaultdict(int)
-    self.lock = threading.Lock()
-
-  def add(self, name: str, seconds: float) -> None:
-    with self.lock:
-      self.seconds[name] += seconds
-      self.calls[name] += 1
-
-  def wrap(self, owner: object, attr: str, name: str) -> None:
-    original = getattr(owner, attr)
-
-    def timed(*args, **kwargs):
-      t = time.perf_counter()
-      try: return original(*args, **kwargs)
-      finally: self.add(name, time.perf_counter() - t)
-    setattr(owner, attr, staticmethod(timed) if isinstance(inspect.getattr_static(owner, attr), staticmethod) else timed)
-
-  def report(self) -> dict:
-    return {name: {"s": round(s, 4), "calls": self.calls[name], "ms_per_call": round(1e3 * s / max(self.calls[name], 1), 4)}
-            for name, s in sorted(self.seconds.items(), key=lambda kv: -kv[1])}
 
 
 def gap_report(gaps: list[float]) -> dict:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from stage_timers import Timers  # (this script's folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -49,33 +50,10 @@ class FillTimer:
     BitmaskFiller.fill = timed
 
 
-class StageTimers:
-  """Host milliseconds a call of the engine step's stages: methods wrapped on instances or classes, put back by
-  `report`."""
-  def __init__(self):
-    self.seconds, self.calls, self.undo = {}, {}, []
-
-  def wrap(self, owner, attr: str, name: str) -> None:
-    original = getattr(owner, attr)
-    def timed(*args, **kwargs):
-      t = time.perf_counter()
-      try: return original(*args, **kwargs)
-      finally:
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
-        self.calls[name] = self.calls.get(name, 0) + 1
-    setattr(owner, attr, timed)
-    # an instance's wrapper shadows its class's method (deleting it puts that back); a class gets its function back
-    self.undo.append((lambda: setattr(owner, attr, original)) if isinstance(owner, type) else (lambda: delattr(owner, attr)))
-
-  def report(self) -> dict:
-    for undo in reversed(self.undo): undo()
-    return {name: round(1e3 * s / self.calls[name], 3) for name, s in sorted(self.seconds.items(), key=lambda kv: -kv[1])}
-
-
-def stage_timers(engine) -> StageTimers:
+def stage_timers(engine) -> Timers:
   from tinyvllm.worker.runner_steps import LaunchedStep
   from tinyvllm.worker.token_controls import TokenControls
-  timers, core = StageTimers(), engine.core
+  timers, core = Timers(), engine.core
   timers.wrap(engine, "step", "LLMEngine.step (all)")
   timers.wrap(core, "step", "EngineCore.step")
   timers.wrap(core.scheduler, "schedule", "schedule")
@@ -156,7 +134,9 @@ def main() -> int:
       if profiler is not None:
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
-      if stages is not None: row["stages_ms_per_call"] = stages.report()
+      if stages is not None:
+        stages.restore()
+        row["stages_ms_per_call"] = {name: stage["ms_per_call"] for name, stage in stages.report().items()}
       row["bitmask_fill_ms_per_step"] = timer.seconds / max(timer.calls, 1) * 1e3
       print(json.dumps({k: v for k, v in row.items() if k != "token_ids"}), flush=True)
       runs[structured].append(row)
