@@ -117,9 +117,7 @@ class ModelRunner:
     """Fill the grammar rows' masks, enqueue the step (or its sampling, after `launch_forward`) and the copy of its
     samples to the host; tokens still in flight come from the previous step's samples on the device."""
     host, layout = step.host, step.layout
-    # (under asynchronous scheduling a sequence's own sample in this step is pending already: one, never more)
-    if any(seq.num_pending > 1 for seq, _, _ in step.controls.grammar_rows):
-      raise RuntimeError("a grammar's mask was asked for before its sequence's previous token landed")
+    if step.waits_for_tokens: raise RuntimeError("a grammar's mask was asked for before its sequence's previous token landed")
     step.controls.fill_bitmask()
     # (after launch_forward, the masks into the same upload buffer: the copy is ordered after the forward pass)
     packed = self._upload(step.fields, "bitmask" if step.logits is not None else "all")

@@ -56,9 +56,9 @@ class PreparedStep:
   controls: TokenControls
   on_host: bool                   # some row needed every earlier token on the host: the next step must not chain
   logits: Tensor | None = None    # the forward pass's logits, when it was launched ahead of the sampling (launch_forward)
-  blocks_moved: bool = False      # its swaps and block copies are enqueued
 
   @property
   def waits_for_tokens(self) -> bool:
-    """Whether a grammar row's previous token is still in flight: the step before must land before this launches."""
-    return any(item.token_source >= 0 and item.seq.grammar is not None for item in self.sched.scheduled)
+    """Whether a grammar row's previous token is still in flight (under asynchronous scheduling a sequence's own sample
+    in this step is pending from its scheduling on: one, never more): its mask must wait for the step before."""
+    return any(seq.num_pending > 1 for seq, _, _ in self.controls.grammar_rows)
