@@ -30,6 +30,12 @@ TAKES = "n (the beam width), max_tokens, temperature, length_penalty, ignore_eos
 NOT_FOR_CHAT_BEAM_SEARCH = {"logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",)}
 
 
+def check_no_length_penalty(req: SamplingRequest) -> None:
+  """A request without use_beam_search: length_penalty (beam search's) asks for nothing else."""
+  if req.length_penalty is not None and not equals(req.length_penalty, 1):
+    raise bad_request("length_penalty applies to beam search only (use_beam_search: true)", "length_penalty")
+
+
 def check_fields(req: SamplingRequest, chat: bool = False) -> None:
   """What beam search cannot honour: streaming, best_of other than n, a sampling field (or tools) it does not use."""
   if req.stream: raise bad_request("use_beam_search is not available with stream: true (the beams are known at the end)",

@@ -46,7 +46,6 @@ from tinyvllm.entrypoints.protocol import (
   Usage,
   chunk_event,
 )
-from tinyvllm.entrypoints.unsupported import equals
 from tinyvllm.outputs import CompletionOutput, Logprob, RequestOutput
 from tinyvllm.sampling_params import SamplingParams, StructuredOutputsParams
 from tinyvllm.tokenizer import Tokenizer, TokenizerError
@@ -131,8 +130,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     raise bad_request("include_reasoning: false needs a server started with --reasoning-parser (without one the reply is not "
                       "split into reasoning and content)", "include_reasoning")
   if req.use_beam_search: beam_search.check_fields(req, chat=True)
-  elif req.length_penalty is not None and not equals(req.length_penalty, 1):
-    raise bad_request("length_penalty applies to beam search only (use_beam_search: true)", "length_penalty")
+  else: beam_search.check_no_length_penalty(req)
   plan = plan_tools(req, state.chat)
   prompt, logprobs = _prepare(state, req, plan)
   if req.use_beam_search: return await _beam_search_reply(state, req, request, plan, prompt, max_tokens, param, priority)

@@ -43,7 +43,6 @@ from tinyvllm.entrypoints.protocol import (
   Usage,
   chunk_event,
 )
-from tinyvllm.entrypoints.unsupported import equals
 from tinyvllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import Tokenizer
@@ -70,8 +69,7 @@ def _prompts(state: ServerState, req: CompletionRequest, samples: int) -> list[P
 def _check_best_of(req: CompletionRequest) -> int:
   """The samples a prompt takes: best_of (>= n; not streamed when more), else n. length_penalty is beam search's."""
   n = req.n or 1
-  if req.length_penalty is not None and not equals(req.length_penalty, 1):
-    raise bad_request("length_penalty applies to beam search only (use_beam_search: true)", "length_penalty")
+  beam_search.check_no_length_penalty(req)
   if req.best_of is None: return n
   if req.best_of < n: raise bad_request(f"best_of must be at least n ({n}), got {req.best_of}", "best_of")
   if req.best_of > n and req.stream:
