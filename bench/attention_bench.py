@@ -78,7 +78,8 @@ def bench_batch(target, device: str, batch: int, iters: int, variants: dict | No
     ints = {k: Tensor(v, device=device).realize() for k, v in
             {"bt": table, "ctx": ctx, "qs": qs, "qi": np.arange(batch, dtype=np.int32).reshape(batch, 1),
              "qp": (ctx - 1).reshape(batch, 1), "oi": np.arange(batch, dtype=np.int32), "sm": np.full(batch, -1, np.int32)}.items()}
-    meta = AttentionMetadata(ints["sm"], ints["bt"], ints["qi"], ints["qp"], ints["oi"], ints["ctx"], ints["qs"], bs, L)
+    meta = AttentionMetadata(ints["sm"], ints["bt"], ints["qi"], ints["qp"], ints["oi"], ints["ctx"], ints["qs"],
+                             ints["qs"][1:] - ints["qs"][:-1], bs, L)
     per_layer.append((q, kc, vc, meta))
   backend = FusedBackend(target)
   fns = {"fused": backend.attention, "portable": paged_attention} if variants is None else \

@@ -3,14 +3,15 @@ command:
 
   DEV=CUDA python3 bench/check_decode_layer.py      (bash bench/run_on_device.sh layer; `check` runs it too)
 
-1. Random layers (Qwen3-0.6B's shape at 1-4 rows, 1-4 layers a launch, bf16 and FP8 caches; a GQA-4 head_dim-64 shape
-   with a qkv bias in float16; weights in the activations' dtype and packed: int8, int4, FP8, mixed): the kernel against
-   the same layers op by op, on the per-op CUDA kernels and on the portable path in float32. h within bf16 tolerance
+1. Random layers (Qwen3-0.6B's shape at 1-8 rows, 1-4 layers a launch, bf16 and FP8 caches; a GQA-4 head_dim-64 shape
+   with a qkv bias in float16; weights in the activations' dtype and packed: int8, int4, FP8, mixed; verifications of
+   proposals as decode rows, a sequence's tokens in consecutive rows): the kernel against the same layers op by op
+   (a verification's in its multi-query layout), on the per-op CUDA kernels and on the portable path in float32. h within bf16 tolerance
    (per layer), every layer's new K/V written, no other cache slot touched, every row finite.
 2. A TinyJit capture of three layers in two launches (MAX_LAYERS lowered to 2) replayed over steps with different
    contexts: the barrier counters reset at every launch (a stale counter would let blocks run ahead) and the layers
    match the per-op kernels each step.
-3. The engine (Qwen3-0.6B, random weights): decode tok/s at batch 1, 2 and 4 with and without the layer kernel
+3. The engine (Qwen3-0.6B, random weights): decode tok/s at batch 1, 2, 4 and 8 with and without the layer kernel
    (decode_layer_kernel=True / False: at every row count the tuning table bounds), and the greedy tokens of both at
    batch 2 (random weights have near-ties, so the first difference is reported, not asserted).
 Writes $OUT/check_decode_layer.json; exits 1 on any failure.
@@ -41,7 +42,11 @@ CASES = [("qwen3 b1 ctx 300 4 layers", QWEN3, [300], "bfloat16", False, 4, ELEM)
           (("int8", 1024), ("int8", 2048), ("int8", 1024), ("int8", 3072))),
          ("qwen3 b2 int4 g128 2 layers", QWEN3, [40, 1500], "bfloat16", False, 2, (("int4", 128),) * 4),
          ("qwen3 b4 fp8 g128 fp8 cache", QWEN3, [1, 17, 400, 2048], "bfloat16", True, 1, (("fp8", 128),) * 4),
-         ("gqa4 bias b1 f16 mixed", GQA4, [700], "float16", False, 2, (("int4", 64), ("elem", 0), ("fp8", 1024), ("int8", 128)))]
+         ("gqa4 bias b1 f16 mixed", GQA4, [700], "float16", False, 2, (("int4", 64), ("elem", 0), ("fp8", 1024), ("int8", 128))),
+         ("qwen3 b8 2 layers", QWEN3, [5, 900, 1500, 2048, 1, 77, 300, 1200], "bfloat16", False, 2, ELEM),
+         # verifications as decode rows: each sequence's new tokens (the last argument)
+         ("qwen3 verify 5 + 3 rows 2 layers", QWEN3, [700, 1300], "bfloat16", False, 2, ELEM, [5, 3]),
+         ("qwen3 verify 5 rows fp8 cache int4", QWEN3, [129], "bfloat16", True, 2, (("int4", 128),) * 4, [5])]
 RESULTS: dict = {"cases": [], "jit": [], "engine": {}, "failures": []}
 
 
@@ -55,12 +60,15 @@ def fused_backend(device: str):
 
 
 def check_case(name: str, dims: dict, contexts: list[int], dtype: str, fp8: bool, layers: int, weights: tuple,
-               device: str) -> None:
-  from tests.emulator.cases import layer_outputs, layer_tensors, make_layer_case
+               new_tokens: list[int] | None = None, *, device: str) -> None:
+  from dataclasses import replace
+
+  from tests.emulator.cases import as_decode_rows, layer_outputs, layer_tensors, make_layer_case
   case = make_layer_case(np.random.default_rng(len(name)), contexts, **dims, dtype=dtype, kv_fp8=fp8, layers=layers,
-                         weights=weights)
+                         weights=weights, new_tokens=new_tokens)
   backend = fused_backend(device)
-  model, stack, (h, cos, sin, caches, meta) = layer_tensors(case, device, dtype)
+  rows = replace(case, paged=as_decode_rows(case.paged)) if new_tokens else case
+  model, stack, (h, cos, sin, caches, meta) = layer_tensors(rows, device, dtype)
   fused = backend.decode_layers(stack, h, cos, sin, caches, meta, case.eps)
   if fused is None: raise RuntimeError(f"the layer kernel did not take the case: {backend.calls}")
   got_h, got_caches = layer_outputs(case, *fused)
@@ -113,7 +121,7 @@ def check_jit(device: str) -> None:
 
   def run(h, cos, sin, slot_mapping, block_tables, context_lens, query_start, fused: bool):
     meta = AttentionMetadata(slot_mapping, block_tables, query_start[:1].reshape(1, 1), query_start[:1].reshape(1, 1),
-                             query_start[:1], context_lens, query_start, 16, 2048)
+                             query_start[:1], context_lens, query_start, query_start[1:] - query_start[:-1], 16, 2048)
     out = backend.decode_layers(stack, h, cos, sin, caches, meta, 1e-6) if fused else None
     h, new = out or model.decoder_layers(h, cos, sin, caches, meta)
     return h.realize(*[t for pair in new for t in pair])
@@ -145,7 +153,7 @@ def engine_ab(device: str) -> None:
   for on in (True, False):
     engine = LLMEngine(EngineConfig(model="qwen3-0.6b", load_format="dummy", device=device, max_model_len=2048,
                                     max_num_seqs=8, num_gpu_blocks=1024, decode_layer_kernel=on))
-    runs = {b: run_decode_bench(engine, batch=b, prompt_len=128, new_tokens=128, no_kv_cache=False)[0] for b in (1, 2, 4)}
+    runs = {b: run_decode_bench(engine, batch=b, prompt_len=128, new_tokens=128, no_kv_cache=False)[0] for b in (1, 2, 4, 8)}
     for i, prompt in enumerate(random_prompts(engine, 2, 16, seed=3)):
       engine.add_request(f"g{i}", prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
     outs = {}
@@ -168,7 +176,7 @@ def main() -> int:
   device = select_device(os.environ.get("DEV", "CUDA"))
   t = time.perf_counter()
   for case in CASES:
-    try: check_case(*case, device)
+    try: check_case(*case, device=device)
     except Exception as e:
       RESULTS["failures"].append(f"{case[0]}: {type(e).__name__}: {e}")
       print(f"FAIL {case[0]}: {type(e).__name__}: {e}", flush=True)

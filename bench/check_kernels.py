@@ -221,7 +221,7 @@ def check_jit(target, device: str, name: str, seqs_per_step: list[list[tuple[int
   @TinyJit
   def step(q, k, v, slot_mapping, block_tables, query_index, context_lens, query_start):
     meta = AttentionMetadata(slot_mapping, block_tables, query_index, query_index, slot_mapping, context_lens, query_start,
-                             meta_shape.block_size, meta_shape.context_len)
+                             query_start[1:] - query_start[:-1], meta_shape.block_size, meta_shape.context_len)
     k2, v2 = backend.write_kv(kc, vc, k, v, slot_mapping)
     out = backend.attention(q, k2, v2, meta)
     Tensor.realize(out, k2, v2)

@@ -66,7 +66,7 @@ for step in "$@"; do
     quant) cmd=(python3 bench/check_kernels.py --skip compile,correctness,engine,engine-fp8,sample,moe,bench,prefill-bench,e2e) ;;
     check_moe) cmd=(python3 bench/check_kernels.py --skip compile,correctness,engine,engine-fp8,sample,quant,bench,prefill-bench,e2e) ;;
     wheel) cmd=(wheel_check) ;;
-    bound) cmd=(python3 bench/layer_bound.py) ;;
+    bound) cmd=(python3 bench/layer_bound.py ${BOUND_CASES:+--cases "$BOUND_CASES"}) ;;
     profile1) cmd=(python3 bench/gpu_profile.py --batch 1 --tag b1) ;;
     profile256) cmd=(python3 bench/gpu_profile.py --batch 256 --tag b256) ;;
     gemm) cmd=(python3 bench/gemm_bench.py --rows "${GEMM_ROWS:-1,4,16,32,64,128,256,1024,4096}") ;;

@@ -55,7 +55,7 @@ def test_fields_match_their_per_sequence_meaning(seed: int) -> None:
     assert a["output_index"][span].tolist() == [row * tq + j for j in range(n)]
     assert a["query_index"][row, :n].tolist() == list(range(flat, flat + n))
     assert a["query_pos"][row, :n].tolist() == list(range(c, c + n))
-    assert a["context_lens"][row] == c + n and a["query_start"][row] == flat
+    assert a["context_lens"][row] == c + n and a["query_start"][row] == flat and a["new_keys"][row] == n
     width = min(len(table), a["block_tables"].shape[1])
     assert a["block_tables"][row, :width].tolist() == table[:width]
     flat += n
@@ -90,6 +90,7 @@ def test_split_runs_give_each_row_a_piece_of_one_sequence(seed: int) -> None:
       assert a["query_pos"][row, :k].tolist() == list(range(c + first, c + first + k))
       assert a["output_index"][span].tolist() == [row * tq + j for j in range(k)]
       assert a["context_lens"][row] == c + first + k and a["query_start"][row] == span.start
+      assert a["new_keys"][row] == first + k   # the sequence's new tokens up to the row's last query
       width = min(len(table), a["block_tables"].shape[1])
       assert a["block_tables"][row, :width].tolist() == table[:width]
       row += 1
@@ -103,6 +104,39 @@ def test_split_runs_put_decodes_beside_a_prompt_chunk_in_short_rows() -> None:
   items = [ScheduledSequence(seqs[0], 0, 64, list(range(16)), True)] + [ScheduledSequence(s, 1, 1, [16], True) for s in seqs[1:]]
   assert prepare_batch(items, BLOCK, StepBuckets(split_runs=True)).arrays["query_index"].shape == (16, 8)
   assert prepare_batch(items, BLOCK).arrays["query_index"].shape == (8, 64)
+
+def verifying(proposals: list[int], start: int = 9) -> list[ScheduledSequence]:
+  """A decoding sequence per entry, its last token and that many proposals scheduled."""
+  items = []
+  for i, k in enumerate(proposals):
+    seq = Sequence("r", list(range(start)), SamplingParams(), seed=0, output_token_ids=[7])
+    table = [10 * i + b for b in range(-(-(start + 1 + k) // BLOCK))]
+    items.append(ScheduledSequence(seq, start, 1 + k, table, True, spec_token_ids=tuple(range(100, 100 + k))))
+  return items
+
+
+def test_a_small_verification_is_laid_out_as_decode_rows() -> None:
+  """Up to decode_verify_tokens tokens (the fused backend's layer kernel takes them), a verification's tokens are decode
+  rows: a row a token with its sequence's block table, context up to itself, new_keys counting its sequence's new
+  tokens so far; the same flat tokens, slots and logits rows as the multi-query layout. Larger ones keep a row a
+  sequence, as do steps with prompt chunks."""
+  items = verifying([4, 2])
+  rows, multi = (prepare_batch(items, BLOCK, StepBuckets(16, decode_verify_tokens=v), num_speculative_tokens=4).arrays
+                 for v in (8, 0))
+  assert rows["query_index"].shape == (8, 1) and multi["query_index"].shape == (2, 8)
+  for name in ("token_ids", "positions", "slot_mapping", "logits_index", "draft_tokens"):
+    np.testing.assert_array_equal(rows[name], multi[name], err_msg=name)
+  assert rows["context_lens"].tolist() == [10, 11, 12, 13, 14, 10, 11, 12] and rows["new_keys"].tolist() == [1, 2, 3, 4, 5, 1, 2, 3]
+  assert rows["query_start"].tolist() == list(range(9)) and rows["output_index"].tolist() == list(range(8))
+  assert rows["query_index"][:, 0].tolist() == list(range(8)) and rows["query_pos"][:, 0].tolist() == rows["positions"].tolist()
+  for row, seq in enumerate([0] * 5 + [1] * 3):
+    np.testing.assert_array_equal(rows["block_tables"][row], multi["block_tables"][seq])
+  assert prepare_batch(verifying([4, 4]), BLOCK, StepBuckets(16, decode_verify_tokens=8),
+                       num_speculative_tokens=4).arrays["query_index"].shape == (2, 8)   # 10 tokens
+  chunk = ScheduledSequence(Sequence("r", list(range(6)), SamplingParams(), seed=0), 0, 6, [50, 51], True)
+  assert prepare_batch([*verifying([1]), chunk], BLOCK, StepBuckets(16, decode_verify_tokens=8),
+                       num_speculative_tokens=1).arrays["query_index"].shape[1] == 8   # a prompt chunk beside it
+
 
 def test_token_slice_spans_prompt_and_output() -> None:
   seq = Sequence("r", [1, 2, 3], SamplingParams(), seed=0, output_token_ids=[4, 5])

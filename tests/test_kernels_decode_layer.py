@@ -16,7 +16,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tests.emulator.cases import FP8, LayerCase, from_bits, layer_outputs, layer_tensors, make_layer_case, to_bits
+from tests.emulator.cases import FP8, LayerCase, as_decode_rows, from_bits, layer_outputs, layer_tensors, make_layer_case, to_bits
 from tests.emulator.emulator import LazyKernels, Spec, emulate
 from tinyvllm.config import KernelOptions
 from tinyvllm.kernels.decode_layer import (
@@ -64,15 +64,28 @@ PACKED = {
   "qwen2_mixed": ("qwen2", [300, 17], False, "float16", 5, 128, 2, (("int8", 32), ("elem", 0), ("fp8", 64), ("int4", 32))),
 }
 CASES.update({name: case[:7] for name, case in PACKED.items()})
+# verifications of proposals laid out as decode rows (as_decode_rows): name -> each sequence's new tokens. A row sees its
+# sequence's earlier rows' keys, which no block has written to the cache yet: its own item norms and rotates them. In
+# qwen3_verify_rows the 259-key sequence's new keys 254-258 cross its splits' boundary (33 blocks: chunks of 256 keys).
+VERIFY = {"qwen3_verify_rows": [5, 1, 2], "qwen2_verify_rows_fp8": [3, 4]}
+CASES.update({"qwen3_verify_rows": ("qwen3", [259, 40, 2], False, "bfloat16", 33, 64, 2),
+              "qwen2_verify_rows_fp8": ("qwen2", [33, 17], True, "float16", 5, 128, 1)})
 # the cases that run in a few seconds with `-m "not slow"` (their own small library); the rest are marked slow
-QUICK = frozenset({"qwen3_split_rows", "qwen2_mixed"})
+QUICK = frozenset({"qwen3_split_rows", "qwen2_mixed", "qwen3_verify_rows"})
 
 
 def make(name: str) -> tuple[LayerCase, DecodeLayerShape]:
+  """The case as the kernel takes it (a verification's tokens as decode rows) and its shape."""
+  case, shape = make_multi_query(name)
+  return (replace(case, paged=as_decode_rows(case.paged)), shape) if name in VERIFY else (case, shape)
+
+
+def make_multi_query(name: str) -> tuple[LayerCase, DecodeLayerShape]:
+  """The case with each sequence's new tokens in one query row (the reference's layout)."""
   model, contexts, kv_fp8, dtype, blocks, threads, layers, *bucket = CASES[name]
   weights = PACKED[name][7] if name in PACKED else (("elem", 0),) * 4
   case = make_layer_case(np.random.default_rng(len(name)), contexts, **MODELS[model], dtype=dtype, kv_fp8=kv_fp8, layers=layers,
-                         min_bucket=bucket[0] if bucket else 16, weights=weights)
+                         min_bucket=bucket[0] if bucket else 16, weights=weights, new_tokens=VERIFY.get(name))
   d, p = case.dims, case.paged
   shape = DecodeLayerShape(dtype, case.rows, d["hidden"], d["heads"], d["kv_heads"], d["head_dim"], d["intermediate"], d["qk_norm"],
                            d["qkv_bias"], case.eps, p.shape.block_size, p.arrays["block_tables"].shape[1], p.k_cache.shape[0],
@@ -84,7 +97,7 @@ def run_emulated(emu: LazyKernels, name: str, case: LayerCase, shape: DecodeLaye
   plan = decode_layer_plan(shape, H100)
   kv = FP8 if shape.kv_fp8 else case.dtype
   given = {"h_in": to_bits(case.h_in, case.dtype), "rope_cos": case.cos, "rope_sin": case.sin,
-           **{k: case.paged.arrays[k] for k in ("slot_mapping", "block_tables", "context_lens", "query_start")}}
+           **{k: case.paged.arrays[k] for k in ("slot_mapping", "block_tables", "context_lens", "query_start", "new_keys")}}
   for li, (weights, (k_cache, v_cache)) in enumerate(zip(case.weights, case.caches, strict=True)):
     for k, v in weights.items():
       if isinstance(v, np.ndarray): given[f"{k}_{li}"] = to_bits(v, case.dtype)
@@ -119,8 +132,10 @@ def emu() -> LazyKernels:
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=() if name in QUICK else pytest.mark.slow) for name in CASES])
 def test_decode_layer_matches_per_op_layers(emu, name):
+  """The kernel against the per-op layers; a verification's decode rows against the per-op layers on its multi-query
+  layout (one row a sequence, the prefill attention's causal mask)."""
   case, shape = make(name)
-  want_h, want_caches = run_reference(case)
+  want_h, want_caches = run_reference(make_multi_query(name)[0])
   written = case.paged.arrays["slot_mapping"][case.paged.arrays["slot_mapping"] >= 0]
   others = np.setdiff1d(np.arange(case.paged.k_cache.shape[0]), written)
   cache_tol = dict(rtol=0.13, atol=0.02) if shape.kv_fp8 else dict(rtol=0.02, atol=0.02)
@@ -149,14 +164,14 @@ def test_block_tables_cached_up_to_8kb():
 
 
 def test_plan_fits_qwen3_06b_on_h100():
-  """Qwen3-0.6B on 132 SMs, all 28 layers in one launch: rows 1-4 fit an SM's shared memory, the arguments CUDA's 4 KB;
+  """Qwen3-0.6B on 132 SMs, all 28 layers in one launch: rows 1-8 fit an SM's shared memory, the arguments CUDA's 4 KB;
   the last blocks own no o/down rows (1,024 = 128 x 8)."""
-  for rows in (1, 2, 4):
+  for rows in (1, 2, 4, 8):
     shape = DecodeLayerShape("bfloat16", rows, 1024, 16, 8, 128, 3072, True, False, 1e-6, 16, 128, 1 << 20, False, 132, layers=28)
     assert unsupported_reason(shape, H100) is None
     plan = decode_layer_plan(shape, H100)
     assert plan.launch.grid == (132, 1, 1) and plan.launch.cooperative and shared_bytes(shape) <= 227 * 1024
-    assert len(plan.launch.params) == 14 + 28 * 10 and 8 * len(plan.launch.params) <= 4096
+    assert len(plan.launch.params) == 15 + 28 * 10 and 8 * len(plan.launch.params) <= 4096
     assert [p.name for p in plan.launch.params if p.written] == ["h_out", "qkv", "part_o", "part_ml", "h_mid", "gu", "sync",
                                                                   *(f"{c}_cache_{li}" for li in range(28) for c in "kv")]
     d = plan.defines
@@ -175,7 +190,7 @@ def test_packed_plan_fits_qwen3_06b_on_h100():
   assert max_layers(int4) == 27 and unsupported_reason(int4, H100) is None
   assert "28 layers in one launch (it takes 1 to 27)" in unsupported_reason(replace(int4, layers=28), H100)
   plan = decode_layer_plan(int4, H100)
-  assert len(plan.launch.params) == 14 + 14 * 18 and 8 * len(plan.launch.params) <= 4096
+  assert len(plan.launch.params) == 15 + 14 * 18 and 8 * len(plan.launch.params) <= 4096
   assert shared_bytes(int4) < shared_bytes(bf16) <= 227 * 1024
   layout = shared_layout(int4)   # gate_up's 47 rows: 47 x 512 bytes of codes, 47 x 8 scales and shifts in 16-byte windows
   assert layout["TV_A_BYTES"] == 47 * 512 + 2 * (47 * 8 * 4 + 16)
@@ -205,20 +220,20 @@ def test_unsupported_shapes_say_why():
   base = dict(dtype="bfloat16", rows=1, hidden=1024, heads=16, kv_heads=8, head_dim=128, intermediate=3072, qk_norm=True,
               qkv_bias=False, eps=1e-6, block_size=16, max_blocks=128, num_slots=4096, kv_fp8=False, blocks=132)
   assert unsupported_reason(DecodeLayerShape(**base), H100) is None
-  assert "rows" in unsupported_reason(DecodeLayerShape(**{**base, "rows": 8}), H100)
+  assert "9 rows" in unsupported_reason(DecodeLayerShape(**{**base, "rows": 9}), H100)
   assert "dtype" in unsupported_reason(DecodeLayerShape(**{**base, "dtype": "float32"}), H100)
   assert "group" in unsupported_reason(DecodeLayerShape(**{**base, "heads": 64}), H100)
   assert "33 layers" in unsupported_reason(DecodeLayerShape(**{**base, "layers": 33}), H100)
   # Llama-3.2-1B's gate_up slice alone (16,384 rows over 132 blocks, 4 KB each) is past an SM's shared memory
   assert "shared memory" in unsupported_reason(DecodeLayerShape(**{**base, "hidden": 2048, "intermediate": 8192, "heads": 32}), H100)
-  with pytest.raises(ValueError, match="rows"): decode_layer_plan(DecodeLayerShape(**{**base, "rows": 8}), H100)
+  with pytest.raises(ValueError, match="rows"): decode_layer_plan(DecodeLayerShape(**{**base, "rows": 9}), H100)
   # the kernel needs Hopper's bulk copies and a grid barrier: not an A100, not Metal
   for target in (DeviceTarget.nominal("cuda", arch="sm_80", multiprocessors=108), DeviceTarget.nominal("metal")):
     assert "grid barrier" in unsupported_reason(DecodeLayerShape(**base), target)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed (the CUDA compile check needs it)")
-@pytest.mark.parametrize("rows,kv_fp8,weights", [(1, False, None), (4, True, None), (1, False, ("int4", 128)),
+@pytest.mark.parametrize("rows,kv_fp8,weights", [(1, False, None), (4, True, None), (8, False, None), (1, False, ("int4", 128)),
                                                  (4, False, ("int8", 128)), (1, True, ("fp8", 128))])
 def test_cuda_source_compiles_without_spills(tmp_path, rows, kv_fp8, weights):
   """Qwen3-0.6B's 28 layers as an H100 plans them (14 a launch with int8 / int4 weights' scales and shifts), through nvcc
@@ -240,15 +255,16 @@ def test_cuda_source_compiles_without_spills(tmp_path, rows, kv_fp8, weights):
 
 @pytest.mark.slow
 def test_backend_takes_only_small_decode_steps_it_supports():
-  """FusedBackend's choice, on CPU tensors with the nominal H100 (132 SMs): decode steps of 1-4 rows of a supported model
-  with context buckets up to 8,192 at batch 1 and 4,096 at 2-4 rows (the sm_90 tuning table) get a shape (the H100
-  plan, every layer in one launch), 8-row steps and longer contexts do not (the per-op kernels run them), and a model
-  the kernel cannot take is refused with one log line naming the reason."""
+  """FusedBackend's choice, on CPU tensors with the nominal H100 (132 SMs): decode steps of 1-8 rows of a supported model
+  with context buckets up to 8,192 at batch 1, 4,096 at 2-4 rows and 2,048 at 5-8 (the sm_90 tuning table) get a shape
+  (the H100 plan, every layer in one launch), 16-row steps and longer contexts do not (the per-op kernels run them),
+  and a model the kernel cannot take is refused with one log line naming the reason."""
   from tinyvllm.kernels.fused import FusedBackend
   from tinyvllm.kernels.tinygrad_program import collecting_sources
   messages: list[str] = []
   backend = FusedBackend(replace(H100, device="CPU"), log=messages.append)
-  assert backend.decode_layer_bounds == {1: 8192, 2: 4096, 3: 4096, 4: 4096}
+  assert backend.decode_layer_bounds == {1: 8192, 2: 4096, 3: 4096, 4: 4096, 5: 2048, 6: 2048, 7: 2048, 8: 2048}
+  assert backend.decode_verify_tokens == 8
   qwen3 = dict(hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=128, qk_norm=True, qkv_bias=False)
 
   def step(contexts: list[int], layers: int = 2, **change):
@@ -269,7 +285,9 @@ def test_backend_takes_only_small_decode_steps_it_supports():
           shape.qk_norm, shape.layers) == ("float16", 4, 132, 16, 8, 128, 3072, True, 2)
   assert unsupported_reason(shape, H100) is None and not messages
   assert shape_for([300], layers=1).rows == 1   # batch 1 too
-  assert shape_for([300] * 8, layers=1) is None and not messages   # 8 rows: per-op kernels, by design (nothing to report)
+  assert shape_for([300] * 8, layers=1).rows == 8
+  assert shape_for([300] * 9, layers=1) is None and not messages   # 16 rows: per-op kernels, by design (nothing to report)
+  assert shape_for([2048] * 8, layers=1) is not None and shape_for([2049] * 8, layers=1) is None
   # context buckets up to 8,192 at batch 1, 4,096 at 2-4 rows (beyond: the split decode kernel, nothing to report)
   assert shape_for([8192], layers=1) is not None and shape_for([8193], layers=1) is None and not messages
   assert shape_for([4096, 5], layers=1) is not None and shape_for([4097, 5], layers=1) is None and not messages
@@ -278,7 +296,7 @@ def test_backend_takes_only_small_decode_steps_it_supports():
   with collecting_sources() as pending:
     fused = backend.decode_layers(stack, h, cos, sin, caches, meta, case.eps)
   assert fused is not None and len(fused[1]) == 2 and backend.calls["decode-layers"] == 1 and len(pending) == 1
-  assert backend.decode_layers(*step([300] * 8, layers=1)[1:], case.eps) is None and not messages
+  assert backend.decode_layers(*step([300] * 9, layers=1)[1:], case.eps) is None and not messages
   # G 8: refused, once in the log
   case, stack, h, cos, sin, caches, meta = step([5, 900, 17, 40], heads=64, kv_heads=8)
   for _ in range(2): assert backend.decode_layers(stack, h, cos, sin, caches, meta, case.eps) is None
@@ -321,6 +339,7 @@ def test_backend_decode_layer_options():
   from tinyvllm.kernels.fused import FusedBackend
   cpu = lambda target: replace(target, device="CPU")
   assert FusedBackend(cpu(H100), KernelOptions(decode_layer=False)).decode_layer_bounds == {}
-  assert FusedBackend(cpu(H100), KernelOptions(decode_layer_max_context=2048)).decode_layer_bounds == {r: 2048 for r in range(1, 5)}
+  assert FusedBackend(cpu(H100), KernelOptions(decode_layer_max_context=2048)).decode_layer_bounds == {r: 2048 for r in range(1, 9)}
+  assert FusedBackend(cpu(H100), KernelOptions(decode_layer=False)).decode_verify_tokens == 0
   for target in (DeviceTarget.nominal("cuda", arch="sm_80", multiprocessors=108), DeviceTarget.nominal("metal")):
     assert FusedBackend(cpu(target)).decode_layer_bounds == {}

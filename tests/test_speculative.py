@@ -203,6 +203,30 @@ def test_greedy_under_preemption_equals_plain_decoding(stories_dir, plain):
   assert_all_free(tight)
 
 
+def test_verifications_laid_out_as_decode_rows_equal_plain_decoding(stories_dir, plain, monkeypatch):
+  """A backend that takes small verifications as decode rows (the fused one, for its layer kernel: decode_verify_tokens)
+  gets the same greedy tokens: the portable backend made to ask for them here, its attention then reads each row's
+  context through the sequence's block table, the step's K/V written first. Batched steps of up to 8 tokens run so."""
+  from tinyvllm.layers.portable import PortableBackend
+  from tinyvllm.worker import model_runner
+  monkeypatch.setattr(PortableBackend, "decode_verify_tokens", 8)
+  layouts: list[tuple[int, int]] = []
+
+  def recording(*args, **kwargs):
+    host = model_runner_prepare(*args, **kwargs)
+    if host.spec_rows > 1: layouts.append(host.arrays["query_index"].shape)
+    return host
+  model_runner_prepare = model_runner.prepare_batch
+  monkeypatch.setattr(model_runner, "prepare_batch", recording)
+  rows = LLM(str(stories_dir), max_num_seqs=8, num_gpu_blocks=256, speculative_config=NGRAM)
+  params = [greedy(m) for m in (60, 3, 45, 1, 80)]
+  assert outputs(rows, PROMPTS, params) == outputs(plain, PROMPTS, params)
+  assert outputs(rows, PROMPTS[:1], params[:1]) == outputs(plain, PROMPTS[:1], params[:1])
+  assert (8, 1) in layouts and any(tq > 1 for _, tq in layouts)   # decode rows, and rows of a sequence above 8 tokens
+  assert rows.engine.scheduler.spec.num_accepted_tokens > 0
+  assert_all_free(rows)
+
+
 def test_aborts_mid_verification_leave_nothing_behind(speculating):
   engine = speculating.engine
   for i, prompt in enumerate(PROMPTS): engine.add_request(f"abort-{i}", prompt, greedy(60, ignore_eos=True))

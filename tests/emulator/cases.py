@@ -8,7 +8,7 @@ representable in the kernel dtype, so the float32 reference sees the kernel's in
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -119,7 +119,7 @@ def make_case(rng: np.random.Generator, seqs: list[tuple[int, int]], *, heads: i
   a = {"slot_mapping": np.full(n, -1, np.int32), "output_index": np.zeros(n, np.int32),
        "block_tables": np.zeros((s_pad, max_blocks), np.int32), "query_index": np.zeros((s_pad, tq), np.int32),
        "query_pos": np.zeros((s_pad, tq), np.int32), "context_lens": np.zeros(s_pad, np.int32),
-       "query_start": np.zeros(s_pad + 1, np.int32), "positions": np.zeros(n, np.int32)}
+       "query_start": np.zeros(s_pad + 1, np.int32), "new_keys": np.zeros(s_pad, np.int32), "positions": np.zeros(n, np.int32)}
   start = 0
   for row, ((ctx, new), table) in enumerate(zip(seqs, tables, strict=True)):
     pos = np.arange(ctx - new, ctx, dtype=np.int32)
@@ -129,7 +129,7 @@ def make_case(rng: np.random.Generator, seqs: list[tuple[int, int]], *, heads: i
     a["output_index"][start:start + new] = row * tq + np.arange(new)
     a["block_tables"][row, :len(table)] = table
     a["query_index"][row, :new], a["query_pos"][row, :new] = np.arange(start, start + new), pos
-    a["context_lens"][row] = ctx
+    a["context_lens"][row], a["new_keys"][row] = ctx, new
     start += new
     a["query_start"][row + 1:] = start
   shape = AttentionShape(dtype, head_dim, heads, kv_heads, block_size, s_pad, n, tq, L, num_slots, kv_fp8)
@@ -138,6 +138,24 @@ def make_case(rng: np.random.Generator, seqs: list[tuple[int, int]], *, heads: i
   kc = round_to(rng.standard_normal((num_slots, kv_heads * head_dim)) * scale, kv_dtype)
   vc = round_to(rng.standard_normal((num_slots, kv_heads * head_dim)), kv_dtype)
   return PagedCase(shape, list(seqs), q, kc, vc, a)
+
+
+def as_decode_rows(case: PagedCase) -> PagedCase:
+  """The case's new tokens as decode rows (Tq 1, a row a token, the rows of a sequence sharing its block table, its later
+  rows seeing its earlier rows' keys: new_keys), as input_batch lays out a small verification of proposals
+  (StepBuckets.decode_verify_tokens). The rows are the N token rows (padding rows past the real tokens)."""
+  a, real = case.arrays, case.total_tokens
+  n, max_blocks = len(a["slot_mapping"]), a["block_tables"].shape[1]
+  seq_of = np.repeat(np.arange(len(case.seqs)), [new for _, new in case.seqs])
+  z = lambda *shape: np.zeros(shape, np.int32)
+  rows = {"slot_mapping": a["slot_mapping"], "positions": a["positions"], "output_index": np.arange(n, dtype=np.int32),
+          "block_tables": z(n, max_blocks), "query_index": np.arange(n, dtype=np.int32).reshape(n, 1), "query_pos": z(n, 1),
+          "context_lens": z(n), "new_keys": z(n), "query_start": np.minimum(np.arange(n + 1), real).astype(np.int32)}
+  rows["block_tables"][:real] = a["block_tables"][seq_of]
+  rows["query_pos"][:real, 0] = a["positions"][:real]
+  rows["context_lens"][:real] = a["positions"][:real] + 1
+  rows["new_keys"][:real] = np.concatenate([np.arange(1, new + 1) for _, new in case.seqs])
+  return replace(case, shape=replace(case.shape, num_seqs=n, query_len=1), arrays=rows)
 
 
 def reference_attention(case: PagedCase) -> np.ndarray:
@@ -168,7 +186,7 @@ def metadata_tensors(case: PagedCase, device: str | None = None):
   a, sh = case.arrays, case.shape
   t = {k: Tensor(np.ascontiguousarray(v), device=device).realize() for k, v in a.items()}
   return AttentionMetadata(t["slot_mapping"], t["block_tables"], t["query_index"], t["query_pos"], t["output_index"],
-                           t["context_lens"], t["query_start"], sh.block_size, sh.context_len)
+                           t["context_lens"], t["query_start"], t["new_keys"], sh.block_size, sh.context_len)
 
 
 def portable_attention(case: PagedCase, device: str | None = None) -> np.ndarray:
@@ -248,10 +266,12 @@ class LayerCase:
 def make_layer_case(rng: np.random.Generator, contexts: list[int], *, hidden: int, intermediate: int, heads: int, kv_heads: int,
                     head_dim: int, qk_norm: bool, qkv_bias: bool, dtype: str = "bfloat16", kv_fp8: bool = False,
                     block_size: int = 16, theta: float = 10000.0, layers: int = 1, min_bucket: int = 16,
-                    weights: tuple[tuple[str, int], ...] = ()) -> LayerCase:
+                    weights: tuple[tuple[str, int], ...] = (), new_tokens: list[int] | None = None) -> LayerCase:
   """`weights`: each product's (form, group) as kernels.decode_layer.DecodeLayerShape.weights has them (default: all in
-  `dtype`); a packed one is a random QuantizedWeight (packed_weight)."""
-  paged = make_case(rng, [(c, 1) for c in contexts], heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+  `dtype`); a packed one is a random QuantizedWeight (packed_weight). `new_tokens`: each sequence's (default 1: a
+  decode step; more: a verification's tokens, in the multi-query layout, as_decode_rows makes them decode rows)."""
+  seqs = [(c, 1 if new_tokens is None else new) for c, new in zip(contexts, new_tokens or contexts, strict=True)]
+  paged = make_case(rng, seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
                     dtype=dtype, kv_fp8=kv_fp8, min_bucket=min_bucket)
   n, qkv_width = len(paged.arrays["slot_mapping"]), (heads + 2 * kv_heads) * head_dim
   r = lambda *shape, scale=1.0, offset=0.0, to=dtype: round_to(offset + rng.standard_normal(shape).astype(np.float32) * scale, to)

@@ -68,6 +68,7 @@ class ComputeBackend(Protocol):
   splits_query_runs: bool     # whether a sequence's new tokens may span query rows (padded queries cost as much as real ones)
   min_prompt_tokens: int      # the fewest token rows of a step with prompt chunks (padding rows cost it little)
   coarse_query_runs: bool     # whether prompt steps' query runs may round up to powers of four (it skips padded queries)
+  decode_verify_tokens: int   # a verification of proposals of up to this many tokens runs laid out as decode rows (0: none)
   builds_kernels: bool        # whether a new step layout compiles hand-written kernel sources
 
   def describe(self) -> str:

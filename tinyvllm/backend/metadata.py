@@ -9,8 +9,8 @@ from tinygrad import Tensor
 @dataclass
 class AttentionMetadata:
   """N flat new tokens in S query rows, laid out as [S, Tq]. A row is one sequence's run of new tokens (Tq = the longest
-  run, 1 for pure decode), or, for a backend that splits query runs (splits_query_runs), a piece of one: rows of one
-  sequence share its block table."""
+  run, 1 for pure decode), or, for a backend that splits query runs (splits_query_runs) and for a small verification of
+  proposals laid out as decode rows (decode_verify_tokens), a piece of one: rows of one sequence share its block table."""
   slot_mapping: Tensor   # [N] int32: cache slot (block * block_size + offset) each new token's K/V goes to; -1 = skip
   block_tables: Tensor   # [S, max_blocks] int32: physical block of each logical block of the row's sequence (padding: any valid block)
   query_index: Tensor    # [S, Tq] int32: flat token index of each padded query (padding: any valid index)
@@ -18,6 +18,8 @@ class AttentionMetadata:
   output_index: Tensor   # [N] int32: where each flat token's output sits in the [S * Tq] padded layout
   context_lens: Tensor   # [S] int32: keys visible to each row's last new token (0 for padding rows)
   query_start: Tensor    # [S + 1] int32: flat offset of each row's first new token
+  new_keys: Tensor       # [S] int32: keys of each row's context this step computes, up to its last query (its sequence's
+                         # new tokens so far: a decode row's 1; 0 for padding rows)
   block_size: int
   context_len: int       # L: keys gathered per sequence, a multiple of block_size
 

@@ -29,10 +29,11 @@ from tinyvllm.kernels.tuning import tuning_for
 from tinyvllm.layers.fp8 import is_fp8
 from tinyvllm.platform.target import DeviceTarget
 
-MAX_ROWS = 4          # decode rows (sequences) it takes: x' of 4 rows of the widest input fits beside the weight slices
+MAX_ROWS = 8          # decode rows it takes (sequences, or a verification's tokens): x' of 8 rows of Qwen3-0.6B's widest
+                      # input fits beside its weight slices
 MAX_LAYERS = 32       # layers a launch takes at most (fewer where a layer's pointers would pass ARGUMENT_POINTERS)
 ARGUMENT_POINTERS = 512   # CUDA's 4 KB of kernel arguments
-STEP_PARAMS = 14          # the step's own buffers, before the layers'
+STEP_PARAMS = 15          # the step's own buffers, before the layers'
 MAX_GROUP = 4         # query heads per KV head (the attention phase holds G x 8 q values and accumulators a thread)
 THREADS = 512
 TILE_KEYS = 128       # keys an attention tile covers at least
@@ -121,8 +122,9 @@ def _caches_tables(shape: DecodeLayerShape) -> bool: return 4 * shape.rows * sha
 
 
 def _meta_ints(shape: DecodeLayerShape) -> int:
-  """The step's metadata kept in shared memory: context lengths, query starts, slots (and the block tables if small)."""
-  return 3 * shape.rows + 1 + (shape.rows * shape.max_blocks if _caches_tables(shape) else 0)
+  """The step's metadata kept in shared memory: context lengths, query starts, slots, new keys (and the block tables if
+  small)."""
+  return 4 * shape.rows + 1 + (shape.rows * shape.max_blocks if _caches_tables(shape) else 0)
 
 
 def _slice_bytes(shape: DecodeLayerShape, product: str, rows: int) -> int:
@@ -140,7 +142,8 @@ def shared_layout(shape: DecodeLayerShape) -> dict[str, int]:
   s, r, nw = shape, _slices(shape), shape.threads // 32
   tile = _tiles(shape)[1]
   g, d = s.group, s.head_dim
-  attention = (g + 1) * d + g * tile + cdiv(4 * (g + 1), 4) * 4 + 8 * (d // 8) + max(nw * g, 3) * d
+  m = s.rows   # new keys a row may have (decode_layer_attend.inc's scratch)
+  attention = (g + m) * d + g * tile + cdiv(3 * (g + 1) + g + m, 4) * 4 + m * 8 * (d // 8) + max(nw * g, 3 + m) * d
   red_rows, keep_rows = max(*r.values(), nw), max(r["TV_R_O"], r["TV_R_DN"])
   slice_bytes = lambda product, rows: _slice_bytes(s, product, r[rows])
   return {"TV_A_BYTES": _align(max(slice_bytes("qkv", "TV_R_QKV"), slice_bytes("gu", "TV_R_GU"))),
@@ -251,7 +254,7 @@ def decode_layer_plan(shape: DecodeLayerShape, target: DeviceTarget) -> DecodeLa
             Param("h_in", "elem", False, m * s.hidden), Param("rope_cos", "float", False, m * s.head_dim // 2),
             Param("rope_sin", "float", False, m * s.head_dim // 2), Param("slot_mapping", "int", False, m),
             Param("block_tables", "int", False, m * s.max_blocks), Param("context_lens", "int", False, m),
-            Param("query_start", "int", False, m + 1)]
+            Param("query_start", "int", False, m + 1), Param("new_keys", "int", False, m)]
   defines.update(_layer_defines(s, len(params)))
   for li in range(s.layers):
     params += [replace(_layer_param(s, name), name=f"{name}_{li}") for name in s.layer_params]
@@ -269,7 +272,8 @@ def layer_arguments(layers: list[DecoderLayerWeights], h: Tensor, cos: Tensor, s
                     meta: AttentionMetadata, sync: Tensor) -> dict[str, Tensor]:
   """The kernel's inputs and written buffers by parameter name (the scratch ones are left to run_decode_layer)."""
   named = {"h_in": h, "sync": sync, "rope_cos": cos, "rope_sin": sin, "slot_mapping": meta.slot_mapping,
-           "block_tables": meta.block_tables, "context_lens": meta.context_lens, "query_start": meta.query_start}
+           "block_tables": meta.block_tables, "context_lens": meta.context_lens, "query_start": meta.query_start,
+           "new_keys": meta.new_keys}
   for li, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
     named.update({f"k_cache_{li}": k_cache, f"v_cache_{li}": v_cache, f"input_norm_{li}": layer.input_norm,
                   f"post_norm_{li}": layer.post_attention_norm, f"q_norm_{li}": layer.q_norm, f"k_norm_{li}": layer.k_norm,
@@ -323,7 +327,8 @@ def step_shape(layers: list[DecoderLayerWeights], h: Tensor, cos: Tensor, k_cach
     (dtype is None or layer.qkv_proj.dtype != h.dtype, f"activations {h.dtype.name}, weights {layer.qkv_proj.dtype.name}"),
     (v_cache.dtype != k_cache.dtype or (not kv_fp8 and k_cache.dtype != h.dtype), "cache dtype"),
     (cos.dtype != dtypes.float32, "RoPE tables not float32"),
-    (any(t.dtype != dtypes.int32 for t in (meta.slot_mapping, meta.block_tables, meta.context_lens)), "metadata not int32"),
+    (any(t.dtype != dtypes.int32 for t in (meta.slot_mapping, meta.block_tables, meta.context_lens, meta.new_keys)),
+     "metadata not int32"),
     (k_cache.shape[1] % head_dim, "cache row is not a whole number of heads")) if bad), None)
   if reason is not None or dtype is None: return None, reason or "dtype"
   shape = DecodeLayerShape(dtype, rows, h.shape[1], layer.o_proj.shape[1] // head_dim, k_cache.shape[1] // head_dim, head_dim,

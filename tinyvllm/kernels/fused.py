@@ -85,6 +85,8 @@ class FusedBackend:
     self.decode_layer_bounds = {rows: bound(rows) for rows in range(1, decode_layer.MAX_ROWS + 1) if layered and bound(rows)}
     self._sync_base = (Tensor.zeros(2, dtype=dtypes.uint32, device=target.device).contiguous().realize()
                        if self.decode_layer_bounds else None)
+    # a verification of proposals small enough runs as a decode step of a row per token: the layer kernel takes it
+    self.decode_verify_tokens = max(self.decode_layer_bounds, default=0)
 
   def describe(self) -> str:
     bounds = ", ".join(f"{bound} at {rows}" for rows, bound in self.decode_layer_bounds.items())

@@ -53,6 +53,7 @@ class PortableBackend:
   splits_query_runs = True   # ... and every padded query: decode rows beside a prompt chunk would pad to its length
   min_prompt_tokens = 1
   coarse_query_runs = False
+  decode_verify_tokens = 0   # (its split query runs already fit a verification's tokens)
   builds_kernels = False
 
   def __init__(self, reason: str = ""):

@@ -63,7 +63,8 @@ class StepInputs:
     """The inputs on every device of the group (those on its first device copied)."""
     meta = self.attention
     copied = {name: group.broadcast(getattr(meta, name)) for name in ("slot_mapping", "block_tables", "query_index", "query_pos",
-                                                                      "output_index", "context_lens", "query_start")}
+                                                                      "output_index", "context_lens", "query_start",
+                                                                      "new_keys")}
     return StepInputs(group.broadcast(self.token_ids), group.broadcast(self.positions), replace(meta, **copied),
                       group.broadcast(self.logits_index))
 

@@ -38,6 +38,9 @@ class StepBuckets:
   split_runs: bool = False       # cut query runs into rows of the Tq with the fewest padded query slots (module docstring)
   min_prompt_tokens: int = 1     # the fewest token rows N of a step with prompt chunks
   coarse_query_runs: bool = False   # Tq of a step with prompt chunks from COARSE_QUERY_RUNS (at most N)
+  # a step verifying proposals of at most this many tokens is laid out as decode rows (Tq = 1, a row a token, the rows
+  # of a sequence sharing its block table): a backend's decode kernels (the persistent layer kernel) then take it
+  decode_verify_tokens: int = 0
 
   def tokens(self, n_real: int, multi_token: bool) -> int:
     """N: the token rows of a step of n_real tokens."""
@@ -74,6 +77,7 @@ def _empty(n: int, s: int, tq: int, max_blocks: int) -> dict[str, np.ndarray]:
     "block_tables": z(s, max_blocks),           # physical block of each logical block
     "query_index": z(s, tq), "query_pos": z(s, tq),   # flat index and position of each padded query
     "context_lens": z(s),                       # keys visible to each row's last query (0: padding)
+    "new_keys": z(s),                           # keys of them this step computes (0: padding)
     "query_start": z(s + 1),                    # flat offset of each row's first new token (exclusive scan)
   }
 
@@ -118,7 +122,8 @@ def _fill_split_rows(a: dict[str, np.ndarray], seq_tables: np.ndarray, rows_of_s
   a["block_tables"][:rows] = seq_tables[row_seq]
   a["output_index"][:n_real] = row_of * tq + offset % tq
   a["query_index"][row_of, offset % tq], a["query_pos"][row_of, offset % tq] = np.arange(n_real), pos
-  a["context_lens"][:rows] = computed[row_seq] + np.minimum(row_start + tq, counts[row_seq])
+  a["new_keys"][:rows] = np.minimum(row_start + tq, counts[row_seq])
+  a["context_lens"][:rows] = computed[row_seq] + a["new_keys"][:rows]
   a["query_start"][:rows], a["query_start"][rows:] = starts[row_seq] + row_start, n_real
 
 
@@ -130,7 +135,7 @@ def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, buckets: 
   A step that verifies proposals (speculative decoding, k = num_speculative_tokens) takes the logits of 1 + k rows per
   sampling sequence (`logits_index`: its last token's and each proposal's, the last repeated past its proposals) and
   the proposals themselves (`draft_tokens` [S, k], -1 past a sequence's own); its runs of 1 + k tokens are bucketed
-  as decodes are, not as prompt chunks.
+  as decodes are, not as prompt chunks, and up to `buckets.decode_verify_tokens` tokens laid out as decode rows.
 
   Vectorised over the flat tokens: at 256 sequences, per-sequence numpy calls cost more than the GPU's whole step (and
   at one sequence, each numpy call is a few microseconds of a step that the host must prepare in under a millisecond:
@@ -141,7 +146,8 @@ def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, buckets: 
   n_real, ends, longest = int(counts.sum()), computed + counts, int(counts.max())
   prompt_chunks = any(item.num_new_tokens > 1 + len(item.spec_token_ids) for item in scheduled)
   num_tokens = buckets.tokens(n_real, prompt_chunks)
-  tq = query_run_length(counts, longest, buckets, num_tokens, prompt_chunks)
+  as_decode = not prompt_chunks and longest > 1 and n_real <= buckets.decode_verify_tokens   # (a verification)
+  tq = 1 if as_decode else query_run_length(counts, longest, buckets, num_tokens, prompt_chunks)
   context_len = bucket(int(ends.max()), buckets.min_context)
   max_blocks = -(-context_len // block_size)
   rows_of_seq = -(-counts // tq) if tq < longest else None   # query rows each run takes, where runs are split
@@ -163,7 +169,7 @@ def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, buckets: 
   if rows_of_seq is None:   # a row per sequence
     a["output_index"][:n_real] = seq_of * tq + offset
     a["query_index"][seq_of, offset], a["query_pos"][seq_of, offset] = np.arange(n_real), pos
-    a["context_lens"][:seqs] = ends
+    a["context_lens"][:seqs], a["new_keys"][:seqs] = ends, counts
     a["query_start"][1:seqs + 1], a["query_start"][seqs + 1:] = starts[1:], n_real
   else: _fill_split_rows(a, seq_tables, rows_of_seq, counts, computed, starts, seq_of, offset, pos, tq)
   spec_rows = 1 + num_speculative_tokens if any(item.spec_token_ids for item in scheduled) else 1

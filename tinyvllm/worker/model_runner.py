@@ -74,7 +74,7 @@ class ModelRunner:
     self.last_tokens = Tensor.zeros(self.chain_rows, dtype=dtypes.int32, device=model.device).contiguous().realize()
     self.buckets = StepBuckets(min(backend.min_context_bucket, bucket(max_model_len, 16)),
                                bucket(max_num_seqs) if backend.pads_prefill_rows else 1, backend.splits_query_runs,
-                               backend.min_prompt_tokens, backend.coarse_query_runs)
+                               backend.min_prompt_tokens, backend.coarse_query_runs, backend.decode_verify_tokens)
     self.max_num_seqs, self.max_model_len, self.num_speculative_tokens = max_num_seqs, max_model_len, num_speculative_tokens
     self._kernels = backend.builds_kernels
     self.vocab_size = model.config.vocab_size
@@ -271,7 +271,7 @@ class ModelRunner:
   def _step_inputs(self, f: dict[str, Tensor], context_len: int, token_ids: Tensor | None = None,
                    logits_index: Tensor | None = None) -> StepInputs:
     meta = AttentionMetadata(f["slot_mapping"], f["block_tables"], f["query_index"], f["query_pos"], f["output_index"],
-                             f["context_lens"], f["query_start"], self.kv_cache.block_size, context_len)
+                             f["context_lens"], f["query_start"], f["new_keys"], self.kv_cache.block_size, context_len)
     return StepInputs(f["token_ids"] if token_ids is None else token_ids, f["positions"], meta,
                       f["logits_index"] if logits_index is None else logits_index)
 
