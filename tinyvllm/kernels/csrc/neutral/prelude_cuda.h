@@ -25,6 +25,7 @@ typedef unsigned char uchar;
 #define TV_BARRIER() __syncthreads()
 #define TV_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
 #define TV_UNROLL _Pragma("unroll")
+#define TV_NO_UNROLL _Pragma("unroll 1")
 #define TV_I64 long long
 #define TV_U32X4 uint4
 #define TV_ZERO16 make_uint4(0u, 0u, 0u, 0u)

@@ -20,6 +20,7 @@ using namespace metal;
 #define TV_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 #define TV_SHFL_XOR(v, m) simd_shuffle_xor((v), (ushort)(m))
 #define TV_UNROLL
+#define TV_NO_UNROLL
 #define TV_I64 long
 #define TV_U32X4 uint4
 #define TV_ZERO16 uint4(0u)
