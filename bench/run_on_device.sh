@@ -5,7 +5,7 @@
 # Steps: check (the GPU check: bench/check_kernels.py, then bench/check_decode_layer.py), layer
 # (bench/check_decode_layer.py alone), quant (bench/check_kernels.py's packed-weight products alone), check_moe
 # (its mixture-of-experts kernels alone), wheel (the tinyvllm wheel carried in .dist/, installed alone and run
-# from /tmp), bound (bench/layer_bound.py), profile1 / profile256 (bench/gpu_profile.py), gemm (bench/gemm_bench.py),
+# from /tmp), bound (bench/layer_bound.py), phases (bench/layer_phases.py: the layer kernel's time by phase), profile1 / profile256 (bench/gpu_profile.py), gemm (bench/gemm_bench.py),
 # timeline (bench/step_timeline.py), serve_profile (bench/serve_profile.py:
 # workload 3 against the server with timers on each stage; SERVE_ARGS adds server flags), sweep (bench/serve_sweep.py:
 # 1-256 concurrent clients; plotted here with --replot), explore (bench/attention_bench.py), sampler (bench/sampler_bench.py), spec (bench/spec_bench.py), moe (bench/moe_bench.py: the Qwen3-30B-A3B shape;
@@ -67,6 +67,7 @@ for step in "$@"; do
     check_moe) cmd=(python3 bench/check_kernels.py --skip compile,correctness,engine,engine-fp8,sample,quant,bench,prefill-bench,e2e) ;;
     wheel) cmd=(wheel_check) ;;
     bound) cmd=(python3 bench/layer_bound.py ${BOUND_CASES:+--cases "$BOUND_CASES"}) ;;
+    phases) cmd=(python3 bench/layer_phases.py) ;;
     profile1) cmd=(python3 bench/gpu_profile.py --batch 1 --tag b1) ;;
     profile256) cmd=(python3 bench/gpu_profile.py --batch 256 --tag b256) ;;
     gemm) cmd=(python3 bench/gemm_bench.py --rows "${GEMM_ROWS:-1,4,16,32,64,128,256,1024,4096}") ;;
