@@ -61,13 +61,11 @@ def fused_backend(device: str):
 
 def check_case(name: str, dims: dict, contexts: list[int], dtype: str, fp8: bool, layers: int, weights: tuple,
                new_tokens: list[int] | None = None, *, device: str) -> None:
-  from dataclasses import replace
-
-  from tests.emulator.cases import as_decode_rows, layer_outputs, layer_tensors, make_layer_case
+  from tests.emulator.cases import layer_as_decode_rows, layer_outputs, layer_tensors, make_layer_case
   case = make_layer_case(np.random.default_rng(len(name)), contexts, **dims, dtype=dtype, kv_fp8=fp8, layers=layers,
                          weights=weights, new_tokens=new_tokens)
   backend = fused_backend(device)
-  rows = replace(case, paged=as_decode_rows(case.paged)) if new_tokens else case
+  rows = layer_as_decode_rows(case) if new_tokens else case
   model, stack, (h, cos, sin, caches, meta) = layer_tensors(rows, device, dtype)
   fused = backend.decode_layers(stack, h, cos, sin, caches, meta, case.eps)
   if fused is None: raise RuntimeError(f"the layer kernel did not take the case: {backend.calls}")
@@ -79,7 +77,7 @@ def check_case(name: str, dims: dict, contexts: list[int], dtype: str, fp8: bool
   slots = case.paged.arrays["slot_mapping"][case.paged.arrays["slot_mapping"] >= 0]
   others = np.setdiff1d(np.arange(case.paged.k_cache.shape[0]), slots)
   pairs = list(zip(got_caches, per_op[1], strict=True))
-  record = {"name": name, "rows": case.rows, "layers": layers, "err_vs_per_op": rel(got_h, per_op[0]),
+  record = {"name": name, "rows": rows.rows, "layers": layers, "err_vs_per_op": rel(got_h, per_op[0]),
             "err_vs_portable": rel(got_h, portable[0]),
             "k_err": max(rel(k[slots], want_k[slots]) for (k, _), (want_k, _) in pairs),
             "v_err": max(rel(v[slots], want_v[slots]) for (_, v), (_, want_v) in pairs),

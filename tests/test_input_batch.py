@@ -117,7 +117,7 @@ def verifying(proposals: list[int], start: int = 9) -> list[ScheduledSequence]:
 
 def test_a_small_verification_is_laid_out_as_decode_rows() -> None:
   """Up to decode_verify_tokens tokens (the fused backend's layer kernel takes them), a verification's tokens are decode
-  rows: a row a token with its sequence's block table, context up to itself, new_keys counting its sequence's new
+  rows, unpadded: a row a token with its sequence's block table, context up to itself, new_keys counting its sequence's new
   tokens so far; the same flat tokens, slots and logits rows as the multi-query layout. Larger ones keep a row a
   sequence, as do steps with prompt chunks."""
   items = verifying([4, 2])
@@ -126,6 +126,10 @@ def test_a_small_verification_is_laid_out_as_decode_rows() -> None:
   assert rows["query_index"].shape == (8, 1) and multi["query_index"].shape == (2, 8)
   for name in ("token_ids", "positions", "slot_mapping", "logits_index", "draft_tokens"):
     np.testing.assert_array_equal(rows[name], multi[name], err_msg=name)
+  # no padding rows: 5 tokens, 5 rows (the multi-query layout pads the tokens to 8)
+  five = prepare_batch(verifying([4]), BLOCK, StepBuckets(16, decode_verify_tokens=8), num_speculative_tokens=4).arrays
+  assert five["query_index"].shape == (5, 1) and five["token_ids"].shape == (5,) and five["new_keys"].tolist() == [1, 2, 3, 4, 5]
+  assert five["query_start"].tolist() == list(range(6)) and five["context_lens"].tolist() == [10, 11, 12, 13, 14]
   assert rows["context_lens"].tolist() == [10, 11, 12, 13, 14, 10, 11, 12] and rows["new_keys"].tolist() == [1, 2, 3, 4, 5, 1, 2, 3]
   assert rows["query_start"].tolist() == list(range(9)) and rows["output_index"].tolist() == list(range(8))
   assert rows["query_index"][:, 0].tolist() == list(range(8)) and rows["query_pos"][:, 0].tolist() == rows["positions"].tolist()

@@ -16,7 +16,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tests.emulator.cases import FP8, LayerCase, as_decode_rows, from_bits, layer_outputs, layer_tensors, make_layer_case, to_bits
+from tests.emulator.cases import FP8, LayerCase, from_bits, layer_as_decode_rows, layer_outputs, layer_tensors, make_layer_case, to_bits
 from tests.emulator.emulator import LazyKernels, Spec, emulate
 from tinyvllm.config import KernelOptions
 from tinyvllm.kernels.decode_layer import (
@@ -66,7 +66,8 @@ PACKED = {
 CASES.update({name: case[:7] for name, case in PACKED.items()})
 # verifications of proposals laid out as decode rows (as_decode_rows): name -> each sequence's new tokens. A row sees its
 # sequence's earlier rows' keys, which no block has written to the cache yet: its own item norms and rotates them. In
-# qwen3_verify_rows the 259-key sequence's new keys 254-258 cross its splits' boundary (33 blocks: chunks of 256 keys).
+# qwen3_verify_rows the 259-key sequence's new keys 254-258 cross its splits' boundary (33 blocks: chunks of 256 keys);
+# qwen2_verify_rows_fp8 has 7 rows (a verification's rows are not padded).
 VERIFY = {"qwen3_verify_rows": [5, 1, 2], "qwen2_verify_rows_fp8": [3, 4]}
 CASES.update({"qwen3_verify_rows": ("qwen3", [259, 40, 2], False, "bfloat16", 33, 64, 2),
               "qwen2_verify_rows_fp8": ("qwen2", [33, 17], True, "float16", 5, 128, 1)})
@@ -77,7 +78,7 @@ QUICK = frozenset({"qwen3_split_rows", "qwen2_mixed", "qwen3_verify_rows"})
 def make(name: str) -> tuple[LayerCase, DecodeLayerShape]:
   """The case as the kernel takes it (a verification's tokens as decode rows) and its shape."""
   case, shape = make_multi_query(name)
-  return (replace(case, paged=as_decode_rows(case.paged)), shape) if name in VERIFY else (case, shape)
+  return (layer_as_decode_rows(case), replace(shape, rows=case.paged.total_tokens)) if name in VERIFY else (case, shape)
 
 
 def make_multi_query(name: str) -> tuple[LayerCase, DecodeLayerShape]:

@@ -222,9 +222,25 @@ def test_verifications_laid_out_as_decode_rows_equal_plain_decoding(stories_dir,
   params = [greedy(m) for m in (60, 3, 45, 1, 80)]
   assert outputs(rows, PROMPTS, params) == outputs(plain, PROMPTS, params)
   assert outputs(rows, PROMPTS[:1], params[:1]) == outputs(plain, PROMPTS[:1], params[:1])
-  assert (8, 1) in layouts and any(tq > 1 for _, tq in layouts)   # decode rows, and rows of a sequence above 8 tokens
+  assert any(tq == 1 for _, tq in layouts) and any(tq > 1 for _, tq in layouts)   # decode rows; a row a sequence above 8 tokens
   assert rows.engine.scheduler.spec.num_accepted_tokens > 0
   assert_all_free(rows)
+
+
+@pytest.mark.slow
+def test_start_up_captures_a_batch_1_verification_for_each_count_of_proposals(stories_dir, monkeypatch):
+  """Verifications as decode rows are not padded, so at batch 1 each count of proposals (1..k) is a layout of its own,
+  greedy and sampled: all captured at start-up beside the plain decode step; a backend without decode-row
+  verifications captures only the full k's two."""
+  from tinyvllm.layers.portable import PortableBackend
+  k = NGRAM["num_speculative_tokens"]
+  plain_rows = LLM(str(stories_dir), max_num_seqs=2, num_gpu_blocks=64, cuda_graph_sizes=[1], speculative_config=NGRAM)
+  assert plain_rows.engine.runner.num_captures == 1 + 2
+  monkeypatch.setattr(PortableBackend, "decode_verify_tokens", 8)
+  rows = LLM(str(stories_dir), max_num_seqs=2, num_gpu_blocks=64, cuda_graph_sizes=[1], speculative_config=NGRAM)
+  assert rows.engine.runner.num_captures == 1 + 2 * k
+  params = [greedy(40), greedy(25)]
+  assert outputs(rows, PROMPTS[:2], params) == outputs(plain_rows, PROMPTS[:2], params)
 
 
 def test_aborts_mid_verification_leave_nothing_behind(speculating):

@@ -143,19 +143,15 @@ def make_case(rng: np.random.Generator, seqs: list[tuple[int, int]], *, heads: i
 def as_decode_rows(case: PagedCase) -> PagedCase:
   """The case's new tokens as decode rows (Tq 1, a row a token, the rows of a sequence sharing its block table, its later
   rows seeing its earlier rows' keys: new_keys), as input_batch lays out a small verification of proposals
-  (StepBuckets.decode_verify_tokens). The rows are the N token rows (padding rows past the real tokens)."""
-  a, real = case.arrays, case.total_tokens
-  n, max_blocks = len(a["slot_mapping"]), a["block_tables"].shape[1]
+  (StepBuckets.decode_verify_tokens): as many rows as tokens, no padding."""
+  a, n = case.arrays, case.total_tokens
   seq_of = np.repeat(np.arange(len(case.seqs)), [new for _, new in case.seqs])
-  z = lambda *shape: np.zeros(shape, np.int32)
-  rows = {"slot_mapping": a["slot_mapping"], "positions": a["positions"], "output_index": np.arange(n, dtype=np.int32),
-          "block_tables": z(n, max_blocks), "query_index": np.arange(n, dtype=np.int32).reshape(n, 1), "query_pos": z(n, 1),
-          "context_lens": z(n), "new_keys": z(n), "query_start": np.minimum(np.arange(n + 1), real).astype(np.int32)}
-  rows["block_tables"][:real] = a["block_tables"][seq_of]
-  rows["query_pos"][:real, 0] = a["positions"][:real]
-  rows["context_lens"][:real] = a["positions"][:real] + 1
-  rows["new_keys"][:real] = np.concatenate([np.arange(1, new + 1) for _, new in case.seqs])
-  return replace(case, shape=replace(case.shape, num_seqs=n, query_len=1), arrays=rows)
+  rows = {"slot_mapping": a["slot_mapping"][:n], "positions": a["positions"][:n], "output_index": np.arange(n, dtype=np.int32),
+          "block_tables": a["block_tables"][seq_of], "query_index": np.arange(n, dtype=np.int32).reshape(n, 1),
+          "query_pos": a["positions"][:n].reshape(n, 1).copy(), "context_lens": (a["positions"][:n] + 1).astype(np.int32),
+          "new_keys": np.concatenate([np.arange(1, new + 1) for _, new in case.seqs]).astype(np.int32),
+          "query_start": np.arange(n + 1, dtype=np.int32)}
+  return replace(case, shape=replace(case.shape, num_seqs=n, num_tokens=n, query_len=1), q=case.q[:n], arrays=rows)
 
 
 def reference_attention(case: PagedCase) -> np.ndarray:
@@ -294,6 +290,12 @@ def make_layer_case(rng: np.random.Generator, contexts: list[int], *, hidden: in
               qkv_bias=qkv_bias)
   return LayerCase(paged, dims, r(n, hidden), [layer_weights() for _ in range(layers)], caches,
                    np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32), dtype)
+
+
+def layer_as_decode_rows(case: LayerCase) -> LayerCase:
+  """A verification's layer case (make_layer_case with new_tokens) with its tokens as decode rows (as_decode_rows)."""
+  n = case.paged.total_tokens
+  return replace(case, paged=as_decode_rows(case.paged), h_in=case.h_in[:n], cos=case.cos[:n], sin=case.sin[:n])
 
 
 def layer_tensors(case: LayerCase, device: str | None = None, dtype: str = "float32", backend=None):

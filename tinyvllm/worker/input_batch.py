@@ -39,7 +39,8 @@ class StepBuckets:
   min_prompt_tokens: int = 1     # the fewest token rows N of a step with prompt chunks
   coarse_query_runs: bool = False   # Tq of a step with prompt chunks from COARSE_QUERY_RUNS (at most N)
   # a step verifying proposals of at most this many tokens is laid out as decode rows (Tq = 1, a row a token, the rows
-  # of a sequence sharing its block table): a backend's decode kernels (the persistent layer kernel) then take it
+  # of a sequence sharing its block table, no padding rows): a backend's decode kernels (the persistent layer kernel)
+  # then take it
   decode_verify_tokens: int = 0
 
   def tokens(self, n_real: int, multi_token: bool) -> int:
@@ -145,15 +146,16 @@ def prepare_batch(scheduled: list[ScheduledSequence], block_size: int, buckets: 
   computed = np.fromiter((item.start for item in scheduled), np.int64, seqs)
   n_real, ends, longest = int(counts.sum()), computed + counts, int(counts.max())
   prompt_chunks = any(item.num_new_tokens > 1 + len(item.spec_token_ids) for item in scheduled)
-  num_tokens = buckets.tokens(n_real, prompt_chunks)
   as_decode = not prompt_chunks and longest > 1 and n_real <= buckets.decode_verify_tokens   # (a verification)
+  # decode rows are not padded: the layer kernel's step grows with its rows, padding rows included
+  num_tokens = n_real if as_decode else buckets.tokens(n_real, prompt_chunks)
   tq = 1 if as_decode else query_run_length(counts, longest, buckets, num_tokens, prompt_chunks)
   context_len = bucket(int(ends.max()), buckets.min_context)
   max_blocks = -(-context_len // block_size)
   rows_of_seq = -(-counts // tq) if tq < longest else None   # query rows each run takes, where runs are split
   rows = seqs if rows_of_seq is None else int(rows_of_seq.sum())
   min_rows = buckets.min_prefill_rows if prompt_chunks else 1
-  a = _empty(num_tokens, bucket(rows, min_rows), tq, max_blocks)
+  a = _empty(num_tokens, rows if as_decode else bucket(rows, min_rows), tq, max_blocks)
   starts = np.zeros(seqs + 1, np.int64)
   np.cumsum(counts, out=starts[1:])
   seq_of = np.repeat(np.arange(seqs), counts)     # the sequence of each flat token

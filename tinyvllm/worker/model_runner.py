@@ -182,6 +182,11 @@ class ModelRunner:
     for proposals, temperature in kinds:
       for sched in (self._warm_up_batch([1 + proposals] * rows, proposals, temperature) for rows in decode_rows):
         decode.setdefault(self._prepare(sched)[1], sched)
+    # a verification laid out as decode rows is not padded: at batch 1, each count of proposals is a layout of its own
+    for proposals in range(1, min(self.num_speculative_tokens, self.buckets.decode_verify_tokens - 1) + 1):
+      for temperature in (1.0, 0.0):
+        sched = self._warm_up_batch([1 + proposals], proposals, temperature)
+        decode.setdefault(self._prepare(sched)[1], sched)
     if self.cudagraph_mode == "FULL" and self.buckets.coarse_query_runs:
       for sched in self._prompt_batches(sizes, max_num_batched_tokens): prompt.setdefault(self._prepare(sched)[1], sched)
     todo = {layout: sched for layout, sched in (decode | prompt).items() if layout not in self._captures}
