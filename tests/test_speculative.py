@@ -203,10 +203,13 @@ def test_greedy_under_preemption_equals_plain_decoding(stories_dir, plain):
   assert_all_free(tight)
 
 
+@pytest.mark.slow
 def test_verifications_laid_out_as_decode_rows_equal_plain_decoding(stories_dir, plain, monkeypatch):
   """A backend that takes small verifications as decode rows (the fused one, for its layer kernel: decode_verify_tokens)
   gets the same greedy tokens: the portable backend made to ask for them here, its attention then reads each row's
-  context through the sequence's block table, the step's K/V written first. Batched steps of up to 8 tokens run so."""
+  context through the sequence's block table, the step's K/V written first. Steps of up to 8 tokens run so, unpadded,
+  so at batch 1 each count of proposals (1..k) is a layout of its own, greedy and sampled: start-up captures them all
+  beside the plain decode step."""
   from tinyvllm.layers.portable import PortableBackend
   from tinyvllm.worker import model_runner
   monkeypatch.setattr(PortableBackend, "decode_verify_tokens", 8)
@@ -218,29 +221,14 @@ def test_verifications_laid_out_as_decode_rows_equal_plain_decoding(stories_dir,
     return host
   model_runner_prepare = model_runner.prepare_batch
   monkeypatch.setattr(model_runner, "prepare_batch", recording)
-  rows = LLM(str(stories_dir), max_num_seqs=8, num_gpu_blocks=256, speculative_config=NGRAM)
+  rows = LLM(str(stories_dir), max_num_seqs=8, num_gpu_blocks=256, cuda_graph_sizes=[1], speculative_config=NGRAM)
+  assert rows.engine.runner.num_captures == 1 + 2 * NGRAM["num_speculative_tokens"]
   params = [greedy(m) for m in (60, 3, 45, 1, 80)]
   assert outputs(rows, PROMPTS, params) == outputs(plain, PROMPTS, params)
   assert outputs(rows, PROMPTS[:1], params[:1]) == outputs(plain, PROMPTS[:1], params[:1])
   assert any(tq == 1 for _, tq in layouts) and any(tq > 1 for _, tq in layouts)   # decode rows; a row a sequence above 8 tokens
   assert rows.engine.scheduler.spec.num_accepted_tokens > 0
   assert_all_free(rows)
-
-
-@pytest.mark.slow
-def test_start_up_captures_a_batch_1_verification_for_each_count_of_proposals(stories_dir, monkeypatch):
-  """Verifications as decode rows are not padded, so at batch 1 each count of proposals (1..k) is a layout of its own,
-  greedy and sampled: all captured at start-up beside the plain decode step; a backend without decode-row
-  verifications captures only the full k's two."""
-  from tinyvllm.layers.portable import PortableBackend
-  k = NGRAM["num_speculative_tokens"]
-  plain_rows = LLM(str(stories_dir), max_num_seqs=2, num_gpu_blocks=64, cuda_graph_sizes=[1], speculative_config=NGRAM)
-  assert plain_rows.engine.runner.num_captures == 1 + 2
-  monkeypatch.setattr(PortableBackend, "decode_verify_tokens", 8)
-  rows = LLM(str(stories_dir), max_num_seqs=2, num_gpu_blocks=64, cuda_graph_sizes=[1], speculative_config=NGRAM)
-  assert rows.engine.runner.num_captures == 1 + 2 * k
-  params = [greedy(40), greedy(25)]
-  assert outputs(rows, PROMPTS[:2], params) == outputs(plain_rows, PROMPTS[:2], params)
 
 
 def test_aborts_mid_verification_leave_nothing_behind(speculating):
