@@ -165,10 +165,15 @@ def main() -> None:
   print("step breakdown (median ms):", result["breakdown"], flush=True)
   result["host_profile"] = host_profile(llm.engine, args.batch)
   print("\n".join(result["host_profile"]), flush=True)
-  result["profile"] = profile_one_step(llm.engine, args.batch)
-  prof = result["profile"]
-  print(f"eager step: {prof['kernels']} kernels, {prof['total_ms']:.3f} ms of kernel time", flush=True)
-  for row in prof["top"]: print(f"  {row['ms']:8.4f} ms  x{row['count']:<4} {row['name']}", flush=True)
+  if args.tensor_parallel_size > 1:
+    # tinygrad's per-kernel timing (DEBUG=2) waits for each launch before queueing the next: one device's all-reduce
+    # would wait forever for the others' (csrc/cuda/all_reduce.inc)
+    print("eager step: not profiled under tensor parallelism (per-kernel timing serialises the devices' launches)", flush=True)
+  else:
+    result["profile"] = profile_one_step(llm.engine, args.batch)
+    prof = result["profile"]
+    print(f"eager step: {prof['kernels']} kernels, {prof['total_ms']:.3f} ms of kernel time", flush=True)
+    for row in prof["top"]: print(f"  {row['ms']:8.4f} ms  x{row['count']:<4} {row['name']}", flush=True)
   if out_dir := os.environ.get("OUT"):
     Path(out_dir, f"profile_{args.tag}.json").write_text(json.dumps(result, indent=1))
 
