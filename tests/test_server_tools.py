@@ -179,7 +179,8 @@ CALL_TEXT = ('<think>\nThe user wants the weather.\n</think>\n\nI will check.\n<
 @pytest.mark.slow
 def test_auto_reads_the_calls_the_model_writes(client):
   """tool_choice "auto" with a model that writes a call (forced here by a structured-output choice of the reference
-  text): reasoning, content and the call come apart, whole and streamed, with finish_reason tool_calls."""
+  text): reasoning, content and the call come apart, whole and streamed (its arguments fragment by fragment), with
+  finish_reason tool_calls."""
   kwargs = {"model": MODEL, "messages": USER, "tools": TOOLS, "max_tokens": 80,
             "extra_body": {"structured_outputs": {"choice": [CALL_TEXT]}, **NO_THINKING}}
   r = client.chat.completions.create(**kwargs)
@@ -187,9 +188,11 @@ def test_auto_reads_the_calls_the_model_writes(client):
   assert (message.content, message.model_extra["reasoning_content"]) == ("I will check.", "The user wants the weather.")
   assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [("get_weather", {"city": "東京", "days": 2})]
   assert r.choices[0].finish_reason == "tool_calls"
-  content, calls, finish, (reasoning, *_) = streamed(client, **kwargs)
+  content, calls, finish, (reasoning, *deltas) = streamed(client, **kwargs)
   assert (content, reasoning, calls, finish) == \
     ("I will check.", "The user wants the weather.", [("get_weather", message.tool_calls[0].function.arguments)], "tool_calls")
+  # the arguments are streamed as the model writes them, not in one piece once the call is complete
+  assert len([d for d in deltas if d.id is None and d.function.arguments]) > 1
 
 
 @pytest.mark.slow

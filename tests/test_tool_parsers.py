@@ -68,11 +68,15 @@ HERMES_CASES = [
   ("No tools needed: 2 < 3 and <tool is not a tag.\n", "No tools needed: 2 < 3 and <tool is not a tag.\n", []),
 ]
 HERMES_MALFORMED = [
-  '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zür\n</tool_call>',     # cut JSON
   '<tool_call>\n{"arguments": {"city": "Bern"}}\n</tool_call>',                        # no name
   '<tool_call>\n{"name": "f", "arguments": "city=Bern"}\n</tool_call>',                # arguments not an object
   '<tool_call>\n["f", {"city": "Bern"}]\n</tool_call>',                                # not an object
-  '<tool_call>\n{"name": "f", "arguments": {}, "extra": 1}\n</tool_call>',             # a key no call has
+  '<tool_call>\n{"arguments": {"a": 1}, "name": "f"}, 1\n</tool_call>',                # a call's keys, then more JSON
+]
+# blocks that open as a call does ({"name": ..., "arguments": {), so a stream gives the call before the rest shows
+HERMES_MALFORMED_LATE = [
+  ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zür\n</tool_call>', "get_weather", '{"city": "Zür\n'),  # cut
+  ('<tool_call>\n{"name": "f", "arguments": {}, "extra": 1}\n</tool_call>', "f", "{}"),                    # a key no call has
 ]
 
 
@@ -89,15 +93,36 @@ def test_hermes_leaves_a_malformed_call_as_content(block):
   assert same_in_every_piece_size(HermesToolParser, f"{good}\n{block}") == (block, [("ok", '{"a": 1}')])
 
 
-def test_hermes_streams_text_before_a_call_as_it_comes():
-  """Text is held back only while it could be the start of a call (or whitespace before one)."""
+@pytest.mark.parametrize("block,name,streamed", HERMES_MALFORMED_LATE)
+def test_a_block_that_opens_as_a_call_is_content_whole_and_a_call_once_streamed(block, name, streamed):
+  """Whole (or in one piece), the block is the content it is; streamed, its call had left before the block went wrong,
+  so it stands with the arguments' text as written (vLLM's streams do the same)."""
+  assert run(HermesToolParser, block, 10_000) == (block, [])
+  assert all(run(HermesToolParser, block, size) == ("", [(name, streamed)]) for size in SIZES[:-1])
+
+
+def test_hermes_streams_a_calls_arguments_as_they_are_written():
+  """Text is held back only while it could be the start of a call (or whitespace before one); a call is given once its
+  block shows the name and the arguments object opening, then its arguments' text fragment by fragment."""
   parser = HermesToolParser()
   assert parser.feed("Sure", False) == ("Sure", [])
   assert parser.feed(", one moment.\n<tool", False) == (", one moment.", [])
-  assert parser.feed("_call>\n{\"name\": \"f\", \"arguments\": {}}", False) == ("", [])   # a call is given when it closes
-  content, deltas = parser.feed("\n</tool_call>", False)
-  assert content == "" and [(d.name, d.arguments) for d in deltas] == [("f", ""), (None, "{}")]
-  assert parser.feed("\n", True) == ("", [])
+  assert parser.feed('_call>\n{"name": "get_wea', False) == ("", [])
+  content, deltas = parser.feed('ther", "arguments": {"ci', False)
+  assert content == "" and [(d.index, d.name, d.arguments) for d in deltas] == [(0, "get_weather", ""), (0, None, '{"ci')]
+  assert [(d.index, d.name, d.arguments) for d in parser.feed('ty": "Bern", "n": [1, "}"]}', False)[1]] == \
+    [(0, None, 'ty": "Bern", "n": [1, "}"]}')]   # the object ends at its own closing brace, not the one in a string
+  assert parser.feed("}\n</tool_", False) == ("", [])
+  assert parser.feed("call>\n", True) == ("", [])
+  assert parser.calls == 1
+
+
+def test_arguments_never_take_a_piece_of_the_closing_tag():
+  parser = HermesToolParser()
+  _, deltas = parser.feed('<tool_call>{"name": "f", "arguments": {"a": "x</tool', False)
+  assert [d.arguments for d in deltas] == ["", '{"a": "x']
+  _, deltas = parser.feed("_call>", True)   # the block ends inside the string: cut, and already streamed
+  assert deltas == [] and parser.calls == 1
 
 
 LLAMA3_CASES = [

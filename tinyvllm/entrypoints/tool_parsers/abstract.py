@@ -4,7 +4,8 @@ One object per output. `feed(text, final)` takes the next piece of the output (f
 returns the text that is now known to be content and the tool-call deltas now known, in OpenAI's streamed form: a
 call's first delta has its index, id and name (arguments ""), later ones add argument fragments. The whole output fed
 at once with final=True gives the same calls and text as the same output fed piece by piece, so a whole response and
-a stream always agree.
+a stream agree, except where a parser streams a call before its text is complete (the Hermes parser, as vLLM's) and
+the text then proves not to be one: the stream has given the call, the whole response gives the text.
 """
 from __future__ import annotations
 
