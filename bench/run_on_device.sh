@@ -16,7 +16,8 @@
 # of bench/gpu_benchmarks.py (with the suffix _fp8: the same part with --kv-cache-dtype fp8, e.g. throughput_fp8);
 # check_tp2 (bench/check_kernels.py with its engine checks at TP=2), tp2 / tp4 (bench/tp_check.py: tensor parallelism's greedy tokens against stories260K's reference and TP=1),
 # decode_8b_tp1 / _tp2 / _tp4 (batch-1 decode of the Qwen3-8B shape over that many GPUs), tpN_no_all_reduce / tpN_share
-# (bench/tp_overhead.py: the same with the all-reduces skipped; one GPU running one device's share), profile8b_tp1 / _tp2 / _tp4 (bench/gpu_profile.py
+# (bench/tp_overhead.py: the same with the all-reduces skipped; one GPU running one device's share), multi_device_graph
+# (bench/multi_device_graph.py: kernel chains in one- and multi-device CUDA graphs, MDG_DEVICES GPUs), profile8b_tp1 / _tp2 / _tp4 (bench/gpu_profile.py
 # on it; under TP its step breakdown and host profile, no eager per-kernel profile), serve_dp2 (workload 3 against two data-parallel replicas), serve_2clients / serve_dp2_2clients (the same with
 # two client processes), serve_asc2 / serve_asc2_2clients (two API server processes, one or two clients),
 # serve_dp2_asc4_4clients (two replicas behind four API servers, four clients), serve_asc4_2clients /
@@ -89,6 +90,7 @@ for step in "$@"; do
     profile8b_tp*) cmd=(python3 bench/gpu_profile.py --model qwen3-8b --batch 1 --tensor-parallel-size "${step#profile8b_tp}"
                         --tag "8b_tp${step#profile8b_tp}") ;;
     tp2|tp4) cmd=(python3 bench/tp_check.py --tp "${step#tp}" --stories .data/stories260K-hf) ;;
+    multi_device_graph) cmd=(python3 bench/multi_device_graph.py --devices "${MDG_DEVICES:-4}") ;;
     tp[0-9]_*) cmd=(python3 bench/tp_overhead.py --tp "${step:2:1}" --part "${step#tp?_}") ;;
     decode_8b_tp*) cmd=(python3 main.py bench decode --model qwen3-8b --load-format dummy --dtype bfloat16 --batch-size 1
                         --prompt-len 128 --max-tokens 256 --max-model-len 4096 -tp "${step#decode_8b_tp}") ;;
