@@ -128,11 +128,18 @@ def test_arguments_never_take_a_piece_of_the_closing_tag():
 LLAMA3_CASES = [
   ('{"name": "get_weather", "parameters": {"city": "Paris"}}', [("get_weather", '{"city": "Paris"}')]),
   ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', [("get_weather", '{"city": "Paris"}')]),
+  ('<|python_tag|> {"name": "f", "parameters": {"a": "b"}}', [("f", '{"a": "b"}')]),
   ('{"name": "a", "parameters": {"x": 1}}; {"name": "b", "arguments": {"y": [2]}}', [("a", '{"x": 1}'), ("b", '{"y": [2]}')]),
   (' {"name": "a", "parameters": {}}\n', [("a", "{}")]),
+  # a call that does not open as the format has it is given when the output ends, after the ones streamed before it
+  ('{"name": "a", "parameters": {"x": 1}}; {"parameters": {"y": 2}, "name": "b"}; {"name": "c"}',
+   [("a", '{"x": 1}'), ("b", '{"y": 2}'), ("c", "{}")]),
 ]
-LLAMA3_TEXT = ["The weather is fine.", '{"temperature": 21}', '{"name": "a", "parameters": {}} and more words',
-               '{"name": "a", "parameters": {"x": 1}', "<|python_tag|>print(1)", "{"]
+LLAMA3_TEXT = ["The weather is fine.", '{"temperature": 21}', "<|python_tag|>print(1)", "{",
+               '{"parameters": {"x": 1}, "name": "a"} and more words']
+# outputs that open as a call does, so a stream gives the call before the rest shows: (text, streamed calls, content)
+LLAMA3_LATE = [('{"name": "a", "parameters": {}} and more words', [("a", "{}")], "and more words"),
+               ('{"name": "a", "parameters": {"x": 1}', [("a", '{"x": 1}')], "")]
 
 
 @pytest.mark.parametrize("text,calls", LLAMA3_CASES)
@@ -143,6 +150,23 @@ def test_llama3_json_reads_the_calls(text, calls):
 @pytest.mark.parametrize("text", LLAMA3_TEXT)
 def test_llama3_json_leaves_anything_else_as_content(text):
   assert same_in_every_piece_size(Llama3JsonToolParser, text) == (text, [])
+
+
+@pytest.mark.parametrize("text,calls,content", LLAMA3_LATE)
+def test_llama3_json_output_that_opens_as_a_call_is_content_whole_and_calls_once_streamed(text, calls, content):
+  assert run(Llama3JsonToolParser, text, 10_000) == (text, [])
+  assert run(Llama3JsonToolParser, text, 1) == (content, calls)
+
+
+def test_llama3_json_streams_each_calls_arguments_as_they_are_written():
+  parser = Llama3JsonToolParser()
+  assert parser.feed('<|python_tag|>{"name": "a", "param', False) == ("", [])
+  _, deltas = parser.feed('eters": {"x": [1, "}"', False)
+  assert [(d.index, d.name, d.arguments) for d in deltas] == [(0, "a", ""), (0, None, '{"x": [1, "}"')]
+  _, deltas = parser.feed(']}}; {"name": "b", "arguments": {', False)
+  assert [(d.index, d.name, d.arguments) for d in deltas] == [(0, None, "]}"), (1, "b", ""), (1, None, "{")]
+  _, deltas = parser.feed("}}", True)
+  assert [(d.index, d.name, d.arguments) for d in deltas] == [(1, None, "}")] and parser.calls == 2
 
 
 def test_llama3_json_streams_plain_text_at_once():

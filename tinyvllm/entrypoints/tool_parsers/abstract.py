@@ -55,6 +55,33 @@ def held_back(text: str, marker: str) -> int:
   return 0
 
 
+@dataclass
+class ObjectText:
+  """A JSON object's raw text as it arrives: where it ends (its closing brace, outside strings)."""
+  text: str = ""
+  depth: int = 0
+  in_string: bool = False
+  escape: bool = False
+  closed: bool = False
+
+  def take(self, text: str) -> str:
+    """The part of `text` that belongs to the object (all of it, unless the object closes inside it)."""
+    for i, c in enumerate(text):
+      if self.in_string:
+        if self.escape: self.escape = False
+        elif c == "\\": self.escape = True
+        elif c == '"': self.in_string = False
+      elif c == '"': self.in_string = True
+      elif c in "{[": self.depth += 1
+      elif c in "}]":
+        self.depth -= 1
+        if self.depth == 0:
+          self.closed, text = True, text[:i + 1]
+          break
+    self.text += text
+    return text
+
+
 class ToolParser:
   """Subclasses implement feed(); `calls` counts the calls made so far."""
   MARKERS: tuple[str, ...] = ()   # the text that starts or ends a call
