@@ -1,4 +1,4 @@
-"""The compile cache (tinyvllm/platform/tinygrad_compat.py, install_disk_caches): tinygrad's scheduling and codegen of a
+"""The compile cache (tinyvllm/platform/compile_cache.py): tinygrad's scheduling and codegen of a
 step, kept in its disk cache, are skipped by a second process, which builds the same kernels and gives the same output.
 
 Each run is a fresh Python process on its own cache file (tinygrad's CACHEDB), lowering kernels in-process (PARALLEL=0)
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tinyvllm.platform import tinygrad_compat as compat
+from tinyvllm.platform import compile_cache
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,11 +32,11 @@ def counting(name, fn):
   return counted
 tinygrad.codegen.do_to_program = counting("codegen", tinygrad.codegen.do_to_program)
 tinygrad.schedule.get_kernel_graph = counting("schedule", tinygrad.schedule.get_kernel_graph)
-from tinyvllm.platform import tinygrad_compat as compat
+from tinyvllm.platform import compile_cache
 out = {}
 """
 EPILOGUE = """
-out.update(calls=calls, stats={k: vars(v) for k, v in compat.disk_cache_stats.items()})
+out.update(calls=calls, stats={k: vars(v) for k, v in compile_cache.disk_cache_stats.items()})
 print("RESULT " + json.dumps(out))
 """
 
@@ -44,7 +44,7 @@ print("RESULT " + json.dumps(out))
 TENSORS = """
 import numpy as np
 from tinygrad import Tensor
-compat.install_disk_caches()
+compile_cache.install_disk_caches()
 a = Tensor(np.arange(64, dtype=np.float32).reshape(8, 8) / 64).realize()
 b = Tensor(np.ones((8, 8), dtype=np.float32)).realize()
 c = (a @ b).relu() * 3
@@ -86,7 +86,7 @@ def test_a_second_process_reads_the_schedule_and_kernels_and_builds_nothing(fill
 
 def test_another_tinygrad_never_reads_an_entry(filled):
   cache, first = filled
-  other = run("compat._tinygrad_digest = lambda: 'another tinygrad'\n" + TENSORS, cache)   # its sources differ
+  other = run("compile_cache._tinygrad_digest = lambda: 'another tinygrad'\n" + TENSORS, cache)   # its sources differ
   assert other["stats"]["program"]["hits"] == other["stats"]["schedule"]["hits"] == 0
   assert other["calls"]["codegen"] == first["calls"]["codegen"] and other["values"] == first["values"]
 
@@ -100,7 +100,7 @@ def test_other_codegen_settings_never_read_an_entry(filled):
 
 def test_turned_off_it_reads_and_writes_nothing(filled):
   cache, first = filled
-  off = run(TENSORS.replace("compat.install_disk_caches()", "compat.install_disk_caches(False)"), cache)
+  off = run(TENSORS.replace("compile_cache.install_disk_caches()", "compile_cache.install_disk_caches(False)"), cache)
   assert off["stats"]["program"] == off["stats"]["schedule"] == {"hits": 0, "misses": 0, "stores": 0}
   assert off["calls"]["codegen"] == first["calls"]["codegen"]
 
@@ -136,8 +136,8 @@ def test_a_schedule_whose_devices_render_differently_here_is_a_miss():
   from tinygrad import Device
   from tinygrad.uop.ops import Ops, UOp
   Device["CPU"]
-  cache, linear = compat.ScheduleDiskCache("schedule", "unused", {}), UOp(Ops.LINEAR, src=())
-  here = compat._device_identity("CPU")
+  cache, linear = compile_cache.ScheduleDiskCache("schedule", "unused", {}), UOp(Ops.LINEAR, src=())
+  here = compile_cache._device_identity("CPU")
   assert here is not None and cache.unpack(({"CPU": here}, linear)) is linear
   assert cache.unpack(({"CPU": here.replace("ClangRenderer", "LLVMRenderer")}, linear)) is None
 
@@ -150,7 +150,7 @@ def test_a_stored_buffer_node_leaves_its_device_buffer_behind():
   from tinygrad import Tensor
   node = Tensor([1.0, 2.0], device="CPU").realize().uop.base
   assert node.realized is not None and b"Buffer" in pickle.dumps(node)
-  assert b"Buffer" not in zlib.decompress(compat._dumps(node))
+  assert b"Buffer" not in zlib.decompress(compile_cache._dumps(node))
 
 
 

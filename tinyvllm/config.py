@@ -270,7 +270,7 @@ class EngineConfig:
   # all-reduce); disabled, or elsewhere, with copies between the devices and adds
   disable_custom_all_reduce: bool = False
   # tinygrad's scheduling and codegen of each step built (its kernels' ASTs, rendered sources and binaries) kept in
-  # tinygrad's disk cache (cache.db), so that a second start skips them (platform/tinygrad_compat.py,
+  # tinygrad's disk cache (cache.db), so that a second start skips them (platform/compile_cache.py,
   # install_disk_caches); tinygrad's CACHELEVEL=0 turns it off too
   compile_cache: bool = True
   # hub ids (vLLM's names): downloaded through huggingface_hub into download_dir, default HF's cache (HF_HOME /

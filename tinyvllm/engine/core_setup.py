@@ -28,6 +28,7 @@ from tinyvllm.model.loader import NAME_OF_DTYPE, load_model, resolve_dtype
 from tinyvllm.model.presets import PRESETS
 from tinyvllm.model.quantization.config import resolve as resolve_quantization
 from tinyvllm.model.sharding import check_shardable, local_config
+from tinyvllm.platform import compile_cache
 from tinyvllm.platform import tinygrad_compat as compat
 from tinyvllm.platform.device import check_dtype, is_cpu, opens, select_device
 from tinyvllm.worker.cache_sizing import num_kv_blocks, num_swap_blocks
@@ -97,7 +98,7 @@ class DraftModel:
 def build_engine_parts(config: EngineConfig) -> EngineParts:
   compat.check()   # a tinygrad that lacks an internal we use fails here, not mid-step
   compat.install()
-  compat.install_disk_caches(config.compile_cache)
+  compile_cache.install_disk_caches(config.compile_cache)
   device = select_device(config.device)
   compat.check(device)
   located = locate_model(config)
@@ -250,11 +251,11 @@ def warm_up(config: EngineConfig, runner: ModelRunner, device: str, max_num_batc
   if sizes is None:
     top = bucket(max(config.max_num_seqs, max_num_batched_tokens))
     sizes = [] if is_cpu(device) else [1 << i for i in range(top.bit_length())]
-  before = {kind: replace(stats) for kind, stats in compat.disk_cache_stats.items()}
+  before = {kind: replace(stats) for kind, stats in compile_cache.disk_cache_stats.items()}
   done = runner.warm_up(sizes, max_num_batched_tokens)
   if done.decode or done.prompt:
     contexts = runner.buckets.min_context
-    read, wrote = ({kind: getattr(stats, field) - getattr(before[kind], field) for kind, stats in compat.disk_cache_stats.items()}
+    read, wrote = ({kind: getattr(stats, field) - getattr(before[kind], field) for kind, stats in compile_cache.disk_cache_stats.items()}
                    for field in ("hits", "stores"))
     cached = (f"; compile cache: read {read['schedule']} schedules and {read['program']} kernels, wrote {wrote['schedule']} "
               f"and {wrote['program']}" if config.compile_cache else "")
