@@ -15,9 +15,10 @@ import random
 
 from tests.test_block_manager import check_invariants, make_seq
 from tinyvllm.core.block_manager import BlockManager
-from tinyvllm.core.scheduler import Scheduler, SchedulerConfig, StaticScheduler
+from tinyvllm.core.scheduler import Scheduler, SchedulerConfig
 from tinyvllm.core.scheduler_output import SchedulerOutput
 from tinyvllm.core.sequence import Sequence, SequenceStatus, StopVerdict
+from tinyvllm.core.static_scheduler import StaticScheduler
 
 
 def fake_token(seq: Sequence) -> int: return 1000 + (seq.seq_id * 31 + len(seq.output_token_ids) * 7) % 997

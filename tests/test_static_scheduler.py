@@ -7,7 +7,8 @@ import pytest
 
 from tests.scheduler_sim import Sim, plan, random_requests, sim
 from tinyvllm.core.contiguous_allocator import ContiguousAllocator
-from tinyvllm.core.scheduler import Scheduler, SchedulerConfig, StaticScheduler
+from tinyvllm.core.scheduler import Scheduler, SchedulerConfig
+from tinyvllm.core.static_scheduler import StaticScheduler
 
 
 # ---- static batching ----

@@ -13,9 +13,10 @@ The engine reads a step before scheduling the next where a row needs every earli
 """
 from __future__ import annotations
 
-from tinyvllm.core.scheduler import Scheduler, SchedulerBase, StaticScheduler
+from tinyvllm.core.scheduler import Scheduler, SchedulerBase
 from tinyvllm.core.scheduler_output import SchedulerOutput
 from tinyvllm.core.sequence import Sequence
+from tinyvllm.core.static_scheduler import StaticScheduler
 
 
 class AsyncScheduling(SchedulerBase):

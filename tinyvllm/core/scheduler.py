@@ -13,7 +13,8 @@ blocks in the prefix cache, and finishes and frees what ended. Nothing else writ
 - Preemption (--preemption-mode): `recompute` frees the sequence's blocks, and it is computed again from scratch when
   readmitted; `swap` copies its blocks to the swap space in host memory (core/swap_space.py) and back into free
   device blocks when it is readmitted, where it continues exactly where it was (recomputed when the swap space is full).
-- `StaticScheduler` (the baseline): admit a batch, run it until all of it is done, then admit the next.
+- `StaticScheduler` (the baseline, core/static_scheduler.py): admit a batch, run it until all of it is done, then
+  admit the next.
 - Their asynchronous forms (`AsyncScheduling`, tinyvllm/core/async_scheduling.py) schedule a step while the previous
   one is still in flight.
 
@@ -37,6 +38,7 @@ from tinyvllm.core.fair_share import FairShare, dominant_group, first_without_se
 from tinyvllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from tinyvllm.core.scheduling_policy import SchedulingPolicy
 from tinyvllm.core.sequence import Sequence, SequenceStatus, StopVerdict
+from tinyvllm.core.spec_decoding_stats import SpecDecodingStats
 from tinyvllm.core.swap_space import SwapSpace
 from tinyvllm.sampling_params import SamplingParams
 
@@ -53,32 +55,6 @@ class SchedulerConfig:
   scheduling_policy: str = "fcfs"         # fcfs | priority (core/scheduling_policy.py)
   preemption_mode: str = "recompute"      # recompute | swap (a preempted sequence's blocks go to the swap space)
   num_swap_blocks: int = 0                # the swap space's blocks (preemption_mode swap)
-
-
-@dataclass
-class SpecDecodingStats:
-  """Speculative decoding's totals since start (vLLM's names): verifications (a sequence's proposals checked in a step),
-  proposals, accepted proposals. Each verification emits its accepted proposals and one token of the target's."""
-  num_drafts: int = 0
-  num_draft_tokens: int = 0
-  num_accepted_tokens: int = 0
-
-  def count(self, proposed: int, accepted: int) -> None:
-    self.num_drafts, self.num_draft_tokens = self.num_drafts + 1, self.num_draft_tokens + proposed
-    self.num_accepted_tokens += accepted
-
-  def since(self, earlier: SpecDecodingStats) -> SpecDecodingStats:
-    """The counts between an earlier snapshot and this one."""
-    return SpecDecodingStats(self.num_drafts - earlier.num_drafts, self.num_draft_tokens - earlier.num_draft_tokens,
-                             self.num_accepted_tokens - earlier.num_accepted_tokens)
-
-  @property
-  def acceptance_rate(self) -> float: return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-  @property
-  def mean_acceptance_length(self) -> float:
-    """Tokens emitted per verification (1 + accepted proposals)."""
-    return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass
@@ -402,29 +378,3 @@ class Scheduler(SchedulerBase):
     self.pending_swap_out += zip(self.allocator.swap_out(seq), host, strict=True)
     self.num_swapped_out_blocks += num_blocks
     return True
-
-
-class StaticScheduler(SchedulerBase):
-  """Static batching: admit up to max_num_seqs whole prompts, run them to completion, then admit the next batch.
-
-  A batch is admitted only if every member's worst case (prompt + max_tokens, for each of its samples) fits in the
-  cache at once, so a static batch never needs preemption.
-  """
-
-  def _plan(self) -> StepPlan:
-    if not self.running: self._admit_batch()
-    return StepPlan(0, [self._item(seq, seq.num_uncomputed_tokens) for seq in self.running if not self._done_in_flight(seq)])
-
-  def _worst_case_blocks(self, seq: Sequence) -> int:
-    max_tokens = seq.params.max_tokens or 0
-    return self.allocator.blocks_for(seq.num_tokens + max_tokens) * self._width(seq)
-
-  def _admit_batch(self) -> None:
-    reserved = seats = 0
-    while self.waiting:
-      seq = self.waiting[0]
-      need, width = self._worst_case_blocks(seq), self._width(seq)
-      if seats + width > self.config.max_num_seqs and seats: return
-      if reserved + need > self.allocator.num_blocks and reserved: return
-      reserved, seats = reserved + need, seats + width
-      self._admit(seq)

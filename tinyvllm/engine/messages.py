@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from tinyvllm.core.scheduler import SpecDecodingStats
+from tinyvllm.core.spec_decoding_stats import SpecDecodingStats
 from tinyvllm.sampling_params import SamplingParams
 
 
