@@ -4,8 +4,8 @@ One object per output. `feed(text, final)` takes the next piece of the output (f
 returns the text that is now known to be content and the tool-call deltas now known, in OpenAI's streamed form: a
 call's first delta has its index, id and name (arguments ""), later ones add argument fragments. The whole output fed
 at once with final=True gives the same calls and text as the same output fed piece by piece, so a whole response and
-a stream agree, except where a parser streams a call before its text is complete (the Hermes parser, as vLLM's) and
-the text then proves not to be one: the stream has given the call, the whole response gives the text.
+a stream agree, except where a parser streams a call before its text is complete (Hermes and llama3_json, as vLLM's)
+and the text then proves not to be one: the stream has given the call, the whole response gives the text.
 """
 from __future__ import annotations
 
@@ -58,7 +58,6 @@ def held_back(text: str, marker: str) -> int:
 @dataclass
 class ObjectText:
   """A JSON object's raw text as it arrives: where it ends (its closing brace, outside strings)."""
-  text: str = ""
   depth: int = 0
   in_string: bool = False
   escape: bool = False
@@ -76,9 +75,8 @@ class ObjectText:
       elif c in "}]":
         self.depth -= 1
         if self.depth == 0:
-          self.closed, text = True, text[:i + 1]
-          break
-    self.text += text
+          self.closed = True
+          return text[:i + 1]
     return text
 
 
