@@ -48,6 +48,11 @@ def run(make: type[ToolParser] | object, text: str, size: int) -> tuple[str, lis
   return content, [tuple(c) for c in calls]
 
 
+def triples(deltas) -> list[tuple]:
+  """Deltas as (index, name, arguments)."""
+  return [(d.index, d.name, d.arguments) for d in deltas]
+
+
 def same_in_every_piece_size(make, text: str) -> tuple[str, list[tuple[str, str]]]:
   results = {size: run(make, text, size) for size in SIZES}
   assert all(r == results[SIZES[-1]] for r in results.values()), results
@@ -109,8 +114,8 @@ def test_hermes_streams_a_calls_arguments_as_they_are_written():
   assert parser.feed(", one moment.\n<tool", False) == (", one moment.", [])
   assert parser.feed('_call>\n{"name": "get_wea', False) == ("", [])
   content, deltas = parser.feed('ther", "arguments": {"ci', False)
-  assert content == "" and [(d.index, d.name, d.arguments) for d in deltas] == [(0, "get_weather", ""), (0, None, '{"ci')]
-  assert [(d.index, d.name, d.arguments) for d in parser.feed('ty": "Bern", "n": [1, "}"]}', False)[1]] == \
+  assert content == "" and triples(deltas) == [(0, "get_weather", ""), (0, None, '{"ci')]
+  assert triples(parser.feed('ty": "Bern", "n": [1, "}"]}', False)[1]) == \
     [(0, None, 'ty": "Bern", "n": [1, "}"]}')]   # the object ends at its own closing brace, not the one in a string
   assert parser.feed("}\n</tool_", False) == ("", [])
   assert parser.feed("call>\n", True) == ("", [])
@@ -162,11 +167,11 @@ def test_llama3_json_streams_each_calls_arguments_as_they_are_written():
   parser = Llama3JsonToolParser()
   assert parser.feed('<|python_tag|>{"name": "a", "param', False) == ("", [])
   _, deltas = parser.feed('eters": {"x": [1, "}"', False)
-  assert [(d.index, d.name, d.arguments) for d in deltas] == [(0, "a", ""), (0, None, '{"x": [1, "}"')]
+  assert triples(deltas) == [(0, "a", ""), (0, None, '{"x": [1, "}"')]
   _, deltas = parser.feed(']}}; {"name": "b", "arguments": {', False)
-  assert [(d.index, d.name, d.arguments) for d in deltas] == [(0, None, "]}"), (1, "b", ""), (1, None, "{")]
+  assert triples(deltas) == [(0, None, "]}"), (1, "b", ""), (1, None, "{")]
   _, deltas = parser.feed("}}", True)
-  assert [(d.index, d.name, d.arguments) for d in deltas] == [(1, None, "}")] and parser.calls == 2
+  assert triples(deltas) == [(1, None, "}")] and parser.calls == 2
 
 
 def test_llama3_json_streams_plain_text_at_once():
@@ -186,9 +191,9 @@ def test_required_streams_the_arguments_as_they_come():
   parser = RequiredToolCalls()
   assert parser.feed('[{"name": "f', False) == ("", [])
   _, deltas = parser.feed('", "parameters": {"a"', False)
-  assert [(d.index, d.name, d.arguments) for d in deltas] == [(0, "f", ""), (0, None, '{"a"')]
+  assert triples(deltas) == [(0, "f", ""), (0, None, '{"a"')]
   _, deltas = parser.feed(': 1}}]', True)
-  assert [(d.index, d.name, d.arguments) for d in deltas] == [(0, None, ": 1}")]
+  assert triples(deltas) == [(0, None, ": 1}")]
 
 
 def test_a_named_call_is_the_whole_output():
