@@ -1,9 +1,9 @@
-"""Tensor parallelism on the GPU, checked: the peer all-reduce kernel against the portable copies and adds (the same
-bits, over many launches, eager and inside a captured TinyJit, shapes from one row to a whole decode batch),
-stories260K's greedy reference with the model split over N GPUs (the hand-written kernels running per shard), and a
-bf16 Qwen3 shape's greedy tokens at TP=N against TP=1 (a split changes the order of the all-reduced sums, so bf16
-tokens may part where two logits nearly tie: the agreement is reported). Prints one JSON line per check; exits 1 if
-the kernel's sums or stories260K's tokens differ.
+"""Tensor parallelism on the GPU, checked: the peer all-reduce kernel (and the inputs' broadcast and the logits' gather
+through it) against the portable copies and adds (the same bits, over many launches, eager and inside a captured
+TinyJit, shapes from one row to a whole decode batch), stories260K's greedy reference with the model split over N
+GPUs (the hand-written kernels running per shard), and a bf16 Qwen3 shape's greedy tokens at TP=N against TP=1 (a
+split changes the order of the all-reduced sums, so bf16 tokens may part where two logits nearly tie: the agreement
+is reported). Prints one JSON line per check; exits 1 if the kernel's sums or stories260K's tokens differ.
 
   python3 bench/tp_check.py --tp 2 --stories .data/stories260K-hf
 """
@@ -50,18 +50,31 @@ def peer_all_reduce(tp: int) -> dict:
     for i in range(40):   # every other launch adds a residual (replicated, as the hidden states are)
       x = partial(rows, cols).realize()
       r = None if i % 2 else group.replicate(Tensor(rng.standard_normal((rows, cols)).astype(np.float32)).cast(dtypes.bfloat16))
-      mismatches += not same(kernel(x, r).realize(), group.all_reduce(x, r).realize())
+      mismatches += not same(kernel.all_reduce(x, r).realize(), group.all_reduce(x, r).realize())
       launches += 1
 
   @TinyJit
-  def step(x: Tensor) -> Tensor: return kernel(kernel(kernel(x) * 0.5) * 0.5).realize()
+  def step(x: Tensor) -> Tensor: return kernel.all_reduce(kernel.all_reduce(kernel.all_reduce(x) * 0.5) * 0.5).realize()
   for _ in range(40):
     x = partial(8, 4096).realize()
     want = group.all_reduce(group.all_reduce(group.all_reduce(x) * 0.5) * 0.5)
     mismatches += not same(step(x), want.realize())
     launches += 3
-  return {"check": "peer all-reduce vs copies and adds", "tp": tp, "launches": launches, "mismatches": mismatches,
-          "equal": mismatches == 0}
+  gathers = 0
+  for rows in (1, 4, 8, 13):   # float32 logits of the Qwen3 vocabulary: 13 rows fill an exchange slot, 14 are copied
+    logits = group.local([Tensor(rng.standard_normal((rows, 151936 // tp)).astype(np.float32), device=group.first)
+                          for _ in range(tp)]).realize()
+    got, want = kernel.gather_columns(logits).realize(), group.gather_columns(logits).realize()
+    mismatches += not np.array_equal(got.numpy(), want.numpy())
+    gathers += 1
+  broadcasts = 0
+  for numel in (1, 7, 300, 5000, 5000):   # a step's int32 inputs (any bits), each device's copy against the source
+    words = rng.integers(-2**31, 2**31, numel, dtype=np.int64).astype(np.int32)
+    got = kernel.broadcast(Tensor(words, device=group.first)).realize()
+    mismatches += not all(np.array_equal(Tensor(got.uop.mselect(i)).numpy(), words) for i in range(tp))
+    broadcasts += 1
+  return {"check": "peer all-reduce, broadcast and gather vs copies and adds", "tp": tp, "launches": launches,
+          "gathers": gathers, "broadcasts": broadcasts, "mismatches": mismatches, "equal": mismatches == 0}
 
 
 def qwen_tokens(tp: int, model: str) -> list[list[int]]:

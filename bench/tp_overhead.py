@@ -61,7 +61,7 @@ def main() -> int:
   if args.part == "share": return cli_main(["bench", "decode", "--model", share_folder(args.tp), *DECODE])
   if args.part == "no_all_reduce":
     from tinyvllm.kernels.all_reduce import PeerAllReduce
-    PeerAllReduce.__call__ = lambda self, partial, residual=None: partial
+    PeerAllReduce.all_reduce = lambda self, partial, residual=None: partial
   return cli_main(["bench", "decode", "--model", "qwen3-8b", *DECODE, "-tp", str(args.tp)])
 
 

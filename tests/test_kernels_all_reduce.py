@@ -19,19 +19,20 @@ from tinyvllm.layers.tensor_parallel import TensorParallelGroup
 CASES = [(4096, 2, "bfloat16"), (3 * 512 * 8 + 40, 2, "float16"), (1000, 4, "float32"), (ar.MAX_BLOCKS * ar.THREADS * 8 * 2, 2, "bfloat16"),
          (2048, 4, "bfloat16")]
 RESIDUAL_CASES = [(4096, 2, "bfloat16"), (2048, 4, "float16")]
+BROADCAST_CASES = [(8, 4, "float32"), (3 * 512 * 4 + 12, 2, "float32")]   # one block of a step's inputs; several with a tail
 
 
-def _name(numel: int, world: int, dtype: str, residual: bool = False) -> str:
-  return f"ar_{numel}_{world}_{dtype}" + ("_residual" if residual else "")
+def _name(numel: int, world: int, dtype: str, residual: bool = False, broadcast: bool = False) -> str:
+  return f"ar_{numel}_{world}_{dtype}" + ("_residual" if residual else "") + ("_broadcast" if broadcast else "")
 
 
 @pytest.fixture(scope="module")
 def emu() -> LazyKernels:
   specs = []
-  for cases, residual in ((CASES, False), (RESIDUAL_CASES, True)):
+  for cases, residual, broadcast in ((CASES, False, False), (RESIDUAL_CASES, True, False), (BROADCAST_CASES, False, True)):
     for numel, world, dtype in cases:
-      plan = ar.all_reduce_plan(numel, world, dtype, residual)
-      specs.append(Spec(_name(numel, world, dtype, residual), "all_reduce", plan.defines, plan.launches))
+      plan = ar.all_reduce_plan(numel, world, dtype, residual, broadcast)
+      specs.append(Spec(_name(numel, world, dtype, residual, broadcast), "all_reduce", plan.defines, plan.launches))
   return emulate("cuda", specs)
 
 
@@ -45,11 +46,11 @@ class Devices:
     self.tables = [ar.device_table(rank, *addresses) for rank in range(world)]
 
   def all_reduce(self, emu: LazyKernels, partials: list[np.ndarray], dtype: str, order: str = "forward",
-                 residual: np.ndarray | None = None) -> list[np.ndarray]:
+                 residual: np.ndarray | None = None, broadcast: bool = False) -> list[np.ndarray]:
     """Every device's launch at once on its partial (float32 values representable in dtype), with the residual given
     to every device's; each device's result."""
     numel, world = partials[0].size, len(partials)
-    name = _name(numel, world, dtype, residual is not None)
+    name = _name(numel, world, dtype, residual is not None, broadcast)
     extra = [] if residual is None else [to_bits(residual, dtype)]
     outs = [np.full(numel, 0x7FC0 if dtype != "float32" else np.nan, np.uint16 if dtype != "float32" else np.float32)
             for _ in range(world)]
@@ -110,6 +111,23 @@ def test_launches_of_other_sizes_between_keep_the_exchange_consistent(emu):
   assert np.array_equal(counters[0], counters[1]) and counters[0][0] == len(sizes)
 
 
+@pytest.mark.parametrize("numel,world,dtype", BROADCAST_CASES)
+def test_a_broadcast_gives_every_device_the_first_ones_bits(emu, numel, world, dtype):
+  """The step inputs' broadcast: device 0's int32 words (NaN and subnormal patterns among them: moved, never added) on
+  every device, between all-reduces on the same buffers (the counters stay in step, the slots alternate)."""
+  devices, rng = Devices(world), np.random.default_rng(numel)
+  for launch in range(3):
+    words = rng.integers(-2**31, 2**31, numel, dtype=np.int64).astype(np.int32)
+    words[:3] = [0x7FC00001, 0x00000001, -1]   # a NaN with a payload, the smallest subnormal, all bits set
+    partials = [words.view(np.float32)] + [np.full(numel, np.float32(launch + 1)) for _ in range(world - 1)]
+    for rank, out in enumerate(devices.all_reduce(emu, partials, dtype, order=("forward", "reverse", "random")[launch],
+                                                  broadcast=True)):
+      assert np.array_equal(out.view(np.int32), words), f"launch {launch}, device {rank}"
+    between, between_dtype = next((n, d) for n, w, d in CASES if w == world)   # an all-reduce between broadcasts
+    sums = _partials(rng, between, world, between_dtype)
+    for out in devices.all_reduce(emu, sums, between_dtype): assert np.array_equal(out, _expected(sums, between_dtype))
+
+
 def test_plan_blocks_and_refusals():
   one = ar.all_reduce_plan(4096, 2, "bfloat16")   # 512 vectors: one block of 512 threads
   assert one.launches[0].grid == (1, 1, 1) and one.defines["TV_CHUNK"] == 4096
@@ -128,11 +146,11 @@ def test_plan_blocks_and_refusals():
 
 
 def test_a_group_without_peer_access_uses_the_copies_and_adds():
-  """On the CPU (no CUDA, no peer access) the model's all-reduce is the group's portable one, and the log says why."""
+  """On the CPU (no CUDA, no peer access) the model's collectives are the group's portable ones, and the log says why."""
   group, said = TensorParallelGroup(("CPU:0", "CPU:1")), []
-  assert ar.all_reduce_for(group, "metal", said.append) == group.all_reduce
-  assert ar.all_reduce_for(group, "cuda", said.append) == group.all_reduce
-  assert ar.all_reduce_for(group, "cuda", said.append, enabled=False) == group.all_reduce
+  assert ar.collectives_for(group, "metal", said.append) is group
+  assert ar.collectives_for(group, "cuda", said.append) is group
+  assert ar.collectives_for(group, "cuda", said.append, enabled=False) is group
   assert said == ["all-reduce: copies between the devices and adds (no peer all-reduce kernel for metal)",
                   "all-reduce: copies between the devices and adds (no peer access between the GPUs)",
                   "all-reduce: copies between the devices and adds (--disable-custom-all-reduce)"]

@@ -14,6 +14,7 @@ import pytest
 from tests.emulator.cases import make_case, metadata_tensors, portable_attention
 from tinyvllm.cli.args import add_engine_args, engine_kwargs
 from tinyvllm.config import ConfigError, EngineConfig
+from tinyvllm.kernels.all_reduce import all_reduce_plan
 from tinyvllm.kernels.attention import attention_shape
 from tinyvllm.kernels.fused import FusedBackend, capabilities
 from tinyvllm.kernels.gemm import gemm_plan
@@ -229,6 +230,9 @@ SPECIMENS = {   # name -> (algorithm, plan): what the models of interest compile
   # the mixture of experts at Qwen3-30B-A3B's shape, 1 and 16 tokens: routing + combine, gate_up, down
   **{f"moe_{kernel.name}_n{n}": (kernel.algorithm, kernel) for n in (1, 16)
      for kernel in moe_plan(MoEShape("bfloat16", n, 2048, 768, 128, 8, True, 1e-6)).kernels},
+  # tensor parallelism's collectives at TP=4: a row-parallel product's all-reduce with the residual, the inputs' broadcast
+  "all_reduce_residual": ("all_reduce", all_reduce_plan(4096, 4, "bfloat16", residual=True)),
+  "all_reduce_broadcast": ("all_reduce", all_reduce_plan(1024, 4, "float32", broadcast=True)),
 }
 # Qwen3-0.6B's projections as an H100 plans them (wgmma from 128 rows), compiled for sm_90a as NVRTC does there
 GEMM_SPECIMENS = {f"gemm_{name}_{rows}": LinearShape("bfloat16", rows, k, o, False, 1e-6 if norm else None, silu, silu, o > 100000)

@@ -81,8 +81,23 @@ def test_collectives_on_local_views():
   xl = group.local([Tensor(x[:, :4]), Tensor(x[:, 4:])])
   wl = group.local([Tensor(w[:4]), Tensor(w[4:])])
   np.testing.assert_allclose(group.all_reduce(xl @ wl).to("CPU").numpy(), x @ w, rtol=1e-5, atol=1e-5)
-  np.testing.assert_array_equal(group.all_gather(xl, 1).numpy(), x)
+  np.testing.assert_array_equal(group.gather_columns(xl).numpy(), x)
   assert group_devices("CUDA:2", 2) == ("CUDA:2", "CUDA:3")
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_placed_columns_all_reduced_are_the_gather_bit_for_bit(size: int):
+  """The peer kernel's gather (PeerAllReduce.gather_columns): each device's shard placed among zeros, all-reduced, then
+  the first device's copy: the shards side by side, the same values (infinities included)."""
+  group = TensorParallelGroup(group_devices("CPU", size))
+  x = np.random.default_rng(size).standard_normal((3, 5 * size)).astype(np.float32)
+  x[0, 1], x[1, -1] = np.inf, -np.inf
+  xl = group.local([Tensor(x[:, 5 * i:5 * (i + 1)]) for i in range(size)])
+  placed = group.place_columns(xl)
+  assert placed.shape == (3, 5 * size)
+  gathered = group.first_of(group.all_reduce(placed))
+  assert not isinstance(gathered.device, tuple)   # one device's buffer
+  np.testing.assert_array_equal(gathered.numpy(), x)
 
 
 @pytest.mark.parametrize(("kwargs", "words"), [

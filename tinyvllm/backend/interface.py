@@ -10,7 +10,6 @@ Two backends exist: `PortableBackend` (tinygrad ops on every device, tinyvllm/la
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,13 +50,26 @@ class BackendCapabilities:
     return None
 
 
-class DeviceGroup(Protocol):
-  """What a backend needs of a tensor-parallel group (tinyvllm/layers/tensor_parallel.py: TensorParallelGroup)."""
-  devices: tuple[str, ...]
+class Collectives(Protocol):
+  """How a tensor-parallel group's devices meet: portable (TensorParallelGroup, tinyvllm/layers/tensor_parallel.py)
+  or in a backend's kernels."""
 
   def all_reduce(self, partial: Tensor, residual: Tensor | None = None) -> Tensor:
-    """The portable all-reduce: copies between the devices and adds ([residual +] the sum)."""
+    """[residual +] the sum over the devices of a local view's per-device values, on every device."""
     ...
+
+  def gather_columns(self, local: Tensor) -> Tensor:
+    """A local view's shards side by side along its last axis, on the group's first device."""
+    ...
+
+  def broadcast(self, t: Tensor) -> Tensor:
+    """t (on the group's first device, or already on all) on every device: a step's inputs."""
+    ...
+
+
+class DeviceGroup(Collectives, Protocol):
+  """What a backend needs of a tensor-parallel group: its devices and the portable collectives."""
+  devices: tuple[str, ...]
 
 
 class ComputeBackend(Protocol):
@@ -110,10 +122,9 @@ class ComputeBackend(Protocol):
     states after the layers and the caches after their writes; None: the model runs each layer op by op."""
     ...
 
-  def all_reduce_for(self, group: DeviceGroup) -> Callable[..., Tensor]:
-    """The all-reduce of a tensor-parallel group's model, `(partial, residual=None) -> [residual +] the sum` (a local
-    view's per-device values summed, on every device): TensorParallelGroup.all_reduce or a kernel of the backend's with
-    its result. Called once, as the model is built."""
+  def collectives_for(self, group: DeviceGroup) -> Collectives:
+    """The collectives of a tensor-parallel group's model: the group's own or kernels of the backend's with their
+    results. Called once, as the model is built (a kernel's buffers are allocated then, outside any capture)."""
     ...
 
   def sample(self, logits: Tensor, params_bits: Tensor, rng_bits: Tensor, variant: SamplerVariant,

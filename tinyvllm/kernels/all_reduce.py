@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-from tinygrad import Tensor, dtypes
+from tinygrad import Tensor, UOp, dtypes
 
 from tinyvllm.kernels.attention import DTYPE_NAMES
 from tinyvllm.kernels.plan import DTYPE_CODES, ELEM_BYTES, Launch, Param, cdiv, dtype_code
@@ -29,7 +29,6 @@ from tinyvllm.platform import tinygrad_compat as compat
 THREADS = 512
 MAX_BLOCKS = 32          # blocks of one launch (the signal buffer's flag rows); larger calls give each block more vectors
 SLOT_BYTES = 8 << 20     # one of an exchange buffer's two slots: 256 rows of 16,384 bfloat16 values
-AllReduce = Callable[..., Tensor]   # (partial, residual=None) -> residual + the sum over the devices
 
 
 @dataclass(frozen=True)
@@ -38,6 +37,7 @@ class AllReducePlan:
   world: int
   dtype: str
   residual: bool
+  broadcast: bool
   defines: dict[str, int | str] = field(compare=False)
   launches: tuple[Launch, ...] = field(compare=False)
 
@@ -61,9 +61,11 @@ def unsupported_reason(numel: int, dtype: str, world: int) -> str | None:
   return None
 
 
-def all_reduce_plan(numel: int, world: int, dtype: str, residual: bool = False) -> AllReducePlan:
-  """The launch for `numel` elements over `world` devices (adding a residual after the sum): as many blocks (up to
-  MAX_BLOCKS) as whole rounds of THREADS vectors need, each block a contiguous chunk."""
+def all_reduce_plan(numel: int, world: int, dtype: str, residual: bool = False, broadcast: bool = False) -> AllReducePlan:
+  """The launch for `numel` elements over `world` devices (adding a residual after the sum; or, `broadcast`, giving
+  every device the first device's elements): as many blocks (up to MAX_BLOCKS) as whole rounds of THREADS vectors
+  need, each block a contiguous chunk."""
+  if residual and broadcast: raise ValueError("a broadcast adds no residual")
   if (reason := unsupported_reason(numel, dtype, world)) is not None: raise ValueError(f"the all-reduce kernel does not take {reason}")
   code = dtype_code(dtype)
   vec = 16 // ELEM_BYTES[code]
@@ -71,10 +73,11 @@ def all_reduce_plan(numel: int, world: int, dtype: str, residual: bool = False) 
   chunk = cdiv(vectors, min(MAX_BLOCKS, cdiv(vectors, THREADS)))
   defines: dict[str, int | str] = {"TV_DTYPE": code, "TV_NT": THREADS, "TV_N": numel, "TV_W": world, "TV_CHUNK": chunk * vec,
                                    "TV_SLOT": SLOT_BYTES // ELEM_BYTES[code], "TV_MAX_BLOCKS": MAX_BLOCKS,
-                                   "TV_RESIDUAL": int(residual)}
+                                   "TV_RESIDUAL": int(residual), "TV_BROADCAST": int(broadcast)}
   params = (Param("out", "elem", True, numel), Param("partial", "elem", False, numel),
             Param("table", "uint", False, table_words(world)), *([Param("residual", "elem", False, numel)] if residual else []))
-  return AllReducePlan(numel, world, dtype, residual, defines, (Launch("tv_all_reduce", (cdiv(vectors, chunk), 1, 1), THREADS, params),))
+  launch = Launch("tv_all_reduce", (cdiv(vectors, chunk), 1, 1), THREADS, params)
+  return AllReducePlan(numel, world, dtype, residual, broadcast, defines, (launch,))
 
 
 def device_table(rank: int, exchanges: list[int], signals: list[int]) -> np.ndarray:
@@ -85,13 +88,14 @@ def device_table(rank: int, exchanges: list[int], signals: list[int]) -> np.ndar
 
 
 @functools.cache
-def _compiled(numel: int, world: int, dtype: str, residual: bool) -> tuple[AllReducePlan, str]:
-  plan = all_reduce_plan(numel, world, dtype, residual)
+def _compiled(numel: int, world: int, dtype: str, residual: bool, broadcast: bool = False) -> tuple[AllReducePlan, str]:
+  plan = all_reduce_plan(numel, world, dtype, residual, broadcast)
   return plan, kernel_source("cuda", "all_reduce", plan.defines)
 
 
 class PeerAllReduce:
-  """The all-reduce of one tensor-parallel group of CUDA devices that reach each other's memory."""
+  """The collectives of one tensor-parallel group of CUDA devices that reach each other's memory (the backend
+  interface's Collectives): the all-reduce, the step inputs' broadcast and the logits' gather, all in its kernel."""
 
   def __init__(self, group: TensorParallelGroup):
     self.group = group
@@ -101,8 +105,9 @@ class PeerAllReduce:
                      for d in group.devices]
     exchanges, signals = [compat.device_address(t) for t in self._exchanges], [compat.device_address(t) for t in self._signals]
     self.table = group.local([Tensor(device_table(rank, exchanges, signals), device=group.first) for rank in range(group.size)])
+    group.rank_slots.realize()   # gather_columns' placement, realized now: outside any capture
 
-  def __call__(self, partial: Tensor, residual: Tensor | None = None) -> Tensor:
+  def all_reduce(self, partial: Tensor, residual: Tensor | None = None) -> Tensor:
     """The sum over the group's devices of a local view's per-device values, on every device (residual + it)."""
     dtype = DTYPE_NAMES.get(partial.dtype, partial.dtype.name)
     if (unsupported_reason(partial.numel(), dtype, self.group.size) is not None
@@ -113,14 +118,38 @@ class PeerAllReduce:
     extra = [] if residual is None else [residual.contiguous()]
     return run_kernel(plan.launches[0], source, [out, partial.contiguous(), self.table, *extra])[0]
 
+  def broadcast(self, t: Tensor) -> Tensor:
+    """t (on the first device) on every device, each device reading the first one's memory in one kernel, so the
+    step's graph holds no copy between the GPUs for its inputs; one that is not of a 4-byte dtype or does not fit an
+    exchange slot is copied (the group's broadcast)."""
+    if isinstance(t.device, tuple): return t
+    numel = t.numel()
+    padded = cdiv(numel, 4) * 4   # whole 16-byte vectors
+    if t.dtype.itemsize != 4 or unsupported_reason(padded, "float32", self.group.size) is not None: return self.group.broadcast(t)
+    flat = t.reshape(-1).bitcast(dtypes.float32).pad((0, padded - numel)).contiguous()   # the kernel moves bits, never adds
+    stand_ins = [Tensor.empty(padded, dtype=dtypes.float32, device=d) for d in self.group.devices[1:]]   # never read
+    plan, source = _compiled(padded, self.group.size, "float32", False, True)
+    out = Tensor.empty(padded, dtype=dtypes.float32, device=self.group.devices)
+    out = run_kernel(plan.launches[0], source, [out, Tensor(UOp.mstack(flat.uop, *[s.uop for s in stand_ins])), self.table])[0]
+    return out[:numel].bitcast(t.dtype).reshape(t.shape)
 
-def all_reduce_for(group: TensorParallelGroup, dialect: str, log: Callable[[str], None], enabled: bool = True) -> AllReduce:
-  """The all-reduce a group's model uses: the peer kernel on CUDA devices that reach each other's memory (unless not
-  `enabled`: --disable-custom-all-reduce), else the portable copies and adds (`log` says which)."""
+  def gather_columns(self, local: Tensor) -> Tensor:
+    """The shards side by side on the first device: all-reduced among zeros where that fits an exchange slot, so the
+    step's graph holds no copy between the GPUs (a copy node costs more there than this kernel); else copied."""
+    placed = (*local.shape[:-1], self.group.size * local.shape[-1])
+    dtype = DTYPE_NAMES.get(local.dtype, local.dtype.name)
+    if unsupported_reason(int(np.prod(placed)), dtype, self.group.size) is not None: return self.group.gather_columns(local)
+    return self.group.first_of(self.all_reduce(self.group.place_columns(local)))
+
+
+def collectives_for(group: TensorParallelGroup, dialect: str, log: Callable[[str], None], enabled: bool = True
+                    ) -> PeerAllReduce | TensorParallelGroup:
+  """The collectives a group's model uses: the peer kernel on CUDA devices that reach each other's memory (unless not
+  `enabled`: --disable-custom-all-reduce), else the group's copies and adds (`log` says which)."""
   if enabled and dialect == "cuda" and compat.peers_accessible(group.devices):
     log(f"all-reduce: a kernel on each GPU reading the others' memory ({', '.join(group.devices)})")
     return PeerAllReduce(group)
   why = ("--disable-custom-all-reduce" if not enabled else "no peer access between the GPUs" if dialect == "cuda"
          else f"no peer all-reduce kernel for {dialect}")
   log(f"all-reduce: copies between the devices and adds ({why})")
-  return group.all_reduce
+  return group

@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import replace
 
 from tinygrad import Tensor, dtypes
 
-from tinyvllm.backend.interface import BackendCapabilities, KVCaches
+from tinyvllm.backend.interface import BackendCapabilities, Collectives, KVCaches
 from tinyvllm.backend.metadata import AttentionMetadata
 from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.backend.sampling import SamplerVariant
 from tinyvllm.backend.weights import DecoderLayerWeights, MoEWeights, Weight
 from tinyvllm.config import KernelOptions
 from tinyvllm.kernels import decode_layer
-from tinyvllm.kernels.all_reduce import all_reduce_for
+from tinyvllm.kernels.all_reduce import collectives_for
 from tinyvllm.kernels.attention import attention_shape, kv_write_unsupported_reason, run_attention, run_kv_write
 from tinyvllm.kernels.linear import MAX_ROWS, fused_linear
 from tinyvllm.kernels.moe import LARGE_STEP, moe_shape, run_moe
@@ -95,8 +94,8 @@ class FusedBackend:
     return (f"{self.name} (hand-written kernels for {self.target.arch or self.target.device}: fused paged attention, KV write, "
             f"qkv norm/RoPE/write, decode-batch matmuls, sampling{layers})")
 
-  def all_reduce_for(self, group: TensorParallelGroup) -> Callable[..., Tensor]:
-    return all_reduce_for(group, self.name, self._log, self._custom_all_reduce)
+  def collectives_for(self, group: TensorParallelGroup) -> Collectives:
+    return collectives_for(group, self.name, self._log, self._custom_all_reduce)
 
   def linear(self, x: Tensor, w: Weight, bias: Tensor | None = None, **fused) -> Tensor:
     """Products (and the norm, SwiGLU or residual fused with them) in one kernel: the skinny one for decode rows, the

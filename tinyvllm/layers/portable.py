@@ -2,8 +2,6 @@
 against, and what they hand a call to where a step's shape is outside their range."""
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from tinygrad import Tensor
 
 from tinyvllm.backend.interface import BackendCapabilities, KVCaches
@@ -63,7 +61,7 @@ class PortableBackend:
 
   def linear(self, x: Tensor, w: Weight, bias: Tensor | None = None, **fused) -> Tensor: return portable_linear(x, w, bias, **fused)
 
-  def all_reduce_for(self, group: TensorParallelGroup) -> Callable[..., Tensor]: return group.all_reduce
+  def collectives_for(self, group: TensorParallelGroup) -> TensorParallelGroup: return group
 
   def moe(self, x: Tensor, moe: MoEWeights, *, norm: Tensor, eps: float, residual: Tensor) -> Tensor:
     return portable_moe(x, moe, norm=norm, eps=eps, residual=residual)

@@ -6,15 +6,17 @@ k and v of its heads, its columns of gate/up, its rows of o and down, its part o
 is the shard's, and every op on it runs per device on that device's shard. So a layer runs exactly as on one device
 (the hand-written kernels included), on H / tp heads and I / tp intermediate columns; only the products whose
 reduction runs over the shards (o and down, the vocabulary-split embedding) meet: their per-device partial sums are
-copied to every device and summed there (`all_reduce`), and the vocabulary-split
-logits are viewed as one tensor sharded on the vocabulary and copied to the first device (`all_gather`), where the
-sampler runs. Activations between layers are replicated: the same values on every device.
+copied to every device and summed there (`all_reduce`), and the vocabulary-split logits are viewed as one tensor
+sharded on the vocabulary and copied to the first device (`gather_columns`), where the sampler runs. Activations
+between layers are replicated: the same values on every device. A backend may run these collectives in kernels of its
+own (tinyvllm/kernels/all_reduce.py); the group's are the portable ones.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 from tinygrad import Tensor, UOp
 
 
@@ -56,9 +58,25 @@ class TensorParallelGroup:
     out = Tensor(UOp.mstack(*[t.uop for t in total]))
     return out if residual is None else residual + out
 
-  def all_gather(self, local: Tensor, axis: int) -> Tensor:
-    """A local view's shards concatenated along `axis`, on the first device."""
-    return Tensor(local.uop.unshard(axis)).to(self.first)
+  def gather_columns(self, local: Tensor) -> Tensor:
+    """A local view's shards side by side along its last axis, on the first device."""
+    return Tensor(local.uop.unshard(local.ndim - 1)).to(self.first)
+
+  @functools.cached_property
+  def rank_slots(self) -> Tensor:
+    """A local view of bools [size]: device i's is one-hot at i (realized on first use: before any capture)."""
+    return self.local([Tensor(np.arange(self.size) == rank, device=self.first) for rank in range(self.size)])
+
+  def place_columns(self, local: Tensor) -> Tensor:
+    """A local view [..., size * n] where device i holds its shard [..., n] in columns i*n..(i+1)*n and zeros
+    elsewhere: all-reduced, the shards side by side (each column the sum of one value and zeros: exact)."""
+    slots = self.rank_slots.reshape(*(1,) * (local.ndim - 1), self.size, 1)
+    placed = slots.where(local.unsqueeze(-2), 0)
+    return placed.reshape(*local.shape[:-1], self.size * local.shape[-1])
+
+  def first_of(self, replicated: Tensor) -> Tensor:
+    """The first device's buffer of a tensor with a value on every device (no copy)."""
+    return Tensor(replicated.uop.mselect(0))
 
 
 def _local_of(sharded: Tensor):

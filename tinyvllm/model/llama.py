@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from tinygrad import Tensor
 
-from tinyvllm.backend.interface import ComputeBackend, KVCaches
+from tinyvllm.backend.interface import Collectives, ComputeBackend, KVCaches
 from tinyvllm.backend.metadata import AttentionMetadata
 from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.backend.weights import DecoderLayerWeights
@@ -59,8 +59,8 @@ class StepInputs:
   attention: AttentionMetadata
   logits_index: Tensor          # [S] int32: the flat token whose logits each sampled row needs
 
-  def on(self, group: TensorParallelGroup) -> StepInputs:
-    """The inputs on every device of the group (those on its first device copied)."""
+  def on(self, group: Collectives) -> StepInputs:
+    """The inputs on every device of the group (those on its first device broadcast)."""
     meta = self.attention
     copied = {name: group.broadcast(getattr(meta, name)) for name in ("slot_mapping", "block_tables", "query_index", "query_pos",
                                                                       "output_index", "context_lens", "query_start",
@@ -73,8 +73,8 @@ class TransformerLM:
   def __init__(self, config: ModelConfig, weights: ModelWeights, backend: ComputeBackend, group: TensorParallelGroup | None = None):
     """`config` is the whole model's; under tensor parallelism (`group`) the weights are the devices' shares."""
     self.config, self.weights, self.backend, self.group = config, weights, backend, group
-    # the backend's all-reduce for the group, its buffers (if any) allocated now, outside any capture
-    self.all_reduce = backend.all_reduce_for(group) if group is not None else None
+    # the backend's collectives for the group, their buffers (if any) allocated now, outside any capture
+    self.collectives = backend.collectives_for(group) if group is not None else None
     self.gated_activation = {"gelu_mul" if config.hidden_act == "gelu_pytorch_tanh" else "silu_mul": True}
 
   @property
@@ -88,7 +88,7 @@ class TransformerLM:
   def __call__(self, inputs: StepInputs, kv_caches: KVCaches) -> tuple[Tensor, KVCaches]:
     """Returns float32 logits [S, vocab] and the KV caches after this step's writes."""
     w, eps, group = self.weights, self.config.rms_norm_eps, self.group
-    if group is not None: inputs = inputs.on(group)
+    if self.collectives is not None: inputs = inputs.on(self.collectives)
     h = self._embed(inputs.token_ids)
     if self.config.embed_scale != 1.0: h = h * self.config.embed_scale   # a constant of h's dtype: rounded to it, as HF's
     cos, sin = gather_rows(w.rope_cos, inputs.positions), gather_rows(w.rope_sin, inputs.positions)
@@ -97,21 +97,21 @@ class TransformerLM:
     h, new_caches = fused if fused is not None else self.decoder_layers(h, cos, sin, kv_caches, inputs.attention)
     last = gather_rows(h, inputs.logits_index)
     logits = self.backend.linear(last, w.lm_head, norm=w.norm, eps=eps, out_float32=True)
-    if group is None: return logits, new_caches
-    return (group.all_gather(logits, 1) if w.vocab_start is not None else logits.to(group.first)), new_caches
+    if self.collectives is None: return logits, new_caches
+    return (self.collectives.gather_columns(logits) if w.vocab_start is not None else group.first_of(logits)), new_caches
 
   def _embed(self, token_ids: Tensor) -> Tensor:
     """The tokens' embeddings; with the vocabulary split, each device's rows (zeros for tokens outside its part), summed."""
     w = self.weights
     if w.vocab_start is None or self.group is None: return gather_rows(w.embed_tokens, token_ids)
-    return self.all_reduce(gather_rows(w.embed_tokens, token_ids - w.vocab_start))
+    return self.collectives.all_reduce(gather_rows(w.embed_tokens, token_ids - w.vocab_start))
 
   def _row_parallel(self, x: Tensor, w, bias: Tensor | None, residual: Tensor, **fused) -> Tensor:
     """residual + x @ w.T + bias for the products whose reduction runs over the shards (o, down): each device's partial
     product, all-reduced, then the bias and residual (once)."""
     if self.group is None: return self.backend.linear(x, w, bias, residual=residual, **fused)
-    if bias is None: return self.all_reduce(self.backend.linear(x, w, **fused), residual)
-    return residual + (self.all_reduce(self.backend.linear(x, w, **fused)) + bias)
+    if bias is None: return self.collectives.all_reduce(self.backend.linear(x, w, **fused), residual)
+    return residual + (self.collectives.all_reduce(self.backend.linear(x, w, **fused)) + bias)
 
   def decoder_layers(self, h: Tensor, cos: Tensor, sin: Tensor, kv_caches: KVCaches, meta: AttentionMetadata,
                      layers: list[DecoderLayerWeights] | None = None) -> tuple[Tensor, KVCaches]:
@@ -141,4 +141,4 @@ class TransformerLM:
     ops, eps = self.backend, self.config.rms_norm_eps
     if self.group is None: return ops.moe(h, layer.moe, norm=layer.post_attention_norm, eps=eps, residual=h)
     partial = ops.moe(h, layer.moe, norm=layer.post_attention_norm, eps=eps, residual=h.zeros_like())
-    return self.all_reduce(partial, h)
+    return self.collectives.all_reduce(partial, h)

@@ -314,8 +314,8 @@ class ModelRunner:
     source = f["token_source"]
     token_ids = (source >= 0).where(self.last_tokens[source.maximum(0)], f["token_ids"])
     scores_prompt = layout.prompt_logprobs >= 0   # then the model also returns the prompt rows' logits, after the samples'
-    # a tensor-parallel model reads its inputs on every device: the packed input is copied whole (group.broadcast)
-    model_f = f if self.model.group is None else layout.unpack(self.model.group.broadcast(packed))
+    # a tensor-parallel model reads its inputs on every device: the packed input is broadcast whole
+    model_f = f if self.model.collectives is None else layout.unpack(self.model.collectives.broadcast(packed))
     logits_index = model_f["logits_index"].cat(model_f["prompt_index"]) if scores_prompt else None
     logits, caches = self.model(self._step_inputs(model_f, layout.context_len, token_ids, logits_index), self.kv_cache.layers)
     if scores_prompt: return logits[:layout.rows], logits[layout.rows:], caches
