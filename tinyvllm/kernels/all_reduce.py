@@ -71,12 +71,13 @@ def all_reduce_plan(numel: int, world: int, dtype: str, residual: bool = False, 
   vec = 16 // ELEM_BYTES[code]
   vectors = numel // vec
   chunk = cdiv(vectors, min(MAX_BLOCKS, cdiv(vectors, THREADS)))
+  grid = cdiv(vectors, chunk)
   defines: dict[str, int | str] = {"TV_DTYPE": code, "TV_NT": THREADS, "TV_N": numel, "TV_W": world, "TV_CHUNK": chunk * vec,
-                                   "TV_SLOT": SLOT_BYTES // ELEM_BYTES[code], "TV_MAX_BLOCKS": MAX_BLOCKS,
+                                   "TV_SLOT": SLOT_BYTES // ELEM_BYTES[code], "TV_MAX_BLOCKS": MAX_BLOCKS, "TV_GRID": grid,
                                    "TV_RESIDUAL": int(residual), "TV_BROADCAST": int(broadcast)}
   params = (Param("out", "elem", True, numel), Param("partial", "elem", False, numel),
             Param("table", "uint", False, table_words(world)), *([Param("residual", "elem", False, numel)] if residual else []))
-  launch = Launch("tv_all_reduce", (cdiv(vectors, chunk), 1, 1), THREADS, params)
+  launch = Launch("tv_all_reduce", (grid, 1, 1), THREADS, params)
   return AllReducePlan(numel, world, dtype, residual, broadcast, defines, (launch,))
 
 
