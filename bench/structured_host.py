@@ -80,6 +80,56 @@ class HostTimers(Timers):
     self._undo.append((lambda: setattr(owner, attr, static)) if isinstance(owner, type) else (lambda: delattr(owner, attr)))
 
 
+class DeviceWindows:
+  """The host time (kernels taken out) of the two windows in which a split grammar step leaves the GPU one graph of
+  work: from a sampling's launch to the next forward pass's (the GPU has only the sampling graph) and from a step's
+  tokens landing to the next sampling's launch (it has only the forward pass). Past those graphs' device time, the
+  GPU waits for the host."""
+
+  def __init__(self, engine, clock: KernelClock) -> None:
+    from tinyvllm.worker.runner_steps import LaunchedStep
+    self.clock, self.runner = clock, engine.core.runner
+    self.sampled_at = self.landed_at = None   # (wall, kernel seconds) at the last split sampling's launch / landing
+    self.to_forward: list[float] = []
+    self.to_sampling: list[float] = []
+    launch, launch_forward, result = self.runner.launch, self.runner.launch_forward, LaunchedStep.result
+    self.result = result
+
+    def launched(step):
+      split, out = step.logits is not None, launch(step)
+      if split:
+        self.sampled_at = self.now()
+        if self.landed_at is not None: self.to_sampling.append(self.since(self.landed_at))
+      return out
+
+    def forward(step):
+      if self.sampled_at is not None: self.to_forward.append(self.since(self.sampled_at))
+      self.sampled_at = None
+      return launch_forward(step)
+
+    def landed(flight):
+      out = result(flight)
+      self.landed_at = self.now()
+      return out
+    self.runner.launch, self.runner.launch_forward, LaunchedStep.result = launched, forward, landed
+
+  def now(self) -> tuple[float, float]: return time.perf_counter(), self.clock.seconds
+
+  def since(self, then: tuple[float, float]) -> float:
+    wall, kernels = self.now()
+    return (wall - then[0]) - (kernels - then[1])
+
+  def restore(self) -> None:
+    from tinyvllm.worker.runner_steps import LaunchedStep
+    for name in ("launch", "launch_forward"): vars(self.runner).pop(name, None)
+    LaunchedStep.result = self.result
+
+  def report(self) -> str:
+    def ms(xs: list[float]) -> str: return f"{np.median(xs) * 1e3:.3f} ms (median of {len(xs)})" if xs else "none"
+    return (f"  host while the GPU has only the sampling graph (its launch -> the next forward pass's): {ms(self.to_forward)}\n"
+            f"  host while the GPU has only the forward pass (tokens landed -> the next sampling's launch): {ms(self.to_sampling)}")
+
+
 def host_stages(engine, clock: KernelClock) -> HostTimers:
   timers = HostTimers(clock)
   saved, structured_bench.Timers = structured_bench.Timers, lambda: timers
@@ -106,6 +156,7 @@ def run(engine, prompts: list[list[int]], new_tokens: int, structured: bool, pro
   while not finals:
     for out in engine.step(): finals[out.request_id] = out
   clock = KernelClock()
+  windows = DeviceWindows(engine, clock) if structured else None
   timers = host_stages(engine, clock)
   profiler = cProfile.Profile() if profile else None
   if profiler is not None: profiler.enable()
@@ -119,11 +170,13 @@ def run(engine, prompts: list[list[int]], new_tokens: int, structured: bool, pro
     pstats.Stats(profiler).sort_stats("tottime").print_stats(profile)
     if profile_out: profiler.dump_stats(f"{profile_out}.{mode}.prof")
   timers.restore()
+  if windows is not None: windows.restore()
   clock.restore()
   report, kernels = timers.report(), clock.seconds
   print(f"== {mode}: {steps} steps, {wall / steps * 1e3:.2f} ms a step, of which CPU kernels {kernels / steps * 1e3:.2f} ms, "
         f"host {(wall - kernels) / steps * 1e3:.2f} ms")
   for name, stage in report.items(): print(f"  {name:45s} {stage['ms_per_call']:8.3f} ms x {stage['calls']}")
+  if windows is not None: print(windows.report())
   return mode, [finals[rid].outputs[0].token_ids for rid in ids]
 
 
