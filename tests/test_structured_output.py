@@ -365,8 +365,8 @@ def test_asynchronous_scheduling_changes_nothing(llm, stories_dir):
   # grammar rows alone: every step after the first is prepared while the one before is still in flight
   core, in_flight_at_prepare = ahead.engine.core, []
   prepare = core.runner.prepare
-  def watched(sched):
-    in_flight_at_prepare.append(core._in_flight is not None)
+  def watched(sched):   # (the step before in flight, or its sampling yet to launch: it has not landed)
+    in_flight_at_prepare.append(core._in_flight is not None or core._sampling_ahead is not None)
     return prepare(sched)
   core.runner.prepare = watched
   split, launch_forward = [], core.runner.launch_forward

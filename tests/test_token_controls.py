@@ -72,6 +72,20 @@ def test_builder_sends_nothing_for_rows_without_controls():
   assert np.flatnonzero(bits).tolist() == [3, 40]
 
 
+def test_a_built_bitmask_stays_apart_from_the_next_steps():
+  """A split grammar step's masks are filled and uploaded after the next step is built: consecutive builds hand out
+  different arrays (reused every other build), each all ones, and the one before keeps what was filled into it."""
+  builder, no_drafts = TokenControlsBuilder(512), np.zeros((0, 0), np.int32)
+  allowed = [Sequence("a", [1], SP(allowed_token_ids=[3, 40]), seed=0)]
+  first = builder.build(allowed, [0], no_drafts, 1, 2)
+  first.fill_bitmask()
+  filled = first.bitmask.copy()
+  second = builder.build(allowed, [0], no_drafts, 1, 2)
+  assert second.bitmask is not first.bitmask and (second.bitmask == -1).all()
+  np.testing.assert_array_equal(first.bitmask, filled)
+  assert builder.build(allowed, [0], no_drafts, 1, 2).bitmask is first.bitmask
+
+
 # ---- the batch the logits processors see
 def _replay(rows: dict[int, int], update: BatchUpdate) -> dict[int, int]:
   """vLLM's builtin processors' handling of a BatchUpdate (process_dict_updates): added, removed, then moved."""

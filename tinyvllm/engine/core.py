@@ -130,16 +130,20 @@ class EngineCore:
     it ran, its tokens still in flight counted as placeholders (core/async_scheduling.py) and read on the device. A
     step with grammar rows is scheduled and prepared while the previous one runs too, and its forward pass launched;
     its masks need the grammars advanced by that step's tokens, so they are filled once it has landed, on a thread,
-    while this call returns and its caller processes the outputs, and its sampling is launched by the next call."""
+    while this call returns and its caller processes the outputs and the next call schedules and prepares its step;
+    that call then launches the sampling and, right behind it, its own step's forward pass (so the device runs them
+    back to back, and only landing, advancing and masking wait for each other)."""
     outputs: list[EngineCoreOutput] = []
-    if self._sampling_ahead is not None:   # the last step's sampling, its masks filled since on a thread
-      ahead, self._sampling_ahead = self._sampling_ahead, None
-      self._in_flight = InFlightStep(ahead[0], self.runner.launch(ahead[1]))
+    if self._sampling_ahead is not None and not self.runner.chains(self._sampling_ahead[1]):
+      self._launch_sampling_ahead()   # the next step needs its tokens on the host: sampled and landed first
     if self._in_flight is not None and not self._in_flight.launched.chains: self._finish_in_flight(outputs)
     if self.speculator is not None: self.scheduler.set_proposals(self.speculator.propose(self.scheduler.running))
     sched = self.scheduler.schedule()
     if self.speculator is not None and sched.speculates: sched = self.speculator.complete(sched)
     prepared = self.runner.prepare(sched) if sched else None
+    # the last step's sampling (its masks filled on a thread meanwhile) only now, so that this step's forward pass
+    # follows it on the device at once: the GPU does not wait while this step is scheduled and prepared
+    if self._sampling_ahead is not None: self._launch_sampling_ahead()
     if self._in_flight is not None and prepared is not None and prepared.waits_for_tokens:
       self.runner.launch_forward(prepared)   # its forward pass now, behind the step in flight
       self._finish_in_flight(outputs)
@@ -152,6 +156,13 @@ class EngineCore:
     if launched is not None and not self.async_scheduling: self._finish_in_flight(outputs)
     return EngineCoreOutputs(outputs, self.stats(sched, sum(len(o.new_token_ids) for o in outputs)) if self.log_stats else None,
                              time.time())
+
+  def _launch_sampling_ahead(self) -> None:
+    """Launch the sampling of the step whose forward pass went ahead; it becomes the step in flight (there is none
+    then: the step before it landed in the call that stored it)."""
+    assert self._sampling_ahead is not None and self._in_flight is None
+    (sched, prepared), self._sampling_ahead = self._sampling_ahead, None
+    self._in_flight = InFlightStep(sched, self.runner.launch(prepared))
 
   def _finish_in_flight(self, outputs: list[EngineCoreOutput]) -> None:
     """Wait for the step in flight, land its tokens (the scheduler applies the token-level stops) and report them."""

@@ -125,9 +125,12 @@ class ModelRunner:
     else:
       self._move_blocks(step)
       out = self._step_fn(self._covering(layout))(packed)
-    chains = len(host.sample_seqs) <= self.chain_rows and not step.on_host and host.spec_rows == 1
-    return LaunchedStep(host.sample_seqs, self._io.download_later(out if isinstance(out, tuple) else (out,)), chains,
+    return LaunchedStep(host.sample_seqs, self._io.download_later(out if isinstance(out, tuple) else (out,)), self.chains(step),
                         layout.logprobs >= 0, step.prompt, host.spec_rows)
+
+  def chains(self, step: PreparedStep) -> bool:
+    """Whether the step after this one may take its tokens on the device, before they are read."""
+    return len(step.host.sample_seqs) <= self.chain_rows and not step.on_host and step.host.spec_rows == 1
 
   def _upload(self, fields: dict[str, np.ndarray], part: str = "all") -> Tensor:
     """The step's packed input on the device: "all" of it, its "inputs" (all but the trailing bitmask, which the

@@ -59,6 +59,10 @@ class PreparedStep:
 
   @property
   def waits_for_tokens(self) -> bool:
-    """Whether a grammar row's previous token is still in flight (under asynchronous scheduling a sequence's own sample
-    in this step is pending from its scheduling on: one, never more): its mask must wait for the step before."""
-    return any(seq.num_pending > 1 for seq, _, _ in self.controls.grammar_rows)
+    """Whether a grammar row's previous token is still in flight: its sequence's landed output is shorter than the
+    index of the token the row samples, so its mask must wait for the step before. (Counted from the landed tokens,
+    not the placeholders: a step scheduled after this one adds its own, which this one's masks never need.) An ended
+    sequence's rows are not filled and wait for nothing."""
+    steps, spec_rows = self.host.sample_steps, self.host.spec_rows
+    return any(not seq.is_finished and len(seq.output_token_ids) < steps[row // spec_rows]
+               for seq, row, _ in self.controls.grammar_rows)
