@@ -263,3 +263,25 @@ def test_logits_processor_sees_the_batch_and_forces_its_rows(stories_dir, refere
   with pytest.raises(SamplingParamsError) as e: llm.generate([PROMPT], SamplingParams(extra_args={"target_token": 10**6}), use_tqdm=False)
   assert e.value.param == "extra_args" and "target_token" in str(e.value)
   assert_all_free(llm)
+
+
+
+def test_the_mask_thread_ends_with_its_builder():
+  """The thread a grammar row's masks are filled on belongs to the builder: dropping the builder (its engine gone) ends
+  it, no thread left behind."""
+  import gc
+  import threading
+  import time
+  pytest.importorskip("llguidance")
+  builder = TokenControlsBuilder(512)
+  seq = Sequence("g", [1], SP(), seed=0)
+  seq.grammar = object()   # (build only notes the row; nothing is filled here)
+  controls = builder.build([seq], [0], np.zeros((0, 0), np.int32), 1, 2)
+  masks = lambda: [t for t in threading.enumerate() if t.name.startswith("tinyvllm-masks")]
+  controls.pool.submit(lambda: None).result()   # the thread runs
+  assert len(masks()) == 1
+  del builder, controls
+  gc.collect()
+  deadline = time.monotonic() + 10
+  while masks() and time.monotonic() < deadline: time.sleep(0.01)
+  assert not masks()
