@@ -46,10 +46,10 @@ class TokenControls:
     self._filling = self.pool.submit(self._fill)
 
   def fill_bitmask(self) -> None:
-    """The grammars' rows, then allowed_token_ids ANDed in, into `bitmask` in place (the array `fields` hands out).
-    Each grammar must have taken every earlier token of its sequence: the step's launch calls this, after the step
-    before has landed (build runs earlier, while that step may still be in flight). A sequence that ended meanwhile
-    keeps all-ones rows: its token is dropped when it lands."""
+    """The grammars' rows, all ones into the others, then allowed_token_ids ANDed in, into `bitmask` in place (the
+    array `fields` hands out). Each grammar must have taken every earlier token of its sequence: the step's launch
+    calls this, after the step before has landed (build runs earlier, while that step may still be in flight). A
+    sequence that ended meanwhile gets all-ones rows: its token is dropped when it lands."""
     if self._filling is None: return self._fill()
     self._filling.result()   # (raises what the fill raised)
 
@@ -57,6 +57,7 @@ class TokenControls:
     if self.bitmask is None: return
     rows = [r for seq, row, proposals in self.grammar_rows if not seq.is_finished
             and (r := _constrained_rows(seq.grammar, row, proposals)) is not None]
+    _set_all_ones_but(self.bitmask, [row for _, row, proposals in rows if not proposals])
     if rows:
       assert self.filler is not None
       self.filler.fill(rows, self.bitmask)
@@ -120,6 +121,17 @@ def _constrained_rows(grammar: StructuredOutputGrammar | None, row: int, proposa
   return grammar, row + at + 1, proposals[at + 1:]
 
 
+def _set_all_ones_but(bitmask: np.ndarray, written: list[int]) -> None:
+  """All ones into every row of bitmask but `written`, the rows llguidance computes whole (a grammar row without
+  proposals: it writes each of its words). With every row a grammar's (a structured batch) nothing is written here:
+  setting the 1.2 MB of a 64-row mask on Qwen3's vocabulary each step cost ~0.2 ms on a busy host. A verification's
+  rows stay all ones first: llguidance leaves those after the first proposal the grammar rejects as they were."""
+  if len(written) == len(bitmask): return   # (rows are distinct: each row is one sequence's)
+  free = np.ones(len(bitmask), bool)
+  free[written] = False
+  bitmask[free] = -1
+
+
 def _bucket(n: int) -> int: return max(MIN_BIAS_LEN, 1 << (max(n, 1) - 1).bit_length())
 
 
@@ -150,7 +162,7 @@ class TokenControlsBuilder:
       if seq.grammar is not None: grammars.append((seq, i * spec_rows, proposals))
     controls = TokenControls(grammar_rows=grammars, allowed_rows=allowed)
     if biases: controls.bias_index, controls.bias_value = self._bias_arrays(biases, padded_rows)
-    if allowed or grammars:   # all ones until fill_bitmask
+    if allowed or grammars:   # written whole by fill_bitmask
       controls.bitmask = self._bitmask(padded_rows)
       if grammars and self._filler is None:
         self._filler, self._pool = BitmaskFiller(), ThreadPoolExecutor(1, thread_name_prefix="tinyvllm-masks")
@@ -158,14 +170,14 @@ class TokenControlsBuilder:
     return controls
 
   def _bitmask(self, rows: int) -> np.ndarray:
-    """An all-ones [rows, words] bitmask: one of two arrays kept per row count, taken in turn. Two, because a step's
-    masks may still wait to be filled and uploaded while the next step is built (a split grammar step: engine/core.py);
-    its upload copies it, after which it is free again. (A fresh 1.2 MB array each step, at batch 64 on Qwen3's
-    vocabulary, cost ~0.25 ms of page faults while the other one was alive.)"""
+    """A [rows, words] bitmask, its contents left as they were until fill_bitmask writes every row: one of two arrays
+    kept per row count, taken in turn. Two, because a step's masks may still wait to be filled and uploaded while the
+    next step is built (a split grammar step: engine/core.py); its upload copies it, after which it is free again. (A
+    fresh 1.2 MB array each step, at batch 64 on Qwen3's vocabulary, cost ~0.25 ms of page faults while the other one
+    was alive.)"""
     ring = self._bitmasks.setdefault(rows, [])
     if len(ring) < 2: ring.append(np.empty((rows, self.words), np.int32))
     else: ring.append(ring.pop(0))
-    ring[-1].fill(-1)
     return ring[-1]
 
   def _bias_arrays(self, biases: dict[int, dict[int, float]], padded_rows: int) -> tuple[np.ndarray, np.ndarray]:
