@@ -102,7 +102,7 @@ class ModelRunner:
     self._met_once: set[StepLayout] = set()   # prompt layouts run eagerly once, to be captured when met again
     self.capture_seconds = 0.0    # spent in steps that captured a new layout (building + running them)
     self._io = StepIO(model.device)
-    self._controls = TokenControlsBuilder(self.vocab_size)
+    self._controls = TokenControlsBuilder(self.vocab_size, self._io.host_array)
 
   def execute(self, sched: SchedulerOutput) -> StepResult: return self.launch(self.prepare(sched)).result()
 

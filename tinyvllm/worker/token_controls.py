@@ -14,6 +14,7 @@ without any control sends neither array.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -139,8 +140,10 @@ class TokenControlsBuilder:
   """Builds each step's controls; holds the structured-output bitmask filler (llguidance's threads), made when first
   needed."""
 
-  def __init__(self, vocab_size: int):
+  def __init__(self, vocab_size: int, host_array: Callable[[tuple[int, ...]], np.ndarray] | None = None):
+    """host_array: makes the bitmask arrays (the runner's uploads' host memory: pinned on CUDA)."""
     self.vocab_size, self.words = vocab_size, -(-vocab_size // 32)
+    self._host_array = host_array or (lambda shape: np.empty(shape, np.int32))
     self._filler: BitmaskFiller | None = None
     self._pool: ThreadPoolExecutor | None = None
     self._bitmasks: dict[int, list[np.ndarray]] = {}   # padded rows -> the two arrays _bitmask hands out in turn
@@ -172,11 +175,12 @@ class TokenControlsBuilder:
   def _bitmask(self, rows: int) -> np.ndarray:
     """A [rows, words] bitmask, its contents left as they were until fill_bitmask writes every row: one of two arrays
     kept per row count, taken in turn. Two, because a step's masks may still wait to be filled and uploaded while the
-    next step is built (a split grammar step: engine/core.py); its upload copies it, after which it is free again. (A
-    fresh 1.2 MB array each step, at batch 64 on Qwen3's vocabulary, cost ~0.25 ms of page faults while the other one
-    was alive.)"""
+    next step is built (a split grammar step: engine/core.py); it is free again once that step has landed (on CUDA the
+    device copies it from pinned memory as the step runs), which comes before the step after next fills its masks
+    (the engine launches a step with at most the one before it in flight). (A fresh 1.2 MB array each step, at batch
+    64 on Qwen3's vocabulary, cost ~0.25 ms of page faults while the other one was alive.)"""
     ring = self._bitmasks.setdefault(rows, [])
-    if len(ring) < 2: ring.append(np.empty((rows, self.words), np.int32))
+    if len(ring) < 2: ring.append(self._host_array((rows, self.words)))
     else: ring.append(ring.pop(0))
     return ring[-1]
 
