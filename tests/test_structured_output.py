@@ -381,3 +381,22 @@ def test_asynchronous_scheduling_changes_nothing(llm, stories_dir):
   # and their forward passes went ahead of the landing (the sampling alone waited for it)
   assert len(split) >= len(in_flight_at_prepare) - 3 and all(split), split
   assert_all_free(ahead)
+
+
+def test_the_fill_writes_every_row_of_a_reused_bitmask(qwen):
+  """A step's bitmask array is reused as it was left (token_controls.py sets no row beforehand): a grammar row's
+  masks come from llguidance whole (every word of the row), every other row (padding, an ended sequence) all ones."""
+  from types import SimpleNamespace
+
+  from tinyvllm.worker.token_controls import TokenControls
+  compiler, words = GrammarCompiler(lambda: qwen, 151936, [151645]), 151936 // 32
+  params = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+  rows = [(SimpleNamespace(grammar=compiler.compile(params), is_finished=finished), row, [])
+          for row, finished in ((0, False), (1, True), (2, False))]
+  expected = np.full((4, words), -1, np.int32)
+  BitmaskFiller().fill([(seq.grammar, row, []) for seq, row, _ in rows if not seq.is_finished], expected)
+  for garbage in (0, 0x5A5A5A5A):
+    controls = TokenControls(bitmask=np.full((4, words), garbage, np.int32), filler=BitmaskFiller(), grammar_rows=rows)
+    controls.fill_bitmask()
+    np.testing.assert_array_equal(controls.bitmask, expected)
+  assert not (expected[0] == -1).all() and (expected[1] == -1).all() and (expected[3] == -1).all()

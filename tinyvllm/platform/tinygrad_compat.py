@@ -7,7 +7,8 @@ its UOp DSL. What it needs beyond that is here, with the reason:
   launches with dynamic shared memory (tinygrad builds programs as `runtime(elf)`, without CUDAProgram's `smem`);
 - a realized buffer's device address and whether CUDA devices reach each other's memory (the peer all-reduce);
 - a step's two copies without the scheduler: a Buffer's allocator `_copyin` / `_copyout`, and on CUDA pinned host
-  memory, an event and the device's `pending_copyin` list (freed by tinygrad only on a full synchronize);
+  memory (also arrays over it that a copy in reads directly), an event and the device's `pending_copyin` list (freed
+  by tinygrad only on a full synchronize);
 - device facts: the CUDA driver's device attributes and free memory, a device's `arch`, the backends tinygrad has
   (`Device._devices`) and a backend's renderer names (`_renderer_name`, the second part of a DEV target);
 - TinyJit capturing on its first call (`cnt`), the default device (`DEV`), `GlobalCounters.mem_used`;
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import math
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
@@ -224,6 +226,27 @@ def copy_in(t: Tensor, data: np.ndarray, offset_bytes: int = 0) -> None:
   if offset_bytes + view.nbytes > buf.nbytes: raise ValueError(f"{view.nbytes} bytes at {offset_bytes} pass the buffer's {buf.nbytes}")
   dest = allocator._offset(buf._buf, view.nbytes, offset_bytes) if offset_bytes else buf._buf
   allocator._copyin(dest, view)
+
+
+def pinned_array(device: str, shape: tuple[int, ...], dtype: type = np.int32) -> np.ndarray:
+  """A numpy array over pinned (page-locked) host memory of CUDA device `device`, which `copy_in_pinned` copies from
+  directly. Kept for the process's life (a few arrays a runner, reused every step)."""
+  dev, nbytes = Device[device], math.prod(shape) * np.dtype(dtype).itemsize
+  host = dev.allocator.alloc(nbytes, BufferSpec(host=True))
+  return np.frombuffer((ctypes.c_byte * nbytes).from_address(host.value), dtype).reshape(shape)
+
+
+def copy_in_pinned(t: Tensor, data: np.ndarray, offset_bytes: int = 0) -> None:
+  """`copy_in` from an array of `pinned_array` (or a contiguous part of one): the device reads it directly, on the
+  stream the steps run on, without tinygrad's staging copy of it. It reads it after the work enqueued before, so the
+  array must not change until that copy has run (the step that reads it has finished)."""
+  from tinygrad.runtime.autogen import cuda
+  from tinygrad.runtime.ops_cuda import check as cuda_check
+  buf, dev = t.uop.buffer.ensure_allocated(), Device[str(t.device)]
+  if offset_bytes + data.nbytes > buf.nbytes: raise ValueError(f"{data.nbytes} bytes at {offset_bytes} pass the buffer's {buf.nbytes}")
+  dest = dev.allocator._offset(buf._buf, data.nbytes, offset_bytes) if offset_bytes else buf._buf
+  cuda_check(cuda.cuCtxSetCurrent(dev.context))
+  cuda_check(cuda.cuMemcpyHtoDAsync_v2(dest, data.ctypes.data, data.nbytes, None))
 
 
 def device_address(t: Tensor) -> int:

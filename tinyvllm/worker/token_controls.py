@@ -14,6 +14,8 @@ without any control sends neither array.
 """
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -40,23 +42,29 @@ class TokenControls:
 
   def start_fill(self) -> None:
     """Begin fill_bitmask on the builder's thread (llguidance computes the masks with the GIL released), so the
-    caller's other host work runs meanwhile; fill_bitmask then waits for it. (One long-lived thread: starting a thread
-    a step waits for it to start, which took 0.6 ms a step on a busy host.)"""
+    caller's other host work runs meanwhile; fill_bitmask then waits for it. Returns once the thread runs: a thread
+    waiting for the GIL gets it only when the holder blocks or after the switch interval (5 ms), so while the caller
+    ran Python the fill often started only when fill_bitmask waited for it (1.6 ms after start_fill, median, on the
+    CPU bench). (One long-lived thread: a new thread a step took 0.6 ms a step to start on a busy host.)"""
     if self._filling is not None or self.bitmask is None or self.pool is None: return
-    self._filling = self.pool.submit(self._fill)
+    running = threading.Event()
+    self._filling = self.pool.submit(self._fill, running)
+    running.wait()   # (the GIL released: the thread takes it, and hands it back at llguidance's call)
 
   def fill_bitmask(self) -> None:
-    """The grammars' rows, then allowed_token_ids ANDed in, into `bitmask` in place (the array `fields` hands out).
-    Each grammar must have taken every earlier token of its sequence: the step's launch calls this, after the step
-    before has landed (build runs earlier, while that step may still be in flight). A sequence that ended meanwhile
-    keeps all-ones rows: its token is dropped when it lands."""
+    """The grammars' rows, all ones into the others, then allowed_token_ids ANDed in, into `bitmask` in place (the
+    array `fields` hands out). Each grammar must have taken every earlier token of its sequence: the step's launch
+    calls this, after the step before has landed (build runs earlier, while that step may still be in flight). A
+    sequence that ended meanwhile gets all-ones rows: its token is dropped when it lands."""
     if self._filling is None: return self._fill()
     self._filling.result()   # (raises what the fill raised)
 
-  def _fill(self) -> None:
+  def _fill(self, running: threading.Event | None = None) -> None:
+    if running is not None: running.set()
     if self.bitmask is None: return
     rows = [r for seq, row, proposals in self.grammar_rows if not seq.is_finished
             and (r := _constrained_rows(seq.grammar, row, proposals)) is not None]
+    _set_all_ones_but(self.bitmask, [row for _, row, proposals in rows if not proposals])
     if rows:
       assert self.filler is not None
       self.filler.fill(rows, self.bitmask)
@@ -120,6 +128,17 @@ def _constrained_rows(grammar: StructuredOutputGrammar | None, row: int, proposa
   return grammar, row + at + 1, proposals[at + 1:]
 
 
+def _set_all_ones_but(bitmask: np.ndarray, written: list[int]) -> None:
+  """All ones into every row of bitmask but `written`, the rows llguidance computes whole (a grammar row without
+  proposals: it writes each of its words). With every row a grammar's (a structured batch) nothing is written here:
+  setting the 1.2 MB of a 64-row mask on Qwen3's vocabulary each step cost ~0.2 ms on a busy host. A verification's
+  rows stay all ones first: llguidance leaves those after the first proposal the grammar rejects as they were."""
+  if len(written) == len(bitmask): return   # (rows are distinct: each row is one sequence's)
+  free = np.ones(len(bitmask), bool)
+  free[written] = False
+  bitmask[free] = -1
+
+
 def _bucket(n: int) -> int: return max(MIN_BIAS_LEN, 1 << (max(n, 1) - 1).bit_length())
 
 
@@ -127,8 +146,10 @@ class TokenControlsBuilder:
   """Builds each step's controls; holds the structured-output bitmask filler (llguidance's threads), made when first
   needed."""
 
-  def __init__(self, vocab_size: int):
+  def __init__(self, vocab_size: int, host_array: Callable[[tuple[int, ...]], np.ndarray] | None = None):
+    """host_array: makes the bitmask arrays (the runner's uploads' host memory: pinned on CUDA)."""
     self.vocab_size, self.words = vocab_size, -(-vocab_size // 32)
+    self._host_array = host_array or (lambda shape: np.empty(shape, np.int32))
     self._filler: BitmaskFiller | None = None
     self._pool: ThreadPoolExecutor | None = None
     self._bitmasks: dict[int, list[np.ndarray]] = {}   # padded rows -> the two arrays _bitmask hands out in turn
@@ -150,7 +171,7 @@ class TokenControlsBuilder:
       if seq.grammar is not None: grammars.append((seq, i * spec_rows, proposals))
     controls = TokenControls(grammar_rows=grammars, allowed_rows=allowed)
     if biases: controls.bias_index, controls.bias_value = self._bias_arrays(biases, padded_rows)
-    if allowed or grammars:   # all ones until fill_bitmask
+    if allowed or grammars:   # written whole by fill_bitmask
       controls.bitmask = self._bitmask(padded_rows)
       if grammars and self._filler is None:
         self._filler, self._pool = BitmaskFiller(), ThreadPoolExecutor(1, thread_name_prefix="tinyvllm-masks")
@@ -158,14 +179,15 @@ class TokenControlsBuilder:
     return controls
 
   def _bitmask(self, rows: int) -> np.ndarray:
-    """An all-ones [rows, words] bitmask: one of two arrays kept per row count, taken in turn. Two, because a step's
-    masks may still wait to be filled and uploaded while the next step is built (a split grammar step: engine/core.py);
-    its upload copies it, after which it is free again. (A fresh 1.2 MB array each step, at batch 64 on Qwen3's
-    vocabulary, cost ~0.25 ms of page faults while the other one was alive.)"""
+    """A [rows, words] bitmask, its contents left as they were until fill_bitmask writes every row: one of two arrays
+    kept per row count, taken in turn. Two, because a step's masks may still wait to be filled and uploaded while the
+    next step is built (a split grammar step: engine/core.py); it is free again once that step has landed (on CUDA the
+    device copies it from pinned memory as the step runs), which comes before the step after next fills its masks
+    (the engine launches a step with at most the one before it in flight). (A fresh 1.2 MB array each step, at batch
+    64 on Qwen3's vocabulary, cost ~0.25 ms of page faults while the other one was alive.)"""
     ring = self._bitmasks.setdefault(rows, [])
-    if len(ring) < 2: ring.append(np.empty((rows, self.words), np.int32))
+    if len(ring) < 2: ring.append(self._host_array((rows, self.words)))
     else: ring.append(ring.pop(0))
-    ring[-1].fill(-1)
     return ring[-1]
 
   def _bias_arrays(self, biases: dict[int, dict[int, float]], padded_rows: int) -> tuple[np.ndarray, np.ndarray]:
