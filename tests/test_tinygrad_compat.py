@@ -78,3 +78,30 @@ def test_peak_memory_sees_a_temporary_buffer():
 def test_default_device_and_arch():
   assert compat.set_default_device("CPU") == "CPU" and isinstance(compat.device_arch("CPU"), str)
   assert compat.cuda_memory("CPU") is None
+
+
+def test_pinned_memory_goes_back_when_no_array_over_it_is_left(monkeypatch):
+  """pinned_array's host memory returns to the device's allocator once the array and every view of it are gone (an
+  engine's bitmask arrays outlive nothing). The CUDA allocator is stood in for: the CPU has no pinned memory."""
+  import ctypes
+  import gc
+
+  class Allocator:
+    def __init__(self): self.held, self.freed = [], []
+    def alloc(self, nbytes, spec):
+      self.held.append(ctypes.create_string_buffer(nbytes))
+      return ctypes.c_void_p(ctypes.addressof(self.held[-1]))
+    def free(self, host, nbytes, spec): self.freed.append((host.value, nbytes, spec.host))
+
+  allocator = Allocator()
+  monkeypatch.setattr(compat, "Device", {"CUDA": type("Dev", (), {"allocator": allocator})()})
+  array = compat.pinned_array("CUDA", (4, 8))
+  assert array.shape == (4, 8) and array.dtype == np.int32 and array.ctypes.data == ctypes.addressof(allocator.held[0])
+  array[:] = 7
+  view = array.reshape(-1)
+  del array
+  gc.collect()
+  assert allocator.freed == [] and (view == 7).all()   # a view still reads it
+  del view
+  gc.collect()
+  assert allocator.freed == [(ctypes.addressof(allocator.held[0]), 128, True)]

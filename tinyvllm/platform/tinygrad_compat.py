@@ -28,6 +28,7 @@ import dataclasses
 import math
 import sqlite3
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -230,10 +231,12 @@ def copy_in(t: Tensor, data: np.ndarray, offset_bytes: int = 0) -> None:
 
 def pinned_array(device: str, shape: tuple[int, ...], dtype: type = np.int32) -> np.ndarray:
   """A numpy array over pinned (page-locked) host memory of CUDA device `device`, which `copy_in_pinned` copies from
-  directly. Kept for the process's life (a few arrays a runner, reused every step)."""
-  dev, nbytes = Device[device], math.prod(shape) * np.dtype(dtype).itemsize
-  host = dev.allocator.alloc(nbytes, BufferSpec(host=True))
-  return np.frombuffer((ctypes.c_byte * nbytes).from_address(host.value), dtype).reshape(shape)
+  directly. The memory goes back to the device's allocator once no array over it is left (its engine gone)."""
+  dev, nbytes, spec = Device[device], math.prod(shape) * np.dtype(dtype).itemsize, BufferSpec(host=True)
+  host = dev.allocator.alloc(nbytes, spec)
+  memory = (ctypes.c_byte * nbytes).from_address(host.value)   # every view of the array keeps it alive
+  weakref.finalize(memory, dev.allocator.free, host, nbytes, spec)
+  return np.frombuffer(memory, dtype).reshape(shape)
 
 
 def copy_in_pinned(t: Tensor, data: np.ndarray, offset_bytes: int = 0) -> None:
