@@ -11,8 +11,10 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tinyvllm"
 # each top-level part of the package and its layer: a module may import from its own part and from lower layers only
-# (moe_config, a leaf, sits below config, which reads it)
-LAYERS = {"moe_config": -1, "sampling_params": 0, "outputs": 0, "config": 0, "engine_args": 1, "core": 1, "tokenizer": 1,
+# (moe_config, a leaf, sits below config, which reads it; model_config, the model's shape, above config, whose
+# ConfigError it raises)
+LAYERS = {"moe_config": -1, "sampling_params": 0, "outputs": 0, "config": 0, "model_config": 1, "engine_args": 1, "core": 1,
+          "tokenizer": 1,
           "beam_search": 1, "platform": 2,
           "backend": 3, "layers": 4, "kernels": 5, "model": 6, "worker": 7, "engine": 8, "bench": 9, "entrypoints": 9, "cli": 10,
           "__init__": 11}

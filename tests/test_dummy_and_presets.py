@@ -7,8 +7,8 @@ import pytest
 
 from tests.hf_models import make_model
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.config import ModelConfig
 from tinyvllm.model.presets import PRESETS
+from tinyvllm.model_config import ModelConfig
 
 
 def test_dummy_weights_from_a_config_folder(tmp_path):

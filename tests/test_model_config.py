@@ -8,7 +8,8 @@ import pytest
 
 from tests.hf_models import BASE, hf_logits, make_model
 from tinyvllm import LLM
-from tinyvllm.config import ConfigError, ModelConfig
+from tinyvllm.config import ConfigError
+from tinyvllm.model_config import ModelConfig
 
 SHAPE = {k: v for k, v in BASE.items() if k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                                                 "num_key_value_heads", "vocab_size", "max_position_embeddings")}

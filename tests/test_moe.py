@@ -13,9 +13,10 @@ from tinygrad import Tensor, TinyJit, dtypes
 from tests.hf_models import assert_same_greedy, hf_greedy, hf_logits, make_model
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.backend.weights import MoEWeights
-from tinyvllm.config import ConfigError, ModelConfig
+from tinyvllm.config import ConfigError
 from tinyvllm.layers.moe import experts_dense, experts_gathered, route
 from tinyvllm.model.presets import PRESETS
+from tinyvllm.model_config import ModelConfig
 
 PROMPT = [int(x) for x in np.random.default_rng(1).integers(0, 320, 20)]
 QWEN3_MOE = dict(head_dim=24, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, num_hidden_layers=3)

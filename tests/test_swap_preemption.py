@@ -17,13 +17,14 @@ from tests.scheduler_sim import fake_token, length_verdict, plan, sim
 from tests.test_block_manager import make_seq
 from tests.test_invariance import PROMPTS, SHARED_PROMPTS, assert_matches_alone, run_alone
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.config import ConfigError, EngineConfig, ModelConfig
+from tinyvllm.config import ConfigError, EngineConfig
 from tinyvllm.core.async_scheduling import AsyncScheduler
 from tinyvllm.core.block_manager import BlockManager
 from tinyvllm.core.scheduler import SchedulerConfig
 from tinyvllm.core.sequence import SequenceStatus
 from tinyvllm.core.swap_space import SwapSpace
 from tinyvllm.engine.stats_logger import EngineSnapshot, StatsLogger
+from tinyvllm.model_config import ModelConfig
 from tinyvllm.platform.device import check_dtype
 from tinyvllm.worker.kv_cache import KVCache
 

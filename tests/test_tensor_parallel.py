@@ -10,9 +10,10 @@ from tinygrad import Tensor
 
 from tests.hf_models import assert_same_greedy, hf_greedy, make_model
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.config import ConfigError, ModelConfig
+from tinyvllm.config import ConfigError
 from tinyvllm.layers.tensor_parallel import TensorParallelGroup, group_devices
 from tinyvllm.model.sharding import _qkv_parts, local_config
+from tinyvllm.model_config import ModelConfig
 
 PROMPTS = [[5, 9, 17, 3], [44, 2, 91, 7, 120, 33, 8, 19, 250, 11, 6], [77], [13, 13, 200, 31, 64, 5, 1]]
 NEW_TOKENS = 12

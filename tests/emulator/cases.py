@@ -305,9 +305,9 @@ def layer_tensors(case: LayerCase, device: str | None = None, dtype: str = "floa
   from tinygrad import Tensor, dtypes
 
   from tinyvllm.backend.weights import DecoderLayerWeights
-  from tinyvllm.config import ModelConfig
   from tinyvllm.layers.portable import PortableBackend
   from tinyvllm.model.llama import ModelWeights, TransformerLM
+  from tinyvllm.model_config import ModelConfig
   tdtype = {"float32": dtypes.float32, "float16": dtypes.float16, "bfloat16": dtypes.bfloat16}[dtype]
   put = lambda v: Tensor(np.ascontiguousarray(v), device=device).cast(tdtype).contiguous().realize()
   layers = []

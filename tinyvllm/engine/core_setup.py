@@ -9,7 +9,7 @@ from pathlib import Path
 from tinygrad.dtype import DType
 
 from tinyvllm.backend.interface import FP8_KV_CACHE, ComputeBackend
-from tinyvllm.config import ConfigError, EngineConfig, ModelConfig
+from tinyvllm.config import ConfigError, EngineConfig
 from tinyvllm.core.async_scheduling import make_scheduler
 from tinyvllm.core.block_manager import BlockManager
 from tinyvllm.core.contiguous_allocator import ContiguousAllocator
@@ -28,6 +28,7 @@ from tinyvllm.model.loader import NAME_OF_DTYPE, load_model, resolve_dtype
 from tinyvllm.model.presets import PRESETS
 from tinyvllm.model.quantization.config import resolve as resolve_quantization
 from tinyvllm.model.sharding import check_shardable, local_config
+from tinyvllm.model_config import ModelConfig
 from tinyvllm.platform import compile_cache
 from tinyvllm.platform import tinygrad_compat as compat
 from tinyvllm.platform.device import check_dtype, is_cpu, opens, select_device

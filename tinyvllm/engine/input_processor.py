@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.config import EngineConfig
 from tinyvllm.core.scheduling_policy import check_priority
 from tinyvllm.engine.core_setup import log
 from tinyvllm.engine.generation_config import default_sampling_params
@@ -20,6 +20,7 @@ from tinyvllm.model.gguf.reader import GGUFFile
 from tinyvllm.model.gguf.tokenizer import gguf_tokenizer
 from tinyvllm.model.hub import resolve_model, resolve_tokenizer
 from tinyvllm.model.presets import PRESETS
+from tinyvllm.model_config import ModelConfig
 from tinyvllm.sampling_params import SamplingParams, SamplingParamsError
 from tinyvllm.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from tinyvllm.worker.logits_processors import processor_class

@@ -6,7 +6,7 @@ import math
 import numpy as np
 from tinygrad import Tensor
 
-from tinyvllm.config import RopeScaling
+from tinyvllm.model_config import RopeScaling
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:

@@ -20,9 +20,9 @@ from tinyvllm.backend.interface import Collectives, ComputeBackend, KVCaches
 from tinyvllm.backend.metadata import AttentionMetadata
 from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.backend.weights import DecoderLayerWeights
-from tinyvllm.config import ModelConfig
 from tinyvllm.layers.scatter import gather_rows
 from tinyvllm.layers.tensor_parallel import TensorParallelGroup
+from tinyvllm.model_config import ModelConfig
 
 
 @dataclass

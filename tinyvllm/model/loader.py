@@ -11,7 +11,7 @@ from tinygrad.dtype import DType
 
 from tinyvllm.backend.interface import ComputeBackend
 from tinyvllm.backend.weights import DecoderLayerWeights, MoEWeights
-from tinyvllm.config import ConfigError, ModelConfig
+from tinyvllm.config import ConfigError
 from tinyvllm.layers.rotary import rope_tables
 from tinyvllm.layers.tensor_parallel import TensorParallelGroup
 from tinyvllm.model.llama import ModelWeights, TransformerLM
@@ -19,6 +19,7 @@ from tinyvllm.model.quantization.config import QuantizationConfig
 from tinyvllm.model.quantization.source import QuantizedSource
 from tinyvllm.model.safetensors_file import Checkpoint, bf16_as_float32
 from tinyvllm.model.sharding import shard_layer, shard_vocabulary, splits_vocabulary, vocabulary_starts
+from tinyvllm.model_config import ModelConfig
 
 DTYPE_BY_NAME = {"bfloat16": dtypes.bfloat16, "float16": dtypes.float16, "float32": dtypes.float32}
 NAME_OF_DTYPE = {dtype: name for name, dtype in DTYPE_BY_NAME.items()}   # (tinygrad's own names: "float", "__bf16")

@@ -20,8 +20,9 @@ from tinygrad import Tensor, dtypes
 
 from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.backend.weights import DecoderLayerWeights, MoEWeights
-from tinyvllm.config import ConfigError, ModelConfig
+from tinyvllm.config import ConfigError
 from tinyvllm.layers.tensor_parallel import TensorParallelGroup
+from tinyvllm.model_config import ModelConfig
 
 
 def check_shardable(cfg: ModelConfig, tp: int) -> None:

@@ -15,8 +15,8 @@ import numpy as np
 from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
 
-from tinyvllm.config import ModelConfig
 from tinyvllm.layers.scatter import gather_rows, scatter_rows
+from tinyvllm.model_config import ModelConfig
 from tinyvllm.worker.input_batch import bucket
 
 RAW_BITS = {1: dtypes.uint8, 2: dtypes.uint16, 4: dtypes.uint32}   # itemsize -> the unsigned type holding its bits

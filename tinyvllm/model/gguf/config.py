@@ -4,8 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tinyvllm.config import ConfigError, ModelConfig
+from tinyvllm.config import ConfigError
 from tinyvllm.model.gguf.reader import GGUFFile
+from tinyvllm.model_config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 # the compute dtype "auto" picks on a GPU: the blocks' scales are fp16, the activations of llama-family models want

@@ -6,11 +6,11 @@ from collections import Counter
 from tinygrad.dtype import DType
 
 from tinyvllm.backend.interface import ComputeBackend
-from tinyvllm.config import ModelConfig
 from tinyvllm.model.gguf import blocks
 from tinyvllm.model.gguf.reader import GGUFFile
 from tinyvllm.model.gguf.source import GGUFSource
 from tinyvllm.model.loader import LoadedModel, build_model, check_all_used
+from tinyvllm.model_config import ModelConfig
 
 
 def describe_file(f: GGUFFile) -> str:

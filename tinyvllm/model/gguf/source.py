@@ -12,10 +12,11 @@ from tinygrad import Tensor
 from tinygrad.dtype import DType
 
 from tinyvllm.backend.quantized import QuantizedWeight
-from tinyvllm.config import ConfigError, ModelConfig
+from tinyvllm.config import ConfigError
 from tinyvllm.model.gguf import blocks
 from tinyvllm.model.gguf.reader import GGUFFile, TensorInfo
 from tinyvllm.model.quantization.unpacked import stack, upload
+from tinyvllm.model_config import ModelConfig
 
 GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight"}
