@@ -269,7 +269,6 @@ def test_logits_processor_sees_the_batch_and_forces_its_rows(stories_dir, refere
   assert_all_free(llm)
 
 
-
 def test_the_mask_thread_ends_with_its_builder():
   """The thread a grammar row's masks are filled on belongs to the builder: dropping the builder (its engine gone) ends
   it, no thread left behind."""

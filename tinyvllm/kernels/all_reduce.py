@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from tinygrad import Tensor, UOp, dtypes
+from tinygrad.dtype import DType
 
 from tinyvllm.kernels.attention import DTYPE_NAMES
 from tinyvllm.kernels.plan import DTYPE_CODES, ELEM_BYTES, Launch, Param, cdiv, dtype_code
@@ -108,13 +109,16 @@ class PeerAllReduce:
     self.table = group.local([Tensor(device_table(rank, exchanges, signals), device=group.first) for rank in range(group.size)])
     group.rank_slots.realize()   # gather_columns' placement, realized now: outside any capture
 
+  def _takes(self, numel: int, dtype: DType) -> bool:
+    """Whether the kernel takes `numel` elements of `dtype` over this group (else the group's copies run)."""
+    return unsupported_reason(numel, DTYPE_NAMES.get(dtype, dtype.name), self.group.size) is None
+
   def all_reduce(self, partial: Tensor, residual: Tensor | None = None) -> Tensor:
     """The sum over the group's devices of a local view's per-device values, on every device (residual + it)."""
-    dtype = DTYPE_NAMES.get(partial.dtype, partial.dtype.name)
-    if (unsupported_reason(partial.numel(), dtype, self.group.size) is not None
+    if (not self._takes(partial.numel(), partial.dtype)
         or (residual is not None and (residual.dtype != partial.dtype or residual.shape != partial.shape))):
       return self.group.all_reduce(partial, residual)
-    plan, source = _compiled(partial.numel(), self.group.size, dtype, residual is not None)
+    plan, source = _compiled(partial.numel(), self.group.size, DTYPE_NAMES[partial.dtype], residual is not None)
     out = Tensor.empty(*partial.shape, dtype=partial.dtype, device=partial.device)
     extra = [] if residual is None else [residual.contiguous()]
     return run_kernel(plan.launches[0], source, [out, partial.contiguous(), self.table, *extra])[0]
@@ -126,7 +130,7 @@ class PeerAllReduce:
     if isinstance(t.device, tuple): return t
     numel = t.numel()
     padded = cdiv(numel, 4) * 4   # whole 16-byte vectors
-    if t.dtype.itemsize != 4 or unsupported_reason(padded, "float32", self.group.size) is not None: return self.group.broadcast(t)
+    if t.dtype.itemsize != 4 or not self._takes(padded, dtypes.float32): return self.group.broadcast(t)
     flat = t.reshape(-1).bitcast(dtypes.float32).pad((0, padded - numel)).contiguous()   # the kernel moves bits, never adds
     stand_ins = [Tensor.empty(padded, dtype=dtypes.float32, device=d) for d in self.group.devices[1:]]   # never read
     plan, source = _compiled(padded, self.group.size, "float32", False, True)
@@ -138,8 +142,7 @@ class PeerAllReduce:
     """The shards side by side on the first device: all-reduced among zeros where that fits an exchange slot, so the
     step's graph holds no copy between the GPUs (a copy node costs more there than this kernel); else copied."""
     placed = (*local.shape[:-1], self.group.size * local.shape[-1])
-    dtype = DTYPE_NAMES.get(local.dtype, local.dtype.name)
-    if unsupported_reason(int(np.prod(placed)), dtype, self.group.size) is not None: return self.group.gather_columns(local)
+    if not self._takes(int(np.prod(placed)), local.dtype): return self.group.gather_columns(local)
     return self.group.first_of(self.all_reduce(self.group.place_columns(local)))
 
 
