@@ -27,6 +27,7 @@ TIE = 1e-3   # a token of the grouped path may route otherwise than the referenc
              # experts' probabilities are this close (relative): float32 logits from products summed in other orders
 LAYERS = 4
 EPS = 1e-6
+DIRECT_TOKENS = 4   # steps up to this many tokens time both decode plans
 
 
 def _layer(device: str, seed: int):
@@ -92,10 +93,28 @@ def _check_tokens(target, device: str, n: int, layers: list, reference_layer, it
   rec["fused_GBps"] = rec["weight_bytes_per_layer"] / rec["fused_us_per_layer"] / 1e3
   rec["calls"] = dict(backend.calls)
   rec["ok"] = rec["rel_err"] < TOL and not rec["nan"]
+  if n <= DIRECT_TOKENS:
+    rec.update(_plans(target, x, norm, residual, layers, device, iters))
+    rec["ok"] = rec["ok"] and rec["plans_same_bits"]
   print(f"{'ok  ' if rec['ok'] else 'FAIL'} moe Qwen3-30B-A3B shape, {n:>2} tokens: max rel err {rec['rel_err']:.2e} vs float32 "
         f"portable ({rec['rel_err_vs_bf16_portable']:.2e} vs bf16 portable, its own routing); fused {rec['fused_us_per_layer']:.1f} "
         f"us/layer ({rec['fused_GBps']:.0f} GB/s of expert weights), portable {rec['portable_us_per_layer']:.1f} us/layer", flush=True)
   return rec
+
+
+def _plans(target, x, norm, residual, layers: list, device: str, iters: int) -> dict:
+  """The direct and the grouped decode plans (kernels/moe.py) side by side: the same bits, and each one's time."""
+  from tinygrad import dtypes
+
+  from tinyvllm.kernels.moe import moe_shape, run_moe
+  shape = moe_shape(x, layers[0], EPS)[0]
+  run = lambda moe, direct: run_moe(target, shape, x, moe, norm, residual, direct=direct)
+  same = bool((run(layers[0], True).bitcast(dtypes.uint16).numpy() == run(layers[0], False).bitcast(dtypes.uint16).numpy()).all())
+  us = {plan: _time(lambda moe, direct=direct: run(moe, direct), layers, device, iters)
+        for plan, direct in (("direct", True), ("grouped", False))}
+  print(f"{'ok  ' if same else 'FAIL'} moe plans, {shape.tokens} tokens: direct {us['direct']:.1f} us/layer, grouped "
+        f"{us['grouped']:.1f}; the same bits: {same}", flush=True)
+  return {"plans_us_per_layer": us, "plans_same_bits": same}
 
 
 def _explored(n: int) -> list:
@@ -205,7 +224,7 @@ def _check_large(target, device: str, n: int, layers: list, reference_layer, ite
   return records
 
 
-def check_moe(target, device: str, tokens=(1, 4, 16), large_tokens=(64, 256, 2048, 8192), iters: int = 20) -> list[dict]:
+def check_moe(target, device: str, tokens=(1, 2, 4, 16), large_tokens=(64, 256, 2048, 8192), iters: int = 20) -> list[dict]:
   from tinyvllm.kernels.moe import MoEShape
   layers = [_layer(device, seed) for seed in range(LAYERS)]
   reference_layer = _float32(layers[0])

@@ -17,7 +17,17 @@ from tinygrad import Tensor, dtypes
 from tests.emulator.cases import from_bits, round_to, to_bits
 from tests.emulator.emulator import EmulatedRunKernel, LazyKernels, Spec, emulate, poisoned
 from tinyvllm.backend.weights import MoEWeights
-from tinyvllm.kernels.moe import LARGE_STEP, MAX_PAIRS, MAX_TOKENS, MoEPlan, MoEShape, moe_plan, moe_shape, unsupported_reason
+from tinyvllm.kernels.moe import (
+  DIRECT_MAX_TOKENS,
+  LARGE_STEP,
+  MAX_PAIRS,
+  MAX_TOKENS,
+  MoEPlan,
+  MoEShape,
+  moe_plan,
+  moe_shape,
+  unsupported_reason,
+)
 from tinyvllm.layers.moe import experts_gathered, portable_moe, route
 from tinyvllm.layers.norm import rms_norm
 from tinyvllm.platform.target import DeviceTarget
@@ -59,13 +69,14 @@ def expert_shape(name: str) -> MoEShape:
 
 
 def _specs(name: str, plan: MoEPlan) -> list[Spec]:
-  return [Spec(f"{name}__{kernel.name}", kernel.algorithm, kernel.defines, kernel.launches) for kernel in plan.kernels]
+  prefix = "direct_" if plan.direct else ""
+  return [Spec(f"{name}__{prefix}{kernel.name}", kernel.algorithm, kernel.defines, kernel.launches) for kernel in plan.kernels]
 
 
 @pytest.fixture(scope="module")
 def emu(dialect: str) -> LazyKernels:
-  specs = [s for name in ROUTES for s in _specs(name, moe_plan(route_shape(name)))]
-  specs += [s for name in EXPERTS for s in _specs(name, moe_plan(expert_shape(name)))]
+  specs = [s for name in ROUTES for s in _specs(name, moe_plan(route_shape(name), direct=False))]
+  specs += [s for name in EXPERTS for direct in (False, True) for s in _specs(name, moe_plan(expert_shape(name), direct=direct))]
   return emulate(dialect, specs, quick={s.name for s in specs if s.name.split("__")[0] in QUICK})
 
 
@@ -187,6 +198,20 @@ def run_experts(emu: LazyKernels, name: str, shape: MoEShape, a: dict[str, np.nd
   return from_bits(out, dt).reshape(shape.tokens, h), down.reshape(p, h)
 
 
+def run_direct(emu: LazyKernels, name: str, shape: MoEShape, a: dict[str, np.ndarray], logits: np.ndarray,
+               order: str = "forward") -> dict[str, np.ndarray]:
+  """The direct plan's two launches on poisoned outputs: out [N, H] and gate_up [P, 2I] as bits, ids and weights."""
+  p, h, i, dt = shape.pairs, shape.hidden, shape.intermediate, shape.dtype
+  bits = lambda key: to_bits(a[key], dt).reshape(-1)
+  gate_up, ids, weights = poisoned(p * 2 * i, dt), np.full(p, -7, np.int32), np.full(p, np.nan, np.float32)
+  emu.launch(f"{name}__direct_gate_up", 0, [gate_up, ids, weights, bits("x"), weight_bits(a, "gate_up", shape),
+                                            np.ascontiguousarray(logits, np.float32).reshape(-1), bits("norm")], order)
+  out = poisoned(shape.tokens * h, dt)
+  emu.launch(f"{name}__direct_down", 0, [out, gate_up, weight_bits(a, "down", shape), ids, weights, bits("residual")], order)
+  return {"out": out, "gate_up": gate_up, "ids": ids.reshape(shape.tokens, shape.top_k),
+          "weights": weights.reshape(shape.tokens, shape.top_k)}
+
+
 def relative_error(got: np.ndarray, want: np.ndarray, residual: np.ndarray) -> float:
   return float(np.abs(got - want).max() / np.abs(want - residual).max())
 
@@ -208,6 +233,32 @@ def test_experts_match_gathered(emu, name):
   for order in orders:
     out, down = run_experts(emu, name, shape, a, groups, weights, order)
     assert not np.isnan(out).any() and not np.isnan(down).any(), "an output element was never written"
+    assert relative_error(out, want, a["residual"]) < TOLERANCE[shape.dtype]
+
+
+@pytest.mark.parametrize("name", list(EXPERTS))
+def test_direct_plan_equals_the_grouped_one(emu, name):
+  """The direct plan (routing in tv_moe_up, the combine in tv_moe_down) writes the grouped plan's bits: the same ids and
+  weights, gate_up rows and output (the same sums in the same order), every element written, in any block order; and
+  so it matches the gathered reference as the grouped plan does."""
+  shape, rng = expert_shape(name), np.random.default_rng(len(name))
+  logits = expert_logits(name, shape, rng)
+  ids, weights, groups = run_route(emu, name, shape, logits)
+  a = expert_inputs(shape, rng, np.unique(ids))
+  want = reference_moe(shape, a, ids, weights)
+  p, i, dt = shape.pairs, shape.intermediate, shape.dtype
+  gate_up = poisoned(p * 2 * i, dt)
+  emu.launch(f"{name}__gate_up", 0, [gate_up, to_bits(a["x"], dt).reshape(-1), weight_bits(a, "gate_up", shape), groups,
+                                     to_bits(a["norm"], dt).reshape(-1)])
+  grouped_out = to_bits(run_experts(emu, name, shape, a, groups, weights)[0], dt).reshape(-1)
+  orders = ("forward",) if shape.hidden > 1024 else ("forward", "reverse", "random")
+  for order in orders:
+    got = run_direct(emu, name, shape, a, logits, order)
+    np.testing.assert_array_equal(got["ids"], ids)
+    np.testing.assert_array_equal(got["weights"], weights)
+    np.testing.assert_array_equal(got["gate_up"], gate_up)
+    np.testing.assert_array_equal(got["out"], grouped_out)
+    out = from_bits(got["out"], dt).reshape(shape.tokens, shape.hidden)
     assert relative_error(out, want, a["residual"]) < TOLERANCE[shape.dtype]
 
 
@@ -238,18 +289,30 @@ def test_shapes_the_kernels_refuse():
 
 
 def test_plan_of_qwen3_30b_at_one_token():
-  """Each used expert one column of blocks, the 8 slots of a token's 8 experts; one routing block of a warp; passes of
-  one row while the pairs spread over as many experts (passes of the average group's rows otherwise)."""
-  plan = moe_plan(MoEShape("bfloat16", 1, 2048, 768, 128, 8, True, EPS))
+  """Grouped: each used expert one column of blocks, the 8 slots of a token's 8 experts; one routing block of a warp;
+  passes of one row while the pairs spread over as many experts (passes of the average group's rows otherwise).
+  Direct (the plan of one token): gate_up's blocks a (columns, pair), down's a (columns, token) of a warp a pair."""
+  shape = MoEShape("bfloat16", 1, 2048, 768, 128, 8, True, EPS)
+  plan = moe_plan(shape, direct=False)
   route, gate_up, down, combine = (launch for launch, _ in plan.steps)
   assert route.grid == (1, 1, 1) and route.threads == 32
   assert gate_up.grid == (1536 // 16, 8, 1) and down.grid == (2048 // 32, 8, 1)   # 4 columns a warp, 8 for down's K 768
   assert combine.grid == (2048 // 32, 1, 1)
+  direct = moe_plan(shape)
+  assert direct.direct and direct.routing is None
+  up, down = (launch for launch, _ in direct.steps)
+  assert (up.kernel, up.grid, up.threads) == ("tv_moe_up", (1536 // 16, 8, 1), 128)
+  assert (down.kernel, down.grid, down.threads) == ("tv_moe_down", (2048 // 8, 1, 1), 256)
+  assert direct.gate_up.defines["TV_RPW"] == gate_up_rpw(plan) and direct.down.defines["TV_SB"] == plan.down.defines["TV_SB"]
+  assert not moe_plan(replace(shape, tokens=2)).direct
   sixteen = moe_plan(MoEShape("bfloat16", 16, 2048, 768, 128, 8, True, EPS))
   assert sixteen.routing.launches[0].threads == 256 and sixteen.gate_up.launches[0].grid[1] == 128
   assert sixteen.gate_up.defines["TV_M"] == 1 and sixteen.down.defines["TV_SB"] == 2
   mixtral = moe_plan(MoEShape("bfloat16", 16, 4096, 14336, 8, 2, True, EPS))
   assert mixtral.gate_up.defines["TV_M"] == 4 and mixtral.gate_up.launches[0].grid[1] == 8
+
+
+def gate_up_rpw(plan: MoEPlan) -> int: return int(plan.gate_up.defines["TV_RPW"])
 
 
 # ---- the backend op
@@ -297,7 +360,10 @@ def test_backend_moe_through_the_emulator(dialect, monkeypatch):
     want = portable_reference(a, moe.top_k, moe.norm_topk_prob)
     assert relative_error(got, want, a["residual"]) < TOLERANCE[BACKEND[name][0]], name
   assert backend.calls["moe"] == 2 * len(BACKEND) and "portable-moe" not in backend.calls
-  assert fake.launches.count("tv_moe_route") == len(BACKEND) and fake.launches.count("tv_moe_linear") == 2 * len(BACKEND)
+  direct = sum(BACKEND[name][1] <= DIRECT_MAX_TOKENS for name in BACKEND)   # a step of one token: the direct plan
+  assert direct == 1 and fake.launches.count("tv_moe_up") == fake.launches.count("tv_moe_down") == direct
+  grouped = len(BACKEND) - direct
+  assert fake.launches.count("tv_moe_route") == grouped and fake.launches.count("tv_moe_linear") == 2 * grouped
 
 
 def test_backend_moe_takes_large_steps_to_the_portable_path():

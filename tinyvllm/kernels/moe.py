@@ -1,17 +1,22 @@
-"""A sparse layer's mixture of experts for decode-sized steps on hand-written kernels (csrc/neutral/moe.inc, CUDA/Metal):
-a step reads only the experts its tokens chose, each expert's weights once, in five launches:
+"""A sparse layer's mixture of experts for decode-sized steps on hand-written kernels (csrc/neutral/moe*.inc, CUDA/Metal):
+a step reads only the experts its tokens chose. The router's logits come first (linear.py's product with the RMSNorm
+fused, float32 [N, E]); then one of two plans.
 
-  1. the router's logits with the RMSNorm fused (linear.py's product, float32 [N, E]);
-  2. tv_moe_route, one block: each token's softmax, top k and renormalised probabilities, and the step's (token,
+The grouped plan reads each chosen expert's weights once, in four launches:
+  1. tv_moe_route, one block: each token's softmax, top k and renormalised probabilities, and the step's (token,
      expert) pairs grouped by expert (the `groups` layout of moe.inc);
-  3. tv_moe_linear over gate_up: a column of blocks per used expert, each block reading its columns' weight rows once for
+  2. tv_moe_linear over gate_up: a column of blocks per used expert, each block reading its columns' weight rows once for
      all the expert's pairs, RMSNorm fused: [P, 2I] in pair order;
-  4. tv_moe_linear over down, SwiGLU of gate_up's rows fused: [P, H] float32;
-  5. tv_moe_combine: residual + each token's k outputs weighted by their probabilities, rounded once.
+  3. tv_moe_linear over down, SwiGLU of gate_up's rows fused: [P, H] float32;
+  4. tv_moe_combine: residual + each token's k outputs weighted by their probabilities, rounded once.
+The direct plan (steps of up to DIRECT_MAX_TOKENS tokens, where tokens seldom share an expert) goes pair by pair in two:
+  1. tv_moe_up: a block per (columns, pair) routes its token itself and computes the pair's gate_up columns;
+  2. tv_moe_down: a block per (columns, token) computes the token's k pairs' down columns and combines them.
+Both give the same bits (the same sums in the same order).
 
 In tinygrad ops (tinyvllm/layers/moe.py, the reference and the path for larger steps) the routing is a chain of small
 kernels (softmax, k max-reductions, renormalisation) and the gathered products copy each pair's expert weights before
-multiplying them: on an H200 at Qwen3-30B-A3B's shape a layer takes 755 us at one token there, 40 here
+multiplying them: on an H200 at Qwen3-30B-A3B's shape a layer takes 755 us at one token there, 40 in the grouped plan
 (bench/check_moe.py; 2,172 against 100 at four tokens, 5,720 against 291 at sixteen).
 """
 from __future__ import annotations
@@ -43,6 +48,8 @@ THREADS = 128          # the grouped products' blocks (as linear.py's)
 BATCH_VECTORS = 16     # weight vectors a lane of the grouped products loads before multiplying any (4 registers each;
                        # on an H200 16 were as fast as 32 with 4 columns a warp, and faster with 8)
 ROUTE_WARPS = 8        # the routing block's warps at most for the tokens (more for the pairs: a thread each)
+DIRECT_MAX_TOKENS = 1  # steps the direct plan takes (its launches: 2 against 4; a shared expert read once a token)
+DIRECT_WARPS = 8       # tv_moe_down's warps at most (a block's pairs: k of them)
 LARGE_STEP = f"steps of more than {MAX_TOKENS} tokens or {MAX_PAIRS} (token, expert) pairs"
 KIND_DTYPES = {"float": dtypes.float32, "int": dtypes.int32}
 
@@ -77,19 +84,25 @@ class MoEKernel:
 @dataclass(frozen=True)
 class MoEPlan:
   shape: MoEShape
-  routing: MoEKernel   # tv_moe_route, tv_moe_combine
-  gate_up: MoEKernel   # tv_moe_linear with the RMSNorm
-  down: MoEKernel      # tv_moe_linear with SwiGLU, float32 out
+  gate_up: MoEKernel   # tv_moe_linear (grouped) or tv_moe_up (direct), the RMSNorm fused
+  down: MoEKernel      # tv_moe_linear (grouped, float32 out) or tv_moe_down (direct, the combine fused)
+  routing: MoEKernel | None = None   # the grouped plan's tv_moe_route and tv_moe_combine
 
   @property
-  def kernels(self) -> tuple[MoEKernel, ...]: return self.routing, self.gate_up, self.down
+  def direct(self) -> bool: return self.routing is None
+
+  @property
+  def kernels(self) -> tuple[MoEKernel, ...]:
+    return (self.gate_up, self.down) if self.routing is None else (self.routing, self.gate_up, self.down)
 
   @property
   def steps(self) -> tuple[tuple[Launch, MoEKernel], ...]:
-    """Each launch with its source's kernel, in the order they run: route, gate_up, down, combine (the router product
-    before them is linear.py's)."""
+    """Each launch with its source's kernel, in the order they run (the router product before them is linear.py's):
+    route, gate_up, down, combine (grouped) or up, down (direct)."""
+    products = (self.gate_up.launches[0], self.gate_up), (self.down.launches[0], self.down)
+    if self.routing is None: return products
     route, combine = self.routing.launches
-    return (route, self.routing), (self.gate_up.launches[0], self.gate_up), (self.down.launches[0], self.down), (combine, self.routing)
+    return (route, self.routing), *products, (combine, self.routing)
 
 
 def unsupported_reason(shape: MoEShape) -> str | None:
@@ -153,15 +166,45 @@ def grouped_kernel(shape: MoEShape, product: str) -> MoEKernel:
   return MoEKernel(product, "moe_grouped", defines, (Launch("tv_moe_linear", grid, THREADS, tuple(params)),))
 
 
-def moe_plan(shape: MoEShape) -> MoEPlan:
+def direct_kernel(shape: MoEShape, product: str) -> MoEKernel:
+  """tv_moe_up (`product` "gate_up": routing, RMSNorm fused) or tv_moe_down ("down": SwiGLU and the combine fused) of
+  the direct plan; their products' columns a warp and batches of K as the grouped kernels'."""
+  n, h, i, e, k, p = shape.tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k, shape.pairs
+  gate_up = product == "gate_up"
+  kdim, nout = (h, 2 * i) if gate_up else (i, h)
+  rpw = warp_columns(kdim)
+  warps = THREADS // 32 if gate_up else min(k, DIRECT_WARPS)
+  defines: dict[str, int | str] = {"TV_DTYPE": dtype_code(shape.dtype), "TV_M": 1, "TV_K": kdim, "TV_NOUT": nout,
+                                   "TV_RPW": rpw, "TV_NT": 32 * warps, "TV_MOE_GROUPED": 1, "TV_MOE_DIRECT": 1,
+                                   "TV_SB": BATCH_VECTORS // rpw, "TV_N": n, "TV_E": e, "TV_TOPK": k, "TV_EPL": cdiv(e, 32),
+                                   "TV_KPL": cdiv(k, 32), "TV_NORM_TOPK": int(shape.norm_topk_prob), "TV_DW": warps}
+  if gate_up:
+    defines.update({"TV_PRO_NORM": 6, "TV_EPS": f"{shape.eps!r}f"})
+    launch = Launch("tv_moe_up", (cdiv(nout, rpw * warps), k, n), 32 * warps, (
+      Param("gate_up", "elem", True, p * nout), Param("ids", "int", True, p), Param("weights", "float", True, p),
+      Param("x", "elem", False, n * h), Param("w_gate_up", "elem", False, e * nout * kdim),
+      Param("logits", "float", False, n * e), Param("norm", "elem", False, h)))
+  else:
+    defines["TV_PRO_SILU"] = 1
+    launch = Launch("tv_moe_down", (cdiv(nout, rpw), n, 1), 32 * warps, (
+      Param("out", "elem", True, n * h), Param("gate_up", "elem", False, p * 2 * i),
+      Param("w_down", "elem", False, e * nout * kdim), Param("ids", "int", False, p), Param("weights", "float", False, p),
+      Param("residual", "elem", False, n * h)))
+  return MoEKernel(product, "moe_direct", defines, (launch,))
+
+
+def moe_plan(shape: MoEShape, direct: bool | None = None) -> MoEPlan:
+  """The direct plan for steps of up to DIRECT_MAX_TOKENS tokens, else the grouped one (`direct` forces either)."""
   assert (reason := unsupported_reason(shape)) is None, reason
-  return MoEPlan(shape, routing_kernel(shape), grouped_kernel(shape, "gate_up"), grouped_kernel(shape, "down"))
+  if direct if direct is not None else shape.tokens <= DIRECT_MAX_TOKENS:
+    return MoEPlan(shape, direct_kernel(shape, "gate_up"), direct_kernel(shape, "down"))
+  return MoEPlan(shape, grouped_kernel(shape, "gate_up"), grouped_kernel(shape, "down"), routing_kernel(shape))
 
 
 @functools.cache
-def moe_sources(dialect: str, shape: MoEShape) -> tuple[MoEPlan, dict[str, str]]:
+def moe_sources(dialect: str, shape: MoEShape, direct: bool | None = None) -> tuple[MoEPlan, dict[str, str]]:
   """The plan and each of its kernels' source by name."""
-  plan = moe_plan(shape)
+  plan = moe_plan(shape, direct)
   return plan, {kernel.name: kernel_source(dialect, kernel.algorithm, kernel.defines) for kernel in plan.kernels}
 
 
@@ -184,17 +227,20 @@ def router_logits(target: DeviceTarget, x: Tensor, moe: MoEWeights, norm: Tensor
   return logits if logits is not None else rms_norm(x, norm, eps).linear(moe.router.T).float()
 
 
-def run_moe(target: DeviceTarget, shape: MoEShape, x: Tensor, moe: MoEWeights, norm: Tensor, residual: Tensor) -> Tensor:
-  """residual + the step's experts ([N, H], the weights' dtype): the router product, then the plan's four launches,
-  each buffer found by its parameter's name (the outputs made when first written)."""
-  plan, sources = moe_sources(target.dialect, shape)
+def run_moe(target: DeviceTarget, shape: MoEShape, x: Tensor, moe: MoEWeights, norm: Tensor, residual: Tensor,
+            direct: bool | None = None) -> Tensor:
+  """residual + the step's experts ([N, H], the weights' dtype): the router product, then the plan's launches, each
+  buffer found by its parameter's name (the outputs made when first written; `direct` as moe_plan's)."""
+  plan, sources = moe_sources(target.dialect, shape, direct)
   dtype = moe.gate_up_proj.dtype
   x, norm, residual = (t.cast(dtype).contiguous() for t in (x, norm, residual))
   buffers = {"x": x, "norm": norm, "residual": residual, "w_gate_up": moe.gate_up_proj, "w_down": moe.down_proj,
-             "logits": router_logits(target, x, moe, norm, shape.eps).contiguous()}
+             "logits": router_logits(target, x, moe, norm, shape.eps).contiguous(),
+             # the output in its 2-D shape: the next layer's products take it as it is (a 1-D one reshaped cost a copy)
+             "out": Tensor.empty(shape.tokens, shape.hidden, dtype=dtype, device=x.device)}
   for launch, kernel in plan.steps:
     for p in launch.params:
       if p.name not in buffers: buffers[p.name] = Tensor.empty(p.numel, dtype=KIND_DTYPES.get(p.kind, dtype), device=x.device)
     after = run_kernel(launch, sources[kernel.name], [buffers[p.name] for p in launch.params])
     buffers.update({p.name: t for p, t in zip(launch.params, after, strict=True) if p.written})
-  return buffers["out"].reshape(shape.tokens, shape.hidden)
+  return buffers["out"]

@@ -190,5 +190,6 @@ def run_grouped(target: DeviceTarget, shape: MoEShape, x: Tensor, moe: MoEWeight
   xn = buffers["xn"]
   logits = fused_linear(target, xn, moe.router, None, out_float32=True)
   buffers["logits"] = (logits if logits is not None else xn.float().linear(moe.router.float().T)).contiguous()
+  buffers["out"] = Tensor.empty(shape.tokens, shape.hidden, dtype=dtype, device=x.device)   # (2-D, as xn)
   for step, kernel in plan.steps: launch(step, kernel)
-  return buffers["out"].reshape(shape.tokens, shape.hidden)
+  return buffers["out"]

@@ -26,7 +26,9 @@ ALGORITHMS = {"decode": ("paged_decode.inc",), "decode_staged": ("tensor_core.in
               "prefill_tc": ("tensor_core.inc", "paged_prefill_tc.inc"),
               "gemm_tc": ("tensor_core.inc", "wgmma.inc", "gemm_tc.inc", "gemm_xprime.inc"),
               "decode_layer": ("tensor_core.inc", "decode_layer_ops.inc", "decode_layer_attend.inc", "decode_layer.inc"),
-              "moe_grouped": ("linear.inc", "moe.inc"), "moe_align": ("moe.inc", "moe_align.inc")}
+              "moe": ("moe_route.inc", "moe.inc"), "moe_grouped": ("linear.inc", "moe_products.inc"),
+              "moe_direct": ("linear.inc", "moe_route.inc", "moe_products.inc", "moe_direct.inc"),
+              "moe_align": ("moe_route.inc", "moe.inc", "moe_align.inc")}
 
 
 def source_root() -> Traversable:
