@@ -1,7 +1,9 @@
 """The decode-batch matrix-product kernel (csrc/neutral/linear.inc), CUDA and Metal dialect, run on the CPU through the C++
 emulation and compared with the portable form (tinyvllm/layers/linear.py, tinygrad ops) on the same rounded inputs:
 plain, with bias, with the RMSNorm / SwiGLU prologue, with the residual epilogue, float32 logits; K with and without a
-tail past the last full vector round, output counts not a multiple of the columns per block, every output written."""
+tail past the last full vector round, output counts not a multiple of the columns per block, every output written; each
+in the planner's layout and in others (a column or eight a block; K's steps shared by three or two warps, so that some
+warps take fewer steps or only the tail)."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +11,7 @@ import pytest
 
 from tests.emulator.cases import from_bits, linear_inputs, packed_weight, portable_linear_reference, to_bits
 from tests.emulator.emulator import LazyKernels, Spec, emulate, poisoned
-from tinyvllm.kernels.linear import LinearShape, linear_plan, unsupported_reason
+from tinyvllm.kernels.linear import LinearShape, SkinnyLayout, linear_plan, skinny_layout, unsupported_reason
 
 TOLERANCE = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}
 EPS = 1e-5
@@ -30,26 +32,46 @@ def _shape(name: str) -> LinearShape:
   return LinearShape(dtype, m, k, o, bias, EPS if norm else None, silu, res, f32)
 
 
+LAYOUTS = {"planned": None, "r1k3": SkinnyLayout(1, 3), "r8k2": SkinnyLayout(8, 2)}
+
+
+def _specs(cases: dict, shape_of) -> list[Spec]:
+  return [Spec(f"{name}__{layout}", "linear", (p := linear_plan(shape_of(name), LAYOUTS[layout])).defines, (p.launch,))
+          for name in cases for layout in LAYOUTS]
+
+
 @pytest.fixture(scope="module")
 def emu(dialect: str) -> LazyKernels:
-  return emulate(dialect, [Spec(name, "linear", (p := linear_plan(_shape(name))).defines, (p.launch,)) for name in CASES])
+  return emulate(dialect, _specs(CASES, _shape))
 
 
 def _inputs(name: str) -> dict[str, np.ndarray]: return linear_inputs(np.random.default_rng(len(name)), _shape(name))
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name", list(CASES))
-def test_linear_matches_portable(emu, name):
+def test_linear_matches_portable(emu, name, layout):
   shape, a = _shape(name), _inputs(name)
   assert unsupported_reason(shape) is None
   out = np.full(shape.rows * shape.out_features, np.nan, np.float32) if shape.out_float32 else \
     poisoned(shape.rows * shape.out_features, shape.dtype)
   args = [out] + [to_bits(a[key], shape.dtype).reshape(-1) for key in ("x", "w", "bias", "norm", "residual") if key in a]
-  emu.launch(name, 0, args)
+  emu.launch(f"{name}__{layout}", 0, args)
   got = (out if shape.out_float32 else from_bits(out, shape.dtype)).reshape(shape.rows, shape.out_features)
   ref = portable_linear_reference(a, shape)
   assert not np.isnan(got).any(), "an output element was never written"
   assert np.abs(got - ref).max() / np.abs(ref).max() < TOLERANCE[shape.dtype]
+
+
+def test_layout_spreads_long_rows_over_warps():
+  """About STEPS_PER_WARP steps of K a warp: Llama-3.2-1B's down (K 8,192: 32 bf16 steps) over 8 warps, Qwen3-30B-A3B's
+  o (K 4,096) over 4, a K of 1,024 (4 steps) on one; packed codes count their 16-byte spans (int4: 32 columns a lane)."""
+  shape = lambda k, **kw: LinearShape("bfloat16", 1, k, 2048, False, None, False, False, False, **kw)
+  assert skinny_layout(shape(8192)) == SkinnyLayout(2, 8) and skinny_layout(shape(4096)) == SkinnyLayout(2, 4)
+  assert skinny_layout(shape(1024)) == SkinnyLayout(2, 1)
+  assert skinny_layout(shape(8192, weight="int4", group=128)) == SkinnyLayout(2, 2)
+  plan = linear_plan(shape(8192))
+  assert plan.launch.grid == (1024, 1, 1) and plan.launch.threads == 256 and plan.defines["TV_KSPLIT"] == 8
 
 
 def test_shapes_the_kernel_refuses():
@@ -81,7 +103,7 @@ def _packed_shape(name: str) -> LinearShape:
 
 @pytest.fixture(scope="module")
 def emu_packed(dialect: str) -> LazyKernels:
-  return emulate(dialect, [Spec(name, "linear", (p := linear_plan(_packed_shape(name))).defines, (p.launch,)) for name in PACKED])
+  return emulate(dialect, _specs(PACKED, _packed_shape))
 
 
 def _packed_weight(name: str, rng: np.random.Generator):
@@ -89,8 +111,9 @@ def _packed_weight(name: str, rng: np.random.Generator):
   return packed_weight(rng, weight, o, k, group)
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name", list(PACKED))
-def test_packed_weight_linear_matches_portable(emu_packed, name):
+def test_packed_weight_linear_matches_portable(emu_packed, name, layout):
   from tinygrad import Tensor
 
   from tinyvllm.layers.linear import portable_linear
@@ -102,7 +125,7 @@ def test_packed_weight_linear_matches_portable(emu_packed, name):
   shifts = qw.shifts if qw.shifts is not None else qw.scales   # FP8: a placeholder the kernel never reads
   weights = [qw.codes.numpy().reshape(-1), qw.scales.numpy().reshape(-1), shifts.numpy().reshape(-1)]
   extras = [to_bits(a[key], shape.dtype).reshape(-1) for key in ("norm", "residual") if key in a]
-  emu_packed.launch(name, 0, [out, to_bits(a["x"], shape.dtype).reshape(-1), *weights, *extras])
+  emu_packed.launch(f"{name}__{layout}", 0, [out, to_bits(a["x"], shape.dtype).reshape(-1), *weights, *extras])
   got = from_bits(out, shape.dtype).reshape(shape.rows, shape.out_features)
   t = {key: Tensor(v) for key, v in a.items()}
   ref = portable_linear(t["x"], qw, norm=t.get("norm"), eps=EPS, silu_mul=shape.silu_mul, residual=t.get("residual")).numpy()

@@ -291,7 +291,7 @@ def test_shapes_the_kernels_refuse():
 def test_plan_of_qwen3_30b_at_one_token():
   """Grouped: each used expert one column of blocks, the 8 slots of a token's 8 experts; one routing block of a warp;
   passes of one row while the pairs spread over as many experts (passes of the average group's rows otherwise).
-  Direct (the plan of one token): gate_up's blocks a (columns, pair), down's a (columns, token) of a warp a pair."""
+  Direct (the plan of up to two tokens): gate_up's blocks a (columns, pair), down's a (columns, token) of a warp a pair."""
   shape = MoEShape("bfloat16", 1, 2048, 768, 128, 8, True, EPS)
   plan = moe_plan(shape, direct=False)
   route, gate_up, down, combine = (launch for launch, _ in plan.steps)
@@ -304,7 +304,7 @@ def test_plan_of_qwen3_30b_at_one_token():
   assert (up.kernel, up.grid, up.threads) == ("tv_moe_up", (1536 // 16, 8, 1), 128)
   assert (down.kernel, down.grid, down.threads) == ("tv_moe_down", (2048 // 8, 1, 1), 256)
   assert direct.gate_up.defines["TV_RPW"] == gate_up_rpw(plan) and direct.down.defines["TV_SB"] == plan.down.defines["TV_SB"]
-  assert not moe_plan(replace(shape, tokens=2)).direct
+  assert moe_plan(replace(shape, tokens=2)).direct and not moe_plan(replace(shape, tokens=3)).direct
   sixteen = moe_plan(MoEShape("bfloat16", 16, 2048, 768, 128, 8, True, EPS))
   assert sixteen.routing.launches[0].threads == 256 and sixteen.gate_up.launches[0].grid[1] == 128
   assert sixteen.gate_up.defines["TV_M"] == 1 and sixteen.down.defines["TV_SB"] == 2

@@ -24,7 +24,8 @@ from tinyvllm.kernels.tuning import tuning_for
 from tinyvllm.platform.target import DeviceTarget
 
 MAX_ROWS = 16
-THREADS = 128
+STEPS_PER_WARP = 4     # K steps (32 lanes' 16-byte vectors of each column's row) a warp takes, about: its loads in flight
+MAX_KSPLIT = 8         # warps a block at most, sharing its columns' K
 DTYPE_NAMES = {dtypes.float32: "float32", dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}
 
 
@@ -41,6 +42,12 @@ class LinearShape:
   out_float32: bool  # y in float32 (the logits) instead of the input dtype
   weight: str = "elem"   # "elem" (w in the activation dtype) or a packed QuantizedWeight's codes: int8, int4, fp8
   group: int = 0         # input columns per scale of a packed weight
+
+
+@dataclass(frozen=True)
+class SkinnyLayout:
+  rpw: int      # output columns a block (and a warp: each warp sums its share of K for all of them)
+  ksplit: int   # warps a block, each taking every ksplit-th step of K
 
 
 @dataclass(frozen=True)
@@ -64,16 +71,32 @@ def unsupported_reason(shape: LinearShape) -> str | None:
   return None
 
 
-def linear_plan(shape: LinearShape) -> LinearPlan:
-  # weight rows per warp: each 16-byte w load is matched by rows/rpw x loads (from cache), so more rows want a larger
-  # rpw; 4 keeps 16 rows at ~170 registers without spills (nvcc -Xptxas -v, sm_90)
-  rpw, threads = (2 if shape.rows <= 2 else 4), THREADS
-  blocks = -(-shape.out_features // (rpw * (threads // 32)))
+def lane_columns(shape: LinearShape) -> int:
+  """Input columns a lane covers a step: a 16-byte vector of activations, or a span of packed codes (16 bytes of them)."""
+  vec = 16 // ELEM_BYTES[dtype_code(shape.dtype)]
+  if shape.weight == "elem": return vec
+  span = 128 // PACKED_WEIGHTS[shape.weight][1]
+  return span if shape.in_features % span == 0 and shape.group % span == 0 else vec
+
+
+def skinny_layout(shape: LinearShape) -> SkinnyLayout:
+  """Columns a block: each 16-byte w load is matched by rows/rpw x loads (from cache), so more rows want a larger rpw;
+  4 keeps 16 rows at ~170 registers without spills (nvcc -Xptxas -v, sm_90). Warps: enough that each takes about
+  STEPS_PER_WARP steps of K (a long row over several warps, so that a block keeps as many bytes in flight)."""
+  steps = -(-shape.in_features // (32 * lane_columns(shape)))
+  return SkinnyLayout(2 if shape.rows <= 2 else 4, max(1, min(MAX_KSPLIT, steps // STEPS_PER_WARP)))
+
+
+def linear_plan(shape: LinearShape, layout: SkinnyLayout | None = None) -> LinearPlan:
+  """The skinny product's specialisation (`layout`: another than skinny_layout's, for benchmarks)."""
+  layout = layout or skinny_layout(shape)
+  rpw, threads = layout.rpw, 32 * layout.ksplit
+  blocks = -(-shape.out_features // rpw)
   m, k, o = shape.rows, shape.in_features, shape.out_features
   params = [Param("y", "float" if shape.out_float32 else "elem", True, m * o),
             Param("x", "elem", False, m * k * (2 if shape.silu_mul else 1))]
   defines: dict[str, int | str] = {"TV_DTYPE": dtype_code(shape.dtype), "TV_M": m, "TV_K": k, "TV_NOUT": o, "TV_RPW": rpw,
-                                   "TV_NT": threads}
+                                   "TV_KSPLIT": layout.ksplit, "TV_NT": threads}
   if shape.weight == "elem": params.append(Param("w", "elem", False, o * k))
   else:   # codes as 32-bit words, float32 scales and shifts per (row, group)
     code, bits = PACKED_WEIGHTS[shape.weight]
@@ -81,7 +104,7 @@ def linear_plan(shape: LinearShape) -> LinearPlan:
     params += [Param("w", "uint", False, o * k * bits // 32), Param("wscale", "float", False, groups),
                Param("wshift", "float", False, groups)]
     defines.update({"TV_WQ": code, "TV_WGROUP": shape.group})
-    if k % (span := 128 // bits) == 0 and shape.group % span == 0: defines["TV_WSPAN"] = span   # whole 16-byte code loads
+    if (span := lane_columns(shape)) != 16 // ELEM_BYTES[dtype_code(shape.dtype)]: defines["TV_WSPAN"] = span   # whole 16-byte code loads
   for flag, name, numel in (("TV_BIAS", "bias", o), ("TV_PRO_NORM", "g", k), ("TV_RESIDUAL", "residual", m * o)):
     wanted = {"TV_BIAS": shape.bias, "TV_PRO_NORM": shape.norm_eps is not None, "TV_RESIDUAL": shape.residual}[flag]
     if wanted:
@@ -94,8 +117,8 @@ def linear_plan(shape: LinearShape) -> LinearPlan:
 
 
 @functools.cache
-def skinny_source(dialect: str | None, shape: LinearShape) -> tuple[LinearPlan, str]:
-  plan = linear_plan(shape)
+def skinny_source(dialect: str | None, shape: LinearShape, layout: SkinnyLayout | None = None) -> tuple[LinearPlan, str]:
+  plan = linear_plan(shape, layout)
   return plan, kernel_source(dialect, "linear", plan.defines)
 
 
@@ -135,14 +158,15 @@ def fused_linear(target: DeviceTarget, x: Tensor, w: Weight, bias: Tensor | None
 
 
 def run_linear(target: DeviceTarget, shape: LinearShape, kernel: str, x: Tensor, w: Weight, bias: Tensor | None = None,
-               norm: Tensor | None = None, residual: Tensor | None = None, tiles: GemmTiles | None = None) -> Tensor:
-  """The product on the "skinny" or the "gemm" kernel (with `tiles`, else the planner's)."""
+               norm: Tensor | None = None, residual: Tensor | None = None, tiles: GemmTiles | None = None,
+               layout: SkinnyLayout | None = None) -> Tensor:
+  """The product on the "skinny" or the "gemm" kernel (with `tiles` or `layout`, else the planner's)."""
   y = Tensor.empty(shape.rows, shape.out_features, dtype=dtypes.float32 if shape.out_float32 else w.dtype, device=x.device)
   x, extras = x.cast(w.dtype).contiguous(), {n: t.cast(w.dtype).contiguous() for n, t in
                                              (("bias", bias), ("norm", norm), ("residual", residual)) if t is not None}
   weights = [w] if isinstance(w, Tensor) else _packed_operands(w)
   if kernel == "gemm": return _run_gemm(shape, target, tiles, y, x, weights, w.dtype, extras)
-  plan, source = skinny_source(target.dialect, shape)
+  plan, source = skinny_source(target.dialect, shape, layout)
   return run_kernel(plan.launch, source, [y, x, *weights, *extras.values()])[0]
 
 

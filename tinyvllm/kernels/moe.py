@@ -44,11 +44,13 @@ from tinyvllm.platform.target import DeviceTarget
 MAX_TOKENS = MAX_ROWS
 MAX_PAIRS = 128
 MAX_EXPERTS = 1024     # the routing block holds a token's logits in registers, E / 32 a lane
-THREADS = 128          # the grouped products' blocks (as linear.py's)
+THREADS = 128          # the grouped products' blocks
 BATCH_VECTORS = 16     # weight vectors a lane of the grouped products loads before multiplying any (4 registers each;
                        # on an H200 16 were as fast as 32 with 4 columns a warp, and faster with 8)
 ROUTE_WARPS = 8        # the routing block's warps at most for the tokens (more for the pairs: a thread each)
-DIRECT_MAX_TOKENS = 1  # steps the direct plan takes (its launches: 2 against 4; a shared expert read once a token)
+DIRECT_MAX_TOKENS = 2  # steps the direct plan takes (2 launches against 4; an expert two tokens share read twice): at
+                       # Qwen3-30B-A3B's shape on an H100, us a layer direct / grouped: 42.3 / 47.0 at one token, 71.4 /
+                       # 73.5 at two, 124.1 / 122.1 at four (bench/check_moe.py)
 DIRECT_WARPS = 8       # tv_moe_down's warps at most (a block's pairs: k of them)
 LARGE_STEP = f"steps of more than {MAX_TOKENS} tokens or {MAX_PAIRS} (token, expert) pairs"
 KIND_DTYPES = {"float": dtypes.float32, "int": dtypes.int32}
