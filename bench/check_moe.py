@@ -28,6 +28,8 @@ TIE = 1e-3   # a token of the grouped path may route otherwise than the referenc
 LAYERS = 4
 EPS = 1e-6
 DIRECT_TOKENS = 4   # steps up to this many tokens time both decode plans
+DIRECT_COLUMNS = ((2, 2), (2, 4), (4, 2), (4, 4), (8, 4), (4, 8), (2, 8))   # the direct plan's (gate_up, down) columns a
+                                                                           # warp timed beside the planner's (4, 8)
 
 
 def _layer(device: str, seed: int):
@@ -103,18 +105,26 @@ def _check_tokens(target, device: str, n: int, layers: list, reference_layer, it
 
 
 def _plans(target, x, norm, residual, layers: list, device: str, iters: int) -> dict:
-  """The direct and the grouped decode plans (kernels/moe.py) side by side: the same bits, and each one's time."""
+  """The direct and the grouped decode plans (kernels/moe.py) side by side: the same bits, and each one's time; the
+  direct plan also with other columns a warp (gate_up's, down's) than the planner's."""
   from tinygrad import dtypes
 
   from tinyvllm.kernels.moe import moe_shape, run_moe
   shape = moe_shape(x, layers[0], EPS)[0]
-  run = lambda moe, direct: run_moe(target, shape, x, moe, norm, residual, direct=direct)
-  same = bool((run(layers[0], True).bitcast(dtypes.uint16).numpy() == run(layers[0], False).bitcast(dtypes.uint16).numpy()).all())
+  run = lambda moe, direct, columns=None: run_moe(target, shape, x, moe, norm, residual, direct=direct, direct_columns=columns)
+  bits = lambda t: t.bitcast(dtypes.uint16).numpy()
+  grouped = bits(run(layers[0], False))
+  same = bool((bits(run(layers[0], True)) == grouped).all())
   us = {plan: _time(lambda moe, direct=direct: run(moe, direct), layers, device, iters)
         for plan, direct in (("direct", True), ("grouped", False))}
+  columns = {}
+  for up, down in DIRECT_COLUMNS:
+    columns[f"up {up}, down {down}"] = _time(lambda moe, c=(up, down): run(moe, True, c), layers, device, iters)
+    same = same and bool((bits(run(layers[0], True, (up, down))) == grouped).all())
   print(f"{'ok  ' if same else 'FAIL'} moe plans, {shape.tokens} tokens: direct {us['direct']:.1f} us/layer, grouped "
-        f"{us['grouped']:.1f}; the same bits: {same}", flush=True)
-  return {"plans_us_per_layer": us, "plans_same_bits": same}
+        f"{us['grouped']:.1f}; the same bits: {same}; direct with columns a warp: "
+        + ", ".join(f"{name} {t:.1f}" for name, t in columns.items()), flush=True)
+  return {"plans_us_per_layer": us, "plans_same_bits": same, "direct_columns_us_per_layer": columns}
 
 
 def _explored(n: int) -> list:

@@ -64,12 +64,16 @@ def test_linear_matches_portable(emu, name, layout):
 
 
 def test_layout_spreads_long_rows_over_warps():
-  """About STEPS_PER_WARP steps of K a warp: Llama-3.2-1B's down (K 8,192: 32 bf16 steps) over 8 warps, Qwen3-30B-A3B's
-  o (K 4,096) over 4, a K of 1,024 (4 steps) on one; packed codes count their 16-byte spans (int4: 32 columns a lane)."""
-  shape = lambda k, **kw: LinearShape("bfloat16", 1, k, 2048, False, None, False, False, False, **kw)
-  assert skinny_layout(shape(8192)) == SkinnyLayout(2, 8) and skinny_layout(shape(4096)) == SkinnyLayout(2, 4)
-  assert skinny_layout(shape(1024)) == SkinnyLayout(2, 1)
-  assert skinny_layout(shape(8192, weight="int4", group=128)) == SkinnyLayout(2, 2)
+  """K's steps shared evenly by up to 8 warps: Llama-3.2-1B's down (K 8,192: 32 bf16 steps) and a K of 2,048 (8) over 8,
+  a K of 3,072 (12) over 6, a K of 1,024 (4) over 4; packed codes count their 16-byte spans (int4: 32 columns a lane)
+  and take 4 columns a block, as do 3 rows and more."""
+  shape = lambda k, rows=1, **kw: LinearShape("bfloat16", rows, k, 2048, False, None, False, False, False, **kw)
+  assert skinny_layout(shape(8192)) == skinny_layout(shape(2048)) == SkinnyLayout(2, 8)
+  assert skinny_layout(shape(3072)) == SkinnyLayout(2, 6) and skinny_layout(shape(1024)) == SkinnyLayout(2, 4)
+  assert skinny_layout(shape(264)) == SkinnyLayout(2, 2)   # a step and a tail of one vector: a warp each
+  assert skinny_layout(shape(776)) == SkinnyLayout(2, 4) and skinny_layout(shape(1280)) == SkinnyLayout(2, 5)   # 4, 5 steps
+  assert skinny_layout(shape(2048, weight="int4", group=128)) == SkinnyLayout(4, 2)
+  assert skinny_layout(shape(2048, rows=3)) == SkinnyLayout(4, 8)
   plan = linear_plan(shape(8192))
   assert plan.launch.grid == (1024, 1, 1) and plan.launch.threads == 256 and plan.defines["TV_KSPLIT"] == 8
 

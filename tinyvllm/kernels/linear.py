@@ -24,8 +24,7 @@ from tinyvllm.kernels.tuning import tuning_for
 from tinyvllm.platform.target import DeviceTarget
 
 MAX_ROWS = 16
-STEPS_PER_WARP = 4     # K steps (32 lanes' 16-byte vectors of each column's row) a warp takes, about: its loads in flight
-MAX_KSPLIT = 8         # warps a block at most, sharing its columns' K
+MAX_KSPLIT = 8         # warps a block at most, sharing its columns' K (a step: 32 lanes' 16-byte vectors of each row)
 DTYPE_NAMES = {dtypes.float32: "float32", dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}
 
 
@@ -80,11 +79,15 @@ def lane_columns(shape: LinearShape) -> int:
 
 
 def skinny_layout(shape: LinearShape) -> SkinnyLayout:
-  """Columns a block: each 16-byte w load is matched by rows/rpw x loads (from cache), so more rows want a larger rpw;
-  4 keeps 16 rows at ~170 registers without spills (nvcc -Xptxas -v, sm_90). Warps: enough that each takes about
-  STEPS_PER_WARP steps of K (a long row over several warps, so that a block keeps as many bytes in flight)."""
+  """Columns a block: each 16-byte w load is matched by rows/rpw x loads (from cache), so more rows want a larger rpw
+  (4 keeps 16 rows at ~170 registers without spills: nvcc -Xptxas -v, sm_90), and so do packed codes, whose 16 bytes a
+  lane cover more columns. Warps: K's steps shared by as many as divide them evenly, up to MAX_KSPLIT. One row on an H100
+  (bench/skinny_bench.py, us a call): Qwen3-30B-A3B's o (K 4,096, 16 steps) 11.5 with one warp a block, 7.5 with 8;
+  Llama-3.2-1B's down (K 8,192) 30.9 and 15.1; its int4 down (8 steps of 32-column spans) 29.8 with 4 columns and one
+  warp, 10.0 with 8 warps; a K of 3,072 (12 steps) 14.0 with 8 warps (four take one step more), 12.2 with 4."""
   steps = -(-shape.in_features // (32 * lane_columns(shape)))
-  return SkinnyLayout(2 if shape.rows <= 2 else 4, max(1, min(MAX_KSPLIT, steps // STEPS_PER_WARP)))
+  ksplit = max(s for s in range(1, MAX_KSPLIT + 1) if steps % s == 0)
+  return SkinnyLayout(2 if shape.rows <= 2 and shape.weight == "elem" else 4, ksplit)
 
 
 def linear_plan(shape: LinearShape, layout: SkinnyLayout | None = None) -> LinearPlan:

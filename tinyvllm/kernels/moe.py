@@ -168,13 +168,14 @@ def grouped_kernel(shape: MoEShape, product: str) -> MoEKernel:
   return MoEKernel(product, "moe_grouped", defines, (Launch("tv_moe_linear", grid, THREADS, tuple(params)),))
 
 
-def direct_kernel(shape: MoEShape, product: str) -> MoEKernel:
+def direct_kernel(shape: MoEShape, product: str, columns: int | None = None) -> MoEKernel:
   """tv_moe_up (`product` "gate_up": routing, RMSNorm fused) or tv_moe_down ("down": SwiGLU and the combine fused) of
-  the direct plan; their products' columns a warp and batches of K as the grouped kernels'."""
+  the direct plan; their products' columns a warp (`columns`, else the grouped kernels') and batches of K as the
+  grouped kernels'."""
   n, h, i, e, k, p = shape.tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k, shape.pairs
   gate_up = product == "gate_up"
   kdim, nout = (h, 2 * i) if gate_up else (i, h)
-  rpw = warp_columns(kdim)
+  rpw = columns or warp_columns(kdim)
   warps = THREADS // 32 if gate_up else min(k, DIRECT_WARPS)
   defines: dict[str, int | str] = {"TV_DTYPE": dtype_code(shape.dtype), "TV_M": 1, "TV_K": kdim, "TV_NOUT": nout,
                                    "TV_RPW": rpw, "TV_NT": 32 * warps, "TV_MOE_GROUPED": 1, "TV_MOE_DIRECT": 1,
@@ -195,18 +196,21 @@ def direct_kernel(shape: MoEShape, product: str) -> MoEKernel:
   return MoEKernel(product, "moe_direct", defines, (launch,))
 
 
-def moe_plan(shape: MoEShape, direct: bool | None = None) -> MoEPlan:
-  """The direct plan for steps of up to DIRECT_MAX_TOKENS tokens, else the grouped one (`direct` forces either)."""
+def moe_plan(shape: MoEShape, direct: bool | None = None, direct_columns: tuple[int, int] | None = None) -> MoEPlan:
+  """The direct plan for steps of up to DIRECT_MAX_TOKENS tokens, else the grouped one (`direct` forces either;
+  `direct_columns`: the direct kernels' columns a warp, gate_up's and down's, else the planner's)."""
   assert (reason := unsupported_reason(shape)) is None, reason
   if direct if direct is not None else shape.tokens <= DIRECT_MAX_TOKENS:
-    return MoEPlan(shape, direct_kernel(shape, "gate_up"), direct_kernel(shape, "down"))
+    up, down = direct_columns or (None, None)
+    return MoEPlan(shape, direct_kernel(shape, "gate_up", up), direct_kernel(shape, "down", down))
   return MoEPlan(shape, grouped_kernel(shape, "gate_up"), grouped_kernel(shape, "down"), routing_kernel(shape))
 
 
 @functools.cache
-def moe_sources(dialect: str, shape: MoEShape, direct: bool | None = None) -> tuple[MoEPlan, dict[str, str]]:
-  """The plan and each of its kernels' source by name."""
-  plan = moe_plan(shape, direct)
+def moe_sources(dialect: str, shape: MoEShape, direct: bool | None = None,
+                direct_columns: tuple[int, int] | None = None) -> tuple[MoEPlan, dict[str, str]]:
+  """The plan (moe_plan's arguments) and each of its kernels' source by name."""
+  plan = moe_plan(shape, direct, direct_columns)
   return plan, {kernel.name: kernel_source(dialect, kernel.algorithm, kernel.defines) for kernel in plan.kernels}
 
 
@@ -230,10 +234,11 @@ def router_logits(target: DeviceTarget, x: Tensor, moe: MoEWeights, norm: Tensor
 
 
 def run_moe(target: DeviceTarget, shape: MoEShape, x: Tensor, moe: MoEWeights, norm: Tensor, residual: Tensor,
-            direct: bool | None = None) -> Tensor:
+            direct: bool | None = None, direct_columns: tuple[int, int] | None = None) -> Tensor:
   """residual + the step's experts ([N, H], the weights' dtype): the router product, then the plan's launches, each
-  buffer found by its parameter's name (the outputs made when first written; `direct` as moe_plan's)."""
-  plan, sources = moe_sources(target.dialect, shape, direct)
+  buffer found by its parameter's name (the outputs made when first written; `direct`, `direct_columns` as
+  moe_plan's)."""
+  plan, sources = moe_sources(target.dialect, shape, direct, direct_columns)
   dtype = moe.gate_up_proj.dtype
   x, norm, residual = (t.cast(dtype).contiguous() for t in (x, norm, residual))
   buffers = {"x": x, "norm": norm, "residual": residual, "w_gate_up": moe.gate_up_proj, "w_down": moe.down_proj,
