@@ -1,6 +1,6 @@
 """The skinny product (csrc/neutral/linear.inc) at decode batch sizes, in every layout: time per call and GB/s of weights
 for the per-op decode paths' shapes (Qwen3-30B-A3B's attention half, router and LM head; Llama-3.2-1B's layer in bf16
-and int4; a fourth of Qwen3-8B, a device's share at TP=4), each layout checked against a float32 product in tinygrad.
+and int4; Qwen3-0.6B's LM head; a fourth of Qwen3-8B, a device's share at TP=4), each layout checked against a float32 product in tinygrad.
 
 Usage (GPU machine): DEV=CUDA python bench/skinny_bench.py [--rows 1,4]; writes $OUT/skinny_bench.json when OUT is set.
 Timing: each layout is captured with TinyJit as R calls on R different weight copies (so weights come from HBM, not
@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SHAPES = (("30b_qkv", 5120, 2048, {"norm": True}, "elem"), ("30b_o", 2048, 4096, {"residual": True}, "elem"),
           ("30b_router", 128, 2048, {"norm": True}, "elem"),
           ("30b_lm_head", 151936, 2048, {"norm": True, "out_float32": True}, "elem"),
+          ("06b_lm_head", 151936, 1024, {"norm": True, "out_float32": True}, "elem"),
           ("1b_qkv", 3072, 2048, {"norm": True}, "elem"), ("1b_o", 2048, 2048, {"residual": True}, "elem"),
           ("1b_gate_up", 16384, 2048, {"norm": True}, "elem"), ("1b_down", 2048, 8192, {"silu_mul": True, "residual": True}, "elem"),
           ("1b_gate_up_int4", 16384, 2048, {"norm": True}, "int4"),

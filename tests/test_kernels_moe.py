@@ -291,7 +291,8 @@ def test_shapes_the_kernels_refuse():
 def test_plan_of_qwen3_30b_at_one_token():
   """Grouped: each used expert one column of blocks, the 8 slots of a token's 8 experts; one routing block of a warp;
   passes of one row while the pairs spread over as many experts (passes of the average group's rows otherwise).
-  Direct (the plan of up to two tokens): gate_up's blocks a (columns, pair), down's a (columns, token) of a warp a pair."""
+  Direct (the plan of up to four tokens): gate_up's blocks a (columns, pair), down's a (columns, token) of a warp a
+  pair."""
   shape = MoEShape("bfloat16", 1, 2048, 768, 128, 8, True, EPS)
   plan = moe_plan(shape, direct=False)
   route, gate_up, down, combine = (launch for launch, _ in plan.steps)
@@ -301,18 +302,14 @@ def test_plan_of_qwen3_30b_at_one_token():
   direct = moe_plan(shape)
   assert direct.direct and direct.routing is None
   up, down = (launch for launch, _ in direct.steps)
-  assert (up.kernel, up.grid, up.threads) == ("tv_moe_up", (1536 // 16, 8, 1), 128)
-  assert (down.kernel, down.grid, down.threads) == ("tv_moe_down", (2048 // 8, 1, 1), 256)
-  assert direct.gate_up.defines["TV_RPW"] == gate_up_rpw(plan) and direct.down.defines["TV_SB"] == plan.down.defines["TV_SB"]
-  assert moe_plan(replace(shape, tokens=2)).direct and not moe_plan(replace(shape, tokens=3)).direct
+  assert (up.kernel, up.grid, up.threads) == ("tv_moe_up", (1536 // 32, 8, 1), 128)   # 8 columns a warp
+  assert (down.kernel, down.grid, down.threads) == ("tv_moe_down", (2048 // 4, 1, 1), 256)   # 4 columns a block
+  assert moe_plan(replace(shape, tokens=4)).direct and not moe_plan(replace(shape, tokens=5)).direct
   sixteen = moe_plan(MoEShape("bfloat16", 16, 2048, 768, 128, 8, True, EPS))
   assert sixteen.routing.launches[0].threads == 256 and sixteen.gate_up.launches[0].grid[1] == 128
   assert sixteen.gate_up.defines["TV_M"] == 1 and sixteen.down.defines["TV_SB"] == 2
   mixtral = moe_plan(MoEShape("bfloat16", 16, 4096, 14336, 8, 2, True, EPS))
   assert mixtral.gate_up.defines["TV_M"] == 4 and mixtral.gate_up.launches[0].grid[1] == 8
-
-
-def gate_up_rpw(plan: MoEPlan) -> int: return int(plan.gate_up.defines["TV_RPW"])
 
 
 # ---- the backend op
@@ -360,8 +357,8 @@ def test_backend_moe_through_the_emulator(dialect, monkeypatch):
     want = portable_reference(a, moe.top_k, moe.norm_topk_prob)
     assert relative_error(got, want, a["residual"]) < TOLERANCE[BACKEND[name][0]], name
   assert backend.calls["moe"] == 2 * len(BACKEND) and "portable-moe" not in backend.calls
-  direct = sum(BACKEND[name][1] <= DIRECT_MAX_TOKENS for name in BACKEND)   # a step of one token: the direct plan
-  assert direct == 1 and fake.launches.count("tv_moe_up") == fake.launches.count("tv_moe_down") == direct
+  direct = sum(BACKEND[name][1] <= DIRECT_MAX_TOKENS for name in BACKEND)   # steps of 1 and 3 tokens: the direct plan
+  assert direct == 2 and fake.launches.count("tv_moe_up") == fake.launches.count("tv_moe_down") == direct
   grouped = len(BACKEND) - direct
   assert fake.launches.count("tv_moe_route") == grouped and fake.launches.count("tv_moe_linear") == 2 * grouped
 

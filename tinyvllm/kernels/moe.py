@@ -48,9 +48,10 @@ THREADS = 128          # the grouped products' blocks
 BATCH_VECTORS = 16     # weight vectors a lane of the grouped products loads before multiplying any (4 registers each;
                        # on an H200 16 were as fast as 32 with 4 columns a warp, and faster with 8)
 ROUTE_WARPS = 8        # the routing block's warps at most for the tokens (more for the pairs: a thread each)
-DIRECT_MAX_TOKENS = 2  # steps the direct plan takes (2 launches against 4; an expert two tokens share read twice): at
-                       # Qwen3-30B-A3B's shape on an H100, us a layer direct / grouped: 42.3 / 47.0 at one token, 71.4 /
-                       # 73.5 at two, 124.1 / 122.1 at four (bench/check_moe.py)
+DIRECT_MAX_TOKENS = 4  # steps the direct plan takes (2 launches against 4; an expert two tokens share read twice)
+DIRECT_COLUMNS = (8, 4)  # the direct plan's gate_up and down columns a warp. At Qwen3-30B-A3B's shape on an H100, us a
+                         # layer (bench/check_moe.py): one token 37.2 (with the grouped kernels' 4 and 8 columns: 38.5;
+                         # the grouped plan 42.7), two 63.7 (66.9; 69.4), four 114.1 (118.1; 115.9)
 DIRECT_WARPS = 8       # tv_moe_down's warps at most (a block's pairs: k of them)
 LARGE_STEP = f"steps of more than {MAX_TOKENS} tokens or {MAX_PAIRS} (token, expert) pairs"
 KIND_DTYPES = {"float": dtypes.float32, "int": dtypes.int32}
@@ -170,12 +171,11 @@ def grouped_kernel(shape: MoEShape, product: str) -> MoEKernel:
 
 def direct_kernel(shape: MoEShape, product: str, columns: int | None = None) -> MoEKernel:
   """tv_moe_up (`product` "gate_up": routing, RMSNorm fused) or tv_moe_down ("down": SwiGLU and the combine fused) of
-  the direct plan; their products' columns a warp (`columns`, else the grouped kernels') and batches of K as the
-  grouped kernels'."""
+  the direct plan, `columns` a warp (else DIRECT_COLUMNS'), K in batches as the grouped kernels'."""
   n, h, i, e, k, p = shape.tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k, shape.pairs
   gate_up = product == "gate_up"
   kdim, nout = (h, 2 * i) if gate_up else (i, h)
-  rpw = columns or warp_columns(kdim)
+  rpw = columns or DIRECT_COLUMNS[0 if gate_up else 1]
   warps = THREADS // 32 if gate_up else min(k, DIRECT_WARPS)
   defines: dict[str, int | str] = {"TV_DTYPE": dtype_code(shape.dtype), "TV_M": 1, "TV_K": kdim, "TV_NOUT": nout,
                                    "TV_RPW": rpw, "TV_NT": 32 * warps, "TV_MOE_GROUPED": 1, "TV_MOE_DIRECT": 1,
