@@ -182,11 +182,11 @@ def direct_kernel(shape: MoEShape, product: str, columns: int | None = None) -> 
                                    "TV_SB": BATCH_VECTORS // rpw, "TV_N": n, "TV_E": e, "TV_TOPK": k, "TV_EPL": cdiv(e, 32),
                                    "TV_KPL": cdiv(k, 32), "TV_NORM_TOPK": int(shape.norm_topk_prob), "TV_DW": warps}
   if gate_up:
-    defines.update({"TV_PRO_NORM": 6, "TV_EPS": f"{shape.eps!r}f"})
-    launch = Launch("tv_moe_up", (cdiv(nout, rpw * warps), k, n), 32 * warps, (
-      Param("gate_up", "elem", True, p * nout), Param("ids", "int", True, p), Param("weights", "float", True, p),
-      Param("x", "elem", False, n * h), Param("w_gate_up", "elem", False, e * nout * kdim),
-      Param("logits", "float", False, n * e), Param("norm", "elem", False, h)))
+    params = (Param("gate_up", "elem", True, p * nout), Param("ids", "int", True, p), Param("weights", "float", True, p),
+              Param("x", "elem", False, n * h), Param("w_gate_up", "elem", False, e * nout * kdim),
+              Param("logits", "float", False, n * e), Param("norm", "elem", False, h))
+    defines.update({"TV_PRO_NORM": len(params) - 1, "TV_EPS": f"{shape.eps!r}f"})   # (the norm's buffer index)
+    launch = Launch("tv_moe_up", (cdiv(nout, rpw * warps), k, n), 32 * warps, params)
   else:
     defines["TV_PRO_SILU"] = 1
     launch = Launch("tv_moe_down", (cdiv(nout, rpw), n, 1), 32 * warps, (
