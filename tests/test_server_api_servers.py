@@ -51,7 +51,9 @@ def server(stories_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def http(server):
-  with httpx.Client(base_url=server.url, timeout=120) as c: yield c
+  # the module's first requests (each engine core's first steps) once took more than two minutes on CI's two cores while
+  # the other test worker ran its own servers
+  with httpx.Client(base_url=server.url, timeout=300) as c: yield c
 
 
 @pytest.fixture(scope="module")
