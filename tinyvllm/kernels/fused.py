@@ -113,8 +113,9 @@ class FusedBackend:
 
   def moe(self, x: Tensor, moe: MoEWeights, *, norm: Tensor, eps: float, residual: Tensor) -> Tensor:
     """Decode-sized steps (up to moe.MAX_TOKENS tokens and MAX_PAIRS (token, expert) pairs) on the skinny kernels: the
-    router product, routing and grouping by expert, the two grouped expert products, the combine (kernels/moe.py), each
-    chosen expert's weights read once. Larger steps (prompt chunks, decode batches) on the grouped tensor-core GEMM
+    router product, then pair by pair for a few tokens (routing in the gate_up product, the combine in down's), else
+    grouped by expert (routing and grouping, the two grouped expert products, the combine), each chosen expert's weights
+    read once (kernels/moe.py). Larger steps (prompt chunks, decode batches) on the grouped tensor-core GEMM
     over the pairs sorted by expert (kernels/moe_grouped.py, CUDA); otherwise in tinygrad ops, said once."""
     shape, reason = moe_shape(x, moe, eps)
     if shape is not None and reason is None:
