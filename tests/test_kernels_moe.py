@@ -184,8 +184,8 @@ def reference_moe(shape: MoEShape, a: dict[str, np.ndarray], ids: np.ndarray, we
 
 
 def run_experts(emu: LazyKernels, name: str, shape: MoEShape, a: dict[str, np.ndarray], groups: np.ndarray, weights: np.ndarray,
-                order: str = "forward") -> tuple[np.ndarray, np.ndarray]:
-  """gate_up, down and the combine on poisoned outputs: (out [N, H] float32, down's float32 rows [P, H])."""
+                order: str = "forward") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """gate_up, down and the combine on poisoned outputs: (out [N, H] float32, down's float32 rows [P, H], gate_up's bits)."""
   p, h, i, dt = shape.pairs, shape.hidden, shape.intermediate, shape.dtype
   bits = lambda key: to_bits(a[key], dt).reshape(-1)
   gate_up = poisoned(p * 2 * i, dt)
@@ -195,7 +195,7 @@ def run_experts(emu: LazyKernels, name: str, shape: MoEShape, a: dict[str, np.nd
   emu.launch(f"{name}__down", 0, [down, gate_up, weight_bits(a, "down", shape), groups], order)
   out = poisoned(shape.tokens * h, dt)
   emu.launch(f"{name}__routing", 1, [out, down, np.ascontiguousarray(weights, np.float32).reshape(-1), bits("residual")], order)
-  return from_bits(out, dt).reshape(shape.tokens, h), down.reshape(p, h)
+  return from_bits(out, dt).reshape(shape.tokens, h), down.reshape(p, h), gate_up
 
 
 def run_direct(emu: LazyKernels, name: str, shape: MoEShape, a: dict[str, np.ndarray], logits: np.ndarray,
@@ -231,7 +231,7 @@ def test_experts_match_gathered(emu, name):
   want = reference_moe(shape, a, ids, weights)
   orders = ("forward",) if shape.hidden > 1024 else ("forward", "random")
   for order in orders:
-    out, down = run_experts(emu, name, shape, a, groups, weights, order)
+    out, down, _ = run_experts(emu, name, shape, a, groups, weights, order)
     assert not np.isnan(out).any() and not np.isnan(down).any(), "an output element was never written"
     assert relative_error(out, want, a["residual"]) < TOLERANCE[shape.dtype]
 
@@ -246,11 +246,8 @@ def test_direct_plan_equals_the_grouped_one(emu, name):
   ids, weights, groups = run_route(emu, name, shape, logits)
   a = expert_inputs(shape, rng, np.unique(ids))
   want = reference_moe(shape, a, ids, weights)
-  p, i, dt = shape.pairs, shape.intermediate, shape.dtype
-  gate_up = poisoned(p * 2 * i, dt)
-  emu.launch(f"{name}__gate_up", 0, [gate_up, to_bits(a["x"], dt).reshape(-1), weight_bits(a, "gate_up", shape), groups,
-                                     to_bits(a["norm"], dt).reshape(-1)])
-  grouped_out = to_bits(run_experts(emu, name, shape, a, groups, weights)[0], dt).reshape(-1)
+  grouped_out, _, gate_up = run_experts(emu, name, shape, a, groups, weights)
+  grouped_out = to_bits(grouped_out, shape.dtype).reshape(-1)
   orders = ("forward",) if shape.hidden > 1024 else ("forward", "reverse", "random")
   for order in orders:
     got = run_direct(emu, name, shape, a, logits, order)
@@ -258,7 +255,7 @@ def test_direct_plan_equals_the_grouped_one(emu, name):
     np.testing.assert_array_equal(got["weights"], weights)
     np.testing.assert_array_equal(got["gate_up"], gate_up)
     np.testing.assert_array_equal(got["out"], grouped_out)
-    out = from_bits(got["out"], dt).reshape(shape.tokens, shape.hidden)
+    out = from_bits(got["out"], shape.dtype).reshape(shape.tokens, shape.hidden)
     assert relative_error(out, want, a["residual"]) < TOLERANCE[shape.dtype]
 
 
