@@ -1,8 +1,10 @@
 """The skinny product (csrc/neutral/linear.inc) at decode batch sizes, in every layout: time per call and GB/s of weights
-for the per-op decode paths' shapes (Qwen3-30B-A3B's attention half, router and LM head; Llama-3.2-1B's layer in bf16
-and int4; Qwen3-0.6B's LM head; a fourth of Qwen3-8B, a device's share at TP=4), each layout checked against a float32 product in tinygrad.
+for the per-op decode paths' shapes (Qwen3-30B-A3B's attention half, router and LM head; Llama-3.2-1B's layer in bf16,
+int8, int4 and FP8; Qwen3-0.6B's LM head; a fourth of Qwen3-8B, a device's share at TP=4), each layout checked against
+a float32 product in tinygrad.
 
-Usage (GPU machine): DEV=CUDA python bench/skinny_bench.py [--rows 1,4]; writes $OUT/skinny_bench.json when OUT is set.
+Usage (GPU machine): DEV=CUDA python bench/skinny_bench.py [--rows 1,4] [--only NAMES] [--planned | --layout R:S];
+writes $OUT/skinny_bench.json when OUT is set.
 Timing: each layout is captured with TinyJit as R calls on R different weight copies (so weights come from HBM, not
 L2, as in a decode step), replayed; time per call = wall time / (replays * R), launch gaps inside the graph included.
 """
@@ -31,6 +33,8 @@ SHAPES = (("30b_qkv", 5120, 2048, {"norm": True}, "elem"), ("30b_o", 2048, 4096,
           ("1b_gate_up_int4", 16384, 2048, {"norm": True}, "int4"),
           ("1b_down_int4", 2048, 8192, {"silu_mul": True, "residual": True}, "int4"),
           ("1b_down_int8", 2048, 8192, {"silu_mul": True, "residual": True}, "int8"),
+          ("1b_gate_up_int8", 16384, 2048, {"norm": True}, "int8"), ("1b_gate_up_fp8", 16384, 2048, {"norm": True}, "fp8"),
+          ("1b_down_fp8", 2048, 8192, {"silu_mul": True, "residual": True}, "fp8"),
           ("8b_tp4_qkv", 1536, 4096, {"norm": True}, "elem"), ("8b_tp4_o", 4096, 1024, {}, "elem"),
           ("8b_tp4_gate_up", 6144, 4096, {"norm": True}, "elem"), ("8b_tp4_down", 4096, 3072, {"silu_mul": True}, "elem"))
 RPW, KSPLIT = (2, 4, 8), (1, 2, 4, 8, 16)
@@ -76,22 +80,24 @@ def chained(call, ws: list, residual) -> list:
   return outs
 
 
-def bench_shape(target, device: str, rows: int, spec: tuple, replays: int) -> list[dict]:
+def bench_shape(target, device: str, rows: int, spec: tuple, replays: int, planned_only: bool, only=None) -> list[dict]:
+  """Every layout (`planned_only`: the planner's; `only`: that SkinnyLayout) of one shape, timed and checked."""
   from tinygrad import Device, TinyJit
 
   from tinyvllm.kernels.linear import SkinnyLayout, linear_shape, run_linear, skinny_layout, unsupported_reason
   name, o, k, opts, method = spec
-  bytes_per = o * k * {"elem": 2, "int8": 1, "int4": 0.5}[method]   # (bf16)
+  bytes_per = o * k * {"elem": 2, "int8": 1, "fp8": 1, "int4": 0.5}[method]   # (bf16)
   copies = int(min(MAX_COPIES, max(1, WEIGHT_BYTES // bytes_per)))
   x, ws, extra = inputs(rows, o, k, opts, method, device, copies)
   shape = linear_shape(x, ws[0], None, extra.get("norm"), 1e-6, bool(opts.get("silu_mul")), extra.get("residual"),
                        bool(opts.get("out_float32")))
   assert shape is not None and unsupported_reason(shape) is None, name
   planned = skinny_layout(shape)
+  others = [SkinnyLayout(r, s) for r in RPW for s in KSPLIT if r * rows <= 64]   # (registers)
   want = reference(x, ws[0], extra, opts)
   records = []
-  for layout in dict.fromkeys([planned, *(SkinnyLayout(r, s) for r in RPW for s in KSPLIT)]):
-    if layout.rpw * rows > 64: continue   # registers
+  variants = [planned, *([] if planned_only else others)] if only is None else [only]
+  for layout in dict.fromkeys(variants):
     call = lambda w, residual, layout=layout: run_linear(target, shape, "skinny", x, w, None, extra.get("norm"), residual,
                                                          layout=layout)
     got = call(ws[0], extra.get("residual")).float().numpy()
@@ -107,7 +113,7 @@ def bench_shape(target, device: str, rows: int, spec: tuple, replays: int) -> li
            "us": round(us, 2), "GBps": round(bytes_per / us / 1e3), "rel_err": err, "ok": err < 2e-2}
     records.append(rec)
   best = min(records, key=lambda r: r["us"])
-  plan = next(r for r in records if r["planned"])
+  plan = next((r for r in records if r["planned"]), records[0])
   print(f"{name:16} rows {rows}: planned rpw {plan['rpw']} ksplit {plan['ksplit']:2} {plan['us']:7.2f} us {plan['GBps']:5} GB/s; "
         f"best rpw {best['rpw']} ksplit {best['ksplit']:2} {best['us']:7.2f} us {best['GBps']:5} GB/s"
         f"{'' if all(r['ok'] for r in records) else '  ERROR: ' + str([r for r in records if not r['ok']][:2])}", flush=True)
@@ -122,11 +128,19 @@ def main() -> None:
   p.add_argument("--rows", default="1")
   p.add_argument("--replays", type=int, default=10)
   p.add_argument("--only", help="comma-separated shape names")
+  p.add_argument("--planned", action="store_true", help="time only the planner's layout")
+  p.add_argument("--layout", help="time only this layout, RPW:KSPLIT (e.g. 4:8)")
   args = p.parse_args()
   device = Device.DEFAULT
   target = device_target(device)
   shapes = [s for s in SHAPES if args.only is None or s[0] in args.only.split(",")]
-  records = [r for rows in map(int, args.rows.split(",")) for spec in shapes for r in bench_shape(target, device, rows, spec, args.replays)]
+  only = None
+  if args.layout:
+    from tinyvllm.kernels.linear import SkinnyLayout
+    rpw, ksplit = args.layout.split(":")
+    only = SkinnyLayout(int(rpw), int(ksplit))
+  records = [r for rows in map(int, args.rows.split(",")) for spec in shapes
+             for r in bench_shape(target, device, rows, spec, args.replays, args.planned, only)]
   if out := os.environ.get("OUT"): Path(out, "skinny_bench.json").write_text(json.dumps(records, indent=1))
   assert all(r["ok"] for r in records), "a layout's product is off"
 

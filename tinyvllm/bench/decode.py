@@ -47,7 +47,11 @@ class DecodeResult:
       f"{spec.num_drafts} verifications emitting {spec.mean_acceptance_length:.2f} tokens each")
     return (f"{self.mode:>14}: batch {self.batch_size}, prompt {self.prompt_len}, {self.new_tokens} new tokens: "
             f"prefill {self.prefill_s * 1e3:.1f} ms, decode {self.decode_tok_s:.1f} tok/s "
-            f"({self.decode_s / (self.new_tokens - 1) * 1e3:.2f} ms per token{what}){speculation}")
+            f"({self.decode_s / (self.new_tokens - 1) * 1e3:.2f} ms per token{what}{self._steps()}){speculation}")
+
+  def _steps(self) -> str:
+    """The median step and the pauses, where steps were timed: a mean moved by a few paused steps shows in them."""
+    return f"; median step {self.median_step_ms:.3f} ms, {self.slow_steps} slow" if self.step_s else ""
 
 
 def random_prompts(engine: LLMEngine, batch: int, length: int, seed: int = 0) -> list[list[int]]:

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Batch-1 decode of several models and weight formats, the code of another checkout (e.g. main before a change, exported
+# with `git archive REV | tar -x -C .before`) and this one alternating run by run, so that both see the same machine.
+# Each argument is "MODEL [FLAGS...]" (e.g. "llama-3.2-1b -q int4", "qwen3-0.6b --no-decode-layer-kernel"); each line of
+# $OUT/decode_ab.txt is a side, the model and flags, and the bench's result (mean tok/s, median step). ROUNDS (default 1):
+# the whole alternation repeated, since one run's mean moves with the host's pace.
+#   ROUNDS=2 bash bench/decode_ab.sh .before "llama-3.2-1b" "llama-3.2-1b -q int8"
+set -u
+other=$1
+shift
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+[ -e "$other/.whl" ] || ln -s "$PWD/.whl" "$other/.whl"
+[ -e "$other/.data" ] || ln -s "$PWD/.data" "$other/.data"
+decode() {   # side dir, model and flags
+  local side=$1 dir=$2 model=$3
+  shift 3
+  local line
+  line=$(cd "$dir" && PYTHONPATH="/tmp/site:$PWD" python3 main.py bench decode --model "$model" --load-format dummy \
+    --dtype bfloat16 --batch-size 1 --prompt-len 128 --max-tokens 256 --kv-cache-memory 4 --cuda-graph-sizes 1 \
+    --max-num-seqs 4 "$@" 2>&1 | grep "decode .* tok/s" | tail -1)
+  echo "$side | $model $* | $line" | tee -a "$OUT/decode_ab.txt"
+}
+for _ in $(seq "${ROUNDS:-1}"); do
+  for spec in "$@"; do
+    read -r -a words <<< "$spec"
+    decode before "$other" "${words[@]}"
+    decode after "$PWD" "${words[@]}"
+  done
+done
