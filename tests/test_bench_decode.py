@@ -32,6 +32,8 @@ def test_cli_reports_both(stories_dir):
   run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
   assert run.returncode == 0, run.stderr
   assert "kv cache: batch 1, prompt 16, 8 new tokens" in run.stdout
+  kv_line = next(line for line in run.stdout.splitlines() if line.strip().startswith("kv cache:"))
+  assert "; median step " in kv_line and " slow)" in kv_line   # its steps were timed one by one
   assert "no kv cache: batch 1" in run.stdout and "each step a full prefill of the sequence so far as a fresh request" in run.stdout
   assert "the KV cache makes decoding" in run.stdout and "faster than a full prefill of the sequence for every token" in run.stdout
 
