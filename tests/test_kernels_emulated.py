@@ -197,10 +197,16 @@ def test_attention_matches_portable(emu, name):
     assert err <= tol, f"{name} ({order}): max error {err:.3g} > {tol:.3g}"
 
 
-def test_decode_cases_split(emu):
-  """The split-K path (two kernels) is what most decode cases exercise; the no-split one is covered too."""
+def test_decode_cases_split(emu, dialect):
+  """The split-K path is what most decode cases exercise (on CUDA one kernel, the last split of each sequence's KV head
+  merging them, in every block order the cases run; on Metal a second kernel); the no-split one is covered too."""
   splits = {name: emu.specs[name].defines["TV_NSPLIT"] for name in emu.specs if name.startswith("dec_")}
   assert splits["dec_f32_g2_nosplit"] == 1 and sum(v > 1 for v in splits.values()) >= 4, splits
+  for name, n in splits.items():
+    kernels = [launch.kernel for launch in emu.specs[name].launches]
+    want = ["tv_paged_decode"] if n == 1 else ["tv_paged_decode_split"] if dialect == "cuda" else \
+      ["tv_paged_decode_split", "tv_paged_decode_reduce"]
+    assert kernels == want, (name, kernels)
 
 
 def test_decode_staged_ring(emu):

@@ -179,11 +179,16 @@ def run_attention(emu: EmulatedKernels | LazyKernels, spec: str, case, order: st
   kc, vc = (to_bits(x, case.kv_dtype).reshape(-1) for x in (case.k_cache, case.v_cache))
   ints = [np.ascontiguousarray(a[k], np.int32).reshape(-1) for k in ("block_tables", "context_lens", "query_start")]
   out = poisoned(sh.num_tokens * sh.num_heads * sh.head_dim, sh.dtype)
-  if len(launches) == 1:
+  if launches[0].kernel != "tv_paged_decode_split":
     emu.launch(spec, 0, [out, q, kc, vc, *ints], order, seed)
+    return from_bits(out, sh.dtype).reshape(sh.num_tokens, sh.num_heads * sh.head_dim)
+  numel = {p.name: p.numel for p in launches[0].params}
+  part_o, part_ml = np.full(numel["part_o"], np.nan, np.float32), np.full(numel["part_ml"], np.nan, np.float32)
+  if len(launches) == 1:   # the last split of each (sequence, KV head) merges; it leaves the arrival counters zero
+    arrivals = np.zeros(numel["arrivals"], np.uint32)
+    emu.launch(spec, 0, [part_o, part_ml, q, kc, vc, *ints, out, arrivals], order, seed)
+    assert not arrivals.any(), f"arrival counters left at {arrivals[arrivals != 0][:4]}"
   else:
-    numel = {p.name: p.numel for p in launches[0].params}
-    part_o, part_ml = np.full(numel["part_o"], np.nan, np.float32), np.full(numel["part_ml"], np.nan, np.float32)
     emu.launch(spec, 0, [part_o, part_ml, q, kc, vc, *ints], order, seed)
     emu.launch(spec, 1, [out, part_o, part_ml, ints[1], ints[2]], order, seed)
   return from_bits(out, sh.dtype).reshape(sh.num_tokens, sh.num_heads * sh.head_dim)

@@ -59,15 +59,27 @@ def run_attention(shape: AttentionShape, target: DeviceTarget, q: Tensor, k_cach
   ints = [meta.block_tables, meta.context_lens, meta.query_start]
   out = Tensor.empty(n, shape.num_heads * shape.head_dim, dtype=elem, device=q.device)
   plan, source = plan_source or (decode_source(shape, target) if shape.query_len == 1 else prefill_source(shape, target))
+  first = plan.launches[0]
+  if first.kernel != "tv_paged_decode_split":
+    out = run_kernel(first, source, [out, qf, k_cache, v_cache, *ints])[0]
+    return out if out.dtype == q.dtype else out.cast(q.dtype)
+  # split-K decode: the splits' partial results, merged by the last split of each (sequence, KV head) or a second launch
+  numel = {p.name: p.numel for p in first.params}
+  part_o = Tensor.empty(numel["part_o"], dtype=dtypes.float32, device=q.device)
+  part_ml = Tensor.empty(numel["part_ml"], dtype=dtypes.float32, device=q.device)
   if len(plan.launches) == 1:
-    out = run_kernel(plan.launches[0], source, [out, qf, k_cache, v_cache, *ints])[0]
-  else:   # split-K decode: the splits' partial results, then their merge
-    numel = {p.name: p.numel for p in plan.launches[0].params}
-    part_o = Tensor.empty(numel["part_o"], dtype=dtypes.float32, device=q.device)
-    part_ml = Tensor.empty(numel["part_ml"], dtype=dtypes.float32, device=q.device)
-    part_o, part_ml = run_kernel(plan.launches[0], source, [part_o, part_ml, qf, k_cache, v_cache, *ints])[:2]
+    out = run_kernel(first, source, [part_o, part_ml, qf, k_cache, v_cache, *ints, out, _arrivals(q.device, numel["arrivals"])])[8]
+  else:
+    part_o, part_ml = run_kernel(first, source, [part_o, part_ml, qf, k_cache, v_cache, *ints])[:2]
     out = run_kernel(plan.launches[1], source, [out, part_o, part_ml, meta.context_lens, meta.query_start])[0]
   return out if out.dtype == q.dtype else out.cast(q.dtype)
+
+
+@functools.cache
+def _arrivals(device: str | tuple[str, ...], numel: int) -> Tensor:
+  """Zeroed counters for the split decode kernel's merge, one buffer a device and size for every launch: the kernel
+  leaves them zero (a layer's launch runs after the one before on its device's stream)."""
+  return Tensor.zeros(numel, dtype=dtypes.uint32, device=device).contiguous().realize()
 
 
 def kv_write_unsupported_reason(k_cache: Tensor, v_cache: Tensor, k: Tensor, slot_mapping: Tensor) -> str | None:

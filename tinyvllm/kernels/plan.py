@@ -224,6 +224,11 @@ def decode_plan(shape: AttentionShape, target: DeviceTarget, splits: int | None 
   part_o, part_ml = Param("part_o", "float", True, s * h * splits * hd), Param("part_ml", "float", True, s * h * splits * 2)
   if splits == 1:
     launches: tuple[Launch, ...] = (Launch("tv_paged_decode", (1, shape.num_kv_heads, s), THREADS, (out, *ins), ring),)
+  elif target.dialect == "cuda":   # the last split block of each (sequence, KV head) merges: one launch
+    d["TV_MERGE_IN_SPLIT"] = 1
+    # arrivals: counters the kernel leaves zero (a buffer of zeros kept across launches), so read-only to the graph
+    launches = (Launch("tv_paged_decode_split", (splits, shape.num_kv_heads, s), THREADS,
+                       (part_o, part_ml, *ins, out, Param("arrivals", "uint", False, s * shape.num_kv_heads)), ring),)
   else:
     launches = (Launch("tv_paged_decode_split", (splits, shape.num_kv_heads, s), THREADS, (part_o, part_ml, *ins), ring),
                 Launch("tv_paged_decode_reduce", (h, s, 1), THREADS,

@@ -16,6 +16,10 @@ inline float __uint_as_float(uint u) { float f; std::memcpy(&f, &u, 4); return f
 inline uint __float_as_uint(float f) { uint u; std::memcpy(&u, &f, 4); return u; }
 template <class T> inline T __shfl_xor_sync(unsigned, T v, int mask) { return emu::simd_xor(v, (unsigned)mask); }
 inline void __syncthreads() { emu::group_barrier(); }
+// device-wide atomics, fences and uncached loads: the fibers switch only at barriers and yields, so plain operations
+inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
+inline void __threadfence() {}
+template <class T> inline T __ldcg(const T* p) { return *p; }
 inline float tv_emu_half_to_float(ushort h) { return emu::half_bits_to_float(h); }
 inline ushort tv_emu_float_to_half(float f) { return emu::float_to_half_bits(f); }
 

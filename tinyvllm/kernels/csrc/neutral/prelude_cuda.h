@@ -36,6 +36,11 @@ typedef unsigned char uchar;
 #define TV_LD8(p) (*reinterpret_cast<const uint2*>(p))
 #define TV_ST8(p, v) (*reinterpret_cast<uint2*>(p) = (v))
 #define TV_RINT(x) rintf(x)
+// device-wide: a fence ordering this thread's writes before its later ones for every block, an atomic increment
+// (returns the old value), a load past the L1 cache (of data another block of the launch wrote)
+#define TV_DEVICE_FENCE() __threadfence()
+#define TV_ATOMIC_INC(p) atomicAdd((p), 1u)
+#define TV_LD_COHERENT(p) __ldcg(p)
 #define TV_AS_FLOAT(u) __uint_as_float(u)
 #define TV_AS_UINT(f) __float_as_uint(f)
 #define TV_LOG2(x) log2f(x)

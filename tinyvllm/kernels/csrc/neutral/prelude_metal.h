@@ -34,6 +34,7 @@ using namespace metal;
 #define TV_AS_FLOAT(u) as_type<float>((uint)(u))
 #define TV_AS_UINT(f) as_type<uint>((float)(f))
 #define TV_EXP2(x) exp2(x)
+#define TV_LD_COHERENT(p) (*(p))   // (another launch's data: no device-wide atomics or fences are used on Metal)
 #define TV_FAST_DIV(a, b) ((a) / (b))   // (Metal compiles with fast math: an approximate division already)
 #define TV_LOG2(x) log2(x)
 #define TV_H2F(h) ((float)as_type<half>((ushort)(h)))
