@@ -117,8 +117,8 @@ def run_fused_direct(target, device: str, case, splits=None) -> tuple[np.ndarray
   """Run the plan's launches directly on poisoned outputs (and poisoned split-K scratch)."""
   from tinygrad import Tensor, dtypes
 
+  from tinyvllm.kernels.attention import launch_attention
   from tinyvllm.kernels.sources import kernel_source
-  from tinyvllm.kernels.tinygrad_program import run_kernel
   sh, a = case.shape, case.arrays
   algo, plan = plan_for(case, target, splits)
   src = kernel_source(target.dialect, algo, plan.defines)
@@ -128,13 +128,9 @@ def run_fused_direct(target, device: str, case, splits=None) -> tuple[np.ndarray
   out = poisoned(sh.num_tokens * sh.num_heads * sh.head_dim, sh.dtype, device)
   info = {"kernel": algo, "splits": getattr(plan, "splits", None), "grid": [list(x.grid) for x in plan.launches]}
   numel = {p.name: p.numel for p in plan.launches[0].params}
-  if "part_o" not in numel:
-    out = run_kernel(plan.launches[0], src, [out, q, kc, vc, *ints])[0]
-  else:
-    po = Tensor.full((numel["part_o"],), float("nan"), dtype=dtypes.float32, device=device).contiguous().realize()
-    pm = Tensor.full((numel["part_ml"],), float("nan"), dtype=dtypes.float32, device=device).contiguous().realize()
-    po, pm = run_kernel(plan.launches[0], src, [po, pm, q, kc, vc, *ints])[:2]
-    out = run_kernel(plan.launches[1], src, [out, po, pm, ints[1], ints[2]])[0]
+  scratch = None if "part_o" not in numel else tuple(
+    Tensor.full((numel[name],), float("nan"), dtype=dtypes.float32, device=device).contiguous().realize() for name in ("part_o", "part_ml"))
+  out = launch_attention(plan, src, out, q, kc, vc, ints, scratch)
   out.realize()
   return host(out, sh.dtype).reshape(sh.num_tokens, -1), info
 

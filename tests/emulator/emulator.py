@@ -98,8 +98,10 @@ class EmulatedKernels:
     cache_dir = Path(cache_dir or Path(tempfile.gettempdir()) / "tinyvllm_kernel_emu")
     cache_dir.mkdir(parents=True, exist_ok=True)
     self.source_path, self.library_path = cache_dir / f"{dialect}_{digest}.cpp", cache_dir / f"{dialect}_{digest}.so"
-    if not self.library_path.exists():
-      self.source_path.write_text(src)
+    if not self.library_path.exists():   # (test processes building the same library at once: each file replaced whole)
+      source_tmp = self.source_path.with_suffix(f".{os.getpid()}.cpp")
+      source_tmp.write_text(src)
+      source_tmp.replace(self.source_path)
       tmp = self.library_path.with_suffix(f".{os.getpid()}.tmp")
       run = subprocess.run([self.compiler, *flags, str(self.source_path), "-o", str(tmp)], capture_output=True, text=True)
       if run.returncode != 0:

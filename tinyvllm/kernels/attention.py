@@ -59,20 +59,24 @@ def run_attention(shape: AttentionShape, target: DeviceTarget, q: Tensor, k_cach
   ints = [meta.block_tables, meta.context_lens, meta.query_start]
   out = Tensor.empty(n, shape.num_heads * shape.head_dim, dtype=elem, device=q.device)
   plan, source = plan_source or (decode_source(shape, target) if shape.query_len == 1 else prefill_source(shape, target))
-  first = plan.launches[0]
-  if first.kernel != "tv_paged_decode_split":
-    out = run_kernel(first, source, [out, qf, k_cache, v_cache, *ints])[0]
-    return out if out.dtype == q.dtype else out.cast(q.dtype)
-  # split-K decode: the splits' partial results, merged by the last split of each (sequence, KV head) or a second launch
-  numel = {p.name: p.numel for p in first.params}
-  part_o = Tensor.empty(numel["part_o"], dtype=dtypes.float32, device=q.device)
-  part_ml = Tensor.empty(numel["part_ml"], dtype=dtypes.float32, device=q.device)
-  if len(plan.launches) == 1:
-    out = run_kernel(first, source, [part_o, part_ml, qf, k_cache, v_cache, *ints, out, _arrivals(q.device, numel["arrivals"])])[8]
-  else:
-    part_o, part_ml = run_kernel(first, source, [part_o, part_ml, qf, k_cache, v_cache, *ints])[:2]
-    out = run_kernel(plan.launches[1], source, [out, part_o, part_ml, meta.context_lens, meta.query_start])[0]
+  out = launch_attention(plan, source, out, qf, k_cache, v_cache, ints)
   return out if out.dtype == q.dtype else out.cast(q.dtype)
+
+
+def launch_attention(plan: DecodePlan | PrefillPlan, source: str, out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                     ints: list[Tensor], scratch: tuple[Tensor, Tensor] | None = None) -> Tensor:
+  """The plan's launches writing `out`; `ints`: block tables, context lengths, query starts. A split-K decode writes its
+  splits' partial results to `scratch` (part_o, part_ml; new buffers if None), merged by the last split of each
+  (sequence, KV head) or by a second launch."""
+  first = plan.launches[0]
+  if first.kernel != "tv_paged_decode_split": return run_kernel(first, source, [out, q, k_cache, v_cache, *ints])[0]
+  numel = {p.name: p.numel for p in first.params}
+  part_o, part_ml = scratch or (Tensor.empty(numel["part_o"], dtype=dtypes.float32, device=q.device),
+                                Tensor.empty(numel["part_ml"], dtype=dtypes.float32, device=q.device))
+  if len(plan.launches) == 1:
+    return run_kernel(first, source, [part_o, part_ml, q, k_cache, v_cache, *ints, out, _arrivals(q.device, numel["arrivals"])])[8]
+  part_o, part_ml = run_kernel(first, source, [part_o, part_ml, q, k_cache, v_cache, *ints])[:2]
+  return run_kernel(plan.launches[1], source, [out, part_o, part_ml, ints[1], ints[2]])[0]
 
 
 @functools.cache

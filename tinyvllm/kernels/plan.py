@@ -231,7 +231,7 @@ def decode_plan(shape: AttentionShape, target: DeviceTarget, splits: int | None 
                        (part_o, part_ml, *ins, out, Param("arrivals", "uint", False, s * shape.num_kv_heads)), ring),)
   else:
     launches = (Launch("tv_paged_decode_split", (splits, shape.num_kv_heads, s), THREADS, (part_o, part_ml, *ins), ring),
-                Launch("tv_paged_decode_reduce", (h, s, 1), THREADS,
+                Launch("tv_paged_decode_reduce", (shape.num_kv_heads, s, 1), THREADS,
                        (out, Param("part_o", "float", False, part_o.numel), Param("part_ml", "float", False, part_ml.numel),
                         ins[4], ins[5])))
   return DecodePlan(shape, vec, vpr, lpk, nvl, kpp, unroll, tile, njg, kpt, splits, chunk, d, launches,
