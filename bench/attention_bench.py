@@ -33,35 +33,36 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
   return float(np.abs(got.astype(np.float64) - want).max() / max(np.abs(want).max(), 1e-30))
 
 
-def decode_variant(target, splits: int | None = None, stages: int | None = None):
+def decode_variant(target, splits: int | None = None, stages: int | None = None, tensor_cores: bool = False):
   """Fused decode attention on a forced plan: `splits` split-K blocks, a K/V ring of `stages` shared-memory stages
-  (0: registers); None: the planner's choice."""
+  (0: registers); None: the planner's choice. `tensor_cores`: the tensor-core prefill kernel takes the decode step (a
+  block's rows are one token's query heads)."""
   from tinyvllm.kernels.attention import attention_shape, run_attention
-  from tinyvllm.kernels.plan import decode_plan
+  from tinyvllm.kernels.plan import decode_plan, tc_prefill_plan
   from tinyvllm.kernels.sources import kernel_source
 
   def attention(q, k_cache, v_cache, meta):
     shape, reason = attention_shape(q, k_cache, v_cache, meta, target)
     if shape is None or reason is not None or shape.query_len != 1: raise ValueError(f"not a fused decode shape: {reason}")
-    plan = decode_plan(shape, target, splits=splits, stages=stages)
+    plan = tc_prefill_plan(shape) if tensor_cores else decode_plan(shape, target, splits=splits, stages=stages)
     source = kernel_source(target.dialect, plan.algorithm, plan.defines)
     return run_attention(shape, target, q, k_cache, v_cache, meta, plan_source=(plan, source))
   return attention
 
 
 def bench_batch(target, device: str, batch: int, iters: int, variants: dict | None = None, mixed: bool = False,
-                kv_fp8: bool = False) -> dict:
+                kv_fp8: bool = False, heads: int = 16, kvh: int = 8) -> dict:
   """Per-layer decode attention time, fused vs portable, for the Qwen3-0.6B shape. Each JIT call runs `layers`
   attention layers with their own caches (so the KV reads come from HBM, not L2) to keep the GPU busier than Python.
   Contexts ~1,024 (bucket 1,024), or with `mixed` uniform in [100, 2048] (bucket 2,048) as in the throughput workload.
   `kv_fp8`: FP8 E4M3 caches (random finite codes). `variants`: name -> decode_variant's keyword arguments (splits,
-  stages), timed instead of fused vs portable."""
+  stages), timed instead of fused vs portable; `heads`, `kvh`: query and KV heads (Qwen3-0.6B's by default)."""
   from tinygrad import Tensor, dtypes
 
   from tinyvllm.backend.metadata import AttentionMetadata
   from tinyvllm.kernels.fused import FusedBackend
   from tinyvllm.layers.attention import paged_attention
-  heads, kvh, d, bs, L = 16, 8, 128, 16, 2048 if mixed else 1024
+  d, bs, L = 128, 16, 2048 if mixed else 1024
   layers = 64 if batch <= 8 else 32 if batch <= 32 else 16
   rng = np.random.default_rng(batch)
   blocks = batch * (L // bs)
@@ -84,11 +85,14 @@ def bench_batch(target, device: str, batch: int, iters: int, variants: dict | No
   backend = FusedBackend(target)
   fns = {"fused": backend.attention, "portable": paged_attention} if variants is None else \
     {name: decode_variant(target, **kw) for name, kw in variants.items()}
-  res: dict = {"batch": batch, "mixed": mixed, "kv_fp8": kv_fp8, "layers": layers,
+  res: dict = {"batch": batch, "mixed": mixed, "kv_fp8": kv_fp8, "layers": layers, "heads": heads, "kv_heads": kvh,
                "kv_bytes_per_layer": int(2 * ctx.sum() * kvh * d * (1 if kv_fp8 else 2))}
   outs = time_layers(fns, per_layer, device, iters, layers, res)
   if variants is not None:
-    for name in variants: res[f"{name}_GBps"] = res["kv_bytes_per_layer"] / res[f"{name}_us_per_layer"] / 1e3
+    first = next(iter(variants))
+    for name in variants:
+      res[f"{name}_GBps"] = res["kv_bytes_per_layer"] / res[f"{name}_us_per_layer"] / 1e3
+      res[f"{name}_err_vs_{first}"] = rel_err(outs[name], outs[first].astype(np.float64))
     return res
   res["speedup"] = res["portable_us_per_layer"] / res["fused_us_per_layer"]
   res["fused_GBps"] = res["kv_bytes_per_layer"] / res["fused_us_per_layer"] / 1e3
@@ -161,19 +165,35 @@ def explore(target, device: str, batches: list[int], splits: list[int], iters: i
   return results
 
 
+def explore_gqa(target, device: str, batches: list[int], iters: int) -> list[dict]:
+  """The decode kernel against the tensor-core prefill kernel taking the decode step, by GQA group (Qwen3-0.6B's 2,
+  Qwen3-8B's 4, Qwen3-30B-A3B's 8), mixed contexts (workload 2), bf16 and FP8 caches."""
+  results = []
+  for (heads, kvh), kv_fp8, b in ((hk, f, b) for hk in ((16, 8), (32, 8), (32, 4)) for f in (False, True) for b in batches):
+    r = bench_batch(target, device, b, iters, {"decode": {}, "tensor cores": {"tensor_cores": True}}, mixed=True,
+                    kv_fp8=kv_fp8, heads=heads, kvh=kvh)
+    results.append(r)
+    print(f"G {heads // kvh} batch {b:>3} {'fp8' if kv_fp8 else 'bf16'}: decode {r['decode_us_per_layer']:.1f} us "
+          f"({r['decode_GBps']:.0f} GB/s), tensor cores {r['tensor cores_us_per_layer']:.1f} us "
+          f"({r['tensor cores_GBps']:.0f} GB/s), error {r['tensor cores_err_vs_decode']:.2g}", flush=True)
+  return results
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--batches", default="64,128,256")
   p.add_argument("--splits", default="1,2,4,8,16")
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--fp8-only", action="store_true", help="only the FP8 cache variants")
+  p.add_argument("--gqa", action="store_true", help="the decode kernel against the tensor-core one by GQA group")
   args = p.parse_args()
   from tinyvllm.kernels.tinygrad_program import device_target
   from tinyvllm.platform.device import select_device
   device = select_device(os.environ.get("DEV", "CUDA"))
   t = time.perf_counter()
-  results = explore(device_target(device), device, [int(b) for b in args.batches.split(",")],
-                    [int(s) for s in args.splits.split(",")], args.iters, args.fp8_only)
+  batches = [int(b) for b in args.batches.split(",")]
+  results = explore_gqa(device_target(device), device, batches, args.iters) if args.gqa else \
+    explore(device_target(device), device, batches, [int(s) for s in args.splits.split(",")], args.iters, args.fp8_only)
   print(f"explored in {time.perf_counter() - t:.0f} s", flush=True)
   if out := os.environ.get("OUT"): Path(out, "attention_explore.json").write_text(json.dumps(results, indent=1))
 

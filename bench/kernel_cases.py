@@ -32,6 +32,9 @@ def case_list(quick: bool) -> list[dict]:
          share=2, splits=1),
     dict(name="decode_bf16_qwen3_b128", seqs=[(int(c), 1) for c in np.random.default_rng(5).integers(1, 1025, 128)], heads=16,
          kv_heads=8, head_dim=128, dtype="bfloat16", share=0),
+    # Qwen3-30B-A3B's group of 8 at 64 sequences: the decode step on the tensor-core prefill kernel (as the engine plans it)
+    dict(name="decode_bf16_qwen3_30b_b64", seqs=[(int(c), 1) for c in np.random.default_rng(7).integers(1, 1025, 64)],
+         heads=32, kv_heads=4, head_dim=128, dtype="bfloat16", share=0),
     dict(name="prefill_bf16_qwen3_long", seqs=[(2048, 2048), (1000, 600), (300, 1)], heads=16, kv_heads=8, head_dim=128,
          dtype="bfloat16", share=0),
     dict(name="decode_f16_d128_g2", seqs=[(c, 1) for c in CTXS], heads=4, kv_heads=2, head_dim=128, dtype="float16", share=2),
@@ -55,8 +58,9 @@ def build(spec: dict, seed: int):
 
 
 def plan_for(case, target, splits=None):
-  """(algorithm, plan) of the case's kernel on `target` (a DeviceTarget): the decode plan (`splits` forced, else the
-  planner's) or the prefill one."""
-  from tinyvllm.kernels.plan import decode_plan, prefill_plan
-  plan = decode_plan(case.shape, target, splits=splits) if case.shape.query_len == 1 else prefill_plan(case.shape, target)
+  """(algorithm, plan) of the case's kernel on `target` (a DeviceTarget): the decode plan with `splits` forced, else the
+  engine's choice (attention.attention_source)."""
+  from tinyvllm.kernels.attention import attention_source
+  from tinyvllm.kernels.plan import decode_plan
+  plan = decode_plan(case.shape, target, splits=splits) if splits is not None else attention_source(case.shape, target)[0]
   return plan.algorithm, plan

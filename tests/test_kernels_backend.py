@@ -23,6 +23,7 @@ from tinyvllm.kernels.moe import MoEShape, moe_plan
 from tinyvllm.kernels.moe_grouped import grouped_plan
 from tinyvllm.kernels.plan import (
   AttentionShape,
+  decode_on_tensor_cores,
   decode_plan,
   decode_ring_bytes,
   default_decode_stages,
@@ -206,6 +207,21 @@ def test_plans(dialect):
   with pytest.raises(ValueError, match="2 or more"):
     decode_plan(AttentionShape("bfloat16", 128, 4, 2, 16, 2, 2, 1, 64, 1024, True), CUDA, stages=1)
 
+
+
+def test_large_gqa_groups_decode_on_tensor_cores_where_the_table_says():
+  """Qwen3-30B-A3B's group of 8 at 64 sequences x 4 KV heads: the tensor-core prefill kernel takes the decode step (1.6-1.8x
+  faster on an H100, docs/benchmarks.md); not a group of 4, not a batch too small to fill the GPU without split-K, not
+  FP8 caches, not without tensor cores (Metal, pre-Ampere)."""
+  tuning = tuning_for(CUDA.kind).attention
+  assert (tuning.tc_decode_min_group, tuning.tc_decode_min_blocks) == (8, 256)
+  shape = lambda group, seqs, kv_fp8=False, tq=1: AttentionShape("bfloat16", 128, 4 * group, 4, 16, seqs, seqs * tq, tq,
+                                                                 2048, 1 << 16, kv_fp8)
+  assert decode_on_tensor_cores(shape(8, 64), CUDA) and decode_on_tensor_cores(shape(16, 256), CUDA)
+  assert not decode_on_tensor_cores(shape(4, 256), CUDA) and not decode_on_tensor_cores(shape(8, 63), CUDA)
+  assert not decode_on_tensor_cores(shape(8, 256, kv_fp8=True), CUDA)
+  assert not decode_on_tensor_cores(shape(8, 256), METAL) and not decode_on_tensor_cores(shape(8, 256), NO_TENSOR_CORES)
+  assert not decode_on_tensor_cores(shape(8, 64, tq=2), CUDA)   # a prompt step is the prefill kernel's anyway
 
 # the decode specimens on the register path unless named _staged (stages=0); the prefill ones on an H100 (tensor cores)
 decode = lambda shape, stages=0: decode_plan(shape, CUDA, stages=stages)

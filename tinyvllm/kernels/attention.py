@@ -1,8 +1,9 @@
 """Paged attention and the KV write on the hand-written kernels: a call's static shape, its plan, its launches.
 
 Per call the static shape (S, N, Tq, L, heads) comes from the tensors; the decode kernel runs steps with one new token
-per sequence (Tq == 1, with a split-K reduce when S * KV heads is too small to fill the GPU), the prefill/mixed kernel
-the others. tinyvllm/kernels/fused.py decides when these run and hands other shapes to the portable ops.
+per sequence (Tq == 1, with a split-K merge when S * KV heads is too small to fill the GPU; large GQA groups at large
+batches go to the tensor-core prefill kernel, plan.decode_on_tensor_cores), the prefill/mixed kernel the others.
+tinyvllm/kernels/fused.py decides when these run and hands other shapes to the portable ops.
 """
 from __future__ import annotations
 
@@ -11,7 +12,16 @@ import functools
 from tinygrad import Tensor, dtypes
 
 from tinyvllm.backend.metadata import AttentionMetadata
-from tinyvllm.kernels.plan import AttentionShape, DecodePlan, PrefillPlan, decode_plan, prefill_plan, unsupported_reason, write_plan
+from tinyvllm.kernels.plan import (
+  AttentionShape,
+  DecodePlan,
+  PrefillPlan,
+  decode_on_tensor_cores,
+  decode_plan,
+  prefill_plan,
+  unsupported_reason,
+  write_plan,
+)
 from tinyvllm.kernels.plan import write_unsupported_reason as _write_unsupported
 from tinyvllm.kernels.sources import kernel_source
 from tinyvllm.kernels.tinygrad_program import has_buffer_identity, run_kernel
@@ -25,6 +35,13 @@ DTYPE_NAMES = {dtypes.float32: "float32", dtypes.float16: "float16", dtypes.bflo
 def decode_source(shape: AttentionShape, target: DeviceTarget) -> tuple[DecodePlan, str]:
   plan = decode_plan(shape, target)
   return plan, kernel_source(target.dialect, plan.algorithm, plan.defines)
+
+
+def attention_source(shape: AttentionShape, target: DeviceTarget) -> tuple[DecodePlan | PrefillPlan, str]:
+  """The plan and source for a call: decode steps on the decode kernel (or, for large GQA groups at large batches, the
+  tensor-core prefill kernel), the others on the prefill kernel."""
+  return decode_source(shape, target) if shape.query_len == 1 and not decode_on_tensor_cores(shape, target) else \
+    prefill_source(shape, target)
 
 
 @functools.cache
@@ -58,7 +75,7 @@ def run_attention(shape: AttentionShape, target: DeviceTarget, q: Tensor, k_cach
   qf = q if q.dtype == elem and has_buffer_identity(q) else q.reshape(n, shape.num_heads * shape.head_dim).cast(elem).contiguous()
   ints = [meta.block_tables, meta.context_lens, meta.query_start]
   out = Tensor.empty(n, shape.num_heads * shape.head_dim, dtype=elem, device=q.device)
-  plan, source = plan_source or (decode_source(shape, target) if shape.query_len == 1 else prefill_source(shape, target))
+  plan, source = plan_source or attention_source(shape, target)
   out = launch_attention(plan, source, out, qf, k_cache, v_cache, ints)
   return out if out.dtype == q.dtype else out.cast(q.dtype)
 

@@ -302,6 +302,17 @@ def tc_prefill_unsupported_reason(shape: AttentionShape) -> str | None:
   return None
 
 
+def decode_on_tensor_cores(shape: AttentionShape, target: DeviceTarget) -> bool:
+  """Whether a decode step runs on the tensor-core prefill kernel (a block's rows are one token's G query heads, a block
+  takes a sequence's KV head over its whole context): where the tuning table measured it faster than the decode kernel,
+  whose threads each hold all G query rows (large groups halve its blocks an SM), and where the batch alone fills the GPU
+  (it has no split-K). Never for FP8 caches, whose codes it converts through registers."""
+  tuning = tuning_for(target.kind).attention
+  return (shape.query_len == 1 and target.tensor_cores and not shape.kv_fp8 and tuning.tc_decode_min_group > 0
+          and shape.group >= tuning.tc_decode_min_group and shape.num_seqs * shape.num_kv_heads >= tuning.tc_decode_min_blocks
+          and tc_prefill_unsupported_reason(shape) is None)
+
+
 def tc_prefill_plan(shape: AttentionShape) -> PrefillPlan:
   rows, keys = TC_PREFILL_ROWS, TC_PREFILL_KEYS
   tokens = rows // shape.group

@@ -22,6 +22,8 @@ class AttentionTuning:
   decode_target_blocks: int       # split the context until S * KV heads * splits reaches this
   fp8_decode_stages: int          # shared-memory ring stages of the FP8 CUDA decode (0: registers)
   decode_ring_limit_bytes: int    # the largest ring it takes
+  tc_decode_min_group: int        # decode steps of 16-bit caches with GQA groups from this size (0: none) and at least
+  tc_decode_min_blocks: int       # this many (sequence, KV head) pairs run on the tensor-core prefill kernel
 
 
 @dataclass(frozen=True)
