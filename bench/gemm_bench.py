@@ -7,7 +7,7 @@ Usage (GPU machine): DEV=CUDA python bench/gemm_bench.py [--quick] [--rows 1,32,
 OUT is set. Environment: GEMM_ONLY_PLANNED=1 times the planner's tiles alone (with the prologue in the loop and as its
 own pass), GEMM_ONLY_WGMMA=1 the planner's and the wgmma tiles, GEMM_WGMMA=0 leaves the wgmma tiles out;
 GEMM_QUANT=int8|int4|fp8 times the weights quantized by round-to-nearest (int4 in groups of 128) with the planner's
-kernel; GEMM_NO_CHECK=1 skips the correctness checks.
+kernel (with GEMM_QUANT_TILES=1 every tile variant too); GEMM_NO_CHECK=1 skips the correctness checks.
 Timing: each variant is captured with TinyJit as R calls on R different weight copies (so weights come from HBM, not
 L2, as in a decode step), replayed; time per call = wall time / (replays * R).
 """
@@ -114,8 +114,10 @@ def plannable(m: int, o: int, k: int, opts: dict, variant: dict) -> bool:
   from tinyvllm.kernels.gemm import gemm_plan
   from tinyvllm.kernels.linear import LinearShape
   if variant.get("tiles") is None: return True
+  method = os.environ.get("GEMM_QUANT") or "elem"
   shape = LinearShape("bfloat16", m, k, o, bool(opts.get("bias")), 1e-6 if opts.get("norm") else None,
-                      bool(opts.get("silu_mul")), bool(opts.get("residual")), bool(opts.get("out_float32")))
+                      bool(opts.get("silu_mul")), bool(opts.get("residual")), bool(opts.get("out_float32")), method,
+                      0 if method == "elem" else 128 if method == "int4" else k)
   try: gemm_plan(shape, target_of(Device.DEFAULT), variant["tiles"])
   except ValueError: return False
   return True
@@ -203,7 +205,8 @@ def variants_for(m: int, o: int, k: int, opts: dict) -> list[dict]:
   # the planner's tiles with the prologue in the loop and as its own pass
   xprime = [{"kind": "gemm", "tiles": dataclasses.replace(planned, xprime=flag)} for flag in (False, True)] \
     if opts.get("norm") or silu else []
-  if os.environ.get("GEMM_QUANT"): return [{"kind": "gemm"}] + ([{"kind": "skinny"}] if m <= 16 else [])
+  if os.environ.get("GEMM_QUANT") and not os.environ.get("GEMM_QUANT_TILES"):
+    return [{"kind": "gemm"}] + ([{"kind": "skinny"}] if m <= 16 else [])
   if os.environ.get("GEMM_ONLY_PLANNED"): return [v for v in [{"kind": "gemm"}, *xprime] if plannable(m, o, k, opts, v)]
   out += xprime
   if os.environ.get("GEMM_ONLY_WGMMA"): return [v for v in out if plannable(m, o, k, opts, v)]
@@ -224,7 +227,7 @@ def bench(device: str, rows: list[int], replays: int) -> None:
     wbytes = o * k * {"int8": 1, "fp8": 1, "int4": 0.5}.get(os.environ.get("GEMM_QUANT", ""), 2)
     copies = max(2, min(16, math.ceil(256e6 / wbytes)))
     for m in rows:
-      if name == "lm_head" and m > 256: continue
+      if name == "lm_head" and (m > 256 or os.environ.get("GEMM_QUANT")): continue   # (the LM head stays unquantized)
       x, ws, extra = inputs(m, o, k, opts, device, copies)
       entries = []
       for v in variants_for(m, o, k, opts):
