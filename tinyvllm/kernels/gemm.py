@@ -115,11 +115,24 @@ def wgmma_tiles(rows: int, in_features: int, out_features: int, t: GemmTuning) -
   return GemmTiles.warpgroup(128, 64, splits)
 
 
-def choose_tiles(rows: int, in_features: int, out_features: int, target: DeviceTarget, silu_mul: bool = False) -> GemmTiles:
+def packed_wgmma_tiles(rows: int, in_features: int, t: GemmTuning) -> GemmTiles | None:
+  """Packed weights' wgmma tiles for short-K products (qkv, gate_up) at decode batches above packed_min_rows: every row
+  block dequantizes its column block's codes again, so the plain weights' thin tiles (whose extra row blocks only
+  re-read L2) cost packed ones 1.5-2.2x; the table's taller tiles (bench/gemm_bench.py with GEMM_QUANT_TILES). Long K
+  and prompt chunks keep the plain weights' tiles. None where these do not apply."""
+  if in_features % 64 or in_features >= t.long_k or not t.packed_min_rows < rows < t.wgmma_prompt_rows: return None
+  bm, bn, splits = next((tile for limit, *tile in t.packed_row_tiles if rows <= limit), (0, 0, 0))
+  return GemmTiles.warpgroup(bm, bn, splits) if bm and in_features % (64 * splits) == 0 else None
+
+
+def choose_tiles(rows: int, in_features: int, out_features: int, target: DeviceTarget, silu_mul: bool = False,
+                 packed: bool = False) -> GemmTiles:
   """The tuning table's choice (measured with bench/gemm_bench.py): many small tiles beat fewer large ones while the
   weights dominate, and splitting K only pays when even the smallest tiles leave the GPU idle. Tiles that leave room
-  for fewer than three shared-memory stages are skipped where a smaller one will do. On Hopper, wgmma_tiles first."""
+  for fewer than three shared-memory stages are skipped where a smaller one will do. On Hopper, packed_wgmma_tiles
+  (`packed`: quantized weights) and wgmma_tiles first."""
   t = tuning_for(target.kind).gemm
+  if target.wgmma and packed and (tiles := packed_wgmma_tiles(rows, in_features, t)) is not None: return tiles
   if target.wgmma and (tiles := wgmma_tiles(rows, in_features, out_features, t)) is not None: return tiles
   fits = lambda tile: GemmTiles(*tile, 1).stages(target, silu_mul) >= 3
   if in_features >= t.long_k and t.long_k_rows[0] <= rows <= t.long_k_rows[1] and fits(t.long_k_tile):
@@ -180,7 +193,7 @@ def gemm_plan(shape, target: DeviceTarget, tiles: GemmTiles | None = None) -> tu
   """Defines and launches (tv_gemm_xprime when the prologue runs as its own pass, tv_gemm, then tv_gemm_reduce when K
   is split) for a LinearShape, with the given tiles (None: the planner's)."""
   m, k, o = shape.rows, shape.in_features, shape.out_features
-  t = tiles or choose_tiles(m, k, o, target, shape.silu_mul)
+  t = tiles or choose_tiles(m, k, o, target, shape.silu_mul, shape.weight != "elem")
   prologue, packed = shape.norm_eps is not None or shape.silu_mul, shape.weight != "elem"
   # (a packed weight's loop dequantizes w: its x' always comes from the prologue's own pass)
   xprime = prologue and (packed or (x_prime_pass(o, t.bn, tuning_for(target.kind).gemm) if t.xprime is None else t.xprime))

@@ -56,6 +56,9 @@ class GemmTuning:
   wgmma_long_k_rows: int          # 128x128 tile for prompt chunks (wgmma_prompt_rows) and wide outputs (the logits)
   wgmma_prompt_rows: int
   wgmma_wide_out: int
+  packed_min_rows: int            # packed (quantized) weights on Hopper, short K, above this many rows: the wgmma tile
+  packed_row_tiles: tuple[tuple[int, int, int, int], ...]   # (rows up to, bm, bn, K splits) of the first entry that
+                                                            # takes the rows (taller tiles: each row block dequantizes)
 
 
 @dataclass(frozen=True)
