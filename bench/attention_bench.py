@@ -33,10 +33,10 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
   return float(np.abs(got.astype(np.float64) - want).max() / max(np.abs(want).max(), 1e-30))
 
 
-def decode_variant(target, splits: int | None = None, stages: int | None = None, tensor_cores: bool = False):
+def decode_variant(target, splits: int | None = None, stages: int | None = None, key_warps: int = 0):
   """Fused decode attention on a forced plan: `splits` split-K blocks, a K/V ring of `stages` shared-memory stages
-  (0: registers); None: the planner's choice. `tensor_cores`: the tensor-core prefill kernel takes the decode step (a
-  block's rows are one token's query heads)."""
+  (0: registers); None: the planner's choice. `key_warps` > 0: the tensor-core kernel takes the decode step, its warps
+  over that many groups of each tile's keys (1: over 64 rows, as for a prompt; 4: the engine's decode form)."""
   from tinyvllm.kernels.attention import attention_shape, run_attention
   from tinyvllm.kernels.plan import decode_plan, tc_prefill_plan
   from tinyvllm.kernels.sources import kernel_source
@@ -44,7 +44,7 @@ def decode_variant(target, splits: int | None = None, stages: int | None = None,
   def attention(q, k_cache, v_cache, meta):
     shape, reason = attention_shape(q, k_cache, v_cache, meta, target)
     if shape is None or reason is not None or shape.query_len != 1: raise ValueError(f"not a fused decode shape: {reason}")
-    plan = tc_prefill_plan(shape) if tensor_cores else decode_plan(shape, target, splits=splits, stages=stages)
+    plan = tc_prefill_plan(shape, key_warps) if key_warps else decode_plan(shape, target, splits=splits, stages=stages)
     source = kernel_source(target.dialect, plan.algorithm, plan.defines)
     return run_attention(shape, target, q, k_cache, v_cache, meta, plan_source=(plan, source))
   return attention
@@ -166,16 +166,17 @@ def explore(target, device: str, batches: list[int], splits: list[int], iters: i
 
 
 def explore_gqa(target, device: str, batches: list[int], iters: int) -> list[dict]:
-  """The decode kernel against the tensor-core prefill kernel taking the decode step, by GQA group (Qwen3-0.6B's 2,
-  Qwen3-8B's 4, Qwen3-30B-A3B's 8), mixed contexts (workload 2), bf16 and FP8 caches."""
+  """The decode kernel against the tensor-core kernel taking the decode step (its warps over the rows, as for a prompt,
+  and over each tile's keys), by GQA group (Qwen3-0.6B's 2, Qwen3-8B's 4, Qwen3-30B-A3B's 8), mixed contexts (workload
+  2), bf16 and FP8 caches."""
   results = []
   for (heads, kvh), kv_fp8, b in ((hk, f, b) for hk in ((16, 8), (32, 8), (32, 4)) for f in (False, True) for b in batches):
-    r = bench_batch(target, device, b, iters, {"decode": {}, "tensor cores": {"tensor_cores": True}}, mixed=True,
-                    kv_fp8=kv_fp8, heads=heads, kvh=kvh)
+    variants = {"decode": {"key_warps": 0}, "tensor cores": {"key_warps": 1}, "tensor cores, warps over keys": {"key_warps": 4}}
+    r = bench_batch(target, device, b, iters, variants, mixed=True, kv_fp8=kv_fp8, heads=heads, kvh=kvh)
     results.append(r)
-    print(f"G {heads // kvh} batch {b:>3} {'fp8' if kv_fp8 else 'bf16'}: decode {r['decode_us_per_layer']:.1f} us "
-          f"({r['decode_GBps']:.0f} GB/s), tensor cores {r['tensor cores_us_per_layer']:.1f} us "
-          f"({r['tensor cores_GBps']:.0f} GB/s), error {r['tensor cores_err_vs_decode']:.2g}", flush=True)
+    timings = (f"{k} {r[k + '_us_per_layer']:.1f} us ({r[k + '_GBps']:.0f} GB/s, error {r[k + '_err_vs_decode']:.2g})"
+               for k in variants)
+    print(f"G {heads // kvh} batch {b:>3} {'fp8' if kv_fp8 else 'bf16'}: " + ", ".join(timings), flush=True)
   return results
 
 

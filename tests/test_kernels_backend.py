@@ -15,7 +15,7 @@ from tests.emulator.cases import make_case, metadata_tensors, portable_attention
 from tinyvllm.cli.args import add_engine_args, engine_kwargs
 from tinyvllm.config import ConfigError, EngineConfig
 from tinyvllm.kernels.all_reduce import all_reduce_plan
-from tinyvllm.kernels.attention import attention_shape
+from tinyvllm.kernels.attention import attention_shape, attention_source
 from tinyvllm.kernels.fused import FusedBackend, capabilities
 from tinyvllm.kernels.gemm import gemm_plan
 from tinyvllm.kernels.linear import LinearShape
@@ -210,18 +210,22 @@ def test_plans(dialect):
 
 
 def test_large_gqa_groups_decode_on_tensor_cores_where_the_table_says():
-  """Qwen3-30B-A3B's group of 8 at 64 sequences x 4 KV heads: the tensor-core prefill kernel takes the decode step (1.6-1.8x
-  faster on an H100, docs/benchmarks.md); not a group of 4, not a batch too small to fill the GPU without split-K, not
-  FP8 caches, not without tensor cores (Metal, pre-Ampere)."""
+  """GQA groups of 4 and more (Qwen3-8B, Qwen3-30B-A3B) at 64 sequences x 4 KV heads: the tensor-core kernel, its warps
+  over the keys, takes the decode step (an H100: 1.2-2.2x faster, docs/benchmarks.md section 5); not a group of 2, not
+  a batch too small to fill the GPU without split-K, not FP8 caches, not without tensor cores (Metal, pre-Ampere)."""
   tuning = tuning_for(CUDA.kind).attention
-  assert (tuning.tc_decode_min_group, tuning.tc_decode_min_blocks) == (8, 256)
+  assert (tuning.tc_decode_min_group, tuning.tc_decode_min_blocks) == (4, 256)
   shape = lambda group, seqs, kv_fp8=False, tq=1: AttentionShape("bfloat16", 128, 4 * group, 4, 16, seqs, seqs * tq, tq,
                                                                  2048, 1 << 16, kv_fp8)
-  assert decode_on_tensor_cores(shape(8, 64), CUDA) and decode_on_tensor_cores(shape(16, 256), CUDA)
-  assert not decode_on_tensor_cores(shape(4, 256), CUDA) and not decode_on_tensor_cores(shape(8, 63), CUDA)
+  assert decode_on_tensor_cores(shape(8, 64), CUDA) and decode_on_tensor_cores(shape(4, 64), CUDA)
+  assert decode_on_tensor_cores(shape(16, 256), CUDA)
+  assert not decode_on_tensor_cores(shape(2, 256), CUDA) and not decode_on_tensor_cores(shape(8, 63), CUDA)
   assert not decode_on_tensor_cores(shape(8, 256, kv_fp8=True), CUDA)
   assert not decode_on_tensor_cores(shape(8, 256), METAL) and not decode_on_tensor_cores(shape(8, 256), NO_TENSOR_CORES)
   assert not decode_on_tensor_cores(shape(8, 64, tq=2), CUDA)   # a prompt step is the prefill kernel's anyway
+  plan, _ = attention_source(shape(8, 64), CUDA)
+  assert plan.algorithm == "prefill_tc" and plan.defines["TV_KW"] == 4 and plan.rows == 16 and plan.tokens == 2
+
 
 # the decode specimens on the register path unless named _staged (stages=0); the prefill ones on an H100 (tensor cores)
 decode = lambda shape, stages=0: decode_plan(shape, CUDA, stages=stages)

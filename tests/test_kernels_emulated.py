@@ -28,7 +28,7 @@ from tests.emulator.emulator import (
   run_attention,
   run_kv_write,
 )
-from tinyvllm.kernels.plan import Launch, Param, decode_plan, prefill_plan, write_plan
+from tinyvllm.kernels.plan import TC_DECODE_KEY_WARPS, Launch, Param, decode_plan, prefill_plan, tc_prefill_plan, write_plan
 from tinyvllm.platform.target import DeviceTarget
 
 DIALECTS = ("cuda", "metal")
@@ -47,9 +47,10 @@ ATTENTION_CASES = {
   "dec_bf16_g7": ([(70, 1), (1, 1), (129, 1)], 14, 2, 64, "bfloat16", 1, None),
   "dec_f16_g4": ([(1, 1), (16, 1), (17, 1), (100, 1), (250, 1)], 8, 2, 64, "float16", 1, None),
   "dec_bf16_g8_d128": ([(15, 1), (33, 1), (200, 1)], 16, 2, 128, "bfloat16", 1, None),
-  # a decode step of a large group on the tensor-core prefill kernel (CUDA; Metal's decode kernel): one token's 8 heads
-  # a block, contexts over several key tiles and inside one
+  # decode steps on the tensor-core kernel with its warps over each tile's keys (CUDA; Metal's decode kernel): one
+  # token's 8 (or 2) heads a block, contexts over several key tiles, inside one, shorter than a warp's keys of it
   "dec_bf16_g8_d128_tc": ([(15, 1), (200, 1), (64, 1), (1, 1)], 16, 2, 128, "bfloat16", 1, {"tensor_cores": True}),
+  "dec_f16_g2_d64_tc": ([(130, 1), (17, 1), (40, 1)], 4, 2, 64, "float16", 2, {"tensor_cores": True}),
   "dec_f32_d8": ([(1, 1), (9, 1), (40, 1)], 8, 4, 8, "float32", 0, None),
   "pre_f32_g2": ([(40, 40), (50, 7), (20, 1), (16, 16)], 8, 4, 64, "float32", 1, None),
   "pre_f16_g4_mixed": ([(100, 37), (3, 3), (70, 1), (64, 2), (17, 1)], 8, 2, 64, "float16", 2, None),
@@ -117,8 +118,8 @@ def _specs(dialect: str) -> list[Spec]:
     stages = overrides.pop("stages", 0)
     if dialect != "cuda": stages = 0
     tensor_cores = overrides.pop("tensor_cores", False) and dialect == "cuda"
-    plan = prefill_plan(case.shape, target) if case.shape.query_len > 1 or tensor_cores else \
-      decode_plan(case.shape, target, stages=stages, **overrides)
+    plan = prefill_plan(case.shape, target) if case.shape.query_len > 1 else \
+      tc_prefill_plan(case.shape, TC_DECODE_KEY_WARPS) if tensor_cores else decode_plan(case.shape, target, stages=stages, **overrides)
     specs.append(Spec(name, plan.algorithm, plan.defines, plan.launches))
   for name, (dtype, kv_heads, head_dim, kv_fp8) in WRITE_CASES.items():
     plan = write_plan(dtype, kv_heads * head_dim, 8, 40, kv_fp8)
@@ -206,7 +207,8 @@ def test_decode_cases_split(emu, dialect):
   """The split-K path is what most decode cases exercise (on CUDA one kernel, the last split of each sequence's KV head
   merging them, in every block order the cases run; on Metal a second kernel); the no-split one is covered too."""
   on_tensor_cores = {name for name in emu.specs if name.endswith("_tc") and dialect == "cuda"}   # (Metal: the decode kernel)
-  assert on_tensor_cores == {"dec_bf16_g8_d128_tc"} if dialect == "cuda" else not on_tensor_cores
+  assert on_tensor_cores == {"dec_bf16_g8_d128_tc", "dec_f16_g2_d64_tc"} if dialect == "cuda" else not on_tensor_cores
+  assert all(emu.specs[name].defines["TV_KW"] == TC_DECODE_KEY_WARPS for name in on_tensor_cores)
   kernels = [launch.kernel for name in on_tensor_cores for launch in emu.specs[name].launches]
   assert kernels == ["tv_paged_prefill_tc"] * len(on_tensor_cores)
   splits = {name: emu.specs[name].defines["TV_NSPLIT"] for name in emu.specs if name.startswith("dec_") and name not in on_tensor_cores}

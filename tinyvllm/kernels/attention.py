@@ -13,12 +13,14 @@ from tinygrad import Tensor, dtypes
 
 from tinyvllm.backend.metadata import AttentionMetadata
 from tinyvllm.kernels.plan import (
+  TC_DECODE_KEY_WARPS,
   AttentionShape,
   DecodePlan,
   PrefillPlan,
   decode_on_tensor_cores,
   decode_plan,
   prefill_plan,
+  tc_prefill_plan,
   unsupported_reason,
   write_plan,
 )
@@ -39,9 +41,15 @@ def decode_source(shape: AttentionShape, target: DeviceTarget) -> tuple[DecodePl
 
 def attention_source(shape: AttentionShape, target: DeviceTarget) -> tuple[DecodePlan | PrefillPlan, str]:
   """The plan and source for a call: decode steps on the decode kernel (or, for large GQA groups at large batches, the
-  tensor-core prefill kernel), the others on the prefill kernel."""
-  return decode_source(shape, target) if shape.query_len == 1 and not decode_on_tensor_cores(shape, target) else \
-    prefill_source(shape, target)
+  tensor-core kernel with its warps over the keys), the others on the prefill kernel."""
+  if shape.query_len > 1: return prefill_source(shape, target)
+  return tc_decode_source(shape, target) if decode_on_tensor_cores(shape, target) else decode_source(shape, target)
+
+
+@functools.cache
+def tc_decode_source(shape: AttentionShape, target: DeviceTarget) -> tuple[PrefillPlan, str]:
+  plan = tc_prefill_plan(shape, TC_DECODE_KEY_WARPS)
+  return plan, kernel_source(target.dialect, plan.algorithm, plan.defines)
 
 
 @functools.cache
