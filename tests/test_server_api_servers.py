@@ -49,11 +49,14 @@ def server(stories_dir, tmp_path_factory):
     yield s
 
 
+# a server's first requests (each engine core's first steps) once took more than two minutes on CI's two cores while the
+# other test worker ran its own servers
+FIRST_REQUEST_S = 300
+
+
 @pytest.fixture(scope="module")
 def http(server):
-  # the module's first requests (each engine core's first steps) once took more than two minutes on CI's two cores while
-  # the other test worker ran its own servers
-  with httpx.Client(base_url=server.url, timeout=300) as c: yield c
+  with httpx.Client(base_url=server.url, timeout=FIRST_REQUEST_S) as c: yield c
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +128,7 @@ def test_killing_a_core_mid_stream_errors_every_client_and_everything_exits_1(se
   """Last in the module: it ends the module's server."""
   readers = [StreamReader(f"{server.url}/v1/completions", {**LONG, "prompt": PROMPTS[i % 4], "stream": True}) for i in range(8)]
   for r in readers: r.start()
-  assert all(r.started.wait(120) for r in readers)
+  assert all(r.started.wait(FIRST_REQUEST_S) for r in readers)
   while min(len(r.lines) for r in readers) < 2: time.sleep(0.01)
   victim = core_pids(server)[1]
   everyone = set(api_server_pids(server)) | set(core_pids(server))
@@ -146,7 +149,7 @@ def test_sigint_drains_and_exits_0_leaving_nothing(stories_dir, tmp_path):
                      "--shutdown-timeout", "300") as s:
     reader = StreamReader(f"{s.url}/v1/completions", {"prompt": "Once", "max_tokens": 30, "ignore_eos": True, "stream": True})
     reader.start()
-    assert reader.started.wait(120)
+    assert reader.started.wait(FIRST_REQUEST_S)
     everyone = set(api_server_pids(s)) | set(core_pids(s))
     assert s.stop(signal.SIGINT) == 0
   reader.join(30)
