@@ -34,27 +34,12 @@ DTYPE_NAMES = {dtypes.float32: "float32", dtypes.float16: "float16", dtypes.bflo
 
 
 @functools.cache
-def decode_source(shape: AttentionShape, target: DeviceTarget) -> tuple[DecodePlan, str]:
-  plan = decode_plan(shape, target)
-  return plan, kernel_source(target.dialect, plan.algorithm, plan.defines)
-
-
 def attention_source(shape: AttentionShape, target: DeviceTarget) -> tuple[DecodePlan | PrefillPlan, str]:
   """The plan and source for a call: decode steps on the decode kernel (or, for large GQA groups at large batches, the
   tensor-core kernel with its warps over the keys), the others on the prefill kernel."""
-  if shape.query_len > 1: return prefill_source(shape, target)
-  return tc_decode_source(shape, target) if decode_on_tensor_cores(shape, target) else decode_source(shape, target)
-
-
-@functools.cache
-def tc_decode_source(shape: AttentionShape, target: DeviceTarget) -> tuple[PrefillPlan, str]:
-  plan = tc_prefill_plan(shape, TC_DECODE_KEY_WARPS)
-  return plan, kernel_source(target.dialect, plan.algorithm, plan.defines)
-
-
-@functools.cache
-def prefill_source(shape: AttentionShape, target: DeviceTarget) -> tuple[PrefillPlan, str]:
-  plan = prefill_plan(shape, target)
+  if shape.query_len > 1: plan: DecodePlan | PrefillPlan = prefill_plan(shape, target)
+  elif decode_on_tensor_cores(shape, target): plan = tc_prefill_plan(shape, TC_DECODE_KEY_WARPS)
+  else: plan = decode_plan(shape, target)
   return plan, kernel_source(target.dialect, plan.algorithm, plan.defines)
 
 
