@@ -50,13 +50,13 @@ def step_times(llm, batch: int, k: int, steps: int = 60) -> list[float]:
   return times
 
 
-def verify_cost(model: str, ks: list[int]) -> list[dict]:
+def verify_cost(model: str, ks: list[int], batches: list[int]) -> list[dict]:
   from tinyvllm import LLM
   out = []
   for k in ks:
     llm = LLM(model, load_format="dummy", dtype="bfloat16", max_num_seqs=64, kv_cache_memory=8, enable_prefix_caching=False,
               cuda_graph_sizes=[1, 64], speculative_config={"method": "ngram", "num_speculative_tokens": k})
-    for batch in (1, 64):
+    for batch in batches:
       plain = float(np.median(step_times(llm, batch, 0))) * 1e3
       verify = float(np.median(step_times(llm, batch, k))) * 1e3
       row = {"model": model, "k": k, "batch": batch, "decode_step_ms": plain, "verify_step_ms": verify, "ratio": verify / plain}
@@ -184,6 +184,8 @@ def main() -> int:
   p.add_argument("--stories", default=".data/stories260K-hf")
   p.add_argument("--model", default="qwen3-0.6b")
   p.add_argument("--parts", default="verify,ngram,draft")
+  p.add_argument("--verify-ks", default="4,3", help="proposals per verification the verify part times")
+  p.add_argument("--verify-batches", default="1,64", help="batch sizes the verify part times")
   args = p.parse_args()
   result: dict = {}
   parts = args.parts.split(",")
@@ -191,7 +193,8 @@ def main() -> int:
   if "draft" in parts: result["draft"] = draft_end_to_end(args.stories, 4, 128, 128)
   if "skinny" in parts: result["skinny"] = skinny_rows_experiment(args.model)
   if "profile" in parts: result["profile"] = verify_profile(args.model)
-  if "verify" in parts: result["verify"] = verify_cost(args.model, [4, 3])
+  if "verify" in parts: result["verify"] = verify_cost(args.model, [int(k) for k in args.verify_ks.split(",")],
+                                                        [int(b) for b in args.verify_batches.split(",")])
   if out := os.environ.get("OUT"): Path(out, "spec_bench.json").write_text(json.dumps(result, indent=1))
   ok = all(r["same_tokens"] for r in result.get("ngram", []) + result.get("draft", []))
   print("greedy tokens equal with and without speculation" if ok else "GREEDY TOKENS DIFFER")

@@ -36,6 +36,8 @@ H100 = DeviceTarget.nominal("cuda")   # sm_90 (bulk copies), 132 SMs (grid barri
 MODELS = {
   "qwen3": dict(hidden=48, intermediate=80, heads=4, kv_heads=2, head_dim=16, qk_norm=True, qkv_bias=False),
   "qwen2": dict(hidden=64, intermediate=96, heads=8, kv_heads=2, head_dim=8, qk_norm=False, qkv_bias=True),
+  # inputs of 64-column blocks (128 and 64 wide): every product on tensor cores where a block owns 16+ of its rows
+  "wide": dict(hidden=128, intermediate=64, heads=4, kv_heads=2, head_dim=32, qk_norm=True, qkv_bias=False),
 }
 # name: (model, decode contexts, kv_fp8, dtype, blocks, threads, layers[, smallest context bucket])
 CASES = {
@@ -44,6 +46,9 @@ CASES = {
   "qwen2_long_f16": ("qwen2", [300, 17], False, "float16", 5, 128, 1),
   # 8 warps, 4 o / down rows a block: each row's K split over 2 warps (as the H100's 16 warps split its 8 rows)
   "qwen3_split_rows": ("qwen3", [40], False, "bfloat16", 13, 256, 1),
+  # the products on tensor cores: 52 qkv rows a block (four 16-row tiles over 8 warps, the last tile and the last
+  # block's partly empty), 26 of the others, K split over up to 4 warps (some with no 64-column block)
+  "wide_tensor_cores": ("wide", [300, 40, 7], False, "bfloat16", 5, 256, 2),
   # several layers in one launch: h through h_out, the next layer's slices prefetched during the down phase
   "qwen3_3_layers": ("qwen3", [300, 40], False, "bfloat16", 9, 64, 3),
   "qwen2_2_layers_fp8": ("qwen2", [33], True, "float16", 5, 128, 2),
@@ -72,7 +77,7 @@ VERIFY = {"qwen3_verify_rows": [5, 1, 2], "qwen2_verify_rows_fp8": [3, 4]}
 CASES.update({"qwen3_verify_rows": ("qwen3", [259, 40, 2], False, "bfloat16", 33, 64, 2),
               "qwen2_verify_rows_fp8": ("qwen2", [33, 17], True, "float16", 5, 128, 1)})
 # the cases that run in a few seconds with `-m "not slow"` (their own small library); the rest are marked slow
-QUICK = frozenset({"qwen3_split_rows", "qwen2_mixed", "qwen3_verify_rows"})
+QUICK = frozenset({"qwen3_split_rows", "qwen2_mixed", "qwen3_verify_rows", "wide_tensor_cores"})
 
 
 def make(name: str) -> tuple[LayerCase, DecodeLayerShape]:

@@ -136,6 +136,17 @@ def _slice_bytes(shape: DecodeLayerShape, product: str, rows: int) -> int:
   return rows * k * bits // 8 + (_align(rows * (k // group) * 4) + 16) * (1 if form == "fp8" else 2)
 
 
+def _tensor_core_sums(shape: DecodeLayerShape) -> int:
+  """Partial sums an x' row of a product on tensor cores leaves in the scratch region (decode_layer_ops.inc's
+  tv_dl_gemv_tc: a block's rows times the parts K is split into, the warps shared among its 16-row tiles), the most of
+  any product that could run there (the tuning table's row bound aside: the region is sized for either choice)."""
+  r, nw, most = _slices(shape), shape.threads // 32, 0
+  for product, rows, (form, _) in zip(PRODUCTS, ("TV_R_QKV", "TV_R_O", "TV_R_GU", "TV_R_DN"), shape.weights, strict=True):
+    if form == "elem" and shape.product_dims()[product][1] % 64 == 0:
+      most = max(most, r[rows] * max(1, nw // cdiv(r[rows], 16)))
+  return most
+
+
 def shared_layout(shape: DecodeLayerShape) -> dict[str, int]:
   """Bytes of the shared-memory regions (csrc/cuda/decode_layer_ops.inc): A, B (weight slices), X (x'), S, Y, T (the
   buffers' mbarriers and a flag, the layers' pointers, the step's metadata)."""
@@ -149,7 +160,7 @@ def shared_layout(shape: DecodeLayerShape) -> dict[str, int]:
   return {"TV_A_BYTES": _align(max(slice_bytes("qkv", "TV_R_QKV"), slice_bytes("gu", "TV_R_GU"))),
           "TV_B_BYTES": _align(max(slice_bytes("o", "TV_R_O"), slice_bytes("down", "TV_R_DN"))),
           "TV_X_BYTES": _align(2 * s.rows * max(s.hidden, s.heads * d, s.intermediate)),
-          "TV_S_BYTES": _align(4 * max(attention, s.rows * s.hidden // 8)),
+          "TV_S_BYTES": _align(4 * max(attention, s.rows * s.hidden // 8, s.rows * _tensor_core_sums(s))),
           "TV_Y_BYTES": _align(4 * (s.rows * red_rows + s.rows + s.rows * keep_rows)),
           "TV_T_BYTES": _align(24 + 8 * s.layers * len(s.layer_params) + 4 * _meta_ints(s)), "TV_RED_ROWS": red_rows,
           "TV_R_KEEP": keep_rows}
@@ -243,6 +254,7 @@ def decode_layer_plan(shape: DecodeLayerShape, target: DeviceTarget) -> DecodeLa
     "TV_EPS": f"{s.eps!r}f", "TV_KV_FP8": int(s.kv_fp8), "TV_BS": s.block_size, "TV_MAXB": s.max_blocks,
     "TV_NSLOTS": s.num_slots, "TV_KPASS": kpass, "TV_TILE": tile, "TV_CHUNK": chunk, "TV_NSPLIT": splits,
     "TV_PACE_CHUNK": pace.pace_chunk_bytes, "TV_PACE_GAP": pace.pace_chunk_bytes // pace.hbm_bytes_per_sm_cycle,
+    "TV_TC_MIN_ROWS": pace.tensor_core_min_rows,
     "TV_SCALE_LOG2": f"{(1.0 / math.sqrt(s.head_dim)) * math.log2(math.e)!r}f", **_slices(s), **layout,
     "TV_META_INTS": _meta_ints(s), "TV_CACHE_TABLES": int(_caches_tables(s))}
   if s.qk_norm: defines["TV_QK_NORM"] = 1

@@ -74,6 +74,9 @@ class DecodeLayerTuning:
   max_context_by_rows: tuple[tuple[int, int], ...]   # (rows, the longest context bucket it takes at that many rows)
   hbm_bytes_per_sm_cycle: int     # one SM's share of HBM bandwidth: the pace of the copies of blocks without attention
   pace_chunk_bytes: int
+  # a product runs on tensor cores where a block owns at least this many of its rows (fewer fill only part of the
+  # mma's 16: Qwen3-0.6B's o and down, 8 a block, ran slower there and slowed the attention phase after them)
+  tensor_core_min_rows: int
 
   def max_context(self, rows: int) -> int: return dict(self.max_context_by_rows).get(rows, 0)
 
