@@ -182,6 +182,8 @@ def test_plan_fits_qwen3_06b_on_h100():
                                                                   *(f"{c}_cache_{li}" for li in range(28) for c in "kv")]
     d = plan.defines
     assert (d["TV_R_O"], d["TV_R_GU"]) == (8, 47) and d["TV_NSPLIT"] * d["TV_CHUNK"] == 2048
+    # qkv (32 rows a block) and gate_up take the tensor cores, o and down (8) the FMA form
+    assert d["TV_R_QKV"] >= d["TV_TC_MIN_ROWS"] == 16 and d["TV_R_GU"] >= 16 > max(d["TV_R_O"], d["TV_R_DN"])
     assert d["TV_CHUNK"] == 128 * rows   # about one attention item per block at full context
 
 

@@ -245,7 +245,7 @@ def _layer_defines(shape: DecodeLayerShape, first_index: int) -> dict[str, int |
 
 def decode_layer_plan(shape: DecodeLayerShape, target: DeviceTarget) -> DecodeLayerPlan:
   if (reason := unsupported_reason(shape, target)) is not None: raise ValueError(f"decode layer kernel: {reason}")
-  s, pace = shape, tuning_for(target.kind).decode_layer
+  s, tuned = shape, tuning_for(target.kind).decode_layer
   kpass, tile, chunk, splits = _tiles(s)
   layout = shared_layout(s)
   defines: dict[str, int | str] = {
@@ -253,8 +253,8 @@ def decode_layer_plan(shape: DecodeLayerShape, target: DeviceTarget) -> DecodeLa
     "TV_H": s.heads, "TV_KVH": s.kv_heads, "TV_D": s.head_dim, "TV_G": s.group, "TV_INTER": s.intermediate,
     "TV_EPS": f"{s.eps!r}f", "TV_KV_FP8": int(s.kv_fp8), "TV_BS": s.block_size, "TV_MAXB": s.max_blocks,
     "TV_NSLOTS": s.num_slots, "TV_KPASS": kpass, "TV_TILE": tile, "TV_CHUNK": chunk, "TV_NSPLIT": splits,
-    "TV_PACE_CHUNK": pace.pace_chunk_bytes, "TV_PACE_GAP": pace.pace_chunk_bytes // pace.hbm_bytes_per_sm_cycle,
-    "TV_TC_MIN_ROWS": pace.tensor_core_min_rows,
+    "TV_PACE_CHUNK": tuned.pace_chunk_bytes, "TV_PACE_GAP": tuned.pace_chunk_bytes // tuned.hbm_bytes_per_sm_cycle,
+    "TV_TC_MIN_ROWS": tuned.tensor_core_min_rows,
     "TV_SCALE_LOG2": f"{(1.0 / math.sqrt(s.head_dim)) * math.log2(math.e)!r}f", **_slices(s), **layout,
     "TV_META_INTS": _meta_ints(s), "TV_CACHE_TABLES": int(_caches_tables(s))}
   if s.qk_norm: defines["TV_QK_NORM"] = 1
