@@ -11,7 +11,8 @@ import numpy as np
 from tinyvllm.tokenizer.byte_level import byte_to_unicode
 
 # ggml type: (values a block, bytes a block)
-LAYOUTS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210)}
+LAYOUTS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q4_K": (256, 144),
+           "Q5_K": (256, 176), "Q6_K": (256, 210)}
 
 
 def _halves(rng: np.random.Generator, n: int, low: float, high: float, signed: bool = True) -> np.ndarray:
@@ -24,9 +25,10 @@ def make_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np
   block, nbytes = LAYOUTS[kind]
   n = rows * cols // block
   b = rng.integers(0, 256, (n, nbytes), dtype=np.uint8)
-  if kind in ("Q8_0", "Q4_0"): b[:, 0:2] = _halves(rng, n, 0.001, 0.01)
-  if kind == "Q4_1": b[:, 0:2], b[:, 2:4] = _halves(rng, n, 0.002, 0.01, signed=False), _halves(rng, n, 0.01, 0.08)
-  if kind == "Q4_K": b[:, 0:2], b[:, 2:4] = _halves(rng, n, 1e-4, 5e-4, signed=False), _halves(rng, n, 1e-4, 5e-4, signed=False)
+  if kind in ("Q8_0", "Q4_0", "Q5_0"): b[:, 0:2] = _halves(rng, n, 0.001, 0.01)
+  if kind in ("Q4_1", "Q5_1"): b[:, 0:2], b[:, 2:4] = _halves(rng, n, 0.002, 0.01, signed=False), _halves(rng, n, 0.01, 0.08)
+  if kind in ("Q4_K", "Q5_K"):
+    b[:, 0:2], b[:, 2:4] = _halves(rng, n, 1e-4, 5e-4, signed=False), _halves(rng, n, 1e-4, 5e-4, signed=False)
   if kind == "Q6_K":
     b[:, 192:208] = rng.integers(-16, 17, (n, 16), dtype=np.int8).view(np.uint8)
     b[:, 208:210] = _halves(rng, n, 2e-4, 1e-3, signed=False)
@@ -48,18 +50,31 @@ def ref_block(kind: str, b: np.ndarray) -> list[float]:
       x0, x1 = int(qs[j]) & 0x0F, int(qs[j]) >> 4
       if kind == "Q4_0": y[j], y[j + 16] = (x0 - 8) * d, (x1 - 8) * d
       else: y[j], y[j + 16] = x0 * d + m, x1 * d + m
-  elif kind == "Q4_K":
-    d, dmin, sc, q = _f16(b, 0), _f16(b, 2), [int(x) for x in b[4:16]], b[16:144]
+  elif kind in ("Q5_0", "Q5_1"):   # dequantize_row_q5_0 / _q5_1
+    d, m = _f16(b, 0), _f16(b, 2) if kind == "Q5_1" else 0.0
+    at = 4 if kind == "Q5_1" else 2
+    qh, qs = int(b[at:at + 4].view("<u4")[0]), b[at + 4:at + 20]
+    for j in range(16):
+      x0 = (int(qs[j]) & 0x0F) | (((qh >> j) << 4) & 0x10)
+      x1 = (int(qs[j]) >> 4) | ((qh >> (j + 12)) & 0x10)
+      if kind == "Q5_0": y[j], y[j + 16] = (x0 - 16) * d, (x1 - 16) * d
+      else: y[j], y[j + 16] = x0 * d + m, x1 * d + m
+  elif kind in ("Q4_K", "Q5_K"):   # dequantize_row_q4_K / _q5_K
+    five = kind == "Q5_K"
+    d, dmin, sc = _f16(b, 0), _f16(b, 2), [int(x) for x in b[4:16]]
+    qh, q = b[16:48], b[48:176] if five else b[16:144]
     def scale_min(j: int) -> tuple[int, int]:   # get_scale_min_k4
       if j < 4: return sc[j] & 63, sc[j + 4] & 63
       return (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4), (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4)
-    at, i = 0, 0
+    at, i, u1, u2 = 0, 0, 1, 2
     for j in range(0, 256, 64):
       s1, m1 = scale_min(i)
       s2, m2 = scale_min(i + 1)
-      for ll in range(32): y[j + ll] = d * s1 * (int(q[at + ll]) & 0xF) - dmin * m1
-      for ll in range(32): y[j + 32 + ll] = d * s2 * (int(q[at + ll]) >> 4) - dmin * m2
-      at, i = at + 32, i + 2
+      for ll in range(32):
+        h1, h2 = (16 if five and int(qh[ll]) & u1 else 0), (16 if five and int(qh[ll]) & u2 else 0)
+        y[j + ll] = d * s1 * ((int(q[at + ll]) & 0xF) + h1) - dmin * m1
+        y[j + 32 + ll] = d * s2 * ((int(q[at + ll]) >> 4) + h2) - dmin * m2
+      at, i, u1, u2 = at + 32, i + 2, u1 << 2, u2 << 2
   elif kind == "Q6_K":
     ql, qh, sc, d = b[0:128], b[128:192], b[192:208].view(np.int8), _f16(b, 208)
     for n in range(2):

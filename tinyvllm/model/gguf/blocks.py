@@ -5,8 +5,12 @@ Every block runs along a row (ne[0], the input columns of a linear). The layouts
 - Q8_0: 32 values, 34 bytes: d, 32 int8 q. w = q * d.
 - Q4_0: 32 values, 18 bytes: d, 16 bytes of nibbles (byte j: value j low, value j + 16 high). w = (q - 8) * d.
 - Q4_1: 32 values, 20 bytes: d, m, nibbles as Q4_0. w = q * d + m.
+- Q5_0: 32 values, 22 bytes: d, 4 bytes qh (bit j: value j's fifth bit), nibbles as Q4_0. w = (q - 16) * d.
+- Q5_1: 32 values, 24 bytes: d, m, qh, nibbles. w = q * d + m.
 - Q4_K: 256 values, 144 bytes: d, dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32, 128 bytes of nibbles
   (each 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high). w = d * sc * q - dmin * m.
+- Q5_K: 256 values, 176 bytes: d, dmin, scales and mins as Q4_K's, 32 bytes qh (bit k of byte l: the fifth bit of
+  sub-block k's value l), 128 bytes of nibbles as Q4_K's. w = d * sc * q - dmin * m.
 - Q6_K: 256 values, 210 bytes: 128 bytes of low nibbles (ql), 64 bytes of high 2-bit pairs (qh), 16 int8 scales (one per
   16 values), d. w = d * sc * (q - 32).
 """
@@ -25,7 +29,7 @@ TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8:
               12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S",
               20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
               29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4"}
-F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, BF16 = 0, 1, 2, 3, 8, 12, 14, 30
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
 
 
 def type_name(ggml_type: int) -> str: return TYPE_NAMES.get(ggml_type, f"unknown type {ggml_type}")
@@ -60,6 +64,20 @@ def dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
   return _nibbles(blocks[:, 4:]).astype(np.float32) * _half(blocks, 0) + _half(blocks, 2)
 
 
+def _q5_codes(blocks: np.ndarray, at: int) -> np.ndarray:
+  """Q5_0 / Q5_1: [n, 32] codes 0-31 from the 4 bytes of fifth bits at `at` and the 16 bytes of nibbles after them."""
+  high = (blocks[:, at:at + 4].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
+  return (_nibbles(blocks[:, at + 4:at + 20]) | (high.astype(np.uint8) << 4)).astype(np.uint8)
+
+
+def dequantize_q5_0(blocks: np.ndarray) -> np.ndarray:
+  return (_q5_codes(blocks, 2).astype(np.float32) - 16) * _half(blocks, 0)
+
+
+def dequantize_q5_1(blocks: np.ndarray) -> np.ndarray:
+  return _q5_codes(blocks, 4).astype(np.float32) * _half(blocks, 0) + _half(blocks, 2)
+
+
 def k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """Q4_K / Q5_K's 12 bytes -> 8 six-bit scales and 8 mins (ggml's get_scale_min_k4): sub-blocks 0-3 in the low 6 bits
   of bytes 0-3 (scales) and 4-7 (mins); 4-7 in bytes 8-11's nibbles, their top 2 bits in the top bits of bytes 0-7."""
@@ -69,13 +87,28 @@ def k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   return scales.astype(np.float32), mins.astype(np.float32)
 
 
-def dequantize_q4_k(blocks: np.ndarray) -> np.ndarray:
+def _k_codes(blocks: np.ndarray, five: bool) -> np.ndarray:
+  """Q4_K / Q5_K: [n, 8, 32] codes of the 8 sub-blocks (sub-block 2c in the low nibbles of bytes 32c.., 2c + 1 in the
+  high ones; Q5_K's fifth bit of sub-block k's value l is bit k of qh byte l)."""
+  n, at = blocks.shape[0], 48 if five else 16
+  qs = blocks[:, at:at + 128].reshape(n, 4, 32)
+  q = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(n, 8, 32)
+  if five: q = q | (((blocks[:, 16:48][:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4)
+  return q.astype(np.uint8)
+
+
+def _dequantize_k(blocks: np.ndarray, five: bool) -> np.ndarray:
   n = blocks.shape[0]
   d, dmin = _half(blocks, 0), _half(blocks, 2)
   scales, mins = k_scales_mins(blocks[:, 4:16])
-  qs = blocks[:, 16:144].reshape(n, 4, 32)
-  q = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(n, 8, 32).astype(np.float32)   # sub-block 2c low, 2c + 1 high
+  q = _k_codes(blocks, five).astype(np.float32)
   return (d[:, :, None] * scales[:, :, None] * q - dmin[:, :, None] * mins[:, :, None]).reshape(n, 256)
+
+
+def dequantize_q4_k(blocks: np.ndarray) -> np.ndarray: return _dequantize_k(blocks, five=False)
+
+
+def dequantize_q5_k(blocks: np.ndarray) -> np.ndarray: return _dequantize_k(blocks, five=True)
 
 
 def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
@@ -105,10 +138,13 @@ BLOCK_FORMATS = {
   Q8_0: BlockFormat("Q8_0", 32, 34, dequantize_q8_0),
   Q4_0: BlockFormat("Q4_0", 32, 18, dequantize_q4_0),
   Q4_1: BlockFormat("Q4_1", 32, 20, dequantize_q4_1),
+  Q5_0: BlockFormat("Q5_0", 32, 22, dequantize_q5_0),
+  Q5_1: BlockFormat("Q5_1", 32, 24, dequantize_q5_1),
   Q4_K: BlockFormat("Q4_K", 256, 144, dequantize_q4_k),
+  Q5_K: BlockFormat("Q5_K", 256, 176, dequantize_q5_k),
   Q6_K: BlockFormat("Q6_K", 256, 210, dequantize_q6_k),
 }
-PACKED_TYPES = (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)   # blocks that are exactly tinyvllm's packed form
+PACKED_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)   # blocks that are exactly tinyvllm's packed form
 
 
 def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
@@ -122,9 +158,14 @@ def unpack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> UnpackedW
   """The codes and per-group scales of a matrix [rows, cols] of a packed type (32 columns a group; Q6_K's 16). Exact:
   a K-quant's group scale d * sc (and Q4_K's offset -dmin * m) is a float16 times a small integer, which float32
   holds, so code * scale + shift is ggml's d * sc * q - dmin * m with the same one rounding."""
-  if ggml_type in (Q4_K, Q6_K): return _unpack_k(raw, ggml_type, shape)
+  if ggml_type in (Q4_K, Q5_K, Q6_K): return _unpack_k(raw, ggml_type, shape)
   rows, cols = shape
   fmt = BLOCK_FORMATS[ggml_type]
+  if ggml_type in (Q5_0, Q5_1):   # 5-bit codes held as 8-bit ones: about 16 (Q5_0), or from 0 plus the min (Q5_1)
+    b = raw.reshape(rows * cols // 32, fmt.nbytes)
+    codes, scales = _q5_codes(b, 2 if ggml_type == Q5_0 else 4).reshape(rows, cols), _half(b, 0).reshape(rows, -1)
+    if ggml_type == Q5_0: return UnpackedWeight(codes, scales, np.full(scales.shape, 16, np.uint8), None, 32, 8)
+    return UnpackedWeight(codes, scales, np.zeros(scales.shape, np.uint8), None, 32, 8, _half(b, 2).reshape(rows, -1))
   blocks = raw.reshape(rows, cols // 32, fmt.nbytes)
   scales = blocks[:, :, 0:2].copy().view(np.float16).reshape(rows, -1)
   if ggml_type == Q8_0:   # int8 q as unsigned codes about 128: (q + 128) - 128
@@ -138,18 +179,19 @@ def unpack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> UnpackedW
 
 
 def _unpack_k(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> UnpackedWeight:
-  """Q4_K: 4-bit codes, groups of 32 with scale d * sc and offset -dmin * m (zero point 0); Q6_K: 6-bit codes q held as
-  8-bit ones about a zero point of 32, groups of 16 with scale d * sc."""
+  """Q4_K / Q5_K: 4-bit / 5-bit codes (the latter held as 8-bit ones), groups of 32 with scale d * sc and offset
+  -dmin * m (zero point 0); Q6_K: 6-bit codes q held as 8-bit ones about a zero point of 32, groups of 16 with scale
+  d * sc."""
   rows, cols = shape
   fmt = BLOCK_FORMATS[ggml_type]
   b = raw.reshape(rows * cols // 256, fmt.nbytes)
   n = b.shape[0]
-  if ggml_type == Q4_K:
+  if ggml_type in (Q4_K, Q5_K):
     scales, mins = k_scales_mins(b[:, 4:16])
-    qs = b[:, 16:144].reshape(n, 4, 32)
-    codes = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(rows, cols)   # sub-block 2c low nibbles, 2c + 1 high
+    codes = _k_codes(b, five=ggml_type == Q5_K).reshape(rows, cols)
     scale = (_half(b, 0) * scales).reshape(rows, -1)
-    return UnpackedWeight(codes, scale, np.zeros(scale.shape, np.uint8), None, 32, 4, -(_half(b, 2) * mins).reshape(rows, -1))
+    offset = -(_half(b, 2) * mins).reshape(rows, -1)
+    return UnpackedWeight(codes, scale, np.zeros(scale.shape, np.uint8), None, 32, 4 if ggml_type == Q4_K else 8, offset)
   ql, qh = b[:, 0:128].reshape(n, 2, 64), b[:, 128:192].reshape(n, 2, 32)
   low = [ql[:, :, 0:32] & 0xF, ql[:, :, 32:64] & 0xF, ql[:, :, 0:32] >> 4, ql[:, :, 32:64] >> 4]
   codes = np.concatenate([low[r] | (((qh >> (2 * r)) & 3) << 4) for r in range(4)], axis=2).reshape(rows, cols)
