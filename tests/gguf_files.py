@@ -11,8 +11,8 @@ import numpy as np
 from tinyvllm.tokenizer.byte_level import byte_to_unicode
 
 # ggml type: (values a block, bytes a block)
-LAYOUTS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q4_K": (256, 144),
-           "Q5_K": (256, 176), "Q6_K": (256, 210)}
+LAYOUTS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q2_K": (256, 84),
+           "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 
 
 def _halves(rng: np.random.Generator, n: int, low: float, high: float, signed: bool = True) -> np.ndarray:
@@ -29,6 +29,8 @@ def make_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np
   if kind in ("Q4_1", "Q5_1"): b[:, 0:2], b[:, 2:4] = _halves(rng, n, 0.002, 0.01, signed=False), _halves(rng, n, 0.01, 0.08)
   if kind in ("Q4_K", "Q5_K"):
     b[:, 0:2], b[:, 2:4] = _halves(rng, n, 1e-4, 5e-4, signed=False), _halves(rng, n, 1e-4, 5e-4, signed=False)
+  if kind == "Q2_K": b[:, 80:82], b[:, 82:84] = _halves(rng, n, 1e-3, 4e-3, signed=False), _halves(rng, n, 1e-3, 4e-3, signed=False)
+  if kind == "Q3_K": b[:, 108:110] = _halves(rng, n, 2e-4, 1e-3)
   if kind == "Q6_K":
     b[:, 192:208] = rng.integers(-16, 17, (n, 16), dtype=np.int8).view(np.uint8)
     b[:, 208:210] = _halves(rng, n, 2e-4, 1e-3, signed=False)
@@ -75,6 +77,32 @@ def ref_block(kind: str, b: np.ndarray) -> list[float]:
         y[j + ll] = d * s1 * ((int(q[at + ll]) & 0xF) + h1) - dmin * m1
         y[j + 32 + ll] = d * s2 * ((int(q[at + ll]) >> 4) + h2) - dmin * m2
       at, i, u1, u2 = at + 32, i + 2, u1 << 2, u2 << 2
+  elif kind == "Q2_K":   # dequantize_row_q2_K
+    sc, q, d, dmin = b[0:16], b[16:80], _f16(b, 80), _f16(b, 82)
+    out, is_ = 0, 0
+    for n in range(2):
+      for j in range(4):
+        for half in range(2):
+          dl, ml = d * (int(sc[is_]) & 0xF), dmin * (int(sc[is_]) >> 4)
+          for ll in range(16): y[out + ll] = dl * ((int(q[32 * n + 16 * half + ll]) >> (2 * j)) & 3) - ml
+          out, is_ = out + 16, is_ + 1
+  elif kind == "Q3_K":   # dequantize_row_q3_K, the scales through its aux words
+    hm, q, d = b[0:32], b[32:96], _f16(b, 108)
+    aux = [int(x) for x in b[96:108].view("<u4")]
+    tmp, k1, k2 = aux[2], 0x03030303, 0x0F0F0F0F
+    aux = [(aux[0] & k2) | (((tmp >> 0) & k1) << 4), (aux[1] & k2) | (((tmp >> 2) & k1) << 4),
+           ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4), ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4)]
+    scales = np.array(aux, "<u4").view(np.int8)
+    out, is_, m = 0, 0, 1
+    for n in range(2):
+      for j in range(4):
+        for half in range(2):
+          dl = d * (int(scales[is_]) - 32)
+          for ll in range(16):
+            at = 32 * n + 16 * half + ll
+            y[out + ll] = dl * (((int(q[at]) >> (2 * j)) & 3) - (0 if int(hm[16 * half + ll]) & m else 4))
+          out, is_ = out + 16, is_ + 1
+        m <<= 1
   elif kind == "Q6_K":
     ql, qh, sc, d = b[0:128], b[128:192], b[192:208].view(np.int8), _f16(b, 208)
     for n in range(2):

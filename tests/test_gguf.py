@@ -60,7 +60,7 @@ def test_plain_types_read_as_stored(kind, tmp_path):
   np.testing.assert_array_equal(out, expected)
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_packed_form_dequantizes_to_the_same_weights(kind):
   from tinygrad import dtypes
   rows, cols = 6, 512
@@ -74,7 +74,7 @@ def test_parts_of_different_types_share_one_packed_form():
   """A fused linear whose parts come in different block types (Q4_K_M files hold attn_v in Q6_K beside Q4_K q and k)
   packs as one weight: codes of the most bits in the smallest group, every part's weights as they were."""
   from tinygrad import dtypes
-  kinds, rows, cols = ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q5_K"], 3, 256
+  kinds, rows, cols = ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q5_K", "Q2_K", "Q3_K"], 3, 256
   raws = [make_blocks(k, rows, cols, np.random.default_rng(i)).reshape(-1) for i, k in enumerate(kinds)]
   parts = common_form([blocks.unpack(r, gguf.GGMLQuantizationType[k].value, (rows, cols)) for k, r in zip(kinds, raws, strict=True)])
   assert {(p.bits, p.group_size) for p in parts} == {(8, 16)}
@@ -103,6 +103,11 @@ TINY_CASES = {
   # Q5_K_M's mix, and the older 5-bit blocks
   "q5_k-q6_k-untied": ({"attn_q": "Q5_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q5_K", "ffn_gate": "Q5_K",
                         "ffn_up": "Q5_K", "ffn_down": "Q6_K"}, "F16", "Q6_K"),
+  # Q3_K_M's mix (Q3_K, with attn_v and ffn_down in Q5_K) and Q2_K's
+  "q3_k-q5_k-tied": ({"attn_q": "Q3_K", "attn_k": "Q3_K", "attn_v": "Q5_K", "attn_output": "Q3_K", "ffn_gate": "Q3_K",
+                      "ffn_up": "Q3_K", "ffn_down": "Q5_K"}, "F32", None),
+  "q2_k-q4_k-untied": ({"attn_q": "Q2_K", "attn_k": "Q2_K", "attn_v": "Q4_K", "attn_output": "Q2_K", "ffn_gate": "Q2_K",
+                        "ffn_up": "Q2_K", "ffn_down": "Q4_K"}, "F16", "Q6_K"),
   "q5_0-q5_1-tied": ({"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q5_1", "attn_output": "Q5_1", "ffn_gate": "Q5_0",
                       "ffn_up": "Q5_1", "ffn_down": "Q5_0"}, "Q5_0", None),
 }

@@ -7,6 +7,11 @@ Every block runs along a row (ne[0], the input columns of a linear). The layouts
 - Q4_1: 32 values, 20 bytes: d, m, nibbles as Q4_0. w = q * d + m.
 - Q5_0: 32 values, 22 bytes: d, 4 bytes qh (bit j: value j's fifth bit), nibbles as Q4_0. w = (q - 16) * d.
 - Q5_1: 32 values, 24 bytes: d, m, qh, nibbles. w = q * d + m.
+- Q2_K: 256 values, 84 bytes: 16 bytes of scales (low nibble) and mins (high) for 16 groups of 16, 64 bytes of 2-bit q
+  (value 128h + 32s + l: bits 2s of byte 32h + l), d, dmin. w = d * sc * q - dmin * m.
+- Q3_K: 256 values, 110 bytes: 32 bytes hmask (bit b of byte l: value 32b + l's high bit, set meaning no offset), 2-bit
+  low parts as Q2_K's, 12 bytes of 6-bit scales for 16 groups of 16 (stored less 32), d. w = d * (sc - 32) * q, q =
+  low - 4 (high bit clear) or low.
 - Q4_K: 256 values, 144 bytes: d, dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32, 128 bytes of nibbles
   (each 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high). w = d * sc * q - dmin * m.
 - Q5_K: 256 values, 176 bytes: d, dmin, scales and mins as Q4_K's, 32 bytes qh (bit k of byte l: the fifth bit of
@@ -29,7 +34,7 @@ TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8:
               12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S",
               20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
               29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4"}
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30
 
 
 def type_name(ggml_type: int) -> str: return TYPE_NAMES.get(ggml_type, f"unknown type {ggml_type}")
@@ -111,6 +116,40 @@ def dequantize_q4_k(blocks: np.ndarray) -> np.ndarray: return _dequantize_k(bloc
 def dequantize_q5_k(blocks: np.ndarray) -> np.ndarray: return _dequantize_k(blocks, five=True)
 
 
+def _two_bit_codes(qs: np.ndarray) -> np.ndarray:
+  """Q2_K / Q3_K's 64 bytes -> [n, 16, 16] 2-bit parts: value 128h + 32s + l is bits 2s, 2s + 1 of byte 32h + l."""
+  n = qs.shape[0]
+  return ((qs.reshape(n, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]) & 3).reshape(n, 16, 16)
+
+
+def _q2_k_parts(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Q2_K: [n, 16, 16] codes 0-3, [n, 16] group scales d * sc and offsets -dmin * m."""
+  sc = blocks[:, 0:16]
+  return (_two_bit_codes(blocks[:, 16:80]), _half(blocks, 80) * (sc & 0xF).astype(np.float32),
+          -(_half(blocks, 82) * (sc >> 4).astype(np.float32)))
+
+
+def _q3_k_parts(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Q3_K: [n, 16, 16] codes q + 4 (0-7) and [n, 16] group scales d * (sc - 32)."""
+  n = blocks.shape[0]
+  high = ((blocks[:, 0:32].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1).reshape(n, 16, 16)
+  packed = blocks[:, 96:108]
+  low4 = np.concatenate([packed[:, 0:8] & 0xF, packed[:, 0:8] >> 4], axis=1)               # groups 0-7, then 8-15
+  top2 = ((packed[:, 8:12][:, None, :] >> (2 * np.arange(4, dtype=np.uint8))[None, :, None]) & 3).reshape(n, 16)
+  scales = (low4 | (top2 << 4)).astype(np.float32) - 32
+  return _two_bit_codes(blocks[:, 32:96]) + 4 * high, _half(blocks, 108) * scales
+
+
+def dequantize_q2_k(blocks: np.ndarray) -> np.ndarray:
+  codes, scales, offsets = _q2_k_parts(blocks)
+  return (codes.astype(np.float32) * scales[:, :, None] + offsets[:, :, None]).reshape(-1, 256)
+
+
+def dequantize_q3_k(blocks: np.ndarray) -> np.ndarray:
+  codes, scales = _q3_k_parts(blocks)
+  return ((codes.astype(np.float32) - 4) * scales[:, :, None]).reshape(-1, 256)
+
+
 def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
   n = blocks.shape[0]
   ql, qh = blocks[:, 0:128].reshape(n, 2, 64), blocks[:, 128:192].reshape(n, 2, 32)
@@ -140,11 +179,13 @@ BLOCK_FORMATS = {
   Q4_1: BlockFormat("Q4_1", 32, 20, dequantize_q4_1),
   Q5_0: BlockFormat("Q5_0", 32, 22, dequantize_q5_0),
   Q5_1: BlockFormat("Q5_1", 32, 24, dequantize_q5_1),
+  Q2_K: BlockFormat("Q2_K", 256, 84, dequantize_q2_k),
+  Q3_K: BlockFormat("Q3_K", 256, 110, dequantize_q3_k),
   Q4_K: BlockFormat("Q4_K", 256, 144, dequantize_q4_k),
   Q5_K: BlockFormat("Q5_K", 256, 176, dequantize_q5_k),
   Q6_K: BlockFormat("Q6_K", 256, 210, dequantize_q6_k),
 }
-PACKED_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)   # blocks that are exactly tinyvllm's packed form
+PACKED_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)   # blocks that are exactly tinyvllm's packed form
 
 
 def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
@@ -158,7 +199,7 @@ def unpack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> UnpackedW
   """The codes and per-group scales of a matrix [rows, cols] of a packed type (32 columns a group; Q6_K's 16). Exact:
   a K-quant's group scale d * sc (and Q4_K's offset -dmin * m) is a float16 times a small integer, which float32
   holds, so code * scale + shift is ggml's d * sc * q - dmin * m with the same one rounding."""
-  if ggml_type in (Q4_K, Q5_K, Q6_K): return _unpack_k(raw, ggml_type, shape)
+  if ggml_type in (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): return _unpack_k(raw, ggml_type, shape)
   rows, cols = shape
   fmt = BLOCK_FORMATS[ggml_type]
   if ggml_type in (Q5_0, Q5_1):   # 5-bit codes held as 8-bit ones: about 16 (Q5_0), or from 0 plus the min (Q5_1)
@@ -181,11 +222,20 @@ def unpack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> UnpackedW
 def _unpack_k(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> UnpackedWeight:
   """Q4_K / Q5_K: 4-bit / 5-bit codes (the latter held as 8-bit ones), groups of 32 with scale d * sc and offset
   -dmin * m (zero point 0); Q6_K: 6-bit codes q held as 8-bit ones about a zero point of 32, groups of 16 with scale
-  d * sc."""
+  d * sc; Q2_K and Q3_K: 2- and 3-bit codes held as 8-bit ones in groups of 16 (Q2_K with offsets -dmin * m, Q3_K's
+  about a zero point of 4)."""
   rows, cols = shape
   fmt = BLOCK_FORMATS[ggml_type]
   b = raw.reshape(rows * cols // 256, fmt.nbytes)
   n = b.shape[0]
+  if ggml_type == Q2_K:   # (the kernels' 4-bit codes take groups of 32 and up: these groups of 16 hold 8-bit ones)
+    codes, scale, offset = _q2_k_parts(b)
+    return UnpackedWeight(codes.reshape(rows, cols), scale.reshape(rows, -1), np.zeros((rows, cols // 16), np.uint8), None,
+                          16, 8, offset.reshape(rows, -1))
+  if ggml_type == Q3_K:
+    codes, scale = _q3_k_parts(b)
+    return UnpackedWeight(codes.reshape(rows, cols).astype(np.uint8), scale.reshape(rows, -1),
+                          np.full((rows, cols // 16), 4, np.uint8), None, 16, 8)
   if ggml_type in (Q4_K, Q5_K):
     scales, mins = k_scales_mins(b[:, 4:16])
     codes = _k_codes(b, five=ggml_type == Q5_K).reshape(rows, cols)
