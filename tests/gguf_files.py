@@ -145,11 +145,13 @@ TINY = dict(hidden=256, ffn=512, layers=2, heads=4, kv_heads=2, vocab=258)
 
 
 def write_tiny_llama(path: Path, linears: dict[str, str], embed: str = "F32", output: str | None = None, seed: int = 0,
-                     arch: str = "llama", tokenizer_model: str = "gpt2") -> Path:
+                     arch: str = "llama", tokenizer_model: str = "gpt2", **dims: int) -> Path:
   """A random 2-layer llama GGUF: `linears` maps attn_q/attn_k/attn_v/attn_output/ffn_gate/ffn_up/ffn_down to their type;
-  `output` None ties the LM head to the embeddings; a byte-level tokenizer of the 256 bytes, "Ġt" and <|end|>."""
+  `output` None ties the LM head to the embeddings; a byte-level tokenizer of the 256 bytes, "Ġt" and <|end|>. With
+  arch qwen2 the attention's q/k/v biases too, with qwen3 its q/k norms (llama.cpp's names for them); `dims` override
+  TINY's."""
   rng = np.random.default_rng(seed)
-  t = TINY
+  t = {**TINY, **dims}
   w = gguf_writer(path, arch)
   a = arch
   w.add_uint32(f"{a}.block_count", t["layers"])
@@ -162,6 +164,9 @@ def write_tiny_llama(path: Path, linears: dict[str, str], embed: str = "F32", ou
   w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
   w.add_uint32(f"{a}.vocab_size", t["vocab"])
   w.add_uint32(f"{a}.rope.dimension_count", t["hidden"] // t["heads"])
+  if arch == "qwen3":   # (as llama.cpp's converter writes it: HF's Qwen3 config would default to 128)
+    w.add_uint32(f"{a}.attention.key_length", t["hidden"] // t["heads"])
+    w.add_uint32(f"{a}.attention.value_length", t["hidden"] // t["heads"])
   tokens = [*byte_to_unicode(), "Ġt", "<|end|>"]
   w.add_string("tokenizer.ggml.model", tokenizer_model)
   w.add_string("tokenizer.ggml.pre", "gpt2")
@@ -178,6 +183,12 @@ def write_tiny_llama(path: Path, linears: dict[str, str], embed: str = "F32", ou
     for norm in ("attn_norm", "ffn_norm"):
       w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
     for name, (rows, cols) in shapes.items(): add_tensor(w, f"blk.{i}.{name}.weight", linears[name], rows, cols, rng)
+    if arch == "qwen2":
+      for name in ("attn_q", "attn_k", "attn_v"):
+        w.add_tensor(f"blk.{i}.{name}.bias", (0.1 * rng.standard_normal(shapes[name][0])).astype(np.float32))
+    if arch == "qwen3":
+      for name in ("attn_q_norm", "attn_k_norm"):
+        w.add_tensor(f"blk.{i}.{name}.weight", (1 + 0.1 * rng.standard_normal(hd)).astype(np.float32))
   w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
   if output is not None: add_tensor(w, "output.weight", output, t["vocab"], d, rng, 0.1)
   w.write_header_to_file()

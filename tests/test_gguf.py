@@ -128,6 +128,24 @@ def test_small_llama_matches_hf_on_the_same_file(case, tmp_path, capfd):
   assert relative_error(llm.engine.compute_logits(PROMPT), ref) < 1e-4
 
 
+@pytest.mark.parametrize("arch,kind", [("qwen2", "Q8_0"), ("qwen3", "Q4_K")])
+def test_small_qwen_matches_hf_on_the_same_file(arch, kind, tmp_path):
+  """Qwen2 (q/k/v biases) and Qwen3 (q/k norms) GGUF files: their q/k rows as HF has them (llama.cpp permutes only
+  llama's), against HF transformers reading the same file."""
+  import torch
+  from transformers import AutoModelForCausalLM
+  linears = dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"), kind)
+  # (HF reads a Qwen3 file's head_dim as its config's default, 128: two heads of 128 here)
+  heads = {"heads": 2, "kv_heads": 1} if arch == "qwen3" else {}
+  path = write_tiny_llama(tmp_path / "tiny.gguf", linears, "F32", None, arch=arch, **heads)
+  hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+  llm = LLM(str(path), device="CPU", max_num_seqs=2, num_gpu_blocks=32, max_model_len=128)
+  cfg = llm.engine.model_config
+  assert (cfg.qkv_bias, cfg.qk_norm) == (arch == "qwen2", arch == "qwen3")
+  with torch.no_grad(): ref = hf(torch.tensor([PROMPT])).logits[0, -1].numpy()
+  assert relative_error(llm.engine.compute_logits(PROMPT), ref) < 1e-4
+
+
 def test_unsupported_architecture_is_named(tmp_path):
   path = write_tiny_llama(tmp_path / "t.gguf", dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
                                                               "ffn_up", "ffn_down"), "Q8_0"), arch="falcon")

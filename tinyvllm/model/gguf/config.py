@@ -1,4 +1,4 @@
-"""A GGUF file's llama-architecture metadata as a ModelConfig (the fields HF's config.json would hold)."""
+"""A GGUF file's llama / qwen2 / qwen3 metadata as a ModelConfig (the fields HF's config.json would hold)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +8,9 @@ from tinyvllm.config import ConfigError
 from tinyvllm.model.gguf.reader import GGUFFile
 from tinyvllm.model_config import ModelConfig
 
-SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# architectures whose attn_q / attn_k rows llama.cpp's converter permutes (its LlamaModel; the Qwen models keep HF's)
+PERMUTED_ARCHITECTURES = ("llama",)
 # the compute dtype "auto" picks on a GPU: the blocks' scales are fp16, the activations of llama-family models want
 # bfloat16's range (on the CPU "auto" is float32 whatever this says)
 GGUF_TORCH_DTYPE = "bfloat16"

@@ -14,6 +14,7 @@ from tinygrad.dtype import DType
 from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.config import ConfigError
 from tinyvllm.model.gguf import blocks
+from tinyvllm.model.gguf.config import PERMUTED_ARCHITECTURES
 from tinyvllm.model.gguf.reader import GGUFFile, TensorInfo
 from tinyvllm.model.quantization.unpacked import common_form, stack, upload
 from tinyvllm.model_config import ModelConfig
@@ -24,12 +25,14 @@ LAYER_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_lay
                "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
                "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
                "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-               "mlp.down_proj.weight": "ffn_down.weight"}
+               "mlp.down_proj.weight": "ffn_down.weight", "self_attn.q_proj.bias": "attn_q.bias",
+               "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
+               "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
 LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
 def gguf_name(hf_name: str) -> str | None:
-  """llama.cpp's name for an HF llama tensor name (None: GGUF llama files have no such tensor)."""
+  """llama.cpp's name for an HF llama / qwen2 / qwen3 tensor name (None: GGUF files have no such tensor)."""
   if hf_name in GLOBAL_NAMES: return GLOBAL_NAMES[hf_name]
   m = LAYER.fullmatch(hf_name)
   if m is None or m.group(2) not in LAYER_NAMES: return None
@@ -56,6 +59,7 @@ class GGUFSource:
 
   def _heads(self, name: str) -> int | None:
     """The head count whose rows llama.cpp permuted in this tensor (None: not permuted)."""
+    if self.f.get("general.architecture") not in PERMUTED_ARCHITECTURES: return None
     if name.endswith(".attn_q.weight"): return self.cfg.num_heads
     if name.endswith(".attn_k.weight"): return self.cfg.num_kv_heads
     return None
