@@ -20,6 +20,13 @@ inline void __syncthreads() { emu::group_barrier(); }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
 inline void __threadfence() {}
 template <class T> inline T __ldcg(const T* p) { return *p; }
+// byte n of the result: byte (s >> 4n) & 7 of the 8 bytes y:x (x's bytes first)
+inline uint __byte_perm(uint x, uint y, uint s) {
+  const unsigned long long b = ((unsigned long long)y << 32) | x;
+  uint r = 0;
+  for (int n = 0; n < 4; n++) r |= (uint)((b >> (8 * ((s >> (4 * n)) & 7))) & 0xffu) << (8 * n);
+  return r;
+}
 inline float tv_emu_half_to_float(ushort h) { return emu::half_bits_to_float(h); }
 inline ushort tv_emu_float_to_half(float f) { return emu::float_to_half_bits(f); }
 

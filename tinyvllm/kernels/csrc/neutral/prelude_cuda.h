@@ -68,6 +68,8 @@ __device__ __forceinline__ ushort tv_cuda_f2h(float f) { ushort h; asm("cvt.rn.f
 #define TV_H2F(h) tv_cuda_h2f(h)
 #define TV_F2H(f) tv_cuda_f2h(f)
 #endif
+// byte j of w under float 2^23's exponent (common.inc's tv_code_float bits of an 8-bit code) in one byte permute
+#define TV_BYTE_UNDER_2P23(w, j) __byte_perm((w), 0x4b000000u, 0x7540u + (j))
 #if !defined(TV_EMULATOR) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 // float32 to bfloat16 in hardware (sm_80+; common.inc has the portable rounding, the same bits but for a NaN's payload):
 // one instruction for two values, where the bit arithmetic takes eight for one (a packed weight's dequantized tile
@@ -80,8 +82,6 @@ __device__ __forceinline__ uint tv_cuda_f2bf2(float lo, float hi) {
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
-// byte j of w under float 2^23's exponent (common.inc's tv_code_float bits of an 8-bit code) in one byte permute
-#define TV_BYTE_UNDER_2P23(w, j) __byte_perm((w), 0x4b000000u, 0x7540u + (j))
 __device__ __forceinline__ uint tv_cuda_f2h2(float lo, float hi) {
   uint r;
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
