@@ -1,0 +1,92 @@
+"""GGUF files' packed linears on the GPU (docs/benchmarks.md section 10): a random llama GGUF of about Qwen3-0.6B's
+shape written here in llama.cpp's quantization mixes (tests/gguf_files.py: random blocks of ggml's published layouts),
+then for each mix the hand-written kernels' logits against the portable path's on the same file (the packed products'
+correctness, including the common form of q/k/v parts of different types) and batch-1 / batch-8 decode tok/s beside
+the same weights dequantized to bf16 at load (`GGUFSource`'s packed types emptied: the file's bf16 baseline).
+
+  DEV=CUDA python3 bench/gguf_bench.py [--mixes q4_k_m,q5_k_m,q8_0] [--layers 28]   (bash bench/run_on_device.sh gguf)
+The `gguf` package writes the file: carry its wheel (`pip download gguf==0.19.0 --no-deps -d .whl`; numpy, pyyaml and
+tqdm are on the GPU machine). Writes $OUT/gguf_bench.json; exits 1 if a mix's logits part from the portable path's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+# llama.cpp's mixes, as its quantize tool lays them out for these tensors (the output layer is dequantized at load)
+MIXES = {"q4_k_m": {**dict.fromkeys(LINEARS, "Q4_K"), "attn_v": "Q6_K", "ffn_down": "Q6_K"},
+         "q5_k_m": {**dict.fromkeys(LINEARS, "Q5_K"), "attn_v": "Q6_K", "ffn_down": "Q6_K"},
+         "q8_0": dict.fromkeys(LINEARS, "Q8_0"), "q4_0": dict.fromkeys(LINEARS, "Q4_0")}
+SHAPE = dict(hidden=1024, ffn=3072, heads=8, kv_heads=4)   # head_dim 128, GQA 2, as Qwen3-0.6B's attention
+TOLERANCE = 2e-2   # bf16 activations on both paths, summed in different orders
+
+
+DTYPE = "bfloat16"
+
+
+def engine(path: Path, backend: str | None):
+  from tinyvllm import LLM
+  kwargs = {"attention_backend": backend} if backend else {}
+  return LLM(str(path), dtype=DTYPE, max_num_seqs=8, kv_cache_memory=2, max_model_len=512, **kwargs)
+
+
+def logits_gap(path: Path, prompt: list[int]) -> float:
+  """The kernels' logits against the portable path's, relative to the largest."""
+  ours = engine(path, None).engine.compute_logits(prompt)
+  ref = engine(path, "portable").engine.compute_logits(prompt)
+  return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def decode(path: Path, batch: int, new_tokens: int) -> dict:
+  from tinyvllm.bench.decode import run_decode_bench
+  llm = engine(path, None)
+  (run,) = run_decode_bench(llm.engine, batch, 128, new_tokens, no_kv_cache=False)
+  print(f"  batch {batch}: {run.line()}", flush=True)
+  return {"batch": batch, "decode_tok_s": run.decode_tok_s, "median_step_ms": run.median_step_ms}
+
+
+def bench_mix(name: str, layers: int, new_tokens: int, folder: Path) -> dict:
+  from tests.gguf_files import write_tiny_llama
+  from tinyvllm.model.gguf import blocks
+  path = write_tiny_llama(folder / f"{name}.gguf", MIXES[name], "F16", None, layers=layers, **SHAPE)
+  prompt = [int(t) for t in np.random.default_rng(0).integers(0, 256, 64)]
+  result = {"mix": name, "types": MIXES[name], "logits_gap": logits_gap(path, prompt)}
+  print(f"{name}: logits against the portable path {result['logits_gap']:.2e}", flush=True)
+  result["packed"] = [decode(path, b, new_tokens) for b in (1, 8)]
+  packed_types, blocks.PACKED_TYPES = blocks.PACKED_TYPES, ()   # the same file, dequantized to bf16 at load
+  try:
+    print(f"{name} dequantized at load:", flush=True)
+    result["dequantized"] = [decode(path, b, new_tokens) for b in (1, 8)]
+  finally:
+    blocks.PACKED_TYPES = packed_types
+  return result
+
+
+def main() -> int:
+  p = argparse.ArgumentParser()
+  p.add_argument("--mixes", default="q4_k_m,q5_k_m,q8_0")
+  p.add_argument("--layers", type=int, default=28)
+  p.add_argument("--new-tokens", type=int, default=256)
+  p.add_argument("--dtype", default="bfloat16", help="the compute dtype (float32 for a run on the CPU)")
+  args = p.parse_args()
+  global DTYPE
+  DTYPE = args.dtype
+  with tempfile.TemporaryDirectory() as tmp:
+    results = [bench_mix(name, args.layers, args.new_tokens, Path(tmp)) for name in args.mixes.split(",")]
+  if out := os.environ.get("OUT"): Path(out, "gguf_bench.json").write_text(json.dumps(results, indent=1))
+  bad = [r["mix"] for r in results if not r["logits_gap"] < TOLERANCE]
+  print("logits match the portable path" if not bad else f"LOGITS PART FROM THE PORTABLE PATH: {bad}")
+  return 1 if bad else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
