@@ -123,7 +123,11 @@ def test_small_llama_matches_hf_on_the_same_file(case, tmp_path, capfd):
   llm = LLM(str(path), device="CPU", max_num_seqs=2, num_gpu_blocks=32, max_model_len=128)
   qkv = llm.engine.model.weights.layers[0].qkv_proj
   assert isinstance(qkv, QuantizedWeight) and qkv.method == "gguf " + "+".join(sorted({linears[n] for n in ("attn_q", "attn_k", "attn_v")}))
-  assert "gguf: linears kept packed" in capfd.readouterr().err
+  err = capfd.readouterr().err
+  assert "gguf: linears kept packed" in err
+  # an untied, quantized output layer stays packed too (the LM head in the checkpoint's form)
+  assert isinstance(llm.engine.model.weights.lm_head, QuantizedWeight) == (output is not None)
+  assert ("gguf: output layer kept packed" in err) == (output is not None)
   with torch.no_grad(): ref = hf(torch.tensor([PROMPT])).logits[0, -1].numpy()
   assert relative_error(llm.engine.compute_logits(PROMPT), ref) < 1e-4
 

@@ -253,18 +253,20 @@ PACKED = {
   # groups of 16 (GGUF Q6_K, and Q4_K_M's mixed q/k/v): one scale a 16-byte chunk of int8 codes
   "int8_bf16_m40_g16_planned": ("bfloat16", 40, 256, 72, "int8", 16, False, False, True, None),
   "int8_f16_m20_g16_bk32": ("float16", 20, 192, 40, "int8", 16, True, False, False, GemmTiles(32, 64, 2, 2, 1)),
+  # a packed LM head (GGUF's output.weight) at a decode batch: the final norm, float32 logits
+  "int8_bf16_m24_g16_logits": ("bfloat16", 24, 256, 136, "int8", 16, True, False, False, None, True),
 }
 
 
 def _packed_shape(name: str) -> LinearShape:
-  dtype, m, k, o, weight, group, norm, silu, res, _ = PACKED[name]
-  return LinearShape(dtype, m, k, o, False, EPS if norm else None, silu, res, False, weight, group)
+  dtype, m, k, o, weight, group, norm, silu, res, _, *logits = PACKED[name]
+  return LinearShape(dtype, m, k, o, False, EPS if norm else None, silu, res, bool(logits), weight, group)
 
 
 @pytest.fixture(scope="module")
 def emu_packed() -> EmulatedKernels:
   find_compiler()
-  return EmulatedKernels("cuda", [Spec(name, "gemm_tc", *gemm_plan(_packed_shape(name), HOPPER, PACKED[name][-1])) for name in PACKED])
+  return EmulatedKernels("cuda", [Spec(name, "gemm_tc", *gemm_plan(_packed_shape(name), HOPPER, PACKED[name][9])) for name in PACKED])
 
 
 @pytest.mark.parametrize("name", list(PACKED))
@@ -279,16 +281,18 @@ def test_packed_weight_gemm_matches_portable(emu_packed, name):
   a = {key: v for key, v in linear_inputs(rng, shape).items() if key != "w"}
   bits = {key: to_bits(v, shape.dtype).reshape(-1) for key, v in a.items()}
   shifts = qw.shifts if qw.shifts is not None else qw.scales   # FP8: a placeholder the kernel never reads
-  buffers = {**bits, "g": bits.get("norm"), "y": poisoned(shape.rows * shape.out_features, shape.dtype),
+  out_dtype = "float32" if shape.out_float32 else shape.dtype
+  buffers = {**bits, "g": bits.get("norm"), "y": poisoned(shape.rows * shape.out_features, out_dtype),
              "w": qw.codes.numpy().reshape(-1), "wscale": qw.scales.numpy().reshape(-1), "wshift": shifts.numpy().reshape(-1)}
   for i, launch in enumerate(emu_packed.specs[name].launches):
     for p in launch.params:
       if buffers.get(p.name) is None:
         buffers[p.name] = np.full(p.numel, np.nan, np.float32) if p.kind == "float" else poisoned(p.numel, shape.dtype)
     emu_packed.launch(name, i, [buffers[p.name] for p in launch.params], "random")
-  got = from_bits(buffers["y"], shape.dtype).reshape(shape.rows, shape.out_features)
+  got = from_bits(buffers["y"], out_dtype).reshape(shape.rows, shape.out_features)
   t = {key: Tensor(v) for key, v in a.items()}
-  ref = portable_linear(t["x"], qw, norm=t.get("norm"), eps=EPS, silu_mul=shape.silu_mul, residual=t.get("residual")).numpy()
+  ref = portable_linear(t["x"], qw, norm=t.get("norm"), eps=EPS, silu_mul=shape.silu_mul, residual=t.get("residual"),
+                        out_float32=shape.out_float32).numpy()
   assert not np.isnan(got).any(), "an output element was never written"
   assert np.abs(got - ref).max() / np.abs(ref).max() < TOLERANCE[shape.dtype]
 

@@ -97,12 +97,14 @@ PACKED = {
   # 16-byte code spans a lane (TV_WSPAN): whole steps of 32 lanes, and whole steps with a tail
   "int8_bf16_k1024_span_steps": ("bfloat16", 2, 1024, 12, "int8", 128, True, False, False),
   "int4_bf16_k1536_span_steps_tail": ("bfloat16", 3, 1536, 9, "int4", 128, False, True, False),
+  # a packed LM head (GGUF's output.weight): the final norm in the prologue, float32 logits
+  "int8_bf16_g16_logits": ("bfloat16", 2, 256, 40, "int8", 16, True, False, False, True),
 }
 
 
 def _packed_shape(name: str) -> LinearShape:
-  dtype, m, k, o, weight, group, norm, silu, res = PACKED[name]
-  return LinearShape(dtype, m, k, o, False, EPS if norm else None, silu, res, False, weight, group)
+  dtype, m, k, o, weight, group, norm, silu, res, *logits = PACKED[name]
+  return LinearShape(dtype, m, k, o, False, EPS if norm else None, silu, res, bool(logits), weight, group)
 
 
 @pytest.fixture(scope="module")
@@ -125,14 +127,16 @@ def test_packed_weight_linear_matches_portable(emu_packed, name, layout):
   assert unsupported_reason(shape) is None
   qw = _packed_weight(name, rng)
   a = {key: v for key, v in linear_inputs(rng, shape).items() if key != "w"}
-  out = poisoned(shape.rows * shape.out_features, shape.dtype)
+  out_dtype = "float32" if shape.out_float32 else shape.dtype
+  out = poisoned(shape.rows * shape.out_features, out_dtype)
   shifts = qw.shifts if qw.shifts is not None else qw.scales   # FP8: a placeholder the kernel never reads
   weights = [qw.codes.numpy().reshape(-1), qw.scales.numpy().reshape(-1), shifts.numpy().reshape(-1)]
   extras = [to_bits(a[key], shape.dtype).reshape(-1) for key in ("norm", "residual") if key in a]
   emu_packed.launch(f"{name}__{layout}", 0, [out, to_bits(a["x"], shape.dtype).reshape(-1), *weights, *extras])
-  got = from_bits(out, shape.dtype).reshape(shape.rows, shape.out_features)
+  got = from_bits(out, out_dtype).reshape(shape.rows, shape.out_features)
   t = {key: Tensor(v) for key, v in a.items()}
-  ref = portable_linear(t["x"], qw, norm=t.get("norm"), eps=EPS, silu_mul=shape.silu_mul, residual=t.get("residual")).numpy()
+  ref = portable_linear(t["x"], qw, norm=t.get("norm"), eps=EPS, silu_mul=shape.silu_mul, residual=t.get("residual"),
+                        out_float32=shape.out_float32).numpy()
   assert not np.isnan(got).any(), "an output element was never written"
   assert np.abs(got - ref).max() / np.abs(ref).max() < TOLERANCE[shape.dtype]
 

@@ -30,21 +30,23 @@ class ModelWeights:
   embed_tokens: Tensor          # [vocab, hidden]
   layers: list[DecoderLayerWeights]
   norm: Tensor                  # [hidden]
-  lm_head: Tensor               # [vocab, hidden] (the embedding table itself when tied)
+  # [vocab, hidden] (the embedding table itself when tied; packed where the checkpoint quantized it: GGUF's output)
+  lm_head: Tensor | QuantizedWeight
   rope_cos: Tensor              # [max_positions, head_dim / 2] float32
   rope_sin: Tensor
   # under tensor parallelism with the vocabulary split (embedding and LM head): each device's first row (a local view)
   vocab_start: Tensor | None = None
 
   def tensors(self) -> list[Tensor]:
-    return [self.embed_tokens, self.norm, self.lm_head, self.rope_cos, self.rope_sin,
-            *(t for layer in self.layers for t in layer.tensors())]
+    head = self.lm_head.tensors() if isinstance(self.lm_head, QuantizedWeight) else [self.lm_head]
+    return [self.embed_tokens, self.norm, *head, self.rope_cos, self.rope_sin, *(t for layer in self.layers for t in layer.tensors())]
 
   def nbytes(self) -> int: return sum(t.nbytes() for t in {id(t): t for t in self.tensors()}.values())
 
   def unquantized_bytes(self) -> int:
     """What the weights would take with every linear in the compute dtype."""
     quantized = [w for layer in self.layers for w in layer.linears() if isinstance(w, QuantizedWeight)]
+    if isinstance(self.lm_head, QuantizedWeight): quantized.append(self.lm_head)
     inside = {id(t) for w in quantized for t in w.tensors()}
     plain = {id(t): t for t in self.tensors() if id(t) not in inside}
     size = self.embed_tokens.dtype.itemsize

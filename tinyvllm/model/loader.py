@@ -27,7 +27,8 @@ NAME_OF_DTYPE = {dtype: name for name, dtype in DTYPE_BY_NAME.items()}   # (tiny
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 # (names, shape, kind) -> the tensor on the device in the compute dtype (kind "linear": a layer's projection, which a
-# quantizing source returns as a QuantizedWeight); raises KeyError for a missing name
+# quantizing source returns as a QuantizedWeight; "lm_head": an untied LM head, packed where the file quantized it);
+# raises KeyError for a missing name
 TensorSource = Callable[[list[str], tuple[int, ...], str], Tensor]
 
 
@@ -136,7 +137,7 @@ def build_model(cfg: ModelConfig, get: TensorSource, device: str, max_positions:
     embed = get(["model.embed_tokens.weight"], (cfg.vocab_size, cfg.hidden_size), "matrix")
     layers = [place(_realized(_layer(cfg, get, i))) for i in range(cfg.num_layers)]
     norm = get(["model.norm.weight"], (cfg.hidden_size,), "norm")
-    lm_head = embed if cfg.tie_word_embeddings else get(["lm_head.weight"], (cfg.vocab_size, cfg.hidden_size), "matrix")
+    lm_head = embed if cfg.tie_word_embeddings else get(["lm_head.weight"], (cfg.vocab_size, cfg.hidden_size), "lm_head")
   except KeyError as e:
     raise ConfigError(f"checkpoint is missing tensor(s) {e.args[0]} needed by {cfg.architecture}") from None
   cos, sin = rope_tables(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)

@@ -107,8 +107,9 @@ def _shard_experts(moe: MoEWeights, group: TensorParallelGroup) -> MoEWeights:
 def splits_vocabulary(cfg: ModelConfig, tp: int) -> bool: return cfg.vocab_size % tp == 0
 
 
-def shard_vocabulary(table: Tensor, group: TensorParallelGroup, split: bool) -> Tensor:
+def shard_vocabulary(table: Tensor | QuantizedWeight, group: TensorParallelGroup, split: bool) -> Tensor:
   """The embedding / LM head [V, H]: device i's V / tp rows, or (not `split`) the whole table on every device."""
+  if isinstance(table, QuantizedWeight): raise ConfigError("tensor parallelism with a quantized LM head is not supported yet")
   return group.local(_split_rows(table, group.size)) if split else group.replicate(table)
 
 

@@ -54,7 +54,7 @@ class GGUFSource:
   def __init__(self, f: GGUFFile, cfg: ModelConfig, dtype: DType, device: str):
     self.f, self.cfg, self.dtype, self.device = f, cfg, dtype, device
     self.used: set[str] = set()
-    self.packed: Counter[str] = Counter()       # linears kept packed, by GGUF type
+    self.packed: Counter[tuple[str, str]] = Counter()   # (linears | output layer, GGUF type) kept packed
     self.dequantized: Counter[str] = Counter()  # quantized tensors dequantized at load, by GGUF type
 
   def _heads(self, name: str) -> int | None:
@@ -76,8 +76,8 @@ class GGUFSource:
     got = (rows, *infos[0].shape[1:])
     if any(i.shape[1:] != infos[0].shape[1:] for i in infos) or got != shape:
       raise ConfigError(f"{self.f.path}: tensor {' + '.join(i.name for i in infos)} has shape {got}, the metadata implies {shape}")
-    if kind == "linear" and all(i.ggml_type in blocks.PACKED_TYPES for i in infos):
-      return self._packed(infos)
+    if kind in ("linear", "lm_head") and all(i.ggml_type in blocks.PACKED_TYPES for i in infos):
+      return self._packed(infos, "output layer" if kind == "lm_head" else "linears")
     parts, role = [], "linear" if kind == "linear" else "embedding"
     for i in infos:
       a = blocks.dequantize(self.f.raw(i.name), i.ggml_type, i.shape)
@@ -87,7 +87,7 @@ class GGUFSource:
     t = Tensor(np.ascontiguousarray(arr), device=self.device)
     return (t if t.dtype == self.dtype else t.cast(self.dtype)).contiguous()
 
-  def _packed(self, infos: list[TensorInfo]) -> QuantizedWeight:
+  def _packed(self, infos: list[TensorInfo], role: str) -> QuantizedWeight:
     """One linear from its parts' blocks, packed (parts of different types in a common form: unpacked.common_form)."""
     parts = []
     for i in infos:
@@ -99,7 +99,7 @@ class GGUFSource:
     parts = common_form(parts)
     names = "+".join(sorted({i.type_name for i in infos}))
     label = names if "+" not in names else f"{names} as {parts[0].bits}-bit codes in groups of {parts[0].group_size}"
-    self.packed[label] += len(infos)
+    self.packed[(role, label)] += len(infos)
     w = upload(stack(parts, [i.name for i in infos]), f"gguf {names}", "int", self.dtype, self.device)
     Tensor.realize(*w.tensors())
     return w
@@ -107,9 +107,11 @@ class GGUFSource:
   def notices(self) -> list[str]:
     """What start-up says about the weights: the packed formats and what was dequantized at load."""
     out = []
-    if self.packed: out.append("gguf: linears kept packed: " + ", ".join(f"{n} x{c}" for n, c in sorted(self.packed.items())))
+    for role in sorted({r for r, _ in self.packed}, reverse=True):   # linears, then the output layer
+      kept = ", ".join(f"{n} x{c}" for (r, n), c in sorted(self.packed.items()) if r == role)
+      out.append(f"gguf: {role} kept packed: {kept}")
     if self.dequantized:
-      out.append(f"gguf: dequantized at load to {self.dtype.name} (embeddings and the output layer always; a linear whose "
-                 "parts mix a quantized type with a plain one): "
+      out.append(f"gguf: dequantized at load to {self.dtype.name} (embeddings always; a linear whose parts mix a "
+                 "quantized type with a plain one): "
                  + ", ".join(f"{n} x{c}" for n, c in sorted(self.dequantized.items())))
     return out
