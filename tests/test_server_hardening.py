@@ -64,7 +64,8 @@ def test_a_small_request_finishes_while_300_prompts_with_n_128_run(server, http)
       start = time.monotonic()
       r = http.post(CMPL, json=small)
       took = time.monotonic() - start
-      assert r.status_code == 200 and r.json()["choices"][0]["text"] == alone and took < 2.0, took
+      # (it takes ~0.2-2 s on two busy cores; starved, it would wait for 38,400 sequences' 16 tokens, minutes)
+      assert r.status_code == 200 and r.json()["choices"][0]["text"] == alone and took < 10.0, took
       assert metrics(server)["tinyvllm:num_requests_waiting"] > 50   # the big request is still far from done
   finally:
     conn.close()   # the client goes away: its 300 requests are aborted
