@@ -30,42 +30,39 @@ SHAPE = dict(hidden=1024, ffn=3072, heads=8, kv_heads=4)   # head_dim 128, GQA 2
 TOLERANCE = 2e-2   # bf16 activations on both paths, summed in different orders
 
 
-DTYPE = "bfloat16"
-
-
-def engine(path: Path, backend: str | None):
+def engine(path: Path, backend: str | None, dtype: str):
   from tinyvllm import LLM
   kwargs = {"attention_backend": backend} if backend else {}
-  return LLM(str(path), dtype=DTYPE, max_num_seqs=8, kv_cache_memory=2, max_model_len=512, **kwargs)
+  return LLM(str(path), dtype=dtype, max_num_seqs=8, kv_cache_memory=2, max_model_len=512, **kwargs)
 
 
-def logits_gap(path: Path, prompt: list[int]) -> float:
+def logits_gap(path: Path, prompt: list[int], dtype: str) -> float:
   """The kernels' logits against the portable path's, relative to the largest."""
-  ours = engine(path, None).engine.compute_logits(prompt)
-  ref = engine(path, "portable").engine.compute_logits(prompt)
+  ours = engine(path, None, dtype).engine.compute_logits(prompt)
+  ref = engine(path, "portable", dtype).engine.compute_logits(prompt)
   return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
-def decode(path: Path, batch: int, new_tokens: int) -> dict:
+def decode(path: Path, batch: int, new_tokens: int, dtype: str) -> dict:
   from tinyvllm.bench.decode import run_decode_bench
-  llm = engine(path, None)
+  llm = engine(path, None, dtype)
   (run,) = run_decode_bench(llm.engine, batch, 128, new_tokens, no_kv_cache=False)
   print(f"  batch {batch}: {run.line()}", flush=True)
   return {"batch": batch, "decode_tok_s": run.decode_tok_s, "median_step_ms": run.median_step_ms}
 
 
-def bench_mix(name: str, layers: int, new_tokens: int, folder: Path) -> dict:
+def bench_mix(name: str, layers: int, new_tokens: int, dtype: str, folder: Path) -> dict:
   from tests.gguf_files import write_tiny_llama
   from tinyvllm.model.gguf import blocks
   path = write_tiny_llama(folder / f"{name}.gguf", MIXES[name], "F16", None, layers=layers, **SHAPE)
   prompt = [int(t) for t in np.random.default_rng(0).integers(0, 256, 64)]
-  result = {"mix": name, "types": MIXES[name], "logits_gap": logits_gap(path, prompt)}
+  result = {"mix": name, "types": MIXES[name], "logits_gap": logits_gap(path, prompt, dtype)}
   print(f"{name}: logits against the portable path {result['logits_gap']:.2e}", flush=True)
-  result["packed"] = [decode(path, b, new_tokens) for b in (1, 8)]
+  result["packed"] = [decode(path, b, new_tokens, dtype) for b in (1, 8)]
   packed_types, blocks.PACKED_TYPES = blocks.PACKED_TYPES, ()   # the same file, dequantized to bf16 at load
   try:
     print(f"{name} dequantized at load:", flush=True)
-    result["dequantized"] = [decode(path, b, new_tokens) for b in (1, 8)]
+    result["dequantized"] = [decode(path, b, new_tokens, dtype) for b in (1, 8)]
   finally:
     blocks.PACKED_TYPES = packed_types
   return result
@@ -78,10 +75,8 @@ def main() -> int:
   p.add_argument("--new-tokens", type=int, default=256)
   p.add_argument("--dtype", default="bfloat16", help="the compute dtype (float32 for a run on the CPU)")
   args = p.parse_args()
-  global DTYPE
-  DTYPE = args.dtype
   with tempfile.TemporaryDirectory() as tmp:
-    results = [bench_mix(name, args.layers, args.new_tokens, Path(tmp)) for name in args.mixes.split(",")]
+    results = [bench_mix(name, args.layers, args.new_tokens, args.dtype, Path(tmp)) for name in args.mixes.split(",")]
   if out := os.environ.get("OUT"): Path(out, "gguf_bench.json").write_text(json.dumps(results, indent=1))
   bad = [r["mix"] for r in results if not r["logits_gap"] < TOLERANCE]
   print("logits match the portable path" if not bad else f"LOGITS PART FROM THE PORTABLE PATH: {bad}")

@@ -193,8 +193,8 @@ def gemm_plan(shape, target: DeviceTarget, tiles: GemmTiles | None = None) -> tu
   """Defines and launches (tv_gemm_xprime when the prologue runs as its own pass, tv_gemm, then tv_gemm_reduce when K
   is split) for a LinearShape, with the given tiles (None: the planner's)."""
   m, k, o = shape.rows, shape.in_features, shape.out_features
-  t = tiles or choose_tiles(m, k, o, target, shape.silu_mul, shape.weight != "elem")
   prologue, packed = shape.norm_eps is not None or shape.silu_mul, shape.weight != "elem"
+  t = tiles or choose_tiles(m, k, o, target, shape.silu_mul, packed)
   # (a packed weight's loop dequantizes w: its x' always comes from the prologue's own pass)
   xprime = prologue and (packed or (x_prime_pass(o, t.bn, tuning_for(target.kind).gemm) if t.xprime is None else t.xprime))
   staged_silu = shape.silu_mul and not xprime
