@@ -4,10 +4,11 @@ command:
   DEV=CUDA python3 bench/check_decode_layer.py      (bash bench/run_on_device.sh layer; `check` runs it too)
 
 1. Random layers (Qwen3-0.6B's shape at 1-8 rows, 1-4 layers a launch, bf16 and FP8 caches; a GQA-4 head_dim-64 shape
-   with a qkv bias in float16; weights in the activations' dtype and packed: int8, int4, FP8, mixed; verifications of
-   proposals as decode rows, a sequence's tokens in consecutive rows): the kernel against the same layers op by op
-   (a verification's in its multi-query layout), on the per-op CUDA kernels and on the portable path in float32. h within bf16 tolerance
-   (per layer), every layer's new K/V written, no other cache slot touched, every row finite.
+   with a qkv bias in float16; weights in the activations' dtype and packed: int8, int4, FP8, mixed, GGUF's groups of
+   16 and 32; verifications of proposals as decode rows, a sequence's tokens in consecutive rows): the kernel against
+   the same layers op by op (a verification's in its multi-query layout), on the per-op CUDA kernels and on the
+   portable path in float32. h within bf16 tolerance (per layer), every layer's new K/V written, no other cache slot
+   touched, every row finite.
 2. A TinyJit capture of three layers in two launches (MAX_LAYERS lowered to 2) replayed over steps with different
    contexts: the barrier counters reset at every launch (a stale counter would let blocks run ahead) and the layers
    match the per-op kernels each step.
@@ -43,6 +44,11 @@ CASES = [("qwen3 b1 ctx 300 4 layers", QWEN3, [300], "bfloat16", False, 4, ELEM)
          ("qwen3 b2 int4 g128 2 layers", QWEN3, [40, 1500], "bfloat16", False, 2, (("int4", 128),) * 4),
          ("qwen3 b4 fp8 g128 fp8 cache", QWEN3, [1, 17, 400, 2048], "bfloat16", True, 1, (("fp8", 128),) * 4),
          ("gqa4 bias b1 f16 mixed", GQA4, [700], "float16", False, 2, (("int4", 64), ("elem", 0), ("fp8", 1024), ("int8", 128))),
+         # GGUF files' packed forms (tinyvllm/model/gguf): Q4_K_M (Q6_K as int8 groups of 16 beside Q4_K's int4 groups
+         # of 32) and Q8_0 (int8 groups of 32)
+         ("qwen3 b1 gguf q4_k_m forms 2 layers", QWEN3, [300], "bfloat16", False, 2,
+          (("int8", 16), ("int4", 32), ("int4", 32), ("int8", 16))),
+         ("qwen3 b8 gguf q8_0 forms", QWEN3, [5, 900, 1500, 2048, 1, 77, 300, 1200], "bfloat16", False, 1, (("int8", 32),) * 4),
          ("qwen3 b8 2 layers", QWEN3, [5, 900, 1500, 2048, 1, 77, 300, 1200], "bfloat16", False, 2, ELEM),
          # verifications as decode rows: each sequence's new tokens (the last argument)
          ("qwen3 verify 5 + 3 rows 2 layers", QWEN3, [700, 1300], "bfloat16", False, 2, ELEM, [5, 3]),

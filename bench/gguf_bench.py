@@ -1,12 +1,16 @@
-"""GGUF files' packed linears on the GPU (docs/benchmarks.md section 10): a random llama GGUF of about Qwen3-0.6B's
+"""GGUF files' packed linears on the GPU (docs/benchmarks.md section 10): random llama GGUFs of about Qwen3-0.6B's
 shape written here in llama.cpp's quantization mixes (tests/gguf_files.py: random blocks of ggml's published layouts),
-then for each mix the hand-written kernels' logits against the portable path's on the same file (the packed products'
-correctness, including the common form of q/k/v parts of different types) and batch-1 / batch-8 decode tok/s beside
-the same weights dequantized to bf16 at load (`GGUFSource`'s packed types emptied: the file's bf16 baseline).
+then for each mix
+- check: the hand-written kernels' logits against the portable path's on a 4-layer file (the packed products'
+  correctness, including the common form of q/k/v parts of different types), beside the same gap of the file
+  dequantized to bf16 at load (`GGUFSource`'s packed types emptied: the control, bf16 rounding through random layers);
+- decode: batch-1 / batch-8 decode tok/s of a 28-layer file, packed and dequantized to bf16 at load.
 
-  DEV=CUDA python3 bench/gguf_bench.py [--mixes q4_k_m,q5_k_m,q8_0] [--layers 28]   (bash bench/run_on_device.sh gguf)
+  DEV=CUDA python3 bench/gguf_bench.py [--mixes q4_k_m,q5_k_m,q8_0] [--parts check,decode] [--layers 28]
+  (bash bench/run_on_device.sh gguf; GGUF_MIXES and GGUF_PARTS pick)
 The `gguf` package writes the file: carry its wheel (`pip download gguf==0.19.0 --no-deps -d .whl`; numpy, pyyaml and
-tqdm are on the GPU machine). Writes $OUT/gguf_bench.json; exits 1 if a mix's logits part from the portable path's.
+tqdm are on the GPU machine). Writes $OUT/gguf_bench.json; exits 1 if a mix's packed logits part from the portable
+path's by more than 2e-2 and twice the control's gap.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ MIXES = {"q4_k_m": {**dict.fromkeys(LINEARS, "Q4_K"), "attn_v": "Q6_K", "ffn_dow
          "q8_0": dict.fromkeys(LINEARS, "Q8_0"), "q4_0": dict.fromkeys(LINEARS, "Q4_0")}
 SHAPE = dict(hidden=1024, ffn=3072, heads=8, kv_heads=4)   # head_dim 128, GQA 2, as Qwen3-0.6B's attention
 TOLERANCE = 2e-2   # bf16 activations on both paths, summed in different orders
+CHECK_LAYERS = 4   # the logits check's depth: random layers amplify bf16 rounding with every layer
 
 
 def engine(path: Path, backend: str | None, dtype: str):
@@ -43,6 +48,35 @@ def logits_gap(path: Path, prompt: list[int], dtype: str) -> float:
   return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
+def dequantized_at_load():
+  """The GGUF reader with no packed types: every linear dequantized to the compute dtype at load (the control)."""
+  import contextlib
+
+  from tinyvllm.model.gguf import blocks
+
+  @contextlib.contextmanager
+  def unpacked():
+    packed_types, blocks.PACKED_TYPES = blocks.PACKED_TYPES, ()
+    try: yield
+    finally: blocks.PACKED_TYPES = packed_types
+  return unpacked()
+
+
+def check_mix(name: str, dtype: str, folder: Path) -> dict:
+  """The packed kernels' logits gap from the portable path beside the control's (the same file dequantized at load,
+  through the same kernels): a wrong scale or code order parts by far more than bf16's rounding, which the control
+  shows at this depth."""
+  from tests.gguf_files import write_tiny_llama
+  path = write_tiny_llama(folder / f"{name}_check.gguf", MIXES[name], "F16", None, layers=CHECK_LAYERS, **SHAPE)
+  prompt = [int(t) for t in np.random.default_rng(0).integers(0, 256, 64)]
+  packed = logits_gap(path, prompt, dtype)
+  with dequantized_at_load(): control = logits_gap(path, prompt, dtype)
+  ok = packed < max(TOLERANCE, 2 * control)
+  print(f"{name}: logits against the portable path {packed:.2e} packed, {control:.2e} dequantized at load "
+        f"({CHECK_LAYERS} layers): {'ok' if ok else 'PARTS'}", flush=True)
+  return {"logits_gap": packed, "control_gap": control, "check_layers": CHECK_LAYERS, "ok": ok}
+
+
 def decode(path: Path, batch: int, new_tokens: int, dtype: str) -> dict:
   from tinyvllm.bench.decode import run_decode_bench
   llm = engine(path, None, dtype)
@@ -51,34 +85,30 @@ def decode(path: Path, batch: int, new_tokens: int, dtype: str) -> dict:
   return {"batch": batch, "decode_tok_s": run.decode_tok_s, "median_step_ms": run.median_step_ms}
 
 
-def bench_mix(name: str, layers: int, new_tokens: int, dtype: str, folder: Path) -> dict:
+def bench_mix(name: str, layers: int, new_tokens: int, dtype: str, folder: Path, parts: set[str]) -> dict:
   from tests.gguf_files import write_tiny_llama
-  from tinyvllm.model.gguf import blocks
+  result = {"mix": name, "types": MIXES[name], **(check_mix(name, dtype, folder) if "check" in parts else {})}
+  if "decode" not in parts: return result
   path = write_tiny_llama(folder / f"{name}.gguf", MIXES[name], "F16", None, layers=layers, **SHAPE)
-  prompt = [int(t) for t in np.random.default_rng(0).integers(0, 256, 64)]
-  result = {"mix": name, "types": MIXES[name], "logits_gap": logits_gap(path, prompt, dtype)}
-  print(f"{name}: logits against the portable path {result['logits_gap']:.2e}", flush=True)
   result["packed"] = [decode(path, b, new_tokens, dtype) for b in (1, 8)]
-  packed_types, blocks.PACKED_TYPES = blocks.PACKED_TYPES, ()   # the same file, dequantized to bf16 at load
-  try:
-    print(f"{name} dequantized at load:", flush=True)
-    result["dequantized"] = [decode(path, b, new_tokens, dtype) for b in (1, 8)]
-  finally:
-    blocks.PACKED_TYPES = packed_types
+  print(f"{name} dequantized at load:", flush=True)
+  with dequantized_at_load(): result["dequantized"] = [decode(path, b, new_tokens, dtype) for b in (1, 8)]
   return result
 
 
 def main() -> int:
   p = argparse.ArgumentParser()
   p.add_argument("--mixes", default="q4_k_m,q5_k_m,q8_0")
-  p.add_argument("--layers", type=int, default=28)
+  p.add_argument("--parts", default="check,decode", help="check: logits against the portable path; decode: tok/s")
+  p.add_argument("--layers", type=int, default=28, help="the decode part's depth")
   p.add_argument("--new-tokens", type=int, default=256)
   p.add_argument("--dtype", default="bfloat16", help="the compute dtype (float32 for a run on the CPU)")
   args = p.parse_args()
   with tempfile.TemporaryDirectory() as tmp:
-    results = [bench_mix(name, args.layers, args.new_tokens, args.dtype, Path(tmp)) for name in args.mixes.split(",")]
+    results = [bench_mix(name, args.layers, args.new_tokens, args.dtype, Path(tmp), set(args.parts.split(",")))
+               for name in args.mixes.split(",")]
   if out := os.environ.get("OUT"): Path(out, "gguf_bench.json").write_text(json.dumps(results, indent=1))
-  bad = [r["mix"] for r in results if not r["logits_gap"] < TOLERANCE]
+  bad = [r["mix"] for r in results if not r.get("ok", True)]
   print("logits match the portable path" if not bad else f"LOGITS PART FROM THE PORTABLE PATH: {bad}")
   return 1 if bad else 0
 

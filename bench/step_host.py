@@ -47,6 +47,11 @@ def instrument() -> None:
   wrap(processor, "request_output", "request_output")
 
 
+def speculation(k: int | None) -> dict:
+  """An n-gram speculative config (synchronous scheduling) whose proposer bench/spec_bench.py's forced one replaces."""
+  return {} if k is None else {"speculative_config": {"method": "ngram", "num_speculative_tokens": max(k, 1)}}
+
+
 def main() -> None:
   p = argparse.ArgumentParser()
   p.add_argument("--batch", type=int, default=1)
@@ -56,14 +61,21 @@ def main() -> None:
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--max-model-len", type=int, default=4096)
   p.add_argument("--kv-cache-memory", type=float, default=16)
+  p.add_argument("--forced-proposals", type=int,
+                 help="an n-gram speculative engine (synchronous scheduling) with this many proposals forced on every "
+                      "sequence every step (0: its plain decode steps)")
   p.add_argument("--out")
   args = p.parse_args()
   instrument()
   from tinyvllm import LLM, SamplingParams
   llm = LLM(args.model, load_format="dummy", dtype=args.dtype, enable_prefix_caching=False, kv_cache_memory=args.kv_cache_memory,
-            max_model_len=args.max_model_len, max_num_seqs=max(64, args.batch), kv_cache_dtype=args.kv_cache_dtype)
+            max_model_len=args.max_model_len, max_num_seqs=max(64, args.batch), kv_cache_dtype=args.kv_cache_dtype,
+            **speculation(args.forced_proposals))
   engine = llm.engine
-  params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
+  if args.forced_proposals is not None:
+    from bench.spec_bench import ForcedProposals
+    engine.core.speculator = ForcedProposals(args.forced_proposals)
+  params = SamplingParams(temperature=0, max_tokens=(args.steps + 8) * (1 + (args.forced_proposals or 0)), ignore_eos=True)
   for i in range(args.batch): engine.add_request(f"r{i}", [(i * 7 + j) % 500 + 1 for j in range(128)], params)
   for _ in range(4): engine.step()   # the prompt and the first decode layouts
   SPENT.clear()
@@ -73,7 +85,8 @@ def main() -> None:
     engine.step()
     steps.append(time.perf_counter() - t)
   while engine.has_unfinished_requests(): engine.step()
-  result = {"batch": args.batch, "kv_cache_dtype": args.kv_cache_dtype, "median_step_ms": 1e3 * statistics.median(steps),
+  result = {"batch": args.batch, "forced_proposals": args.forced_proposals, "kv_cache_dtype": args.kv_cache_dtype,
+            "median_step_ms": 1e3 * statistics.median(steps),
             "mean_step_ms": 1e3 * statistics.mean(steps),
             "per_step_ms": {k: round(1e3 * v / args.steps, 4) for k, v in sorted(SPENT.items(), key=lambda kv: -kv[1])}}
   print(json.dumps(result), flush=True)
