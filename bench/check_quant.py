@@ -37,7 +37,10 @@ def check_quant(target, device: str) -> list[dict]:
            ("asym4", 2, 3072, 1024, 128, "silu"), ("int4", 1, 3072, 1024, 128, "silu"), ("int8", 8, 1024, 1024, 1024, "residual"),
            # the tensor-core kernel: decode batches (mma.sync, wgmma 64x64, split K) and a prompt chunk (wgmma 128x128)
            ("int8", 64, 1024, 4096, 1024, "norm"), ("int4", 256, 1024, 6144, 128, "norm"), ("asym4", 256, 3072, 1024, 128, "silu"),
-           ("fp8", 256, 2048, 1024, 2048, "residual"), ("int4", 2048, 1024, 4096, 128, "norm"), ("fp8", 2048, 3072, 1024, 3072, "silu")]
+           ("fp8", 256, 2048, 1024, 2048, "residual"), ("int4", 2048, 1024, 4096, 128, "norm"), ("fp8", 2048, 3072, 1024, 3072, "silu"),
+           # GGUF's packed forms (tinyvllm/model/gguf): Q4_K's int4 groups of 32, Q6_K's int8 groups of 16, Q8_0's int8 groups of 32
+           ("int4", 1, 1024, 4096, 32, "norm"), ("int8", 3, 3072, 1024, 16, "silu"), ("int8", 1, 1024, 1024, 32, "residual"),
+           ("int4", 64, 1024, 6144, 32, "norm"), ("int8", 256, 3072, 1024, 16, "silu"), ("int8", 512, 1024, 4096, 32, "norm")]
   for kind, rows, cols, out, group, prologue in cases:
     w = _weight(kind, out, cols, group, device, rng)
     bf16 = lambda a: Tensor(a.astype(np.float32), device=device).cast(dtypes.bfloat16)
