@@ -63,7 +63,7 @@ class GemmTiles:
     return self.ring or min(tuning.max_stages, (limit - 4 * self.bm) // self.stage_bytes(silu_mul))
 
   def shared_bytes(self, target: DeviceTarget, silu_mul: bool = False) -> int:
-    """tv_gemm's dynamic shared memory: the stage ring and a float per row (csrc/cuda/gemm_tc.inc's TV_SMEM_NEEDED)."""
+    """tv_gemm's dynamic shared memory: the stage ring and a float per row (csrc/cuda/gemm_tc_ops.inc's TV_SMEM_NEEDED)."""
     return self.stages(target, silu_mul) * self.stage_bytes(silu_mul) + 4 * self.bm + (ALIGN_SLACK if self.wgmma else 0)
 
   def min_blocks(self, target: DeviceTarget, silu_mul: bool = False) -> int:
