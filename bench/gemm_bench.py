@@ -178,9 +178,10 @@ BK64_RINGS = {(64, 64, 2, 2): (), (64, 128, 2, 2): (), (128, 128, 2, 4): (3,)}
 
 # Hopper's wgmma tiles (bm, bn) tried with the planner's ring (as many stages as fit, up to 4), with these rings and
 # with split K at decode rows
-WGMMA_TILES = {(64, 64): (), (128, 64): (), (128, 128): (3,), (128, 256): (3,)}
+# (256 rows: one row block at a 256-row decode batch, so a packed weight's column block is dequantized once, not twice)
+WGMMA_TILES = {(64, 64): (), (128, 64): (), (128, 128): (3,), (128, 256): (3,), (256, 64): (), (256, 128): ()}
 # (bm, bn, splits, ring) checked for correctness: every instruction width, split K, a ring of 2
-WGMMA_CHECKS = ((128, 128, 1, 0), (128, 256, 1, 3), (64, 64, 2, 0), (64, 128, 1, 2), (128, 64, 2, 3))
+WGMMA_CHECKS = ((128, 128, 1, 0), (128, 256, 1, 3), (64, 64, 2, 0), (64, 128, 1, 2), (128, 64, 2, 3), (256, 64, 1, 0))
 
 
 def wgmma_variants(m: int, k: int) -> list[dict]:
