@@ -9,10 +9,16 @@ the packed checkpoint, and returns the dequantized float32 weights, which HF tra
   the order 0, 2, 4, 6, 1, 3, 5, 7 (nibble i holds column ORDER[i]); scales float16 [groups, out]; w = (q - z) * s.
 - FP8 (Qwen's FP8 releases): weight float8_e4m3fn [out, in]; weight_scale_inv float32 per [rows, cols] block
   (weight_block_size), or weight_scale per tensor.
+- compressed-tensors (llm-compressor): pack-quantized weight_packed int32 [out, in * bits / 32] along the input, each
+  code stored as q + 2^(bits - 1), weight_shape [2], asymmetric weight_zero_point int32 [out * bits / 32, groups]
+  packed the same way along the output; int-quantized int8 weight (and zero points); float-quantized float8_e4m3fn
+  weight; weight_scale per tensor [1], channel [out, 1], group [out, groups] or block; actorder's weight_g_idx [in];
+  w = (q - zero_point) * scale. Linears named in `ignore` stay float.
 """
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +90,45 @@ def fp8_tensors(w: np.ndarray, block: tuple[int, int] | None) -> tuple[dict, np.
   return {"weight": codes, **scales}, deq
 
 
+def sym_quantize(w: np.ndarray, bits: int, groups_of: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Symmetric round-to-nearest per (row, group): signed codes [out, in], float16 scales [out, groups], and the
+  dequantized weight from the stored scales."""
+  top, groups = 2 ** (bits - 1) - 1, int(groups_of.max()) + 1
+  scales = np.stack([np.abs(w[:, groups_of == g]).max(axis=1) / top for g in range(groups)], axis=1).astype(np.float16)
+  s = scales.astype(np.float32)[:, groups_of]
+  codes = np.clip(np.round(w / s), -top - 1, top).astype(np.int64)
+  return codes, scales, (codes * s).astype(np.float32)
+
+
+def compressed_tensors(w: np.ndarray, options: dict, order: np.ndarray) -> tuple[dict, np.ndarray]:
+  """`order`: the columns in the order the quantizer took them (actorder "group": its groups are runs of that order)."""
+  fmt, strategy, out, cols = options["format"], options["strategy"], *w.shape
+  if fmt == "float-quantized":
+    packed, deq = fp8_tensors(w, options.get("block") if strategy == "block" else (1, cols) if strategy == "channel" else None)
+    scale = packed.pop("weight_scale_inv", None) if strategy != "tensor" else packed.pop("weight_scale").reshape(1)
+    return {"weight": packed["weight"], "weight_scale": scale}, deq
+  bits, group = options["bits"], cols if strategy == "channel" else options["group_size"]
+  groups_of = np.empty(cols, np.int64)
+  groups_of[order] = np.arange(cols) // group
+  offset = 2 ** (bits - 1)
+  if options.get("symmetric", True):
+    q, scales, deq = sym_quantize(w, bits, groups_of)
+    zero = None
+  else:
+    codes, zeros, scales, deq = asym_quantize(w, bits, groups_of)
+    q, zero = codes - offset, zeros - offset
+  tensors = {"weight_scale": torch.from_numpy(scales)}
+  if fmt == "int-quantized":
+    tensors["weight"] = torch.from_numpy(q.astype(np.int8))
+    if zero is not None: tensors["weight_zero_point"] = torch.from_numpy(zero.astype(np.int8))
+  else:
+    tensors["weight_packed"] = pack_words(q + offset, bits)
+    tensors["weight_shape"] = torch.tensor([out, cols], dtype=torch.int64)
+    if zero is not None: tensors["weight_zero_point"] = pack_words((zero + offset).T, bits).T.copy()
+  if options.get("actorder"): tensors["weight_g_idx"] = groups_of.astype(np.int32)
+  return tensors, deq
+
+
 def write_quantized(hf_model, folder: Path, method: str, seed: int = 0, **options) -> dict[str, np.ndarray]:
   """Save hf_model's folder (config.json, float tensors) with its linears in `method`'s layout; returns the
   dequantized float32 weights by name, to load into the reference."""
@@ -92,15 +137,19 @@ def write_quantized(hf_model, folder: Path, method: str, seed: int = 0, **option
   for name, t in state.items():
     if name == "lm_head.weight" and hf_model.config.tie_word_embeddings: continue   # the embedding table itself
     prefix = name.removesuffix(".weight")
-    if not (name.endswith(".weight") and prefix.endswith(LINEARS)):
+    left_float = any(re.match(p, prefix) for p in options.get("ignore", ()))   # compressed-tensors' ignore list
+    if not (name.endswith(".weight") and prefix.endswith(LINEARS)) or left_float:
       tensors[name] = t.contiguous()
       continue
     w = t.float().numpy()
-    if method == "gptq":
-      role = prefix.rsplit(".", 1)[0] + (".in" if prefix.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")) else prefix)
-      if role not in orders: orders[role] = rng.permutation(w.shape[1]) if options.get("desc_act") else np.arange(w.shape[1])
-      packed, deq = gptq_tensors(w, options["bits"], options["group_size"], orders[role])
+    # act-order: one column order for the projections of the same input (q/k/v, gate/up), as the quantizer's Hessian gives
+    role = prefix.rsplit(".", 1)[0] + (".in" if prefix.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")) else prefix)
+    if role not in orders:
+      shuffled = options.get("desc_act") or options.get("actorder")
+      orders[role] = rng.permutation(w.shape[1]) if shuffled else np.arange(w.shape[1])
+    if method == "gptq": packed, deq = gptq_tensors(w, options["bits"], options["group_size"], orders[role])
     elif method == "awq": packed, deq = awq_tensors(w, options["group_size"])
+    elif method == "compressed-tensors": packed, deq = compressed_tensors(w, options, orders[role])
     else: packed, deq = fp8_tensors(w, options.get("weight_block_size"))
     dequantized[name] = deq
     for suffix, a in packed.items():
@@ -118,6 +167,16 @@ def quantization_config(method: str, options: dict) -> dict:
     return {"quant_method": "gptq", "bits": options["bits"], "group_size": options["group_size"], "sym": False,
             "desc_act": options.get("desc_act", False), "checkpoint_format": "gptq"}
   if method == "awq": return {"quant_method": "awq", "bits": 4, "group_size": options["group_size"], "zero_point": True, "version": "gemm"}
+  if method == "compressed-tensors":
+    weights = {"num_bits": options.get("bits", 8), "type": "float" if options["format"] == "float-quantized" else "int",
+               "symmetric": options.get("symmetric", True), "strategy": options["strategy"], "group_size": options.get("group_size"),
+               "block_structure": list(options["block"]) if options.get("block") else None, "dynamic": False,
+               "actorder": "group" if options.get("actorder") else None}
+    activations = {"num_bits": 8, "type": weights["type"], "strategy": "token", "dynamic": True, "symmetric": True}
+    return {"quant_method": "compressed-tensors", "format": options["format"], "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "output_activations": None,
+                                          "input_activations": activations if options.get("activations") else None}},
+            "ignore": ["lm_head", *(f"re:{p}" for p in options.get("ignore", ()))], "kv_cache_scheme": None, "sparsity_config": {}}
   block = options.get("weight_block_size")
   return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", **({"weight_block_size": list(block)} if block else {})}
 

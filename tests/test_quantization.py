@@ -13,6 +13,7 @@ import torch
 from tests.hf_models import assert_same_greedy, hf_greedy, hf_logits, make_model
 from tests.quant_checkpoints import load_dequantized, write_quantized
 from tinyvllm import LLM, SamplingParams
+from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.config import ConfigError
 
 PROMPT = [int(x) for x in np.random.default_rng(2).integers(0, 320, 20)]
@@ -25,6 +26,19 @@ CHECKPOINTS = {
   "awq-g64-llama": ("llama-128", "awq", dict(group_size=64)),
   "fp8-blocks-qwen3": ("qwen3", "fp8", dict(weight_block_size=(16, 32))),
   "fp8-tensor-llama": ("llama", "fp8", {}),
+  # compressed-tensors (llm-compressor's W4A16 / W8A16 / W8A8 / FP8 schemes)
+  "ct-w4a16-g32-qwen3": ("qwen3", "compressed-tensors", dict(format="pack-quantized", bits=4, strategy="group", group_size=32)),
+  "ct-w4a16-g32-asym-llama": ("llama", "compressed-tensors",
+                              dict(format="pack-quantized", bits=4, strategy="group", group_size=32, symmetric=False)),
+  "ct-w4a16-actorder-llama": ("llama", "compressed-tensors",
+                              dict(format="pack-quantized", bits=4, strategy="group", group_size=32, actorder=True)),
+  "ct-w8a16-channel-asym-qwen3": ("qwen3", "compressed-tensors",
+                                  dict(format="pack-quantized", bits=8, strategy="channel", symmetric=False)),
+  "ct-w8a8-int8-llama": ("llama", "compressed-tensors", dict(format="int-quantized", bits=8, strategy="channel", activations=True)),
+  "ct-fp8-dynamic-qwen3": ("qwen3", "compressed-tensors", dict(format="float-quantized", bits=8, strategy="channel", activations=True)),
+  "ct-fp8-block-llama": ("llama", "compressed-tensors", dict(format="float-quantized", bits=8, strategy="block", block=(16, 32))),
+  "ct-fp8-tensor-down-float-llama": ("llama", "compressed-tensors",
+                                     dict(format="float-quantized", bits=8, strategy="tensor", ignore=(r".*mlp\.down_proj$",))),
 }
 SHAPES = {"qwen3": ("qwen3", dict(head_dim=24, tie_word_embeddings=True)), "llama": ("llama", dict(tie_word_embeddings=False)),
           "llama-128": ("llama", dict(tie_word_embeddings=False, intermediate_size=128))}   # a group of 64 divides every input
@@ -47,8 +61,9 @@ def test_quantized_checkpoint_matches_hf_on_its_dequantized_weights(case, tmp_pa
   hf = make_model(kind, tmp_path / "float", **overrides)
   dequantized = write_quantized(hf, tmp_path / "q", method, **options)
   llm = LLM(str(tmp_path / "q"), max_num_seqs=2, num_gpu_blocks=32)
-  linear = llm.engine.model.weights.layers[0].qkv_proj
-  assert linear.method == method and linear.bits == options.get("bits", 4 if method == "awq" else 8)
+  layer = llm.engine.model.weights.layers[0]
+  assert layer.qkv_proj.method == method and layer.qkv_proj.bits == options.get("bits", 4 if method == "awq" else 8)
+  assert isinstance(layer.down_proj, QuantizedWeight) != bool(options.get("ignore"))   # an ignored linear stays float
   check_against(load_dequantized(hf, dequantized), llm)
 
 
@@ -131,7 +146,8 @@ def test_quantization_flag_must_match_the_checkpoint(gptq_folder, stories_dir):
     LLM(str(stories_dir), quantization="gptq", num_gpu_blocks=16)
   with pytest.raises(ConfigError, match="--quantization gguf needs a GGUF model file"):
     LLM(str(stories_dir), quantization="gguf", num_gpu_blocks=16)
-  with pytest.raises(ConfigError, match=re.escape("quantization must be one of gptq, awq, fp8, int8, int4, gguf, got 'nf4'")):
+  methods = "gptq, awq, fp8, compressed-tensors, int8, int4, gguf, gptq_marlin, awq_marlin"
+  with pytest.raises(ConfigError, match=re.escape(f"quantization must be one of {methods}, got 'nf4'")):
     LLM(str(stories_dir), quantization="nf4")
 
 
@@ -148,3 +164,52 @@ def test_perplexity_cost_of_each_format_on_stories260k(stories_dir, reference):
   base = perplexity(None)
   for method, bound in (("int8", 0.01), ("fp8", 0.02), ("int4", 0.20)):
     assert abs(perplexity(method) / base - 1) < bound, method
+
+
+@pytest.fixture(scope="module")
+def compressed_folder(tmp_path_factory):
+  """A W8A8 int8 compressed-tensors checkpoint whose down projections stay float."""
+  folder = tmp_path_factory.mktemp("compressed")
+  write_quantized(make_model("llama", folder / "float"), folder / "q", "compressed-tensors", format="int-quantized", bits=8,
+                  strategy="channel", activations=True, ignore=(r".*mlp\.down_proj$",))
+  return folder / "q"
+
+
+def test_compressed_tensors_says_what_it_does_not_apply(compressed_folder, capfd):
+  LLM(str(compressed_folder), quantization="compressed-tensors", num_gpu_blocks=16, max_num_seqs=2)
+  err = capfd.readouterr().err
+  assert "compressed-tensors (8-bit, int-quantized, per channel)" in err
+  assert "activation quantization (input_activations) is not applied" in err
+  assert "2 linears left float by the checkpoint (quantization_config.ignore): model.layers.0.mlp.down_proj" in err
+
+
+def _scheme(q: dict) -> dict: return q["config_groups"]["group_0"]
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+  (lambda q: q.update(format="marlin-24"), "format 'marlin-24' is not supported"),
+  (lambda q: _scheme(q)["weights"].update(num_bits=4), "weights.num_bits is 4; int-quantized weights run with 8 bits"),
+  (lambda q: _scheme(q)["weights"].update(strategy="token"), "weights.strategy 'token' is not supported for int weights"),
+  (lambda q: _scheme(q).update(targets=["re:.*self_attn.*"]), "targets ['re:.*self_attn.*'] is not supported"),
+  (lambda q: q.update(sparsity_config={"format": "sparse-24-bitmask"}), "sparsity_config format 'sparse-24-bitmask' is not supported"),
+  (lambda q: q.update(kv_cache_scheme={"num_bits": 8, "type": "float"}), "quantization_config.kv_cache_scheme is not supported"),
+  (lambda q: q["config_groups"].update(group_1={**_scheme(q), "weights": {**_scheme(q)["weights"], "strategy": "group",
+                                                                          "group_size": 32}}), "different weight schemes"),
+  (lambda q: q.update(ignore=[r"re:.*mlp\.up_proj$"]), "leaves model.layers.0.mlp.up_proj float (quantization_config.ignore) beside"),
+])
+def test_bad_compressed_tensors_config_is_named(compressed_folder, tmp_path, edit, message):
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    LLM(str(edited(compressed_folder, tmp_path, edit)), num_gpu_blocks=16)
+
+
+def test_missing_compressed_tensors_scale_is_named(compressed_folder, tmp_path):
+  name = "model.layers.1.self_attn.o_proj.weight_scale"
+  with pytest.raises(ConfigError, match=f"COMPRESSED-TENSORS checkpoint is missing tensor {name}"):
+    LLM(str(edited(compressed_folder, tmp_path, drop=name)), num_gpu_blocks=16)
+
+
+def test_vllm_marlin_names_take_the_same_checkpoints(gptq_folder):
+  llm = LLM(str(gptq_folder), quantization="gptq_marlin", num_gpu_blocks=16, max_num_seqs=2)
+  assert llm.engine.model.weights.layers[0].qkv_proj.method == "gptq"
+  with pytest.raises(ConfigError, match=re.escape("--quantization awq does not match the checkpoint's quantization_config")):
+    LLM(str(gptq_folder), quantization="awq_marlin", num_gpu_blocks=16)

@@ -1,5 +1,6 @@
-"""GPTQ, AWQ and FP8 checkpoints' linear weights, read into one unpacked form (numpy, before upload): codes [out, in],
-scales and zero points [out, groups], each column's group where it is not a contiguous run.
+"""GPTQ, AWQ, FP8 and compressed-tensors (compressed_tensors.py) checkpoints' linear weights, read into one unpacked
+form (numpy, before upload): codes [out, in], scales and zero points [out, groups], each column's group where it is not
+a contiguous run.
 
 The layouts, from the formats' own descriptions:
 - GPTQ (AutoGPTQ / GPTQModel, Hugging Face): `qweight` int32 [in * bits / 32, out], each int32 holding 32 / bits
@@ -17,8 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 from tinyvllm.config import ConfigError
+from tinyvllm.model.quantization.compressed_tensors import read_compressed
 from tinyvllm.model.quantization.config import QuantizationConfig
-from tinyvllm.model.quantization.unpacked import UnpackedWeight, stack
+from tinyvllm.model.quantization.unpacked import UnpackedWeight, stack, unpack_bits
 from tinyvllm.model.safetensors_file import Checkpoint, bf16_as_float32
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -42,17 +44,6 @@ class Reader:
 
   def check(self, suffix: str, a: np.ndarray, shape: tuple[int, ...]) -> None:
     if a.shape != shape: raise ConfigError(f"{self.method.upper()} tensor {self.prefix}.{suffix} has shape {a.shape}, expected {shape}")
-
-
-def unpack_bits(packed: np.ndarray, bits: int, axis: int) -> np.ndarray:
-  """int32 words -> their 32 / bits fields (lowest bits first), laid out along `axis` in place of each word."""
-  per, mask = 32 // bits, (1 << bits) - 1
-  words = packed.view(np.uint32)
-  fields = (words[..., None] >> (bits * np.arange(per, dtype=np.uint32))) & mask   # [..., words, per]
-  fields = np.moveaxis(fields, -1, axis + 1 if axis >= 0 else axis)                 # the fields after their word
-  shape = list(packed.shape)
-  shape[axis] *= per
-  return fields.reshape(shape).astype(np.uint8)
 
 
 def _group_size(qc: QuantizationConfig, cols: int, r: Reader) -> int:
@@ -110,7 +101,7 @@ def read_fp8(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeight:
   return UnpackedWeight(codes.copy(), np.repeat(scale_inv, rows, axis=0)[:out].copy(), None, None, group, 8)
 
 
-READERS = {"gptq": read_gptq, "awq": read_awq, "fp8": read_fp8}
+READERS = {"gptq": read_gptq, "awq": read_awq, "fp8": read_fp8, "compressed-tensors": read_compressed}
 
 
 def read_linear(checkpoint: Checkpoint, prefixes: list[str], qc: QuantizationConfig, cols: int, used: set[str]) -> UnpackedWeight:

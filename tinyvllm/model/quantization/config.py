@@ -1,13 +1,15 @@
-"""Which weight quantization a model runs: the checkpoint's `quantization_config` (GPTQ, AWQ, FP8), or --quantization
-quantizing a float checkpoint at load (int8, int4, fp8: round-to-nearest)."""
+"""Which weight quantization a model runs: the checkpoint's `quantization_config` (GPTQ, AWQ, FP8, compressed-tensors),
+or --quantization quantizing a float checkpoint at load (int8, int4, fp8: round-to-nearest)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
 from tinyvllm.config import ConfigError
+from tinyvllm.model.quantization import compressed_tensors
 
-CHECKPOINT_METHODS = ("gptq", "awq", "fp8")        # read from a checkpoint's quantization_config
+CHECKPOINT_METHODS = ("gptq", "awq", "fp8", "compressed-tensors")   # read from a checkpoint's quantization_config
+ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}   # vLLM's kernel choices for the same checkpoints
 ON_THE_FLY_METHODS = ("int8", "int4", "fp8")       # quantize a float checkpoint at load
 INT4_GROUP = 128   # on-the-fly int4's group (a layer whose input the group does not divide: one scale per row)
 
@@ -21,12 +23,30 @@ class QuantizationConfig:
   zero_offset: int = 0                 # GPTQ v1 checkpoints store zero - 1
   block_size: tuple[int, int] | None = None   # FP8 weight_block_size [rows, columns]; None: one scale per tensor
   from_checkpoint: bool = True         # the checkpoint stores it (else: quantized at load from float weights)
+  # compressed-tensors: the storage format (pack-quantized, int-quantized, float-quantized), the scale strategy
+  # (tensor, channel, group, block), zero points or none, the modules left float, and whether the checkpoint also
+  # quantizes activations (not applied here: weight-only)
+  storage: str = ""
+  strategy: str = ""
+  symmetric: bool = True
+  ignore: tuple[str, ...] = ()
+  activations: bool = False
+
+  @property
+  def packed_kind(self) -> str:
+    """The packed form's kind (tinyvllm/backend/quantized.py): "fp8" codes or "int" ones."""
+    return "fp8" if self.method == "fp8" or self.storage == "float-quantized" else "int"
+
+  def ignores(self, module: str) -> bool:
+    """Whether the checkpoint leaves this linear (e.g. "model.layers.0.mlp.down_proj") float."""
+    return compressed_tensors.ignores(self.ignore, module)
 
   def describe(self) -> str:
     grouping = (f"blocks of {self.block_size[0]}x{self.block_size[1]}" if self.block_size else
-                "per tensor" if self.method == "fp8" and self.from_checkpoint else
+                "per tensor" if (self.method == "fp8" and self.from_checkpoint) or self.strategy == "tensor" else
                 "per channel" if self.group_size < 0 else f"group {self.group_size}")
-    return f"{self.method} ({self.bits}-bit, {grouping}{'' if self.from_checkpoint else ', quantized at load'})"
+    kind = f", {self.storage}" if self.storage else ""
+    return f"{self.method} ({self.bits}-bit{kind}, {grouping}{'' if self.from_checkpoint else ', quantized at load'})"
 
 
 def _field(raw: dict[str, Any], name: str, source: str, default: Any = None) -> Any:
@@ -55,6 +75,14 @@ def from_checkpoint(raw: dict[str, Any], source: str) -> QuantizationConfig:
   if method not in CHECKPOINT_METHODS:
     raise ConfigError(f"{source}: quantization_config.quant_method {raw.get('quant_method')!r} is not supported "
                       f"(tinyvllm reads {', '.join(CHECKPOINT_METHODS)} checkpoints)")
+  if method == "compressed-tensors":
+    ct = compressed_tensors.scheme(raw, source)
+    ignore = raw.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
+      raise ConfigError(f"{source}: quantization_config.ignore must be a list of module names, got {ignore!r}")
+    return QuantizationConfig("compressed-tensors", ct["bits"], ct["group_size"], block_size=ct["block"], storage=ct["format"],
+                              strategy=ct["strategy"], symmetric=ct["symmetric"], ignore=tuple(ignore),
+                              activations=ct["activations"])
   if method == "gptq":
     version = str(raw.get("checkpoint_format", "gptq"))
     if version not in ("gptq", "gptq_v2"):
@@ -79,6 +107,7 @@ def from_checkpoint(raw: dict[str, Any], source: str) -> QuantizationConfig:
 def resolve(requested: str | None, checkpoint: dict[str, Any] | None, source: str) -> QuantizationConfig | None:
   """The quantization the engine runs: the checkpoint's (--quantization, if given, must name it), or --quantization's
   on-the-fly method for a float checkpoint."""
+  requested = ALIASES.get(requested, requested) if requested else requested
   if checkpoint:
     config = from_checkpoint(checkpoint, source)
     if requested is not None and requested != config.method:

@@ -1,6 +1,7 @@
-"""The loader's source of quantized linears: a checkpoint's packed ones (GPTQ, AWQ, FP8) uploaded in the packed form of
-tinyvllm/backend/quantized.py, or float ones quantized at load (int8, int4, fp8). Every other tensor (embeddings, LM
-head, norms, biases) comes from the plain source unchanged."""
+"""The loader's source of quantized linears: a checkpoint's packed ones (GPTQ, AWQ, FP8, compressed-tensors) uploaded in
+the packed form of tinyvllm/backend/quantized.py, or float ones quantized at load (int8, int4, fp8). Every other tensor
+(embeddings, LM head, norms, biases, the linears a compressed-tensors checkpoint leaves float) comes from the plain
+source unchanged."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -28,6 +29,10 @@ class QuantizedSource:
     self.plain, self.qc, self.checkpoint, self.dtype, self.device, self.used = plain, qc, checkpoint, dtype, device, used
     self._notices: list[str] = []
     self._per_row: dict[str, int] = {}   # int4: projections whose input the group does not divide -> that input
+    self._float: list[str] = []          # linears the checkpoint leaves float (compressed-tensors' ignore list)
+    if qc.activations:
+      self._notice(f"{qc.method}: the checkpoint's activation quantization (input_activations) is not applied: activations "
+                   "stay in the compute dtype (weight-only)")
 
   def __call__(self, names: list[str], shape: tuple[int, ...], kind: str) -> Tensor | QuantizedWeight:
     if kind != "linear": return self.plain(names, shape, kind)
@@ -35,14 +40,21 @@ class QuantizedSource:
     if not self.qc.from_checkpoint: return self._quantize(self.plain(names, shape, kind), cols, names)
     if self.checkpoint is None: raise ConfigError(f"{self.qc.method} weights need a checkpoint (not --load-format dummy)")
     prefixes = [n.removesuffix(".weight") for n in names]
+    if (left := [p for p in prefixes if self.qc.ignores(p)]):
+      if len(left) < len(prefixes):
+        raise ConfigError(f"{' + '.join(prefixes)}: the checkpoint leaves {', '.join(left)} float (quantization_config.ignore) "
+                          "beside quantized parts, which one fused product cannot take")
+      self._float += left
+      return self.plain(names, shape, kind)
     w = read_linear(self.checkpoint, prefixes, self.qc, cols, self.used)
     if w.codes.shape[0] != out:
       raise ConfigError(f"{' + '.join(prefixes)}: quantized weights have {w.codes.shape[0]} output rows, the config implies {out}")
     for p in prefixes:   # static activation scales: activations stay in the compute dtype here (weight-only)
-      if f"{p}.input_scale" in self.checkpoint:
-        self.used.add(f"{p}.input_scale")
-        self._notice("the checkpoint's input_scale tensors are not used: activations stay in the compute dtype")
-    return upload(w, self.qc.method, "fp8" if self.qc.method == "fp8" else "int", self.dtype, self.device)
+      for name in (f"{p}.input_scale", f"{p}.input_zero_point"):
+        if name in self.checkpoint:
+          self.used.add(name)
+          self._notice(f"the checkpoint's {name.rsplit('.', 1)[1]} tensors are not used: activations stay in the compute dtype")
+    return upload(w, self.qc.method, self.qc.packed_kind, self.dtype, self.device)
 
   def _quantize(self, weight: Tensor, cols: int, names: list[str]) -> QuantizedWeight:
     group = cols
@@ -60,5 +72,7 @@ class QuantizedSource:
   def notices(self) -> list[str]:
     """What start-up says about the weights."""
     per_row = ", ".join(f"{name} ({cols})" for name, cols in self._per_row.items())
-    return self._notices + ([f"int4: one scale per output row where the input is not a multiple of the group {INT4_GROUP}: "
-                             f"{per_row}"] if per_row else [])
+    left = [f"{len(self._float)} linears left float by the checkpoint (quantization_config.ignore): "
+            f"{', '.join(self._float[:4])}{', ...' if len(self._float) > 4 else ''}"] if self._float else []
+    return self._notices + left + ([f"int4: one scale per output row where the input is not a multiple of the group "
+                                    f"{INT4_GROUP}: {per_row}"] if per_row else [])

@@ -24,6 +24,17 @@ class UnpackedWeight:
   offsets: np.ndarray | None = None   # [out, groups] added after scaling (GGUF Q4_1's min); None: none
 
 
+def unpack_bits(packed: np.ndarray, bits: int, axis: int) -> np.ndarray:
+  """int32 words -> their 32 / bits fields (lowest bits first), laid out along `axis` in place of each word."""
+  per, mask = 32 // bits, (1 << bits) - 1
+  words = packed.view(np.uint32)
+  fields = (words[..., None] >> (bits * np.arange(per, dtype=np.uint32))) & mask   # [..., words, per]
+  fields = np.moveaxis(fields, -1, axis + 1 if axis >= 0 else axis)                 # the fields after their word
+  shape = list(packed.shape)
+  shape[axis] *= per
+  return fields.reshape(shape).astype(np.uint8)
+
+
 def stack(parts: list[UnpackedWeight], names: list[str]) -> UnpackedWeight:
   """One linear's weight from its parts, stacked along the output rows."""
   first, where = parts[0], " + ".join(names)

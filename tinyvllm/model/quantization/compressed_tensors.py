@@ -1,0 +1,151 @@
+"""llm-compressor's compressed-tensors checkpoints (vLLM's `compressed-tensors` quantization): the config's one weight
+scheme for every Linear, and each linear's tensors read into the loaders' unpacked form.
+
+The layouts, from compressed-tensors' published format:
+- pack-quantized (W4A16, W8A16: integer weights): `weight_packed` int32 [out, ceil(in * bits / 32)], 32 / bits input
+  columns a word from the lowest bits, each code stored as q + 2^(bits - 1) (q signed); `weight_shape` [2] the
+  unpacked shape; `weight_scale` [out, groups] ([out, 1] per channel); asymmetric schemes' `weight_zero_point` int32
+  [ceil(out * bits / 32), groups], packed the same way along the output; actorder "group": `weight_g_idx` [in], each
+  column's group. w = (q - zero_point) * scale.
+- int-quantized (W8A8 int8): `weight` int8 [out, in], `weight_scale` as above, `weight_zero_point` int8 [out, groups].
+- float-quantized (FP8 W8A8 / W8A16): `weight` float8_e4m3fn [out, in]; `weight_scale` per tensor [1], per channel
+  [out, 1], per group [out, in / group] or per block [ceil(out / rows), ceil(in / cols)]. w = e4m3(weight) * scale.
+Linears the config's `ignore` list names (a module name, or `re:` and a regular expression matched from the start, as
+compressed-tensors matches them) stay float. Activation schemes (`input_activations`) are not applied: activations stay
+in the compute dtype (weight-only), and start-up says so.
+"""
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tinyvllm.config import ConfigError
+from tinyvllm.model.quantization.unpacked import UnpackedWeight, unpack_bits
+from tinyvllm.model.safetensors_file import bf16_as_float32
+
+if TYPE_CHECKING:
+  from tinyvllm.model.quantization.checkpoint_formats import Reader
+  from tinyvllm.model.quantization.config import QuantizationConfig
+
+# the storage formats read here: the weight's type each holds
+FORMATS = {"pack-quantized": "int", "int-quantized": "int", "float-quantized": "float"}
+STRATEGIES = {"int": ("tensor", "channel", "group"), "float": ("tensor", "channel", "group", "block")}
+
+
+def scheme(raw: dict[str, Any], source: str) -> dict[str, Any]:
+  """The weight scheme every Linear takes (checked), with its storage format and whether activations are quantized."""
+  where = f"{source}: quantization_config"
+  for name in ("kv_cache_scheme", "transform_config"):
+    if raw.get(name): raise ConfigError(f"{where}.{name} is not supported (tinyvllm reads compressed-tensors weight schemes)")
+  sparsity = raw.get("sparsity_config") or {}
+  if sparsity.get("format", "dense") != "dense":
+    raise ConfigError(f"{where}.sparsity_config format {sparsity.get('format')!r} is not supported (dense weights are)")
+  if raw.get("quantization_status", "compressed") != "compressed":
+    raise ConfigError(f"{where}.quantization_status {raw.get('quantization_status')!r} is not supported (compressed is)")
+  groups = raw.get("config_groups")
+  if not isinstance(groups, dict) or not groups: raise ConfigError(f"{where}.config_groups is missing")
+  schemes = [_group_scheme(g, raw.get("format"), f"{where}.config_groups.{name}") for name, g in groups.items()]
+  if any(s != schemes[0] for s in schemes[1:]):
+    raise ConfigError(f"{where}.config_groups hold different weight schemes (mixed precision), which tinyvllm does not run")
+  return schemes[0]
+
+
+def _group_scheme(group: Any, default_format: Any, where: str) -> dict[str, Any]:
+  if not isinstance(group, dict): raise ConfigError(f"{where} must be an object")
+  if group.get("targets") != ["Linear"]:
+    raise ConfigError(f"{where}.targets {group.get('targets')!r} is not supported (a scheme for every Linear is)")
+  if group.get("output_activations"): raise ConfigError(f"{where}.output_activations is not supported")
+  weights, fmt = group.get("weights"), group.get("format") or default_format
+  if not isinstance(weights, dict): raise ConfigError(f"{where}.weights is missing")
+  if fmt not in FORMATS:
+    raise ConfigError(f"{where}: format {fmt!r} is not supported (tinyvllm reads {', '.join(FORMATS)})")
+  kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
+  if kind != FORMATS[fmt]: raise ConfigError(f"{where}.weights.type {kind!r} does not match format {fmt!r}")
+  allowed = (4, 8) if fmt == "pack-quantized" else (8,)
+  if bits not in allowed:
+    raise ConfigError(f"{where}.weights.num_bits is {bits!r}; {fmt} weights run with {' or '.join(map(str, allowed))} bits")
+  if strategy not in STRATEGIES[kind]:
+    raise ConfigError(f"{where}.weights.strategy {strategy!r} is not supported for {kind} weights "
+                      f"({', '.join(STRATEGIES[kind])})")
+  if weights.get("dynamic"): raise ConfigError(f"{where}.weights.dynamic true is not supported (stored scales are)")
+  symmetric = bool(weights.get("symmetric", True))
+  if kind == "float" and not symmetric: raise ConfigError(f"{where}.weights.symmetric false is not supported for float weights")
+  group_size, block = weights.get("group_size"), None
+  if strategy == "group" and (not isinstance(group_size, int) or group_size < 1):
+    raise ConfigError(f"{where}.weights.group_size must be a positive integer for the group strategy, got {group_size!r}")
+  if strategy == "block": block = _block(weights.get("block_structure"), f"{where}.weights.block_structure")
+  return {"format": fmt, "bits": int(bits), "strategy": strategy, "group_size": group_size if strategy == "group" else -1,
+          "block": block, "symmetric": symmetric, "activations": bool(group.get("input_activations"))}
+
+
+def _block(value: Any, where: str) -> tuple[int, int]:
+  if isinstance(value, str) and re.fullmatch(r"\d+x\d+", value): value = [int(v) for v in value.split("x")]
+  if not isinstance(value, list) or len(value) != 2 or not all(isinstance(v, int) and v > 0 for v in value):
+    raise ConfigError(f"{where} must be two positive integers, got {value!r}")
+  return value[0], value[1]
+
+
+def ignores(patterns: tuple[str, ...], module: str) -> bool:
+  """Whether the config's ignore list leaves `module` (e.g. "model.layers.0.mlp.down_proj") float."""
+  return any(re.match(p[3:], module) if p.startswith("re:") else p == module for p in patterns)
+
+
+def read_compressed(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeight:
+  """One linear's codes, scales and zero points (their unsigned form: code = q + 2^(bits - 1))."""
+  if qc.storage == "pack-quantized":
+    packed = r.get("weight_packed", ("I32",))
+    out, per = packed.shape[0], 32 // qc.bits
+    r.check("weight_packed", packed, (out, -(-cols // per)))
+    shape = r.get("weight_shape", ("I32", "I64")).reshape(-1)
+    if shape.tolist() != [out, cols]:
+      raise ConfigError(f"compressed-tensors tensor {r.prefix}.weight_shape is {shape.tolist()}, expected {[out, cols]}")
+    codes = unpack_bits(packed, qc.bits, 1)[:, :cols]
+  else:
+    stored = r.get("weight", ("F8_E4M3",) if qc.storage == "float-quantized" else ("I8",))
+    out = stored.shape[0]
+    r.check("weight", stored, (out, cols))
+    codes = stored.copy() if qc.storage == "float-quantized" else (stored.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+  group, scales = _scales(r, qc, out, cols)
+  return UnpackedWeight(np.ascontiguousarray(codes), scales, _zero_points(r, qc, out, scales.shape[1]), _g_idx(r, cols, group),
+                        group, qc.bits)
+
+
+def _scales(r: Reader, qc: QuantizationConfig, out: int, cols: int) -> tuple[int, np.ndarray]:
+  """(the group size, float scales [out, groups]) for the scheme's strategy."""
+  scale = bf16_as_float32(r.get("weight_scale", ("F32", "F16", "BF16")))
+  if qc.strategy == "tensor":
+    if scale.size != 1: raise ConfigError(f"compressed-tensors tensor {r.prefix}.weight_scale holds {scale.size} values, expected one")
+    return cols, np.full((out, 1), scale.reshape(-1)[0], scale.dtype)
+  if qc.strategy == "block":
+    rows, group = qc.block_size
+    r.check("weight_scale", scale, (-(-out // rows), -(-cols // group)))
+    return group, np.repeat(scale, rows, axis=0)[:out].copy()
+  group = cols if qc.group_size == -1 else qc.group_size
+  if cols % group:
+    raise ConfigError(f"quantization_config group_size {group} does not divide {r.prefix}'s input dimension {cols}")
+  r.check("weight_scale", scale, (out, cols // group))
+  return group, scale.copy()
+
+
+def _zero_points(r: Reader, qc: QuantizationConfig, out: int, groups: int) -> np.ndarray | None:
+  """Asymmetric integer schemes' zero points [out, groups] (unsigned, as the codes); None: symmetric."""
+  if qc.symmetric: return None
+  if qc.storage == "int-quantized":
+    zero = r.get("weight_zero_point", ("I8",))
+    r.check("weight_zero_point", zero, (out, groups))
+    return (zero.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+  zero = r.get("weight_zero_point", ("I32",))
+  r.check("weight_zero_point", zero, (-(-out // (32 // qc.bits)), groups))
+  return np.ascontiguousarray(unpack_bits(zero, qc.bits, 0)[:out])
+
+
+def _g_idx(r: Reader, cols: int, group: int) -> np.ndarray | None:
+  """actorder "group": each column's group, where it is not the plain runs of `group` columns."""
+  if not r.has("weight_g_idx"): return None
+  g_idx = r.get("weight_g_idx", ("I32", "I64")).astype(np.int32)
+  r.check("weight_g_idx", g_idx, (cols,))
+  if g_idx.min() < 0 or g_idx.max() >= cols // group:
+    raise ConfigError(f"compressed-tensors tensor {r.prefix}.weight_g_idx names groups outside 0..{cols // group - 1}")
+  return None if np.array_equal(g_idx, np.arange(cols) // group) else g_idx
