@@ -23,6 +23,7 @@ from tinyvllm.kernels.decode_layer import (
   DecodeLayerShape,
   decode_layer_plan,
   decode_layer_source,
+  layer_launches,
   max_layers,
   shared_bytes,
   shared_layout,
@@ -310,6 +311,31 @@ def test_backend_takes_only_small_decode_steps_it_supports():
   for _ in range(2): assert backend.decode_layers(stack, h, cos, sin, caches, meta, case.eps) is None
   assert len(messages) == 1 and "group above 4" in messages[0] and "per-op kernels" in messages[0]
   assert backend.calls["decode-layers"] == 1
+
+
+def test_layers_of_different_weight_forms_launch_by_runs():
+  """A GGUF file's mix differs from layer to layer (llama.cpp's Q4_K_M holds attn_v and ffn_down in Q6_K on some layers
+  only, and a fused q/k/v takes one form): each run of consecutive layers with the same forms gets its own launches and
+  specialisation, within the arguments' room; every run's shape must fit (else the per-op kernels run the step)."""
+  qwen3 = dict(hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=128, qk_norm=True, qkv_bias=False)
+  q4 = (("int4", 32),) * 4
+  q6 = (("int8", 16), ("int4", 32), ("int4", 32), ("int8", 16))
+  cases = [make_layer_case(np.random.default_rng(0), [40], **qwen3, dtype="float16", layers=4, weights=w) for w in (q6, q4)]
+  (_, six, (h, cos, sin, caches, meta)), (_, four, _) = (layer_tensors(c, dtype="float16") for c in cases)
+  layers = [six[0], six[1], four[2], six[3]]
+  shape, reason = step_shape(layers, h, cos, *caches[0], meta, cases[0].eps, H100, 8192)
+  assert reason is None and shape.weights == q6 and shape.layers == 2
+  assert [(first, s.layers, s.weights) for first, s in layer_launches(shape, layers)] == [(0, 2, q6), (2, 1, q4), (3, 1, q6)]
+  # through the backend: the three launches' graph, three specialisations built (never run: no binaries on the CPU)
+  from tinyvllm.kernels.fused import FusedBackend
+  from tinyvllm.kernels.tinygrad_program import collecting_sources
+  backend = FusedBackend(replace(H100, device="CPU"))
+  with collecting_sources() as pending:
+    fused = backend.decode_layers(layers, h, cos, sin, caches, meta, cases[0].eps)
+  assert fused is not None and len(fused[1]) == 4 and len(pending) == 3
+  # a run longer than a launch takes: equal launches (and a shorter last one)
+  most = max_layers(shape)
+  assert most == 27 and [(f, s.layers) for f, s in layer_launches(shape, [six[0]] * (most + 2))] == [(0, 15), (15, 14)]
 
 
 @pytest.mark.slow

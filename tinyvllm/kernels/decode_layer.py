@@ -321,20 +321,18 @@ def run_decode_layer(shape: DecodeLayerShape, target: DeviceTarget, tensors: dic
 
 def step_shape(layers: list[DecoderLayerWeights], h: Tensor, cos: Tensor, k_cache: Tensor, v_cache: Tensor,
                meta: AttentionMetadata, eps: float, target: DeviceTarget, max_context: int) -> tuple[DecodeLayerShape | None, str | None]:
-  """The kernel's shape for a step's first launch, or (None, None) for a step it is not meant for (not a decode of at
-  most MAX_ROWS rows within `max_context`: the per-op kernels are the design there), or (None, why) for a model whose
-  layers it cannot take."""
+  """The kernel's shape for a step's first launch (layer_launches gives every launch's), or (None, None) for a step it
+  is not meant for (not a decode of at most MAX_ROWS rows within `max_context`: the per-op kernels are the design
+  there), or (None, why) for a model whose layers it cannot take."""
   rows = h.shape[0]
   if not meta.is_decode or rows != meta.block_tables.shape[0] or meta.block_tables.shape[1] * meta.block_size > max_context:
     return None, None
   head_dim, kv_fp8, layer = 2 * cos.shape[1], is_fp8(k_cache), layers[0]
   dtype = {dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}.get(h.dtype)
-  forms = tuple(weight_form(w) for w in layer.linears())
   reason = next((r for bad, r in (
     (any(x.moe is not None for x in layers), "mixture-of-experts layers"),
     (any(x.signature() != layer.signature() for x in layers), "layers of different shapes"),
-    (any(tuple(map(weight_form, x.linears())) != forms for x in layers), "layers of different weight formats"),
-    (any(isinstance(w, QuantizedWeight) and w.g_idx is not None for w in layer.linears()), "act-order (g_idx) weights"),
+    (any(isinstance(w, QuantizedWeight) and w.g_idx is not None for x in layers for w in x.linears()), "act-order (g_idx) weights"),
     (any(b is not None for b in (layer.o_bias, layer.gate_up_bias, layer.down_bias)), "o / MLP biases"),
     (dtype is None or layer.qkv_proj.dtype != h.dtype, f"activations {h.dtype.name}, weights {layer.qkv_proj.dtype.name}"),
     (v_cache.dtype != k_cache.dtype or (not kv_fp8 and k_cache.dtype != h.dtype), "cache dtype"),
@@ -345,8 +343,22 @@ def step_shape(layers: list[DecoderLayerWeights], h: Tensor, cos: Tensor, k_cach
   if reason is not None or dtype is None: return None, reason or "dtype"
   shape = DecodeLayerShape(dtype, rows, h.shape[1], layer.o_proj.shape[1] // head_dim, k_cache.shape[1] // head_dim, head_dim,
                            layer.down_proj.shape[1], layer.q_norm is not None, layer.qkv_bias is not None, eps, meta.block_size,
-                           meta.block_tables.shape[1], k_cache.shape[0], kv_fp8, target.multiprocessors, weights=forms)
-  launches = cdiv(len(layers), max_layers(shape))   # as few as the arguments allow, of equal size (one specialisation)
-  shape = replace(shape, layers=cdiv(len(layers), launches))
-  reason = unsupported_reason(shape, target)
-  return (shape, None) if reason is None else (None, reason)
+                           meta.block_tables.shape[1], k_cache.shape[0], kv_fp8, target.multiprocessors)
+  launches = layer_launches(shape, layers)
+  reason = next((r for _, launch in launches if (r := unsupported_reason(launch, target)) is not None), None)
+  return (launches[0][1], None) if reason is None else (None, reason)
+
+
+def layer_launches(shape: DecodeLayerShape, layers: list[DecoderLayerWeights]) -> list[tuple[int, DecodeLayerShape]]:
+  """(first layer, shape) of each launch of a step: runs of consecutive layers whose products have the same weight forms
+  (a GGUF file's mixes differ from layer to layer), each in as few launches of equal size as the kernel's arguments
+  allow (one specialisation a run, and one for a shorter last launch)."""
+  forms = [tuple(weight_form(w) for w in x.linears()) for x in layers]
+  launches, first = [], 0
+  while first < len(layers):
+    end = next((i for i in range(first, len(layers)) if forms[i] != forms[first]), len(layers))
+    run = replace(shape, weights=forms[first], layers=1)
+    size = cdiv(end - first, cdiv(end - first, max_layers(run)))
+    launches += [(at, replace(run, layers=min(size, end - at))) for at in range(first, end, size)]
+    first = end
+  return launches

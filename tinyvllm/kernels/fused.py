@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from dataclasses import replace
 
 from tinygrad import Tensor, dtypes
 
@@ -156,8 +155,9 @@ class FusedBackend:
 
   def decode_layers(self, layers: list[DecoderLayerWeights], h: Tensor, cos: Tensor, sin: Tensor, kv_caches: KVCaches,
                     meta: AttentionMetadata, eps: float) -> tuple[Tensor, KVCaches] | None:
-    """A small decode step's layers in persistent kernels (csrc/cuda/decode_layer.inc), as many a launch as the shape
-    says; None where they do not take the step (the model then runs each layer op by op)."""
+    """A small decode step's layers in persistent kernels (csrc/cuda/decode_layer.inc), launched as
+    decode_layer.layer_launches plans them; None where they do not take the step (the model then runs each layer op by
+    op)."""
     if not self.decode_layer_bounds: return None
     k0, v0 = kv_caches[0]
     shape, reason = decode_layer.step_shape(layers, h, cos, k0, v0, meta, eps, self.target,
@@ -169,10 +169,10 @@ class FusedBackend:
       return None
     self.calls["decode-layers"] += 1
     sync, new_caches = self._sync_base, []
-    for first in range(0, len(layers), shape.layers):
-      chunk, caches = layers[first:first + shape.layers], kv_caches[first:first + shape.layers]
+    for first, launch in decode_layer.layer_launches(shape, layers):
+      chunk, caches = layers[first:first + launch.layers], kv_caches[first:first + launch.layers]
       arguments = decode_layer.layer_arguments(chunk, h, cos, sin, caches, meta, sync)
-      out = decode_layer.run_decode_layer(replace(shape, layers=len(chunk)), self.target, arguments)
+      out = decode_layer.run_decode_layer(launch, self.target, arguments)
       h, sync = out["h_out"].reshape(h.shape), out["sync"]
       new_caches += [(out[f"k_cache_{li}"], out[f"v_cache_{li}"]) for li in range(len(chunk))]
     return h, new_caches
