@@ -6,7 +6,7 @@ then for each mix
   dequantized to bf16 at load (`GGUFSource`'s packed types emptied: the control, bf16 rounding through random layers);
 - decode: batch-1 / batch-8 decode tok/s of a 28-layer file, packed and dequantized to bf16 at load.
 
-  DEV=CUDA python3 bench/gguf_bench.py [--mixes q4_k_m,q5_k_m,q8_0] [--parts check,decode] [--layers 28]
+  DEV=CUDA python3 bench/gguf_bench.py [--mixes q4_k_m,q4_k_m_by_layer,q5_k_m,q8_0] [--parts check,decode] [--layers 28]
   (bash bench/run_on_device.sh gguf; GGUF_MIXES and GGUF_PARTS pick)
 The `gguf` package writes the file: carry its wheel (`pip download gguf==0.19.0 --no-deps -d .whl`; numpy, pyyaml and
 tqdm are on the GPU machine). Writes $OUT/gguf_bench.json; exits 1 if a mix's packed logits part from the portable
@@ -26,8 +26,15 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-# llama.cpp's mixes, as its quantize tool lays them out for these tensors (the output layer is dequantized at load)
+# llama.cpp's mixes for these tensors (the output layer is dequantized at load); the uniform ones put every layer in one form
+def more_bits(layer: int, layers: int) -> str:
+  """llama.cpp's use_more_bits: the layers whose attn_v and ffn_down its Q4_K_M / Q5_K_M keep in Q6_K."""
+  return "Q6_K" if layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2 else "Q4_K"
+
+
 MIXES = {"q4_k_m": {**dict.fromkeys(LINEARS, "Q4_K"), "attn_v": "Q6_K", "ffn_down": "Q6_K"},
+         # as llama.cpp's quantizer writes it: Q6_K on some layers only, so the fused qkv and down change form by layer
+         "q4_k_m_by_layer": {**dict.fromkeys(LINEARS, "Q4_K"), "attn_v": more_bits, "ffn_down": more_bits},
          "q5_k_m": {**dict.fromkeys(LINEARS, "Q5_K"), "attn_v": "Q6_K", "ffn_down": "Q6_K"},
          "q8_0": dict.fromkeys(LINEARS, "Q8_0"), "q4_0": dict.fromkeys(LINEARS, "Q4_0")}
 SHAPE = dict(hidden=1024, ffn=3072, heads=8, kv_heads=4)   # head_dim 128, GQA 2, as Qwen3-0.6B's attention
@@ -87,7 +94,8 @@ def decode(path: Path, batch: int, new_tokens: int, dtype: str) -> dict:
 
 def bench_mix(name: str, layers: int, new_tokens: int, dtype: str, folder: Path, parts: set[str]) -> dict:
   from tests.gguf_files import write_tiny_llama
-  result = {"mix": name, "types": MIXES[name], **(check_mix(name, dtype, folder) if "check" in parts else {})}
+  types = {k: v if isinstance(v, str) else f"{v.__name__} (by layer)" for k, v in MIXES[name].items()}
+  result = {"mix": name, "types": types, **(check_mix(name, dtype, folder) if "check" in parts else {})}
   if "decode" not in parts: return result
   path = write_tiny_llama(folder / f"{name}.gguf", MIXES[name], "F16", None, layers=layers, **SHAPE)
   result["packed"] = [decode(path, b, new_tokens, dtype) for b in (1, 8)]
@@ -98,7 +106,7 @@ def bench_mix(name: str, layers: int, new_tokens: int, dtype: str, folder: Path,
 
 def main() -> int:
   p = argparse.ArgumentParser()
-  p.add_argument("--mixes", default="q4_k_m,q5_k_m,q8_0")
+  p.add_argument("--mixes", default="q4_k_m,q4_k_m_by_layer,q5_k_m,q8_0")
   p.add_argument("--parts", default="check,decode", help="check: logits against the portable path; decode: tok/s")
   p.add_argument("--layers", type=int, default=28, help="the decode part's depth")
   p.add_argument("--new-tokens", type=int, default=256)

@@ -78,7 +78,7 @@ for step in "$@"; do
     explore) cmd=(python3 bench/attention_bench.py) ;;
     sampler) cmd=(python3 bench/sampler_bench.py) ;;
     spec) cmd=(python3 bench/spec_bench.py --parts "${SPEC_PARTS:-verify,ngram,draft}") ;;
-    gguf) cmd=(python3 bench/gguf_bench.py --mixes "${GGUF_MIXES:-q4_k_m,q5_k_m,q8_0}" --parts "${GGUF_PARTS:-check,decode}") ;;
+    gguf) cmd=(python3 bench/gguf_bench.py --mixes "${GGUF_MIXES:-q4_k_m,q4_k_m_by_layer,q5_k_m,q8_0}" --parts "${GGUF_PARTS:-check,decode}") ;;
     moe) cmd=(python3 bench/moe_bench.py ${MOE_PARTS:-decode throughput hf}) ;;
     structured) cmd=(python3 bench/structured_bench.py --tokenizer .data/qwen3 --repeat 3 --check-sync) ;;
     host1) cmd=(python3 bench/step_host.py --batch 1 --out "$OUT/step_host_b1.json") ;;

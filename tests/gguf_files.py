@@ -146,7 +146,8 @@ TINY = dict(hidden=256, ffn=512, layers=2, heads=4, kv_heads=2, vocab=258)
 
 def write_tiny_llama(path: Path, linears: dict[str, str], embed: str = "F32", output: str | None = None, seed: int = 0,
                      arch: str = "llama", tokenizer_model: str = "gpt2", **dims: int) -> Path:
-  """A random 2-layer llama GGUF: `linears` maps attn_q/attn_k/attn_v/attn_output/ffn_gate/ffn_up/ffn_down to their type;
+  """A random 2-layer llama GGUF: `linears` maps attn_q/attn_k/attn_v/attn_output/ffn_gate/ffn_up/ffn_down to their type
+  (or to a function of the layer and the layer count giving it: llama.cpp's mixes differ from layer to layer);
   `output` None ties the LM head to the embeddings; a byte-level tokenizer of the 256 bytes, "Ġt" and <|end|>. With
   arch qwen2 the attention's q/k/v biases too, with qwen3 its q/k norms (llama.cpp's names for them); `dims` override
   TINY's."""
@@ -182,7 +183,9 @@ def write_tiny_llama(path: Path, linears: dict[str, str], embed: str = "F32", ou
   for i in range(t["layers"]):
     for norm in ("attn_norm", "ffn_norm"):
       w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
-    for name, (rows, cols) in shapes.items(): add_tensor(w, f"blk.{i}.{name}.weight", linears[name], rows, cols, rng)
+    for name, (rows, cols) in shapes.items():
+      kind = linears[name] if isinstance(linears[name], str) else linears[name](i, t["layers"])
+      add_tensor(w, f"blk.{i}.{name}.weight", kind, rows, cols, rng)
     if arch == "qwen2":
       for name in ("attn_q", "attn_k", "attn_v"):
         w.add_tensor(f"blk.{i}.{name}.bias", (0.1 * rng.standard_normal(shapes[name][0])).astype(np.float32))

@@ -110,6 +110,10 @@ TINY_CASES = {
                         "ffn_up": "Q2_K", "ffn_down": "Q4_K"}, "F16", "Q6_K"),
   "q5_0-q5_1-tied": ({"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q5_1", "attn_output": "Q5_1", "ffn_gate": "Q5_0",
                       "ffn_up": "Q5_1", "ffn_down": "Q5_0"}, "Q5_0", None),
+  # llama.cpp's Q4_K_M as its quantizer lays it out: attn_v and ffn_down in Q6_K on some layers only (here the first)
+  "q4_k_m-by-layer-tied": ({"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": lambda i, n: "Q6_K" if i == 0 else "Q4_K",
+                            "attn_output": "Q4_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K",
+                            "ffn_down": lambda i, n: "Q6_K" if i == 0 else "Q4_K"}, "F16", None),
 }
 
 
@@ -122,7 +126,8 @@ def test_small_llama_matches_hf_on_the_same_file(case, tmp_path, capfd):
   hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
   llm = LLM(str(path), device="CPU", max_num_seqs=2, num_gpu_blocks=32, max_model_len=128)
   qkv = llm.engine.model.weights.layers[0].qkv_proj
-  assert isinstance(qkv, QuantizedWeight) and qkv.method == "gguf " + "+".join(sorted({linears[n] for n in ("attn_q", "attn_k", "attn_v")}))
+  first = {n: kind if isinstance(kind, str) else kind(0, 2) for n, kind in linears.items()}   # layer 0's types
+  assert isinstance(qkv, QuantizedWeight) and qkv.method == "gguf " + "+".join(sorted({first[n] for n in ("attn_q", "attn_k", "attn_v")}))
   err = capfd.readouterr().err
   assert "gguf: linears kept packed" in err
   # an untied, quantized output layer stays packed too (the LM head in the checkpoint's form)
