@@ -1,4 +1,4 @@
-"""GPTQ, AWQ, FP8 and compressed-tensors (compressed_tensors.py) checkpoints' linear weights, read into one unpacked
+"""GPTQ, AWQ, FP8 and compressed-tensors (layouts in compressed_tensors.py) checkpoints' linear weights, read into one unpacked
 form (numpy, before upload): codes [out, in], scales and zero points [out, groups], each column's group where it is not
 a contiguous run.
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 import numpy as np
 
 from tinyvllm.config import ConfigError
-from tinyvllm.model.quantization.compressed_tensors import read_compressed
 from tinyvllm.model.quantization.config import QuantizationConfig
 from tinyvllm.model.quantization.unpacked import UnpackedWeight, stack, unpack_bits
 from tinyvllm.model.safetensors_file import Checkpoint, bf16_as_float32
@@ -99,6 +98,65 @@ def read_fp8(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeight:
   scale_inv = bf16_as_float32(r.get("weight_scale_inv", ("F32", "F16", "BF16"))).astype(np.float32)
   r.check("weight_scale_inv", scale_inv, (-(-out // rows), -(-cols // group)))
   return UnpackedWeight(codes.copy(), np.repeat(scale_inv, rows, axis=0)[:out].copy(), None, None, group, 8)
+
+
+def read_compressed(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeight:
+  """One linear's codes, scales and zero points (their unsigned form: code = q + 2^(bits - 1))."""
+  if qc.storage == "pack-quantized":
+    packed = r.get("weight_packed", ("I32",))
+    out, per = packed.shape[0], 32 // qc.bits
+    r.check("weight_packed", packed, (out, -(-cols // per)))
+    shape = r.get("weight_shape", ("I32", "I64")).reshape(-1)
+    if shape.tolist() != [out, cols]:
+      raise ConfigError(f"compressed-tensors tensor {r.prefix}.weight_shape is {shape.tolist()}, expected {[out, cols]}")
+    codes = unpack_bits(packed, qc.bits, 1)[:, :cols]
+  else:
+    stored = r.get("weight", ("F8_E4M3",) if qc.storage == "float-quantized" else ("I8",))
+    out = stored.shape[0]
+    r.check("weight", stored, (out, cols))
+    codes = stored.copy() if qc.storage == "float-quantized" else (stored.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+  group, scales = _ct_scales(r, qc, out, cols)
+  return UnpackedWeight(np.ascontiguousarray(codes), scales, _ct_zero_points(r, qc, out, scales.shape[1]), _ct_g_idx(r, cols, group),
+                        group, qc.bits)
+
+
+def _ct_scales(r: Reader, qc: QuantizationConfig, out: int, cols: int) -> tuple[int, np.ndarray]:
+  """(the group size, float scales [out, groups]) for the scheme's strategy."""
+  scale = bf16_as_float32(r.get("weight_scale", ("F32", "F16", "BF16")))
+  if qc.strategy == "tensor":
+    if scale.size != 1: raise ConfigError(f"compressed-tensors tensor {r.prefix}.weight_scale holds {scale.size} values, expected one")
+    return cols, np.full((out, 1), scale.reshape(-1)[0], scale.dtype)
+  if qc.strategy == "block":
+    rows, group = qc.block_size
+    r.check("weight_scale", scale, (-(-out // rows), -(-cols // group)))
+    return group, np.repeat(scale, rows, axis=0)[:out].copy()
+  group = cols if qc.group_size == -1 else qc.group_size
+  if cols % group:
+    raise ConfigError(f"quantization_config group_size {group} does not divide {r.prefix}'s input dimension {cols}")
+  r.check("weight_scale", scale, (out, cols // group))
+  return group, scale.copy()
+
+
+def _ct_zero_points(r: Reader, qc: QuantizationConfig, out: int, groups: int) -> np.ndarray | None:
+  """Asymmetric integer schemes' zero points [out, groups] (unsigned, as the codes); None: symmetric."""
+  if qc.symmetric: return None
+  if qc.storage == "int-quantized":
+    zero = r.get("weight_zero_point", ("I8",))
+    r.check("weight_zero_point", zero, (out, groups))
+    return (zero.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+  zero = r.get("weight_zero_point", ("I32",))
+  r.check("weight_zero_point", zero, (-(-out // (32 // qc.bits)), groups))
+  return np.ascontiguousarray(unpack_bits(zero, qc.bits, 0)[:out])
+
+
+def _ct_g_idx(r: Reader, cols: int, group: int) -> np.ndarray | None:
+  """actorder "group": each column's group, where it is not the plain runs of `group` columns."""
+  if not r.has("weight_g_idx"): return None
+  g_idx = r.get("weight_g_idx", ("I32", "I64")).astype(np.int32)
+  r.check("weight_g_idx", g_idx, (cols,))
+  if g_idx.min() < 0 or g_idx.max() >= cols // group:
+    raise ConfigError(f"compressed-tensors tensor {r.prefix}.weight_g_idx names groups outside 0..{cols // group - 1}")
+  return None if np.array_equal(g_idx, np.arange(cols) // group) else g_idx
 
 
 READERS = {"gptq": read_gptq, "awq": read_awq, "fp8": read_fp8, "compressed-tensors": read_compressed}

@@ -1,5 +1,5 @@
 """llm-compressor's compressed-tensors checkpoints (vLLM's `compressed-tensors` quantization): the config's one weight
-scheme for every Linear, and each linear's tensors read into the loaders' unpacked form.
+scheme for every Linear, checked, and its `ignore` list; checkpoint_formats.read_compressed reads each linear's tensors.
 
 The layouts, from compressed-tensors' published format:
 - pack-quantized (W4A16, W8A16: integer weights): `weight_packed` int32 [out, ceil(in * bits / 32)], 32 / bits input
@@ -17,17 +17,9 @@ in the compute dtype (weight-only), and start-up says so.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
+from typing import Any
 
 from tinyvllm.config import ConfigError
-from tinyvllm.model.quantization.unpacked import UnpackedWeight, unpack_bits
-from tinyvllm.model.safetensors_file import bf16_as_float32
-
-if TYPE_CHECKING:
-  from tinyvllm.model.quantization.checkpoint_formats import Reader
-  from tinyvllm.model.quantization.config import QuantizationConfig
 
 # the storage formats read here: the weight's type each holds
 FORMATS = {"pack-quantized": "int", "int-quantized": "int", "float-quantized": "float"}
@@ -90,62 +82,3 @@ def _block(value: Any, where: str) -> tuple[int, int]:
 def ignores(patterns: tuple[str, ...], module: str) -> bool:
   """Whether the config's ignore list leaves `module` (e.g. "model.layers.0.mlp.down_proj") float."""
   return any(re.match(p[3:], module) if p.startswith("re:") else p == module for p in patterns)
-
-
-def read_compressed(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeight:
-  """One linear's codes, scales and zero points (their unsigned form: code = q + 2^(bits - 1))."""
-  if qc.storage == "pack-quantized":
-    packed = r.get("weight_packed", ("I32",))
-    out, per = packed.shape[0], 32 // qc.bits
-    r.check("weight_packed", packed, (out, -(-cols // per)))
-    shape = r.get("weight_shape", ("I32", "I64")).reshape(-1)
-    if shape.tolist() != [out, cols]:
-      raise ConfigError(f"compressed-tensors tensor {r.prefix}.weight_shape is {shape.tolist()}, expected {[out, cols]}")
-    codes = unpack_bits(packed, qc.bits, 1)[:, :cols]
-  else:
-    stored = r.get("weight", ("F8_E4M3",) if qc.storage == "float-quantized" else ("I8",))
-    out = stored.shape[0]
-    r.check("weight", stored, (out, cols))
-    codes = stored.copy() if qc.storage == "float-quantized" else (stored.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-  group, scales = _scales(r, qc, out, cols)
-  return UnpackedWeight(np.ascontiguousarray(codes), scales, _zero_points(r, qc, out, scales.shape[1]), _g_idx(r, cols, group),
-                        group, qc.bits)
-
-
-def _scales(r: Reader, qc: QuantizationConfig, out: int, cols: int) -> tuple[int, np.ndarray]:
-  """(the group size, float scales [out, groups]) for the scheme's strategy."""
-  scale = bf16_as_float32(r.get("weight_scale", ("F32", "F16", "BF16")))
-  if qc.strategy == "tensor":
-    if scale.size != 1: raise ConfigError(f"compressed-tensors tensor {r.prefix}.weight_scale holds {scale.size} values, expected one")
-    return cols, np.full((out, 1), scale.reshape(-1)[0], scale.dtype)
-  if qc.strategy == "block":
-    rows, group = qc.block_size
-    r.check("weight_scale", scale, (-(-out // rows), -(-cols // group)))
-    return group, np.repeat(scale, rows, axis=0)[:out].copy()
-  group = cols if qc.group_size == -1 else qc.group_size
-  if cols % group:
-    raise ConfigError(f"quantization_config group_size {group} does not divide {r.prefix}'s input dimension {cols}")
-  r.check("weight_scale", scale, (out, cols // group))
-  return group, scale.copy()
-
-
-def _zero_points(r: Reader, qc: QuantizationConfig, out: int, groups: int) -> np.ndarray | None:
-  """Asymmetric integer schemes' zero points [out, groups] (unsigned, as the codes); None: symmetric."""
-  if qc.symmetric: return None
-  if qc.storage == "int-quantized":
-    zero = r.get("weight_zero_point", ("I8",))
-    r.check("weight_zero_point", zero, (out, groups))
-    return (zero.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-  zero = r.get("weight_zero_point", ("I32",))
-  r.check("weight_zero_point", zero, (-(-out // (32 // qc.bits)), groups))
-  return np.ascontiguousarray(unpack_bits(zero, qc.bits, 0)[:out])
-
-
-def _g_idx(r: Reader, cols: int, group: int) -> np.ndarray | None:
-  """actorder "group": each column's group, where it is not the plain runs of `group` columns."""
-  if not r.has("weight_g_idx"): return None
-  g_idx = r.get("weight_g_idx", ("I32", "I64")).astype(np.int32)
-  r.check("weight_g_idx", g_idx, (cols,))
-  if g_idx.min() < 0 or g_idx.max() >= cols // group:
-    raise ConfigError(f"compressed-tensors tensor {r.prefix}.weight_g_idx names groups outside 0..{cols // group - 1}")
-  return None if np.array_equal(g_idx, np.arange(cols) // group) else g_idx
