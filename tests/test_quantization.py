@@ -35,6 +35,8 @@ CHECKPOINTS = {
   "ct-w8a16-channel-asym-qwen3": ("qwen3", "compressed-tensors",
                                   dict(format="pack-quantized", bits=8, strategy="channel", symmetric=False)),
   "ct-w8a8-int8-llama": ("llama", "compressed-tensors", dict(format="int-quantized", bits=8, strategy="channel", activations=True)),
+  "ct-w8a8-int8-g32-asym-qwen3": ("qwen3", "compressed-tensors",
+                                  dict(format="int-quantized", bits=8, strategy="group", group_size=32, symmetric=False)),
   "ct-fp8-dynamic-qwen3": ("qwen3", "compressed-tensors", dict(format="float-quantized", bits=8, strategy="channel", activations=True)),
   "ct-fp8-block-llama": ("llama", "compressed-tensors", dict(format="float-quantized", bits=8, strategy="block", block=(16, 32))),
   "ct-fp8-tensor-down-float-llama": ("llama", "compressed-tensors",
