@@ -17,6 +17,7 @@ in the compute dtype (weight-only), and start-up says so.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from tinyvllm.config import ConfigError
@@ -26,7 +27,18 @@ FORMATS = {"pack-quantized": "int", "int-quantized": "int", "float-quantized": "
 STRATEGIES = {"int": ("tensor", "channel", "group"), "float": ("tensor", "channel", "group", "block")}
 
 
-def scheme(raw: dict[str, Any], source: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class WeightScheme:
+  format: str                         # FORMATS' names
+  bits: int
+  strategy: str                       # STRATEGIES': what one scale covers
+  group_size: int                     # the group strategy's input columns; -1 otherwise
+  block: tuple[int, int] | None       # the block strategy's [rows, columns]
+  symmetric: bool                     # False: integer zero points stored beside the scales
+  activations: bool                   # the checkpoint also quantizes activations (not applied here)
+
+
+def scheme(raw: dict[str, Any], source: str) -> WeightScheme:
   """The weight scheme every Linear takes (checked), with its storage format and whether activations are quantized."""
   where = f"{source}: quantization_config"
   for name in ("kv_cache_scheme", "transform_config"):
@@ -44,7 +56,7 @@ def scheme(raw: dict[str, Any], source: str) -> dict[str, Any]:
   return schemes[0]
 
 
-def _group_scheme(group: Any, default_format: Any, where: str) -> dict[str, Any]:
+def _group_scheme(group: Any, default_format: Any, where: str) -> WeightScheme:
   if not isinstance(group, dict): raise ConfigError(f"{where} must be an object")
   if group.get("targets") != ["Linear"]:
     raise ConfigError(f"{where}.targets {group.get('targets')!r} is not supported (a scheme for every Linear is)")
@@ -68,8 +80,8 @@ def _group_scheme(group: Any, default_format: Any, where: str) -> dict[str, Any]
   if strategy == "group" and (not isinstance(group_size, int) or group_size < 1):
     raise ConfigError(f"{where}.weights.group_size must be a positive integer for the group strategy, got {group_size!r}")
   if strategy == "block": block = _block(weights.get("block_structure"), f"{where}.weights.block_structure")
-  return {"format": fmt, "bits": int(bits), "strategy": strategy, "group_size": group_size if strategy == "group" else -1,
-          "block": block, "symmetric": symmetric, "activations": bool(group.get("input_activations"))}
+  return WeightScheme(fmt, int(bits), strategy, group_size if strategy == "group" else -1, block, symmetric,
+                      bool(group.get("input_activations")))
 
 
 def _block(value: Any, where: str) -> tuple[int, int]:

@@ -80,9 +80,8 @@ def from_checkpoint(raw: dict[str, Any], source: str) -> QuantizationConfig:
     ignore = raw.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
       raise ConfigError(f"{source}: quantization_config.ignore must be a list of module names, got {ignore!r}")
-    return QuantizationConfig("compressed-tensors", ct["bits"], ct["group_size"], block_size=ct["block"], storage=ct["format"],
-                              strategy=ct["strategy"], symmetric=ct["symmetric"], ignore=tuple(ignore),
-                              activations=ct["activations"])
+    return QuantizationConfig("compressed-tensors", ct.bits, ct.group_size, block_size=ct.block, storage=ct.format,
+                              strategy=ct.strategy, symmetric=ct.symmetric, ignore=tuple(ignore), activations=ct.activations)
   if method == "gptq":
     version = str(raw.get("checkpoint_format", "gptq"))
     if version not in ("gptq", "gptq_v2"):
