@@ -154,7 +154,7 @@ def test_vllm_device_names_work(model_dir):
 
 @pytest.mark.parametrize("quantization_config", [
   {"quant_method": "bitsandbytes", "load_in_4bit": True},
-  {"quant_method": "compressed-tensors", "format": "float-quantized"},
+  {"quant_method": "hqq", "nbits": 4, "group_size": 64},
 ])
 def test_an_unsupported_quantized_checkpoint_fails_naming_its_method(model_dir, tmp_path, quantization_config):
   """At start-up, naming quantization_config.quant_method (the weights, stored differently, are never reached)."""

@@ -190,6 +190,7 @@ def _scheme(q: dict) -> dict: return q["config_groups"]["group_0"]
 
 @pytest.mark.parametrize(("edit", "message"), [
   (lambda q: q.update(format="marlin-24"), "format 'marlin-24' is not supported"),
+  (lambda q: q.pop("config_groups"), "quantization_config.config_groups is missing"),
   (lambda q: _scheme(q)["weights"].update(num_bits=4), "weights.num_bits is 4; int-quantized weights run with 8 bits"),
   (lambda q: _scheme(q)["weights"].update(strategy="token"), "weights.strategy 'token' is not supported for int weights"),
   (lambda q: _scheme(q).update(targets=["re:.*self_attn.*"]), "targets ['re:.*self_attn.*'] is not supported"),
