@@ -137,7 +137,9 @@ def write_quantized(hf_model, folder: Path, method: str, seed: int = 0, **option
   for name, t in state.items():
     if name == "lm_head.weight" and hf_model.config.tie_word_embeddings: continue   # the embedding table itself
     prefix = name.removesuffix(".weight")
-    left_float = any(re.match(p, prefix) for p in options.get("ignore", ()))   # compressed-tensors' ignore list
+    # compressed-tensors' ignore list (regular expressions); HF's modules_to_not_convert (parts of the names)
+    left_float = (any(re.match(p, prefix) for p in options.get("ignore", ()))
+                  or any(k in prefix for k in options.get("not_converted", ())))
     if not (name.endswith(".weight") and prefix.endswith(LINEARS)) or left_float:
       tensors[name] = t.contiguous()
       continue
@@ -157,6 +159,7 @@ def write_quantized(hf_model, folder: Path, method: str, seed: int = 0, **option
   hf_model.config.save_pretrained(folder)
   config = json.loads((folder / "config.json").read_text())
   config["quantization_config"] = quantization_config(method, options)
+  if options.get("not_converted"): config["quantization_config"]["modules_to_not_convert"] = list(options["not_converted"])
   (folder / "config.json").write_text(json.dumps(config))
   save_file(tensors, str(folder / "model.safetensors"))
   return dequantized

@@ -26,6 +26,8 @@ CHECKPOINTS = {
   "awq-g64-llama": ("llama-128", "awq", dict(group_size=64)),
   "fp8-blocks-qwen3": ("qwen3", "fp8", dict(weight_block_size=(16, 32))),
   "fp8-tensor-llama": ("llama", "fp8", {}),
+  # HF's modules_to_not_convert: the linears whose names hold one of them stay float
+  "awq-g32-down-float-qwen3": ("qwen3", "awq", dict(group_size=32, not_converted=("mlp.down_proj",))),
   # compressed-tensors (llm-compressor's W4A16 / W8A16 / W8A8 / FP8 schemes)
   "ct-w4a16-g32-qwen3": ("qwen3", "compressed-tensors", dict(format="pack-quantized", bits=4, strategy="group", group_size=32)),
   "ct-w4a16-g32-asym-llama": ("llama", "compressed-tensors",
@@ -65,7 +67,8 @@ def test_quantized_checkpoint_matches_hf_on_its_dequantized_weights(case, tmp_pa
   llm = LLM(str(tmp_path / "q"), max_num_seqs=2, num_gpu_blocks=32)
   layer = llm.engine.model.weights.layers[0]
   assert layer.qkv_proj.method == method and layer.qkv_proj.bits == options.get("bits", 4 if method == "awq" else 8)
-  assert isinstance(layer.down_proj, QuantizedWeight) != bool(options.get("ignore"))   # an ignored linear stays float
+  left_float = bool(options.get("ignore") or options.get("not_converted"))
+  assert isinstance(layer.down_proj, QuantizedWeight) != left_float   # a linear the checkpoint leaves float stays float
   check_against(load_dequantized(hf, dequantized), llm)
 
 
@@ -128,6 +131,7 @@ def edited(folder, tmp_path, config_edit=None, drop: str | None = None):
   (lambda q: q.update(bits=3), "quantization_config.bits is 3"),
   (lambda q: q.update(group_size=48), "group_size 48 does not divide model.layers.0.self_attn.q_proj's input dimension 64"),
   (lambda q: q.update(checkpoint_format="marlin"), "checkpoint_format 'marlin' is not supported"),
+  (lambda q: q.update(modules_to_not_convert="lm_head"), "modules_to_not_convert must be a list of module names, got 'lm_head'"),
 ])
 def test_bad_quantization_config_is_named(gptq_folder, tmp_path, edit, message):
   with pytest.raises(ConfigError, match=re.escape(message)):
@@ -182,7 +186,7 @@ def test_compressed_tensors_says_what_it_does_not_apply(compressed_folder, capfd
   err = capfd.readouterr().err
   assert "compressed-tensors (8-bit, int-quantized, per channel)" in err
   assert "activation quantization (input_activations) is not applied" in err
-  assert "2 linears left float by the checkpoint (quantization_config.ignore): model.layers.0.mlp.down_proj" in err
+  assert "2 linears left float by the checkpoint's quantization_config: model.layers.0.mlp.down_proj" in err
 
 
 def _scheme(q: dict) -> dict: return q["config_groups"]["group_0"]
@@ -198,7 +202,7 @@ def _scheme(q: dict) -> dict: return q["config_groups"]["group_0"]
   (lambda q: q.update(kv_cache_scheme={"num_bits": 8, "type": "float"}), "quantization_config.kv_cache_scheme is not supported"),
   (lambda q: q["config_groups"].update(group_1={**_scheme(q), "weights": {**_scheme(q)["weights"], "strategy": "group",
                                                                           "group_size": 32}}), "different weight schemes"),
-  (lambda q: q.update(ignore=[r"re:.*mlp\.up_proj$"]), "leaves model.layers.0.mlp.up_proj float (quantization_config.ignore) beside"),
+  (lambda q: q.update(ignore=[r"re:.*mlp\.up_proj$"]), "quantization_config leaves model.layers.0.mlp.up_proj float beside"),
 ])
 def test_bad_compressed_tensors_config_is_named(compressed_folder, tmp_path, edit, message):
   with pytest.raises(ConfigError, match=re.escape(message)):

@@ -2,7 +2,8 @@
 or --quantization quantizing a float checkpoint at load (int8, int4, fp8: round-to-nearest)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tinyvllm.config import ConfigError
@@ -23,13 +24,15 @@ class QuantizationConfig:
   zero_offset: int = 0                 # GPTQ v1 checkpoints store zero - 1
   block_size: tuple[int, int] | None = None   # FP8 weight_block_size [rows, columns]; None: one scale per tensor
   from_checkpoint: bool = True         # the checkpoint stores it (else: quantized at load from float weights)
+  # the modules the checkpoint leaves float: names, or "re:" and a regular expression matched from the start
+  # (compressed-tensors' ignore list; HF's modules_to_not_convert, any name holding one of them)
+  ignore: tuple[str, ...] = ()
   # compressed-tensors: the storage format (pack-quantized, int-quantized, float-quantized), the scale strategy
-  # (tensor, channel, group, block), zero points or none, the modules left float, and whether the checkpoint also
-  # quantizes activations (not applied here: weight-only)
+  # (tensor, channel, group, block), zero points or none, and whether the checkpoint also quantizes activations (not
+  # applied here: weight-only)
   storage: str = ""
   strategy: str = ""
   symmetric: bool = True
-  ignore: tuple[str, ...] = ()
   activations: bool = False
 
   @property
@@ -71,6 +74,20 @@ def _group(value: Any, source: str, name: str) -> int:
 
 def from_checkpoint(raw: dict[str, Any], source: str) -> QuantizationConfig:
   """The checkpoint's quantization_config, checked; raises naming the field that tinyvllm cannot run."""
+  config = _method_config(raw, source)
+  if config.method == "compressed-tensors": return config
+  return replace(config, ignore=_not_converted(raw.get("modules_to_not_convert"), source))
+
+
+def _not_converted(keys: Any, source: str) -> tuple[str, ...]:
+  """HF's modules_to_not_convert (module names holding any of these stay float) as ignore patterns."""
+  if keys is None: return ()
+  if not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys):
+    raise ConfigError(f"{source}: quantization_config.modules_to_not_convert must be a list of module names, got {keys!r}")
+  return tuple(f"re:.*{re.escape(k)}" for k in keys)
+
+
+def _method_config(raw: dict[str, Any], source: str) -> QuantizationConfig:
   method = str(raw.get("quant_method", "")).lower()
   if method not in CHECKPOINT_METHODS:
     raise ConfigError(f"{source}: quantization_config.quant_method {raw.get('quant_method')!r} is not supported "

@@ -29,7 +29,7 @@ class QuantizedSource:
     self.plain, self.qc, self.checkpoint, self.dtype, self.device, self.used = plain, qc, checkpoint, dtype, device, used
     self._notices: list[str] = []
     self._per_row: dict[str, int] = {}   # int4: projections whose input the group does not divide -> that input
-    self._float: list[str] = []          # linears the checkpoint leaves float (compressed-tensors' ignore list)
+    self._float: list[str] = []          # linears the checkpoint leaves float (QuantizationConfig.ignore)
     if qc.activations:
       self._notice(f"{qc.method}: the checkpoint's activation quantization (input_activations) is not applied: activations "
                    "stay in the compute dtype (weight-only)")
@@ -42,8 +42,8 @@ class QuantizedSource:
     prefixes = [n.removesuffix(".weight") for n in names]
     if (left := [p for p in prefixes if self.qc.ignores(p)]):
       if len(left) < len(prefixes):
-        raise ConfigError(f"{' + '.join(prefixes)}: the checkpoint leaves {', '.join(left)} float (quantization_config.ignore) "
-                          "beside quantized parts, which one fused product cannot take")
+        raise ConfigError(f"{' + '.join(prefixes)}: the checkpoint's quantization_config leaves {', '.join(left)} float beside "
+                          "quantized parts, which one fused product cannot take")
       self._float += left
       return self.plain(names, shape, kind)
     w = read_linear(self.checkpoint, prefixes, self.qc, cols, self.used)
@@ -72,7 +72,7 @@ class QuantizedSource:
   def notices(self) -> list[str]:
     """What start-up says about the weights."""
     per_row = ", ".join(f"{name} ({cols})" for name, cols in self._per_row.items())
-    left = [f"{len(self._float)} linears left float by the checkpoint (quantization_config.ignore): "
+    left = [f"{len(self._float)} linears left float by the checkpoint's quantization_config: "
             f"{', '.join(self._float[:4])}{', ...' if len(self._float) > 4 else ''}"] if self._float else []
     return self._notices + left + ([f"int4: one scale per output row where the input is not a multiple of the group "
                                     f"{INT4_GROUP}: {per_row}"] if per_row else [])
