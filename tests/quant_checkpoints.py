@@ -104,7 +104,8 @@ def compressed_tensors(w: np.ndarray, options: dict, order: np.ndarray) -> tuple
   """`order`: the columns in the order the quantizer took them (actorder "group": its groups are runs of that order)."""
   fmt, strategy, out, cols = options["format"], options["strategy"], *w.shape
   if fmt == "float-quantized":
-    packed, deq = fp8_tensors(w, options.get("block") if strategy == "block" else (1, cols) if strategy == "channel" else None)
+    block = {"block": options.get("block"), "channel": (1, cols), "group": (1, options.get("group_size"))}.get(strategy)
+    packed, deq = fp8_tensors(w, block)
     scale = packed.pop("weight_scale_inv", None) if strategy != "tensor" else packed.pop("weight_scale").reshape(1)
     return {"weight": packed["weight"], "weight_scale": scale}, deq
   bits, group = options["bits"], cols if strategy == "channel" else options["group_size"]

@@ -41,6 +41,7 @@ CHECKPOINTS = {
                                   dict(format="int-quantized", bits=8, strategy="group", group_size=32, symmetric=False)),
   "ct-fp8-dynamic-qwen3": ("qwen3", "compressed-tensors", dict(format="float-quantized", bits=8, strategy="channel", activations=True)),
   "ct-fp8-block-llama": ("llama", "compressed-tensors", dict(format="float-quantized", bits=8, strategy="block", block=(16, 32))),
+  "ct-fp8-g32-qwen3": ("qwen3", "compressed-tensors", dict(format="float-quantized", bits=8, strategy="group", group_size=32)),
   "ct-fp8-tensor-down-float-llama": ("llama", "compressed-tensors",
                                      dict(format="float-quantized", bits=8, strategy="tensor", ignore=(r".*mlp\.down_proj$",))),
 }
