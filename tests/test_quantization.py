@@ -127,22 +127,13 @@ def edited(folder, tmp_path, config_edit=None, drop: str | None = None):
   return dest
 
 
-@pytest.mark.parametrize(("edit", "message"), [
+GPTQ_BAD_CONFIGS = [
   (lambda q: q.update(quant_method="bitsandbytes"), "quant_method 'bitsandbytes' is not supported"),
   (lambda q: q.update(bits=3), "quantization_config.bits is 3"),
   (lambda q: q.update(group_size=48), "group_size 48 does not divide model.layers.0.self_attn.q_proj's input dimension 64"),
   (lambda q: q.update(checkpoint_format="marlin"), "checkpoint_format 'marlin' is not supported"),
   (lambda q: q.update(modules_to_not_convert="lm_head"), "modules_to_not_convert must be a list of module names, got 'lm_head'"),
-])
-def test_bad_quantization_config_is_named(gptq_folder, tmp_path, edit, message):
-  with pytest.raises(ConfigError, match=re.escape(message)):
-    LLM(str(edited(gptq_folder, tmp_path, edit)), num_gpu_blocks=16)
-
-
-def test_missing_scales_tensor_is_named(gptq_folder, tmp_path):
-  name = "model.layers.1.mlp.down_proj.scales"
-  with pytest.raises(ConfigError, match=f"GPTQ checkpoint is missing tensor {name}"):
-    LLM(str(edited(gptq_folder, tmp_path, drop=name)), num_gpu_blocks=16)
+]
 
 
 def test_quantization_flag_must_match_the_checkpoint(gptq_folder, stories_dir):
@@ -193,7 +184,7 @@ def test_compressed_tensors_says_what_it_does_not_apply(compressed_folder, capfd
 def _scheme(q: dict) -> dict: return q["config_groups"]["group_0"]
 
 
-@pytest.mark.parametrize(("edit", "message"), [
+COMPRESSED_BAD_CONFIGS = [
   (lambda q: q.update(format="marlin-24"), "format 'marlin-24' is not supported"),
   (lambda q: q.pop("config_groups"), "quantization_config.config_groups is missing"),
   (lambda q: _scheme(q)["weights"].update(num_bits=4), "weights.num_bits is 4; int-quantized weights run with 8 bits"),
@@ -204,16 +195,7 @@ def _scheme(q: dict) -> dict: return q["config_groups"]["group_0"]
   (lambda q: q["config_groups"].update(group_1={**_scheme(q), "weights": {**_scheme(q)["weights"], "strategy": "group",
                                                                           "group_size": 32}}), "different weight schemes"),
   (lambda q: q.update(ignore=[r"re:.*mlp\.up_proj$"]), "quantization_config leaves model.layers.0.mlp.up_proj float beside"),
-])
-def test_bad_compressed_tensors_config_is_named(compressed_folder, tmp_path, edit, message):
-  with pytest.raises(ConfigError, match=re.escape(message)):
-    LLM(str(edited(compressed_folder, tmp_path, edit)), num_gpu_blocks=16)
-
-
-def test_missing_compressed_tensors_scale_is_named(compressed_folder, tmp_path):
-  name = "model.layers.1.self_attn.o_proj.weight_scale"
-  with pytest.raises(ConfigError, match=f"COMPRESSED-TENSORS checkpoint is missing tensor {name}"):
-    LLM(str(edited(compressed_folder, tmp_path, drop=name)), num_gpu_blocks=16)
+]
 
 
 def test_vllm_marlin_names_take_the_same_checkpoints(gptq_folder):
@@ -221,3 +203,19 @@ def test_vllm_marlin_names_take_the_same_checkpoints(gptq_folder):
   assert llm.engine.model.weights.layers[0].qkv_proj.method == "gptq"
   with pytest.raises(ConfigError, match=re.escape("--quantization awq does not match the checkpoint's quantization_config")):
     LLM(str(gptq_folder), quantization="awq_marlin", num_gpu_blocks=16)
+
+
+@pytest.mark.parametrize(("folder", "edit", "message"), [("gptq_folder", *case) for case in GPTQ_BAD_CONFIGS]
+                         + [("compressed_folder", *case) for case in COMPRESSED_BAD_CONFIGS])
+def test_bad_quantization_config_is_named(request, tmp_path, folder, edit, message):
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    LLM(str(edited(request.getfixturevalue(folder), tmp_path, edit)), num_gpu_blocks=16)
+
+
+@pytest.mark.parametrize(("folder", "name", "method"), [
+  ("gptq_folder", "model.layers.1.mlp.down_proj.scales", "GPTQ"),
+  ("compressed_folder", "model.layers.1.self_attn.o_proj.weight_scale", "COMPRESSED-TENSORS"),
+])
+def test_missing_scales_tensor_is_named(request, tmp_path, folder, name, method):
+  with pytest.raises(ConfigError, match=f"{method} checkpoint is missing tensor {name}"):
+    LLM(str(edited(request.getfixturevalue(folder), tmp_path, drop=name)), num_gpu_blocks=16)
