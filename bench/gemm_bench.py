@@ -3,7 +3,8 @@ decode kernel against tinygrad's own ops on the device, then time per call, achi
 (planner's choice, other tiles, splits, shared-memory stage counts and K slice depths, cuBLAS through torch as the
 ceiling) for Qwen3-0.6B's projections.
 
-Usage (GPU machine): DEV=CUDA python bench/gemm_bench.py [--quick] [--rows 1,32,256]; writes $OUT/gemm_bench.json when
+Usage (GPU machine): DEV=CUDA python bench/gemm_bench.py [--quick] [--rows 1,32,256] [--projections qkv,gate_up];
+writes $OUT/gemm_bench.json when
 OUT is set. Environment: GEMM_ONLY_PLANNED=1 times the planner's tiles alone (with the prologue in the loop and as its
 own pass), GEMM_ONLY_WGMMA=1 the planner's and the wgmma tiles, GEMM_WGMMA=0 leaves the wgmma tiles out;
 GEMM_QUANT=int8|int4|fp8 times the weights quantized by round-to-nearest (int4 in groups of 128) with the planner's
@@ -223,8 +224,9 @@ def variants_for(m: int, o: int, k: int, opts: dict) -> list[dict]:
   return out
 
 
-def bench(device: str, rows: list[int], replays: int) -> None:
+def bench(device: str, rows: list[int], replays: int, projections: set[str] | None = None) -> None:
   for name, o, k, opts in PROJECTIONS:
+    if projections and name not in projections: continue
     wbytes = o * k * {"int8": 1, "fp8": 1, "int4": 0.5}.get(os.environ.get("GEMM_QUANT", ""), 2)
     copies = max(2, min(16, math.ceil(256e6 / wbytes)))
     for m in rows:
@@ -251,6 +253,7 @@ def main() -> None:
   p = argparse.ArgumentParser()
   p.add_argument("--quick", action="store_true")
   p.add_argument("--rows", default="1,4,16,32,64,128,256,1024,4096")
+  p.add_argument("--projections", default="", help="comma-separated names of PROJECTIONS to time (default: all)")
   args = p.parse_args()
   from tinygrad import Device
   device = Device.DEFAULT
@@ -258,7 +261,7 @@ def main() -> None:
   try:
     if not os.environ.get("GEMM_NO_CHECK"): check(device)
     rows = [1, 32, 256] if args.quick else [int(r) for r in args.rows.split(",")]
-    bench(device, rows, replays=5 if args.quick else 20)
+    bench(device, rows, 5 if args.quick else 20, set(filter(None, args.projections.split(","))))
   finally:
     RESULTS["seconds"] = round(time.perf_counter() - t0, 1)
     if os.environ.get("OUT"): (Path(os.environ["OUT"]) / "gemm_bench.json").write_text(json.dumps(RESULTS, indent=1))

@@ -60,6 +60,8 @@ CASES = {
                                         GemmTiles.warpgroup(64, 256, 2, ring=2)),
   "bf16_m130_wgmma_64x64_norm_xprime_logits": ("bfloat16", 130, 128, 330, False, True, False, False, True,
                                                GemmTiles.warpgroup(64, 64)),
+  # four warpgroups over 256 rows (the planner's gate_up tile at 192-256-row decode batches), the row block partial
+  "bf16_m200_wgmma_256x64_norm": ("bfloat16", 200, 256, 72, False, True, False, False, False, GemmTiles.warpgroup(256, 64)),
 }
 # emulator self-tests of dynamic shared memory: each thread writes its slot (TV_SHIFT slots further on: past the end
 # for a shift of 1), then reads its neighbour's
@@ -138,8 +140,8 @@ def test_planner_fills_the_gpu_and_splits_only_whole_slices():
   # on Hopper (wgmma), from 128 rows: the measured tiles; below, and for long K below 256 rows, mma.sync's
   hopper = lambda rows, k, o, silu=False: choose_tiles(rows, k, o, HOPPER, silu)
   assert hopper(8192, 3072, 1024, True) == hopper(256, 1024, 151936) == GemmTiles.warpgroup(128, 128, ring=3)
-  assert hopper(256, 1024, 6144) == GemmTiles.warpgroup(64, 64) and hopper(256, 2048, 1024) == GemmTiles.warpgroup(128, 64, 4)
-  assert hopper(128, 2048, 1024) == mma(128, 2048, 1024) and hopper(64, 1024, 4096) == mma(64, 1024, 4096)
+  assert hopper(256, 1024, 6144) == GemmTiles.warpgroup(256, 64) and hopper(256, 2048, 1024) == GemmTiles.warpgroup(128, 64, 4)
+  assert hopper(128, 2048, 1024) == mma(128, 2048, 1024) and hopper(63, 1024, 4096) == mma(63, 1024, 4096)
   assert hopper(256, 1000, 4096) == mma(256, 1000, 4096)   # K not in whole 64-wide slices
   for rows, k, o in ((1, 96, 8), (300, 1024, 1024), (48, 4864, 896)):
     t = mma(rows, k, o)
@@ -249,7 +251,7 @@ PACKED = {
   "int8_bf16_m65_g128_wgmma_norm_xprime": ("bfloat16", 65, 384, 330, "int8", 128, True, False, False, GemmTiles.warpgroup(64, 64)),
   # four warpgroups over 256 rows (a 256-row decode batch's column block dequantized once), the last row block partial
   "int4_bf16_m260_g64_wgmma_256x64_norm": ("bfloat16", 260, 256, 72, "int4", 64, True, False, False, GemmTiles.warpgroup(256, 64)),
-  # the planner's packed tiles at decode batches (packed_wgmma_tiles): 64x64 with K split in two, then 128x64
+  # the planner's packed tiles at decode batches (short_k_tiles): 64x64 with K split in two, then 64x64 or 128x64
   "int4_bf16_m48_g64_norm_planned": ("bfloat16", 48, 256, 72, "int4", 64, True, False, False, None),
   "int8_bf16_m100_channel_planned": ("bfloat16", 100, 256, 136, "int8", 256, False, False, True, None),
   # groups of 16 (GGUF Q6_K, and Q4_K_M's mixed q/k/v): one scale a 16-byte chunk of int8 codes
@@ -315,14 +317,23 @@ def test_packed_weights_take_the_gemm_above_the_skinny_rows():
   with pytest.raises(ValueError, match="group 12"): gemm_plan(packed(64, "int8", 12), HOPPER)
 
 
-def test_packed_weights_take_taller_tiles_at_decode_batches():
-  """Each row block dequantizes its column block's codes again: short-K packed products take the table's taller wgmma
-  tiles above 16 rows (H100: qkv at 64 rows int4 34.0 -> 15.1 us, at 256 rows int8 28.3 -> 22.4); long K, prompt
-  chunks and GPUs without wgmma keep the plain weights' choice."""
+def test_short_k_products_take_the_tallest_tile_that_fills_the_gpu():
+  """qkv and gate_up at decode batches on Hopper (H200, µs): up to 64 rows a 64x64 wgmma tile with K split in two
+  (plain bf16 gate_up at 64 rows 20.0 -> 15.2 against mma.sync's tile; packed weights from 17 rows), above that the
+  tallest tile that still gives most SMs a block without padding its row blocks by more than a quarter (int4 qkv at 128
+  rows 18.0 -> 15.1 in 64x64 tiles; gate_up at 256 rows 28.9 -> 27.1 in 256x64). Long K, prompt chunks and GPUs
+  without wgmma keep their choice."""
+  tiles = lambda rows, o=4096, packed=False: choose_tiles(rows, 1024, o, HOPPER, packed=packed)
+  for packed in (False, True):
+    assert tiles(64, packed=packed) == GemmTiles.warpgroup(64, 64, 2)
+    assert tiles(128, packed=packed) == GemmTiles.warpgroup(64, 64)            # 128x64: 32 blocks on 132 SMs
+    assert tiles(128, 6144, packed) == tiles(256, packed=packed) == GemmTiles.warpgroup(128, 64)
+    assert tiles(192, 6144, packed) == tiles(256, 6144, packed) == GemmTiles.warpgroup(256, 64)
+    assert tiles(300, 6144, packed) == GemmTiles.warpgroup(128, 64)            # 256x64 would pad 212 of 512 rows
+    assert tiles(1024, packed=packed) == GemmTiles.warpgroup(128, 128, ring=3)
+  assert tiles(16, packed=True) == tiles(16) == GemmTiles(16, 64, 1, 4, 4)    # one row block
+  assert tiles(17, packed=True) == GemmTiles.warpgroup(64, 64, 2) and not tiles(17).wgmma
   packed = lambda rows, k=1024, o=4096, target=HOPPER: choose_tiles(rows, k, o, target, packed=True)
-  assert packed(16) == choose_tiles(16, 1024, 4096, HOPPER) == GemmTiles(16, 64, 1, 4, 4)   # one row block
-  assert packed(17) == packed(64) == GemmTiles.warpgroup(64, 64, 2)
-  assert packed(65) == packed(256, o=6144) == packed(1023) == GemmTiles.warpgroup(128, 64)
-  assert packed(1024) == choose_tiles(1024, 1024, 4096, HOPPER) == GemmTiles.warpgroup(128, 128, ring=3)
   assert packed(256, 2048, 1024) == choose_tiles(256, 2048, 1024, HOPPER) and packed(256, 1000) == choose_tiles(256, 1000, 4096, HOPPER)
   assert packed(64, target=MMA) == choose_tiles(64, 1024, 4096, MMA)
+  assert packed(64, 960) == GemmTiles.warpgroup(64, 64)                        # K not in two whole 64-wide halves

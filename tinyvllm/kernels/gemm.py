@@ -101,13 +101,11 @@ def packed_reason(shape) -> str | None:
 
 def wgmma_tiles(rows: int, in_features: int, out_features: int, t: GemmTuning) -> GemmTiles | None:
   """Hopper's wgmma tiles where they beat mma.sync's, None elsewhere: the 128x128 tile with 3 stages (two blocks an
-  SM) for prompt chunks and wide outputs (the logits), a 64x64 tile for the other decode-batch products and, for long
-  K from wgmma_long_k_rows, a 128x64 tile with K split until the grid fills (below it mma.sync's split tile is as
-  fast)."""
+  SM) for prompt chunks and wide outputs (the logits) and, for long K from wgmma_long_k_rows, a 128x64 tile with K
+  split until the grid fills (below it mma.sync's split tile is as fast). Short K at decode batches: short_k_tiles."""
   if in_features % 64 or rows < t.wgmma_min_rows: return None
   if rows >= t.wgmma_prompt_rows or out_features >= t.wgmma_wide_out: return GemmTiles.warpgroup(128, 128, ring=3)
-  if in_features < t.long_k: return GemmTiles.warpgroup(64, 64)
-  if rows < t.wgmma_long_k_rows: return None
+  if in_features < t.long_k or rows < t.wgmma_long_k_rows: return None
   blocks, splits = cdiv(rows, 128) * cdiv(out_features, 64), 1
   while splits < t.long_k_max_splits and blocks * splits < t.target_blocks and in_features % (128 * splits) == 0 \
       and in_features // (128 * splits) >= t.min_ktiles_per_split:
@@ -115,24 +113,31 @@ def wgmma_tiles(rows: int, in_features: int, out_features: int, t: GemmTuning) -
   return GemmTiles.warpgroup(128, 64, splits)
 
 
-def packed_wgmma_tiles(rows: int, in_features: int, t: GemmTuning) -> GemmTiles | None:
-  """Packed weights' wgmma tiles for short-K products (qkv, gate_up) at decode batches above packed_min_rows: every row
-  block dequantizes its column block's codes again, so the plain weights' thin tiles (whose extra row blocks only
-  re-read L2) cost packed ones 1.5-2.2x; the table's taller tiles (bench/gemm_bench.py with GEMM_QUANT_TILES). Long K
-  and prompt chunks keep the plain weights' tiles. None where these do not apply."""
-  if in_features % 64 or in_features >= t.long_k or not t.packed_min_rows < rows < t.wgmma_prompt_rows: return None
-  bm, bn, splits = next((tile for limit, *tile in t.packed_row_tiles if rows <= limit), (0, 0, 0))
-  return GemmTiles.warpgroup(bm, bn, splits) if bm and in_features % (64 * splits) == 0 else None
+def short_k_tiles(rows: int, in_features: int, out_features: int, packed: bool, t: GemmTuning,
+                  multiprocessors: int) -> GemmTiles | None:
+  """wgmma tiles for short-K products (qkv, gate_up) at decode batches: up to short_k_split_rows a 64x64 tile with K
+  split in two (one row block leaves most SMs idle), above that the tallest tile whose grid still gives most SMs a
+  block and whose row blocks are mostly rows. Fewer row blocks pay for every weight (a packed one's column block is
+  dequantized once a row block, a plain one's re-read from L2), but a grid of a wave and a half idles a third of the
+  second wave (H200, int4 gate_up at 256 rows: 128x64 tiles, 192 blocks, 28.9 µs; 256x64, 96 blocks, 27.1; bf16
+  24.2 -> 23.4). None where this does not apply (long K, prompt chunks, wide outputs)."""
+  if in_features % 64 or in_features >= t.long_k or out_features >= t.wgmma_wide_out: return None
+  if not (t.packed_min_rows < rows if packed else t.short_k_min_rows <= rows) or rows >= t.wgmma_prompt_rows: return None
+  if rows <= t.short_k_split_rows: return GemmTiles.warpgroup(64, 64, 2 if in_features % 128 == 0 else 1)
+  fills = lambda bm: cdiv(rows, bm) * cdiv(out_features, 64) >= t.short_k_min_fill * multiprocessors
+  padded = lambda bm: cdiv(rows, bm) * bm * (1 - t.short_k_max_padding) > rows
+  return GemmTiles.warpgroup(next((bm for bm in t.short_k_tile_rows if fills(bm) and not padded(bm)), 64), 64)
 
 
 def choose_tiles(rows: int, in_features: int, out_features: int, target: DeviceTarget, silu_mul: bool = False,
                  packed: bool = False) -> GemmTiles:
   """The tuning table's choice (measured with bench/gemm_bench.py): many small tiles beat fewer large ones while the
   weights dominate, and splitting K only pays when even the smallest tiles leave the GPU idle. Tiles that leave room
-  for fewer than three shared-memory stages are skipped where a smaller one will do. On Hopper, packed_wgmma_tiles
-  (`packed`: quantized weights) and wgmma_tiles first."""
+  for fewer than three shared-memory stages are skipped where a smaller one will do. On Hopper, short_k_tiles
+  (`packed`: quantized weights, from fewer rows) and wgmma_tiles first."""
   t = tuning_for(target.kind).gemm
-  if target.wgmma and packed and (tiles := packed_wgmma_tiles(rows, in_features, t)) is not None: return tiles
+  if target.wgmma and (tiles := short_k_tiles(rows, in_features, out_features, packed, t, target.multiprocessors)):
+    return tiles
   if target.wgmma and (tiles := wgmma_tiles(rows, in_features, out_features, t)) is not None: return tiles
   fits = lambda tile: GemmTiles(*tile, 1).stages(target, silu_mul) >= 3
   if in_features >= t.long_k and t.long_k_rows[0] <= rows <= t.long_k_rows[1] and fits(t.long_k_tile):

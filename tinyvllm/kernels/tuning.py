@@ -56,9 +56,16 @@ class GemmTuning:
   wgmma_long_k_rows: int          # 128x128 tile for prompt chunks (wgmma_prompt_rows) and wide outputs (the logits)
   wgmma_prompt_rows: int
   wgmma_wide_out: int
-  packed_min_rows: int            # packed (quantized) weights on Hopper, short K, above this many rows: the wgmma tile
-  packed_row_tiles: tuple[tuple[int, int, int, int], ...]   # (rows up to, bm, bn, K splits) of the first entry that
-                                                            # takes the rows (taller tiles: each row block dequantizes)
+  # short-K products (K below long_k: qkv, gate_up) at decode batches on Hopper: wgmma from short_k_min_rows rows
+  # (packed weights from above packed_min_rows); up to short_k_split_rows a 64x64 tile with K split in two, above
+  # the tallest of short_k_tile_rows whose grid gives short_k_min_fill of the SMs a block and pads its row blocks
+  # by at most short_k_max_padding
+  short_k_min_rows: int
+  packed_min_rows: int
+  short_k_split_rows: int
+  short_k_tile_rows: tuple[int, ...]
+  short_k_min_fill: float
+  short_k_max_padding: float
 
 
 @dataclass(frozen=True)
