@@ -32,7 +32,7 @@ def _shape(name: str) -> LinearShape:
   return LinearShape(dtype, m, k, o, bias, EPS if norm else None, silu, res, f32)
 
 
-LAYOUTS = {"planned": None, "r1k3": SkinnyLayout(1, 3), "r8k2": SkinnyLayout(8, 2)}
+LAYOUTS = {"planned": None, "r1k3": SkinnyLayout(1, 3), "r8k2": SkinnyLayout(8, 2), "r4k1": SkinnyLayout(4, 1)}
 
 
 def _specs(cases: dict, shape_of) -> list[Spec]:
@@ -74,6 +74,11 @@ def test_layout_spreads_long_rows_over_warps():
   assert skinny_layout(shape(776)) == SkinnyLayout(2, 4) and skinny_layout(shape(1280)) == SkinnyLayout(2, 5)   # 4, 5 steps
   assert skinny_layout(shape(2048, weight="int4", group=128)) == SkinnyLayout(4, 2)
   assert skinny_layout(shape(2048, rows=3)) == SkinnyLayout(4, 8)
+  # from three rows, wide outputs split K only as far as a full grid and four steps a warp need (their cross-warp sums
+  # cost): Qwen3-0.6B's logits one warp a block, Qwen3-30B-A3B's (K 2,048: 8 steps) two; at one row as before
+  logits = lambda k, rows: LinearShape("bfloat16", rows, k, 151936, False, EPS, False, False, True)
+  assert skinny_layout(logits(1024, 5)) == SkinnyLayout(4, 1) and skinny_layout(logits(2048, 8)) == SkinnyLayout(4, 2)
+  assert skinny_layout(logits(1024, 1)) == SkinnyLayout(2, 4)
   plan = linear_plan(shape(8192))
   assert plan.launch.grid == (1024, 1, 1) and plan.launch.threads == 256 and plan.defines["TV_KSPLIT"] == 8
 

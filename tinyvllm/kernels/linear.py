@@ -25,6 +25,9 @@ from tinyvllm.platform.target import DeviceTarget
 
 MAX_ROWS = 16
 MAX_KSPLIT = 8         # warps a block at most, sharing its columns' K (a step: 32 lanes' 16-byte vectors of each row)
+# from three rows a K split costs its cross-warp sums (rows x columns partials a block), so it goes only as far as a
+# grid of GRID_WARPS warps (an H100's 132 SMs x 64 resident) and MAX_WARP_STEPS steps a warp need
+GRID_WARPS, MAX_WARP_STEPS = 8192, 4
 DTYPE_NAMES = {dtypes.float32: "float32", dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}
 
 
@@ -84,10 +87,16 @@ def skinny_layout(shape: LinearShape) -> SkinnyLayout:
   lane cover more columns. Warps: K's steps shared by as many as divide them evenly, up to MAX_KSPLIT. One row on an H100
   (bench/skinny_bench.py, us a call): Qwen3-30B-A3B's o (K 4,096, 16 steps) 11.5 with one warp a block, 7.5 with 8;
   Llama-3.2-1B's down (K 8,192) 30.9 and 15.1; its int4 down (8 steps of 32-column spans) 29.8 with 4 columns and one
-  warp, 10.0 with 8 warps; a K of 3,072 (12 steps) 14.0 with 8 warps (four take one step more), 12.2 with 4."""
+  warp, 10.0 with 8 warps; a K of 3,072 (12 steps) 14.0 with 8 warps (four take one step more), 12.2 with 4. Wide
+  outputs have warps to spare: Qwen3-0.6B's logits (37,984 blocks) at 5 rows 150.2 with 4 warps, 121.2 with one; at 8
+  rows 209.6 and 160.4; Qwen3-30B-A3B's (K 2,048) at 8 rows 498.4 with 8 warps, 300.1 with 2."""
   steps = -(-shape.in_features // (32 * lane_columns(shape)))
-  ksplit = max(s for s in range(1, MAX_KSPLIT + 1) if steps % s == 0)
-  return SkinnyLayout(2 if shape.rows <= 2 and shape.weight == "elem" else 4, ksplit)
+  splits = [s for s in range(1, MAX_KSPLIT + 1) if steps % s == 0]
+  rpw, ksplit = 2 if shape.rows <= 2 and shape.weight == "elem" else 4, max(splits)
+  if shape.rows > 2:
+    blocks = -(-shape.out_features // rpw)
+    ksplit = next((s for s in splits if blocks * s >= GRID_WARPS and steps // s <= MAX_WARP_STEPS), ksplit)
+  return SkinnyLayout(rpw, ksplit)
 
 
 def linear_plan(shape: LinearShape, layout: SkinnyLayout | None = None) -> LinearPlan:
@@ -126,10 +135,11 @@ def skinny_source(dialect: str | None, shape: LinearShape, layout: SkinnyLayout 
 
 
 def pick_kernel(target: DeviceTarget, shape: LinearShape) -> str | None:
-  """"skinny" (linear.inc) up to the tuning table's rows, "gemm" (tensor cores, CUDA) above, the skinny one up to
-  MAX_ROWS where the gemm cannot run (Metal, float32); None: neither takes the shape."""
-  skinny = unsupported_reason(shape) is None
-  if skinny and shape.rows <= tuning_for(target.kind).linear.skinny_max_rows: return "skinny"
+  """"skinny" (linear.inc) up to the tuning table's rows (more for wide outputs: the logits), "gemm" (tensor cores,
+  CUDA) above, the skinny one up to MAX_ROWS where the gemm cannot run (Metal, float32); None: neither takes it."""
+  skinny, t = unsupported_reason(shape) is None, tuning_for(target.kind).linear
+  wide = shape.out_features >= t.skinny_wide_out
+  if skinny and shape.rows <= (t.skinny_wide_max_rows if wide else t.skinny_max_rows): return "skinny"
   if gemm_unsupported_reason(shape.dtype, shape.rows, shape.in_features, shape.out_features, target) is None \
       and packed_reason(shape) is None: return "gemm"
   return "skinny" if skinny else None
