@@ -52,6 +52,31 @@ def _group_size(qc: QuantizationConfig, cols: int, r: Reader) -> int:
   return group
 
 
+def _g_idx(r: Reader, name: str, cols: int, group: int) -> np.ndarray | None:
+  """Each column's group (act-order), checked; None where it is absent or the plain runs of `group` columns."""
+  if not r.has(name): return None
+  g_idx = r.get(name, ("I32", "I64")).astype(np.int32)
+  r.check(name, g_idx, (cols,))
+  if g_idx.min() < 0 or g_idx.max() >= cols // group:
+    raise ConfigError(f"{r.method.upper()} tensor {r.prefix}.{name} names groups outside 0..{cols // group - 1}")
+  return None if np.array_equal(g_idx, np.arange(cols) // group) else g_idx
+
+
+def _tensor_scale(r: Reader, name: str, out: int) -> np.ndarray:
+  """One scale for the whole tensor, as [out, 1]."""
+  scale = bf16_as_float32(r.get(name, ("F32", "F16", "BF16"))).reshape(-1)
+  if scale.size != 1: raise ConfigError(f"{r.method.upper()} tensor {r.prefix}.{name} holds {scale.size} values, expected one (per tensor)")
+  return np.full((out, 1), scale[0], np.float32)
+
+
+def _block_scales(r: Reader, name: str, out: int, cols: int, block: tuple[int, int]) -> np.ndarray:
+  """A scale per [rows, columns] block, repeated over each block's rows: [out, ceil(cols / columns)]."""
+  rows, columns = block
+  scale = bf16_as_float32(r.get(name, ("F32", "F16", "BF16"))).astype(np.float32)
+  r.check(name, scale, (-(-out // rows), -(-cols // columns)))
+  return np.repeat(scale, rows, axis=0)[:out].copy()
+
+
 def read_gptq(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeight:
   qweight = r.get("qweight", ("I32",))
   per = 32 // qc.bits
@@ -63,13 +88,8 @@ def read_gptq(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeight:
   r.check("qzeros", qzeros, (groups, -(-out // per)))
   zeros = unpack_bits(qzeros, qc.bits, axis=-1)[:, :out].astype(np.int32) + qc.zero_offset
   if qc.desc_act and not r.has("g_idx"): raise ConfigError(f"GPTQ checkpoint with desc_act true is missing tensor {r.prefix}.g_idx")
-  g_idx = r.get("g_idx", ("I32",)) if r.has("g_idx") else None
-  if g_idx is not None:
-    r.check("g_idx", g_idx, (cols,))
-    if g_idx.min() < 0 or g_idx.max() >= groups: raise ConfigError(f"GPTQ tensor {r.prefix}.g_idx names groups outside 0..{groups - 1}")
-    if np.array_equal(g_idx, np.arange(cols) // group): g_idx = None   # plain runs (desc_act false)
   return UnpackedWeight(np.ascontiguousarray(unpack_bits(qweight, qc.bits, axis=0).T), bf16_as_float32(scales).T.copy(),
-                        zeros.astype(np.uint8).T.copy(), None if g_idx is None else g_idx.astype(np.int32), group, qc.bits)
+                        zeros.astype(np.uint8).T.copy(), _g_idx(r, "g_idx", cols, group), group, qc.bits)
 
 
 def read_awq(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeight:
@@ -90,14 +110,9 @@ def read_fp8(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeight:
   codes = r.get("weight", ("F8_E4M3",))
   out = codes.shape[0]
   r.check("weight", codes, (out, cols))
-  if qc.block_size is None:
-    scale = r.get("weight_scale", ("F32", "F16", "BF16")).reshape(-1)
-    if scale.size != 1: raise ConfigError(f"FP8 tensor {r.prefix}.weight_scale holds {scale.size} values, expected one (per tensor)")
-    return UnpackedWeight(codes.copy(), np.full((out, 1), bf16_as_float32(scale)[0], np.float32), None, None, cols, 8)
-  rows, group = qc.block_size
-  scale_inv = bf16_as_float32(r.get("weight_scale_inv", ("F32", "F16", "BF16"))).astype(np.float32)
-  r.check("weight_scale_inv", scale_inv, (-(-out // rows), -(-cols // group)))
-  return UnpackedWeight(codes.copy(), np.repeat(scale_inv, rows, axis=0)[:out].copy(), None, None, group, 8)
+  if qc.block_size is None: return UnpackedWeight(codes.copy(), _tensor_scale(r, "weight_scale", out), None, None, cols, 8)
+  scales = _block_scales(r, "weight_scale_inv", out, cols, qc.block_size)
+  return UnpackedWeight(codes.copy(), scales, None, None, qc.block_size[1], 8)
 
 
 def read_compressed(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeight:
@@ -116,23 +131,16 @@ def read_compressed(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWei
     r.check("weight", stored, (out, cols))
     codes = stored.copy() if qc.storage == "float-quantized" else (stored.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
   group, scales = _ct_scales(r, qc, out, cols)
-  return UnpackedWeight(np.ascontiguousarray(codes), scales, _ct_zero_points(r, qc, out, scales.shape[1]), _ct_g_idx(r, cols, group),
-                        group, qc.bits)
+  return UnpackedWeight(np.ascontiguousarray(codes), scales, _ct_zero_points(r, qc, out, scales.shape[1]),
+                        _g_idx(r, "weight_g_idx", cols, group), group, qc.bits)
 
 
 def _ct_scales(r: Reader, qc: QuantizationConfig, out: int, cols: int) -> tuple[int, np.ndarray]:
   """(the group size, float scales [out, groups]) for the scheme's strategy."""
+  if qc.strategy == "tensor": return cols, _tensor_scale(r, "weight_scale", out)
+  if qc.strategy == "block": return qc.block_size[1], _block_scales(r, "weight_scale", out, cols, qc.block_size)
+  group = _group_size(qc, cols, r)
   scale = bf16_as_float32(r.get("weight_scale", ("F32", "F16", "BF16")))
-  if qc.strategy == "tensor":
-    if scale.size != 1: raise ConfigError(f"compressed-tensors tensor {r.prefix}.weight_scale holds {scale.size} values, expected one")
-    return cols, np.full((out, 1), scale.reshape(-1)[0], scale.dtype)
-  if qc.strategy == "block":
-    rows, group = qc.block_size
-    r.check("weight_scale", scale, (-(-out // rows), -(-cols // group)))
-    return group, np.repeat(scale, rows, axis=0)[:out].copy()
-  group = cols if qc.group_size == -1 else qc.group_size
-  if cols % group:
-    raise ConfigError(f"quantization_config group_size {group} does not divide {r.prefix}'s input dimension {cols}")
   r.check("weight_scale", scale, (out, cols // group))
   return group, scale.copy()
 
@@ -147,16 +155,6 @@ def _ct_zero_points(r: Reader, qc: QuantizationConfig, out: int, groups: int) ->
   zero = r.get("weight_zero_point", ("I32",))
   r.check("weight_zero_point", zero, (-(-out // (32 // qc.bits)), groups))
   return np.ascontiguousarray(unpack_bits(zero, qc.bits, 0)[:out])
-
-
-def _ct_g_idx(r: Reader, cols: int, group: int) -> np.ndarray | None:
-  """actorder "group": each column's group, where it is not the plain runs of `group` columns."""
-  if not r.has("weight_g_idx"): return None
-  g_idx = r.get("weight_g_idx", ("I32", "I64")).astype(np.int32)
-  r.check("weight_g_idx", g_idx, (cols,))
-  if g_idx.min() < 0 or g_idx.max() >= cols // group:
-    raise ConfigError(f"compressed-tensors tensor {r.prefix}.weight_g_idx names groups outside 0..{cols // group - 1}")
-  return None if np.array_equal(g_idx, np.arange(cols) // group) else g_idx
 
 
 READERS = {"gptq": read_gptq, "awq": read_awq, "fp8": read_fp8, "compressed-tensors": read_compressed}
