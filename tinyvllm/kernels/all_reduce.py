@@ -6,7 +6,9 @@ Qwen3-8B decode step at TP=2 held 72 of them (1,022 nodes): it cost the host 3.5
 against 5.8 ms for the whole step on one GPU. With this kernel each device's part of the step is a chain of its own
 kernels, and the devices meet only inside the all-reduce kernels (csrc/cuda/all_reduce.inc says how).
 
-Each device's exchange and signal buffers are allocated once, when the model is built (outside any capture). A call
+Small calls (a decode step's) push: each device stores its partial into the others' memory, each word paired with the
+launch's number, and reads theirs from its own as they arrive (NCCL's low-latency protocol); larger ones pull, after
+a flag handshake. Each device's exchange and signal buffers are allocated once, when the model is built (outside any capture). A call
 larger than an exchange slot (a long prompt chunk), in a dtype or size the kernel does not take, goes to the portable
 all-reduce; the sums are the same bits either way (the devices' partials added in their order in float32).
 """
@@ -30,6 +32,10 @@ from tinyvllm.platform import tinygrad_compat as compat
 THREADS = 512
 MAX_BLOCKS = 32          # blocks of one launch (the signal buffer's flag rows); larger calls give each block more vectors
 SLOT_BYTES = 8 << 20     # one of an exchange buffer's two slots: 256 rows of 16,384 bfloat16 values
+LL_MAX_BYTES = 512 << 10  # the largest call the push (LL) protocol takes: 64 rows of 4,096 bfloat16 values, a decode step's
+MAX_WORLD = 8
+LL_SLOT_BYTES = MAX_WORLD * 2 * LL_MAX_BYTES   # one of the two LL slots: every device's data, each word paired with a flag
+EXCHANGE_BYTES = 2 * SLOT_BYTES + 2 * LL_SLOT_BYTES
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,7 @@ class AllReducePlan:
   dtype: str
   residual: bool
   broadcast: bool
+  ll: bool
   defines: dict[str, int | str] = field(compare=False)
   launches: tuple[Launch, ...] = field(compare=False)
 
@@ -58,16 +65,24 @@ def unsupported_reason(numel: int, dtype: str, world: int) -> str | None:
   vec = 16 // ELEM_BYTES[dtype_code(dtype)]
   if numel % vec: return f"{numel} elements are not whole 16-byte vectors"
   if numel * ELEM_BYTES[dtype_code(dtype)] > SLOT_BYTES: return f"{numel} elements exceed an exchange slot ({SLOT_BYTES >> 20} MiB)"
-  if not 2 <= world <= 8: return f"{world} devices"
+  if not 2 <= world <= MAX_WORLD: return f"{world} devices"
   return None
 
 
-def all_reduce_plan(numel: int, world: int, dtype: str, residual: bool = False, broadcast: bool = False) -> AllReducePlan:
+def takes_ll(numel: int, dtype: str) -> bool:
+  """Whether a call is small enough for the push (LL) protocol, whose latency is lowest; larger ones pull."""
+  return numel * ELEM_BYTES[dtype_code(dtype)] <= LL_MAX_BYTES
+
+
+def all_reduce_plan(numel: int, world: int, dtype: str, residual: bool = False, broadcast: bool = False,
+                    ll: bool | None = None) -> AllReducePlan:
   """The launch for `numel` elements over `world` devices (adding a residual after the sum; or, `broadcast`, giving
   every device the first device's elements): as many blocks (up to MAX_BLOCKS) as whole rounds of THREADS vectors
-  need, each block a contiguous chunk."""
+  need, each block a contiguous chunk; pushed (LL) where `ll` (default: where the call is small enough), else pulled."""
   if residual and broadcast: raise ValueError("a broadcast adds no residual")
   if (reason := unsupported_reason(numel, dtype, world)) is not None: raise ValueError(f"the all-reduce kernel does not take {reason}")
+  ll = takes_ll(numel, dtype) if ll is None else ll
+  if ll and not takes_ll(numel, dtype): raise ValueError(f"{numel} elements exceed the LL protocol's {LL_MAX_BYTES >> 10} KiB")
   code = dtype_code(dtype)
   vec = 16 // ELEM_BYTES[code]
   vectors = numel // vec
@@ -75,11 +90,12 @@ def all_reduce_plan(numel: int, world: int, dtype: str, residual: bool = False, 
   grid = cdiv(vectors, chunk)
   defines: dict[str, int | str] = {"TV_DTYPE": code, "TV_NT": THREADS, "TV_N": numel, "TV_W": world, "TV_CHUNK": chunk * vec,
                                    "TV_SLOT": SLOT_BYTES // ELEM_BYTES[code], "TV_MAX_BLOCKS": MAX_BLOCKS, "TV_GRID": grid,
-                                   "TV_RESIDUAL": int(residual), "TV_BROADCAST": int(broadcast)}
+                                   "TV_RESIDUAL": int(residual), "TV_BROADCAST": int(broadcast), "TV_LL": int(ll),
+                                   "TV_LL_BASE": 2 * SLOT_BYTES, "TV_LL_SLOT": LL_SLOT_BYTES}
   params = (Param("out", "elem", True, numel), Param("partial", "elem", False, numel),
             Param("table", "uint", False, table_words(world)), *([Param("residual", "elem", False, numel)] if residual else []))
   launch = Launch("tv_all_reduce", (grid, 1, 1), THREADS, params)
-  return AllReducePlan(numel, world, dtype, residual, broadcast, defines, (launch,))
+  return AllReducePlan(numel, world, dtype, residual, broadcast, ll, defines, (launch,))
 
 
 def device_table(rank: int, exchanges: list[int], signals: list[int]) -> np.ndarray:
@@ -101,8 +117,8 @@ class PeerAllReduce:
 
   def __init__(self, group: TensorParallelGroup):
     self.group = group
-    # zeros: every flag and launch counter starts at 0 (the kernels count launches from there)
-    self._exchanges = [Tensor.zeros(2 * SLOT_BYTES, dtype=dtypes.uint8, device=d).contiguous().realize() for d in group.devices]
+    # zeros: every flag, launch counter and LL line's number starts at 0 (the kernels count launches from 1)
+    self._exchanges = [Tensor.zeros(EXCHANGE_BYTES, dtype=dtypes.uint8, device=d).contiguous().realize() for d in group.devices]
     self._signals = [Tensor.zeros(signal_words(group.size), dtype=dtypes.uint32, device=d).contiguous().realize()
                      for d in group.devices]
     exchanges, signals = [compat.device_address(t) for t in self._exchanges], [compat.device_address(t) for t in self._signals]
@@ -129,7 +145,9 @@ class PeerAllReduce:
     exchange slot is copied (the group's broadcast)."""
     if isinstance(t.device, tuple): return t
     numel = t.numel()
-    padded = cdiv(numel, 4) * 4   # whole 16-byte vectors
+    # whole 16-byte vectors, at least one word of padding: the padded copy is a kernel of its own even where `t` is an
+    # input of a captured step (a step's input itself cannot be one device's part of the kernel's multi-device input)
+    padded = (numel // 4 + 1) * 4
     if t.dtype.itemsize != 4 or not self._takes(padded, dtypes.float32): return self.group.broadcast(t)
     flat = t.reshape(-1).bitcast(dtypes.float32).pad((0, padded - numel)).contiguous()   # the kernel moves bits, never adds
     stand_ins = [Tensor.empty(padded, dtype=dtypes.float32, device=d) for d in self.group.devices[1:]]   # never read
