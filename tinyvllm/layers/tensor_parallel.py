@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tinygrad import Tensor, UOp
+
+if TYPE_CHECKING:
+  from tinyvllm.backend.interface import Collectives
 
 
 @dataclass(frozen=True)
@@ -91,3 +95,18 @@ def group_devices(device: str, size: int) -> tuple[str, ...]:
   backend, _, index = device.partition(":")
   start = int(index) if index.isdigit() else 0
   return tuple(f"{backend}:{start + i}" for i in range(size))
+
+
+def broadcast_together(collectives: Collectives, tensors: list[Tensor]) -> list[Tensor]:
+  """The tensors (of one 4-byte dtype; on the group's first device, or already on every device) on every device, those
+  to move in one broadcast. Why one: a backend's collective kernels must reach every device in the same order, and a
+  CUDA graph runs kernels that do not depend on each other in any order, so a step's collectives follow one another
+  by their data (the inputs' one broadcast, then the all-reduces layer by layer, then the logits' gather)."""
+  moving = [i for i, t in enumerate(tensors) if not isinstance(t.device, tuple)]
+  if not moving: return tensors
+  if len({tensors[i].dtype for i in moving}) > 1: raise ValueError("broadcast_together takes tensors of one dtype")
+  flat = [tensors[i].reshape(-1) for i in moving]
+  moved, out, offset = collectives.broadcast(flat[0].cat(*flat[1:]) if len(flat) > 1 else flat[0]), list(tensors), 0
+  for i in moving:
+    out[i], offset = moved[offset:offset + tensors[i].numel()].reshape(tensors[i].shape), offset + tensors[i].numel()
+  return out

@@ -21,7 +21,7 @@ from tinyvllm.backend.metadata import AttentionMetadata
 from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.backend.weights import DecoderLayerWeights
 from tinyvllm.layers.scatter import gather_rows
-from tinyvllm.layers.tensor_parallel import TensorParallelGroup
+from tinyvllm.layers.tensor_parallel import TensorParallelGroup, broadcast_together
 from tinyvllm.model_config import ModelConfig
 
 
@@ -62,13 +62,12 @@ class StepInputs:
   logits_index: Tensor          # [S] int32: the flat token whose logits each sampled row needs
 
   def on(self, group: Collectives) -> StepInputs:
-    """The inputs on every device of the group (those on its first device broadcast)."""
-    meta = self.attention
-    copied = {name: group.broadcast(getattr(meta, name)) for name in ("slot_mapping", "block_tables", "query_index", "query_pos",
-                                                                      "output_index", "context_lens", "query_start",
-                                                                      "new_keys")}
-    return StepInputs(group.broadcast(self.token_ids), group.broadcast(self.positions), replace(meta, **copied),
-                      group.broadcast(self.logits_index))
+    """The inputs on every device of the group (those on its first device broadcast, in one call)."""
+    meta, names = self.attention, ("slot_mapping", "block_tables", "query_index", "query_pos", "output_index", "context_lens",
+                                   "query_start", "new_keys")
+    token_ids, positions, logits_index, *fields = broadcast_together(
+      group, [self.token_ids, self.positions, self.logits_index, *(getattr(meta, name) for name in names)])
+    return StepInputs(token_ids, positions, replace(meta, **dict(zip(names, fields, strict=True))), logits_index)
 
 
 class TransformerLM:

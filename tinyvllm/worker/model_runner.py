@@ -24,6 +24,7 @@ from tinyvllm.core.sequence import Sequence
 from tinyvllm.kernels.tinygrad_program import collecting_sources, compile_parallel
 from tinyvllm.layers.rejection_sampler import greedy_verify, verify
 from tinyvllm.layers.sampler import SamplingBatch
+from tinyvllm.layers.tensor_parallel import broadcast_together
 from tinyvllm.layers.token_controls import apply_token_controls
 from tinyvllm.model.llama import StepInputs, TransformerLM
 from tinyvllm.platform import tinygrad_compat as compat
@@ -338,8 +339,12 @@ class ModelRunner:
     source = f["token_source"]
     token_ids = (source >= 0).where(self.last_tokens[source.maximum(0)], f["token_ids"])
     scores_prompt = layout.prompt_logprobs >= 0   # then the model also returns the prompt rows' logits, after the samples'
-    # a tensor-parallel model reads its inputs on every device: the packed input is broadcast whole
-    model_f = f if self.model.collectives is None else layout.unpack(self.model.collectives.broadcast(packed))
+    # a tensor-parallel model reads its inputs on every device: the packed input is broadcast whole, with the token ids
+    # (this step's own, on the first device) in the same call
+    model_f = f
+    if self.model.collectives is not None:
+      moved, token_ids = broadcast_together(self.model.collectives, [packed, token_ids])
+      model_f = layout.unpack(moved)
     logits_index = model_f["logits_index"].cat(model_f["prompt_index"]) if scores_prompt else None
     logits, caches = self.model(self._step_inputs(model_f, layout.context_len, token_ids, logits_index), self.kv_cache.layers)
     if scores_prompt: return logits[:layout.rows], logits[layout.rows:], caches
