@@ -31,11 +31,12 @@ def stories(folder: str, tp: int) -> dict:
 
 def peer_all_reduce(tp: int) -> dict:
   """The kernel's sums against the group's copies and adds on random bf16 partials: 40 launches of each shape eagerly,
-  then 40 replays of a captured step of three chained all-reduces; every launch's result compared bit for bit."""
+  then 40 replays of a captured step of three chained all-reduces, and 40 of a step's start (two inputs in one
+  broadcast, then an all-reduce of values computed from them); every launch's result compared bit for bit."""
   from tinygrad import Tensor, TinyJit, dtypes
 
   from tinyvllm.kernels.all_reduce import PeerAllReduce
-  from tinyvllm.layers.tensor_parallel import TensorParallelGroup, group_devices
+  from tinyvllm.layers.tensor_parallel import TensorParallelGroup, broadcast_together, group_devices
   group = TensorParallelGroup(group_devices("CUDA", tp))
   kernel, rng, mismatches, launches = PeerAllReduce(group), np.random.default_rng(0), 0, 0
 
@@ -60,6 +61,19 @@ def peer_all_reduce(tp: int) -> dict:
     want = group.all_reduce(group.all_reduce(group.all_reduce(x) * 0.5) * 0.5)
     mismatches += not same(step(x), want.realize())
     launches += 3
+  @TinyJit
+  def inputs(a: Tensor, b: Tensor, x: Tensor) -> tuple[Tensor, ...]:
+    # a step's start: its inputs in one broadcast, then an all-reduce of values computed from them (the collectives of
+    # a step follow one another by their data: layers/tensor_parallel.py's broadcast_together)
+    moved_a, moved_b = broadcast_together(kernel, [a, b])
+    return tuple(t.realize() for t in (moved_a, moved_b, kernel.all_reduce(x + moved_b[:1].cast(dtypes.bfloat16))))
+  for _ in range(40):
+    a, b = rng.integers(-2**31, 2**31, 300, dtype=np.int64).astype(np.int32), rng.integers(-64, 64, 7).astype(np.int32)
+    x = partial(1, 4096).realize()
+    got_a, got_b, got_x = inputs(Tensor(a, device=group.first).realize(), Tensor(b, device=group.first).realize(), x)
+    mismatches += not all(np.array_equal(Tensor(t.uop.mselect(i)).numpy(), w) for t, w in ((got_a, a), (got_b, b)) for i in range(tp))
+    mismatches += not same(got_x, group.all_reduce(x + group.replicate(Tensor(b[:1]).cast(dtypes.bfloat16))).realize())
+    launches += 2
   gathers = 0
   for rows in (1, 4, 8, 13):   # float32 logits of the Qwen3 vocabulary: 13 rows fill an exchange slot, 14 are copied
     logits = group.local([Tensor(rng.standard_normal((rows, 151936 // tp)).astype(np.float32), device=group.first)
