@@ -94,6 +94,11 @@ class ComputeBackend(Protocol):
     gelu_pytorch_tanh) or nothing; float32 out with out_float32 (the logits), else w's dtype."""
     ...
 
+  def row_parallel_linear(self, x: Tensor, w: Weight, collectives: Collectives, *, residual: Tensor, **fused) -> Tensor:
+    """Tensor parallelism's row-parallel product (o, down): residual + the all-reduce over the group of each device's
+    op(x) @ w_shard.T (`fused`: linear's silu_mul or gelu_mul), the sum's bits those of linear then all_reduce."""
+    ...
+
   def moe(self, x: Tensor, moe: MoEWeights, *, norm: Tensor, eps: float, residual: Tensor) -> Tensor:
     """A sparse layer's experts: residual + sum over each token's top-k experts (softmax over the router's logits,
     renormalised when moe.norm_topk_prob) of the expert's SwiGLU MLP of rmsnorm(x), weighted by its probability

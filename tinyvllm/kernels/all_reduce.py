@@ -56,8 +56,19 @@ def table_words(world: int) -> int:
 
 
 def signal_words(world: int) -> int:
-  """uint32 words of a device's signal buffer: a flag per (block, device), then a launch counter per block."""
-  return MAX_BLOCKS * (world + 1)
+  """uint32 words of a device's signal buffer: a flag per (block, device), a launch counter per block, then the
+  arrivals counter of a product that all-reduces its outputs (csrc/neutral/linear.inc, TV_AR)."""
+  return arrivals_word(world) + 1
+
+
+def arrivals_word(world: int) -> int: return MAX_BLOCKS * (world + 1)
+
+
+def peer_defines(world: int, words: int) -> dict[str, int]:
+  """What a kernel that meets the group through peer.inc's LL lines needs: the group and buffer layout, and the words
+  each device sends (`words` 4-byte words)."""
+  return {"TV_W": world, "TV_MAX_BLOCKS": MAX_BLOCKS, "TV_LL_BASE": 2 * SLOT_BYTES, "TV_LL_SLOT": LL_SLOT_BYTES,
+          "TV_LL_WORDS": words, "TV_ARRIVALS": arrivals_word(world)}
 
 
 def unsupported_reason(numel: int, dtype: str, world: int) -> str | None:
@@ -88,10 +99,10 @@ def all_reduce_plan(numel: int, world: int, dtype: str, residual: bool = False, 
   vectors = numel // vec
   chunk = cdiv(vectors, min(MAX_BLOCKS, cdiv(vectors, THREADS)))
   grid = cdiv(vectors, chunk)
-  defines: dict[str, int | str] = {"TV_DTYPE": code, "TV_NT": THREADS, "TV_N": numel, "TV_W": world, "TV_CHUNK": chunk * vec,
-                                   "TV_SLOT": SLOT_BYTES // ELEM_BYTES[code], "TV_MAX_BLOCKS": MAX_BLOCKS, "TV_GRID": grid,
-                                   "TV_RESIDUAL": int(residual), "TV_BROADCAST": int(broadcast), "TV_LL": int(ll),
-                                   "TV_LL_BASE": 2 * SLOT_BYTES, "TV_LL_SLOT": LL_SLOT_BYTES}
+  defines: dict[str, int | str] = {"TV_DTYPE": code, "TV_NT": THREADS, "TV_N": numel, "TV_CHUNK": chunk * vec,
+                                   "TV_SLOT": SLOT_BYTES // ELEM_BYTES[code], "TV_GRID": grid, "TV_RESIDUAL": int(residual),
+                                   "TV_BROADCAST": int(broadcast), "TV_LL": int(ll),
+                                   **peer_defines(world, numel * ELEM_BYTES[code] // 4)}
   params = (Param("out", "elem", True, numel), Param("partial", "elem", False, numel),
             Param("table", "uint", False, table_words(world)), *([Param("residual", "elem", False, numel)] if residual else []))
   launch = Launch("tv_all_reduce", (grid, 1, 1), THREADS, params)

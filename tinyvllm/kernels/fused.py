@@ -21,9 +21,9 @@ from tinyvllm.backend.sampling import SamplerVariant
 from tinyvllm.backend.weights import DecoderLayerWeights, MoEWeights, Weight
 from tinyvllm.config import KernelOptions
 from tinyvllm.kernels import decode_layer
-from tinyvllm.kernels.all_reduce import collectives_for
+from tinyvllm.kernels.all_reduce import PeerAllReduce, collectives_for
 from tinyvllm.kernels.attention import attention_shape, kv_write_unsupported_reason, run_attention, run_kv_write
-from tinyvllm.kernels.linear import MAX_ROWS, fused_linear
+from tinyvllm.kernels.linear import MAX_ROWS, fused_linear, linear_all_reduce
 from tinyvllm.kernels.moe import LARGE_STEP, moe_shape, run_moe
 from tinyvllm.kernels.moe_grouped import grouped_reason, run_grouped
 from tinyvllm.kernels.plan import AttentionShape, unsupported_reason
@@ -109,6 +109,16 @@ class FusedBackend:
       return portable_linear(x, w, bias, **fused)
     self.calls["linear" if y is not None else "portable-linear"] += 1
     return y if y is not None else portable_linear(x, w, bias, **fused)
+
+  def row_parallel_linear(self, x: Tensor, w: Weight, collectives: Collectives, *, residual: Tensor, **fused) -> Tensor:
+    """Decode rows with the peer all-reduce: the skinny product all-reduces its own outputs (linear.inc, TV_AR), one
+    kernel where the product and the all-reduce kernel were two; else the product, then the group's all-reduce."""
+    if isinstance(collectives, PeerAllReduce) and set(fused) <= {"silu_mul"}:
+      y = linear_all_reduce(self.target, x, w, collectives.table, collectives.group.size, residual, **fused)
+      if y is not None:
+        self.calls["linear-all-reduce"] += 1
+        return y
+    return collectives.all_reduce(self.linear(x, w, **fused), residual)
 
   def moe(self, x: Tensor, moe: MoEWeights, *, norm: Tensor, eps: float, residual: Tensor) -> Tensor:
     """Decode-sized steps (up to moe.MAX_TOKENS tokens and MAX_PAIRS (token, expert) pairs) on the skinny kernels: the

@@ -9,12 +9,14 @@ the RMSNorm before it, the SwiGLU product and the residual add into its loads an
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tinygrad import Tensor, dtypes
 
 from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.backend.weights import Weight
+from tinyvllm.kernels.all_reduce import peer_defines, table_words
+from tinyvllm.kernels.all_reduce import unsupported_reason as peer_reason
 from tinyvllm.kernels.gemm import GemmTiles, gemm_source, packed_reason
 from tinyvllm.kernels.gemm import unsupported_reason as gemm_unsupported_reason
 from tinyvllm.kernels.plan import DTYPE_CODES, ELEM_BYTES, PACKED_WEIGHTS, Launch, Param, dtype_code
@@ -28,6 +30,8 @@ MAX_KSPLIT = 8         # warps a block at most, sharing its columns' K (a step: 
 # from three rows a K split costs its cross-warp sums (rows x columns partials a block), so it goes only as far as a
 # grid of GRID_WARPS warps (an H100's 132 SMs x 64 resident) and MAX_WARP_STEPS steps a warp need
 GRID_WARPS, MAX_WARP_STEPS = 8192, 4
+# a row-parallel product that all-reduces its own outputs adds them up in its last block: a decode step's few rows
+MAX_ALL_REDUCE_OUTPUTS = 4 * 4096
 DTYPE_NAMES = {dtypes.float32: "float32", dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}
 
 
@@ -44,6 +48,7 @@ class LinearShape:
   out_float32: bool  # y in float32 (the logits) instead of the input dtype
   weight: str = "elem"   # "elem" (w in the activation dtype) or a packed QuantizedWeight's codes: int8, int4, fp8
   group: int = 0         # input columns per scale of a packed weight
+  all_reduce: int = 0    # tensor parallelism's row-parallel product: its outputs all-reduced over this many GPUs (CUDA)
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,19 @@ def unsupported_reason(shape: LinearShape) -> str | None:
     if shape.group % vec or shape.in_features % shape.group: return f"group {shape.group} (a multiple of {vec} dividing K)"
     if shape.in_features * PACKED_WEIGHTS[shape.weight][1] % 32: return f"in_features {shape.in_features} (whole words of codes a row)"
   if shape.norm_eps is not None and shape.silu_mul: return "norm and silu_mul together"
+  if shape.all_reduce: return all_reduce_reason(shape)
   return None
+
+
+def all_reduce_reason(shape: LinearShape) -> str | None:
+  """Why the skinny product cannot all-reduce its outputs itself (None: it can)."""
+  elem = ELEM_BYTES[dtype_code(shape.dtype)]
+  outputs = shape.rows * shape.out_features
+  if shape.bias or shape.out_float32 or shape.norm_eps is not None: return "a bias, a norm or float32 outputs"
+  if shape.out_features * elem % 4: return f"{shape.out_features} columns (whole 4-byte words a row)"
+  if outputs * elem % 16: return f"{outputs} outputs (whole 16-byte vectors)"
+  if outputs > MAX_ALL_REDUCE_OUTPUTS: return f"{outputs} outputs (one block adds them up: at most {MAX_ALL_REDUCE_OUTPUTS})"
+  return peer_reason(outputs, shape.dtype, shape.all_reduce)
 
 
 def lane_columns(shape: LinearShape) -> int:
@@ -125,13 +142,17 @@ def linear_plan(shape: LinearShape, layout: SkinnyLayout | None = None) -> Linea
   if shape.norm_eps is not None: defines["TV_EPS"] = f"{shape.norm_eps!r}f"
   if shape.silu_mul: defines["TV_PRO_SILU"] = 1
   if shape.out_float32: defines["TV_OUT_F32"] = 1
+  if shape.all_reduce:   # the group's table last (csrc/cuda/peer.inc)
+    elem = ELEM_BYTES[dtype_code(shape.dtype)]
+    defines.update({"TV_AR": len(params), "TV_GRID": blocks, **peer_defines(shape.all_reduce, m * o * elem // 4)})
+    params.append(Param("table", "uint", False, table_words(shape.all_reduce)))
   return LinearPlan(shape, defines, Launch("tv_linear", (blocks, 1, 1), threads, tuple(params)))
 
 
 @functools.cache
 def skinny_source(dialect: str | None, shape: LinearShape, layout: SkinnyLayout | None = None) -> tuple[LinearPlan, str]:
   plan = linear_plan(shape, layout)
-  return plan, kernel_source(dialect, "linear", plan.defines)
+  return plan, kernel_source(dialect, "linear_all_reduce" if shape.all_reduce else "linear", plan.defines)
 
 
 def pick_kernel(target: DeviceTarget, shape: LinearShape) -> str | None:
@@ -181,6 +202,22 @@ def run_linear(target: DeviceTarget, shape: LinearShape, kernel: str, x: Tensor,
   if kernel == "gemm": return _run_gemm(shape, target, tiles, y, x, weights, w.dtype, extras)
   plan, source = skinny_source(target.dialect, shape, layout)
   return run_kernel(plan.launch, source, [y, x, *weights, *extras.values()])[0]
+
+
+def linear_all_reduce(target: DeviceTarget, x: Tensor, w: Weight, table: Tensor, world: int, residual: Tensor | None = None,
+                      silu_mul: bool = False) -> Tensor | None:
+  """[residual +] the all-reduce over the group's `world` GPUs of each one's x @ w.T (a local view: each GPU's shard),
+  in the skinny product's kernel (`table`: the group's peer table, kernels/all_reduce.py); None where it does not
+  take the product (the caller then runs the product and the all-reduce kernel)."""
+  shape = linear_shape(x, w, None, None, 1e-6, silu_mul, residual, False)
+  if shape is None or target.dialect != "cuda" or pick_kernel(target, shape) != "skinny": return None
+  shape = replace(shape, all_reduce=world)
+  if unsupported_reason(shape) is not None: return None
+  y = Tensor.empty(shape.rows, shape.out_features, dtype=w.dtype, device=x.device)
+  extras = [] if residual is None else [residual.cast(w.dtype).contiguous()]
+  plan, source = skinny_source(target.dialect, shape)
+  weights = [w] if isinstance(w, Tensor) else _packed_operands(w)
+  return run_kernel(plan.launch, source, [y, x.cast(w.dtype).contiguous(), *weights, *extras, table])[0]
 
 
 def _packed_operands(w: QuantizedWeight) -> list[Tensor]:

@@ -28,7 +28,8 @@ ALGORITHMS = {"decode": ("paged_decode.inc",), "decode_staged": ("tensor_core.in
               "decode_layer": ("tensor_core.inc", "decode_layer_ops.inc", "decode_layer_attend.inc", "decode_layer.inc"),
               "moe": ("moe_route.inc", "moe.inc"), "moe_grouped": ("linear.inc", "moe_products.inc"),
               "moe_direct": ("linear.inc", "moe_route.inc", "moe_products.inc", "moe_direct.inc"),
-              "moe_align": ("moe_route.inc", "moe.inc", "moe_align.inc")}
+              "moe_align": ("moe_route.inc", "moe.inc", "moe_align.inc"), "all_reduce": ("peer.inc", "all_reduce.inc"),
+              "linear_all_reduce": ("peer.inc", "linear.inc")}
 
 
 def source_root() -> Traversable:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tinygrad import Tensor
 
-from tinyvllm.backend.interface import BackendCapabilities, KVCaches
+from tinyvllm.backend.interface import BackendCapabilities, Collectives, KVCaches
 from tinyvllm.backend.metadata import AttentionMetadata
 from tinyvllm.backend.weights import DecoderLayerWeights, MoEWeights, Weight
 from tinyvllm.layers.attention import paged_attention, write_kv
@@ -60,6 +60,9 @@ class PortableBackend:
   def describe(self) -> str: return "portable (tinygrad ops)" + (f": {self.reason}" if self.reason else "")
 
   def linear(self, x: Tensor, w: Weight, bias: Tensor | None = None, **fused) -> Tensor: return portable_linear(x, w, bias, **fused)
+
+  def row_parallel_linear(self, x: Tensor, w: Weight, collectives: Collectives, *, residual: Tensor, **fused) -> Tensor:
+    return collectives.all_reduce(self.linear(x, w, **fused), residual)
 
   def collectives_for(self, group: TensorParallelGroup) -> TensorParallelGroup: return group
 

@@ -111,7 +111,7 @@ class TransformerLM:
     """residual + x @ w.T + bias for the products whose reduction runs over the shards (o, down): each device's partial
     product, all-reduced, then the bias and residual (once)."""
     if self.group is None: return self.backend.linear(x, w, bias, residual=residual, **fused)
-    if bias is None: return self.collectives.all_reduce(self.backend.linear(x, w, **fused), residual)
+    if bias is None: return self.backend.row_parallel_linear(x, w, self.collectives, residual=residual, **fused)
     return residual + (self.collectives.all_reduce(self.backend.linear(x, w, **fused)) + bias)
 
   def decoder_layers(self, h: Tensor, cos: Tensor, sin: Tensor, kv_caches: KVCaches, meta: AttentionMetadata,

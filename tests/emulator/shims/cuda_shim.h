@@ -50,5 +50,5 @@ inline void tv_emu_yield() { emu::yield(); }
 #define __device__
 #define __forceinline__ inline
 #define __launch_bounds__(n)
-#define __shared__ static
+#define __shared__ static thread_local
 #define __align__(n) __attribute__((aligned(n)))

@@ -1,0 +1,119 @@
+"""Tensor parallelism's row-parallel product that all-reduces its own outputs (csrc/neutral/linear.inc with TV_AR, over
+csrc/cuda/peer.inc), run on the CPU through the C++ emulation, each device's launch on a thread of its own: every
+device gets the same bits as its product (the plain skinny kernel, same layout) followed by the all-reduce kernel
+(each device's products rounded to the dtype, added in the devices' order in float32, rounded, the residual added).
+Launches of it and of the all-reduce kernel alternate on the same buffers (one launch count for the group), several
+blocks arrive in any order, and what the planner refuses."""
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from tests.emulator.cases import from_bits, linear_inputs, to_bits
+from tests.emulator.emulator import LazyKernels, Spec, emulate, poisoned
+from tests.test_kernels_all_reduce import Devices, _expected, _name, _partials
+from tinyvllm.kernels import all_reduce as ar
+from tinyvllm.kernels.linear import LinearShape, all_reduce_reason, linear_plan
+
+# name -> (dtype, rows, K, NOUT, silu_mul, residual, devices): down's SwiGLU prologue, o's plain product; a word of
+# two 16-bit columns or one float32; grids of several blocks
+CASES = {
+  "bf16_residual_2": ("bfloat16", 1, 256, 64, False, True, 2),
+  "f32_silu_residual_2": ("float32", 2, 72, 24, True, True, 2),
+  "f16_plain_4": ("float16", 3, 128, 40, False, False, 4),
+}
+BETWEEN = (4096, "bfloat16")   # an all-reduce kernel launch between the products (2 devices)
+
+
+def _shape(name: str, world: int | None = None) -> LinearShape:
+  dtype, m, k, o, silu, residual, devices = CASES[name]
+  return LinearShape(dtype, m, k, o, False, None, silu, residual, False, all_reduce=devices if world is None else world)
+
+
+@pytest.fixture(scope="module")
+def emu() -> LazyKernels:
+  specs = []
+  for name in CASES:
+    fused, plain = linear_plan(_shape(name)), linear_plan(replace(_shape(name, 0), residual=False))
+    specs += [Spec(f"{name}__ar", "linear_all_reduce", fused.defines, (fused.launch,)),
+              Spec(f"{name}__plain", "linear", plain.defines, (plain.launch,))]
+  numel, dtype = BETWEEN
+  plan = ar.all_reduce_plan(numel, 2, dtype)
+  specs.append(Spec(_name(numel, 2, dtype), "all_reduce", plan.defines, plan.launches))
+  return emulate("cuda", specs)
+
+
+def _on_every_device(world: int, run) -> None:
+  errors: list[BaseException] = []
+
+  def guarded(rank: int) -> None:
+    try: run(rank)
+    except BaseException as e: errors.append(e)
+  threads = [threading.Thread(target=guarded, args=(rank,), daemon=True) for rank in range(world)]
+  for t in threads: t.start()
+  for t in threads: t.join(timeout=120)
+  assert not any(t.is_alive() for t in threads), "the devices' launches never met (a deadlock)"
+  assert not errors, errors
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_device_gets_its_product_then_the_all_reduce(emu, name):
+  shape = _shape(name)
+  world, m, o = shape.all_reduce, shape.rows, shape.out_features
+  devices, rng = Devices(world), np.random.default_rng(len(name))
+  for launch in range(2):   # the LL slots alternate; the arrivals counter starts again at 0
+    operands = [linear_inputs(rng, shape) for _ in range(world)]   # each device's x and weight shard
+    residual = operands[0].get("residual")
+    partials = []
+    for a in operands:   # the plain kernel's product on each device: what the all-reduce kernel would add up
+      out = poisoned(m * o, shape.dtype)
+      emu.launch(f"{name}__plain", 0, [out, to_bits(a["x"], shape.dtype).reshape(-1), to_bits(a["w"], shape.dtype).reshape(-1)])
+      partials.append(from_bits(out, shape.dtype))
+    want = _expected(partials, shape.dtype)
+    if residual is not None: want = to_bits(residual.reshape(-1) + from_bits(want, shape.dtype), shape.dtype)
+    outs = [poisoned(m * o, shape.dtype) for _ in range(world)]
+
+    def run(rank: int, operands=operands, outs=outs, residual=residual, launch=launch) -> None:
+      a = operands[rank]
+      extra = [] if residual is None else [to_bits(residual, shape.dtype).reshape(-1)]
+      emu.launch(f"{name}__ar", 0, [outs[rank], to_bits(a["x"], shape.dtype).reshape(-1), to_bits(a["w"], shape.dtype).reshape(-1),
+                                    *extra, devices.tables[rank]], order=("forward", "reverse")[(rank + launch) % 2])
+    _on_every_device(world, run)
+    for rank, out in enumerate(outs): assert np.array_equal(out, want), f"launch {launch}, device {rank}"
+  # every launch counted, the arrivals counter back at 0
+  assert all((s[ar.MAX_BLOCKS * world:ar.MAX_BLOCKS * (world + 1)] == 2).all() and s[ar.arrivals_word(world)] == 0
+             for s in devices.signals)
+
+
+def test_products_and_all_reduce_launches_alternate(emu):
+  """Product, all-reduce kernel, product, all-reduce kernel on the same buffers: the launch count is the group's."""
+  name = "bf16_residual_2"
+  shape, devices, rng = _shape(name), Devices(2), np.random.default_rng(11)
+  numel, dtype = BETWEEN
+  for _ in range(2):
+    operands, sums = [linear_inputs(rng, shape) for _ in range(2)], _partials(rng, numel, 2, dtype)
+    outs, reduced = [poisoned(shape.rows * shape.out_features, shape.dtype) for _ in range(2)], [poisoned(numel, dtype) for _ in range(2)]
+
+    def run(rank: int, operands=operands, sums=sums, outs=outs, reduced=reduced) -> None:
+      a = operands[rank]
+      emu.launch(f"{name}__ar", 0, [outs[rank], to_bits(a["x"], shape.dtype).reshape(-1), to_bits(a["w"], shape.dtype).reshape(-1),
+                                    to_bits(operands[0]["residual"], shape.dtype).reshape(-1), devices.tables[rank]])
+      emu.launch(_name(numel, 2, dtype), 0, [reduced[rank], to_bits(sums[rank], dtype), devices.tables[rank]])
+    _on_every_device(2, run)
+    assert np.array_equal(outs[0], outs[1]) and not np.isnan(from_bits(outs[0], shape.dtype)).any()
+    assert all(np.array_equal(r, _expected(sums, dtype)) for r in reduced)
+
+
+def test_refusals():
+  shape = lambda **kw: LinearShape(**{"dtype": "bfloat16", "rows": 1, "in_features": 256, "out_features": 4096, "bias": False,
+                                      "norm_eps": None, "silu_mul": False, "residual": True, "out_float32": False,
+                                      "all_reduce": 2, **kw})
+  assert all_reduce_reason(shape()) is None
+  assert "bias" in all_reduce_reason(shape(bias=True))
+  assert "norm" in all_reduce_reason(shape(norm_eps=1e-6))
+  assert "words" in all_reduce_reason(shape(out_features=4095))
+  assert "one block" in all_reduce_reason(shape(rows=8))
+  assert "devices" in all_reduce_reason(shape(all_reduce=9))
