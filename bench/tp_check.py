@@ -32,10 +32,13 @@ def stories(folder: str, tp: int) -> dict:
 def peer_all_reduce(tp: int) -> dict:
   """The kernel's sums against the group's copies and adds on random bf16 partials: 40 launches of each shape eagerly,
   then 40 replays of a captured step of three chained all-reduces, and 40 of a step's start (two inputs in one
-  broadcast, then an all-reduce of values computed from them); every launch's result compared bit for bit."""
+  broadcast, then an all-reduce of values computed from them); the row-parallel products that all-reduce their own
+  outputs against the product followed by the kernel; every launch's result compared bit for bit."""
   from tinygrad import Tensor, TinyJit, dtypes
 
   from tinyvllm.kernels.all_reduce import PeerAllReduce
+  from tinyvllm.kernels.linear import fused_linear, linear_all_reduce
+  from tinyvllm.kernels.tinygrad_program import device_target
   from tinyvllm.layers.tensor_parallel import TensorParallelGroup, broadcast_together, group_devices
   group = TensorParallelGroup(group_devices("CUDA", tp))
   kernel, rng, mismatches, launches = PeerAllReduce(group), np.random.default_rng(0), 0, 0
@@ -74,6 +77,16 @@ def peer_all_reduce(tp: int) -> dict:
     mismatches += not all(np.array_equal(Tensor(t.uop.mselect(i)).numpy(), w) for t, w in ((got_a, a), (got_b, b)) for i in range(tp))
     mismatches += not same(got_x, group.all_reduce(x + group.replicate(Tensor(b[:1]).cast(dtypes.bfloat16))).realize())
     launches += 2
+  products = 0
+  for rows, k, out, silu in ((1, 2048, 4096, False), (4, 2048, 4096, False), (1, 6144, 4096, True), (3, 1024, 5120, True)):
+    # the row-parallel products that all-reduce their own outputs against the product, then the all-reduce kernel
+    target = device_target(group.first)
+    x, w = partial(rows, 2 * k if silu else k).realize(), partial(out, k).realize()
+    r = group.replicate(Tensor(rng.standard_normal((rows, out)).astype(np.float32)).cast(dtypes.bfloat16))
+    got = linear_all_reduce(target, x, w, kernel.table, tp, r, silu_mul=silu)
+    want = kernel.all_reduce(fused_linear(target, x, w, silu_mul=silu), r)
+    mismatches += got is None or not same(got.realize(), want.realize())
+    products += 1
   gathers = 0
   for rows in (1, 4, 8, 13):   # float32 logits of the Qwen3 vocabulary: 13 rows fill an exchange slot, 14 are copied
     logits = group.local([Tensor(rng.standard_normal((rows, 151936 // tp)).astype(np.float32), device=group.first)
@@ -88,7 +101,7 @@ def peer_all_reduce(tp: int) -> dict:
     mismatches += not all(np.array_equal(Tensor(got.uop.mselect(i)).numpy(), words) for i in range(tp))
     broadcasts += 1
   return {"check": "peer all-reduce, broadcast and gather vs copies and adds", "tp": tp, "launches": launches,
-          "gathers": gathers, "broadcasts": broadcasts, "mismatches": mismatches, "equal": mismatches == 0}
+          "products": products, "gathers": gathers, "broadcasts": broadcasts, "mismatches": mismatches, "equal": mismatches == 0}
 
 
 def qwen_tokens(tp: int, model: str) -> list[list[int]]:
