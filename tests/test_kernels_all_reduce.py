@@ -7,6 +7,7 @@ alternating); and what the kernel takes and how a group chooses it."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,21 +63,29 @@ class Devices:
     world = len(calls[0].partials)
     outs = [[np.full(c.partials[0].size, 0x7FC0 if c.dtype != "float32" else np.nan, np.uint16 if c.dtype != "float32" else np.float32)
              for _ in range(world)] for c in calls]
-    errors: list[BaseException] = []
     for c in calls: emu.library(c.name)   # built before the threads start, once
 
     def run(rank: int) -> None:
-      try:
-        for c, out in zip(calls, outs, strict=True):
-          extra = [] if c.residual is None else [to_bits(c.residual, c.dtype)]
-          emu.launch(c.name, 0, [out[rank], to_bits(c.partials[rank], c.dtype), self.tables[rank], *extra], order)
-      except BaseException as e: errors.append(e)
-    threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(world)]
-    for t in threads: t.start()
-    for t in threads: t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "the devices' launches never met (a deadlock)"
-    assert not errors, errors
+      for c, out in zip(calls, outs, strict=True):
+        extra = [] if c.residual is None else [to_bits(c.residual, c.dtype)]
+        emu.launch(c.name, 0, [out[rank], to_bits(c.partials[rank], c.dtype), self.tables[rank], *extra], order)
+    on_every_device(world, run)
     return outs
+
+
+def on_every_device(world: int, run: Callable[[int], None]) -> None:
+  """run(rank) for every device at once, each on a thread of its own (as GPUs run their queues); a launch that never
+  meets the others' fails the test instead of hanging it."""
+  errors: list[BaseException] = []
+
+  def guarded(rank: int) -> None:
+    try: run(rank)
+    except BaseException as e: errors.append(e)
+  threads = [threading.Thread(target=guarded, args=(rank,), daemon=True) for rank in range(world)]
+  for t in threads: t.start()
+  for t in threads: t.join(timeout=120)
+  assert not any(t.is_alive() for t in threads), "the devices' launches never met (a deadlock)"
+  assert not errors, errors
 
 
 @dataclass

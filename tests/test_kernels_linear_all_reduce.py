@@ -6,7 +6,6 @@ Launches of it and of the all-reduce kernel alternate on the same buffers (one l
 blocks arrive in any order, and what the planner refuses."""
 from __future__ import annotations
 
-import threading
 from dataclasses import replace
 
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 
 from tests.emulator.cases import from_bits, linear_inputs, to_bits
 from tests.emulator.emulator import LazyKernels, Spec, emulate, poisoned
-from tests.test_kernels_all_reduce import Devices, _expected, _name, _partials
+from tests.test_kernels_all_reduce import Devices, _expected, _name, _partials, on_every_device
 from tinyvllm.kernels import all_reduce as ar
 from tinyvllm.kernels.linear import LinearShape, all_reduce_reason, linear_plan
 
@@ -46,17 +45,22 @@ def emu() -> LazyKernels:
   return emulate("cuda", specs)
 
 
-def _on_every_device(world: int, run) -> None:
-  errors: list[BaseException] = []
+def _want(emu: LazyKernels, name: str, operands: list[dict[str, np.ndarray]], residual: np.ndarray | None) -> np.ndarray:
+  """Each device's product on the plain kernel (what the all-reduce kernel would add up), added up as it does."""
+  shape = _shape(name)
+  partials = []
+  for a in operands:
+    out = poisoned(shape.rows * shape.out_features, shape.dtype)
+    emu.launch(f"{name}__plain", 0, [out, to_bits(a["x"], shape.dtype).reshape(-1), to_bits(a["w"], shape.dtype).reshape(-1)])
+    partials.append(from_bits(out, shape.dtype))
+  want = _expected(partials, shape.dtype)
+  return want if residual is None else to_bits(residual.reshape(-1) + from_bits(want, shape.dtype), shape.dtype)
 
-  def guarded(rank: int) -> None:
-    try: run(rank)
-    except BaseException as e: errors.append(e)
-  threads = [threading.Thread(target=guarded, args=(rank,), daemon=True) for rank in range(world)]
-  for t in threads: t.start()
-  for t in threads: t.join(timeout=120)
-  assert not any(t.is_alive() for t in threads), "the devices' launches never met (a deadlock)"
-  assert not errors, errors
+
+def _product_args(name: str, a: dict[str, np.ndarray], residual: np.ndarray | None, table: np.ndarray, out: np.ndarray) -> list:
+  shape = _shape(name)
+  extra = [] if residual is None else [to_bits(residual, shape.dtype).reshape(-1)]
+  return [out, to_bits(a["x"], shape.dtype).reshape(-1), to_bits(a["w"], shape.dtype).reshape(-1), *extra, table]
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -66,22 +70,13 @@ def test_every_device_gets_its_product_then_the_all_reduce(emu, name):
   devices, rng = Devices(world), np.random.default_rng(len(name))
   for launch in range(2):   # the LL slots alternate; the arrivals counter starts again at 0
     operands = [linear_inputs(rng, shape) for _ in range(world)]   # each device's x and weight shard
-    residual = operands[0].get("residual")
-    partials = []
-    for a in operands:   # the plain kernel's product on each device: what the all-reduce kernel would add up
-      out = poisoned(m * o, shape.dtype)
-      emu.launch(f"{name}__plain", 0, [out, to_bits(a["x"], shape.dtype).reshape(-1), to_bits(a["w"], shape.dtype).reshape(-1)])
-      partials.append(from_bits(out, shape.dtype))
-    want = _expected(partials, shape.dtype)
-    if residual is not None: want = to_bits(residual.reshape(-1) + from_bits(want, shape.dtype), shape.dtype)
-    outs = [poisoned(m * o, shape.dtype) for _ in range(world)]
+    residual = operands[0].get("residual")   # replicated, as the hidden states are
+    want, outs = _want(emu, name, operands, residual), [poisoned(m * o, shape.dtype) for _ in range(world)]
 
     def run(rank: int, operands=operands, outs=outs, residual=residual, launch=launch) -> None:
-      a = operands[rank]
-      extra = [] if residual is None else [to_bits(residual, shape.dtype).reshape(-1)]
-      emu.launch(f"{name}__ar", 0, [outs[rank], to_bits(a["x"], shape.dtype).reshape(-1), to_bits(a["w"], shape.dtype).reshape(-1),
-                                    *extra, devices.tables[rank]], order=("forward", "reverse")[(rank + launch) % 2])
-    _on_every_device(world, run)
+      emu.launch(f"{name}__ar", 0, _product_args(name, operands[rank], residual, devices.tables[rank], outs[rank]),
+                 order=("forward", "reverse")[(rank + launch) % 2])
+    on_every_device(world, run)
     for rank, out in enumerate(outs): assert np.array_equal(out, want), f"launch {launch}, device {rank}"
   # every launch counted, the arrivals counter back at 0
   assert all((s[ar.MAX_BLOCKS * world:ar.MAX_BLOCKS * (world + 1)] == 2).all() and s[ar.arrivals_word(world)] == 0
@@ -95,15 +90,15 @@ def test_products_and_all_reduce_launches_alternate(emu):
   numel, dtype = BETWEEN
   for _ in range(2):
     operands, sums = [linear_inputs(rng, shape) for _ in range(2)], _partials(rng, numel, 2, dtype)
+    residual = operands[0]["residual"]
     outs, reduced = [poisoned(shape.rows * shape.out_features, shape.dtype) for _ in range(2)], [poisoned(numel, dtype) for _ in range(2)]
 
-    def run(rank: int, operands=operands, sums=sums, outs=outs, reduced=reduced) -> None:
-      a = operands[rank]
-      emu.launch(f"{name}__ar", 0, [outs[rank], to_bits(a["x"], shape.dtype).reshape(-1), to_bits(a["w"], shape.dtype).reshape(-1),
-                                    to_bits(operands[0]["residual"], shape.dtype).reshape(-1), devices.tables[rank]])
+    def run(rank: int, operands=operands, sums=sums, outs=outs, reduced=reduced, residual=residual) -> None:
+      emu.launch(f"{name}__ar", 0, _product_args(name, operands[rank], residual, devices.tables[rank], outs[rank]))
       emu.launch(_name(numel, 2, dtype), 0, [reduced[rank], to_bits(sums[rank], dtype), devices.tables[rank]])
-    _on_every_device(2, run)
-    assert np.array_equal(outs[0], outs[1]) and not np.isnan(from_bits(outs[0], shape.dtype)).any()
+    on_every_device(2, run)
+    want = _want(emu, name, operands, residual)
+    assert all(np.array_equal(out, want) for out in outs)
     assert all(np.array_equal(r, _expected(sums, dtype)) for r in reduced)
 
 

@@ -193,15 +193,16 @@ def fused_linear(target: DeviceTarget, x: Tensor, w: Weight, bias: Tensor | None
 
 def run_linear(target: DeviceTarget, shape: LinearShape, kernel: str, x: Tensor, w: Weight, bias: Tensor | None = None,
                norm: Tensor | None = None, residual: Tensor | None = None, tiles: GemmTiles | None = None,
-               layout: SkinnyLayout | None = None) -> Tensor:
-  """The product on the "skinny" or the "gemm" kernel (with `tiles` or `layout`, else the planner's)."""
+               layout: SkinnyLayout | None = None, peers: Tensor | None = None) -> Tensor:
+  """The product on the "skinny" or the "gemm" kernel (with `tiles` or `layout`, else the planner's); `peers`: a
+  tensor-parallel group's peer table, for the skinny product that all-reduces its outputs (shape.all_reduce)."""
   y = Tensor.empty(shape.rows, shape.out_features, dtype=dtypes.float32 if shape.out_float32 else w.dtype, device=x.device)
   x, extras = x.cast(w.dtype).contiguous(), {n: t.cast(w.dtype).contiguous() for n, t in
                                              (("bias", bias), ("norm", norm), ("residual", residual)) if t is not None}
   weights = [w] if isinstance(w, Tensor) else _packed_operands(w)
   if kernel == "gemm": return _run_gemm(shape, target, tiles, y, x, weights, w.dtype, extras)
   plan, source = skinny_source(target.dialect, shape, layout)
-  return run_kernel(plan.launch, source, [y, x, *weights, *extras.values()])[0]
+  return run_kernel(plan.launch, source, [y, x, *weights, *extras.values(), *([] if peers is None else [peers])])[0]
 
 
 def linear_all_reduce(target: DeviceTarget, x: Tensor, w: Weight, table: Tensor, world: int, residual: Tensor | None = None,
@@ -213,11 +214,7 @@ def linear_all_reduce(target: DeviceTarget, x: Tensor, w: Weight, table: Tensor,
   if shape is None or target.dialect != "cuda" or pick_kernel(target, shape) != "skinny": return None
   shape = replace(shape, all_reduce=world)
   if unsupported_reason(shape) is not None: return None
-  y = Tensor.empty(shape.rows, shape.out_features, dtype=w.dtype, device=x.device)
-  extras = [] if residual is None else [residual.cast(w.dtype).contiguous()]
-  plan, source = skinny_source(target.dialect, shape)
-  weights = [w] if isinstance(w, Tensor) else _packed_operands(w)
-  return run_kernel(plan.launch, source, [y, x.cast(w.dtype).contiguous(), *weights, *extras, table])[0]
+  return run_linear(target, shape, "skinny", x, w, residual=residual, peers=table)
 
 
 def _packed_operands(w: QuantizedWeight) -> list[Tensor]:
