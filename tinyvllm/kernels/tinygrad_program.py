@@ -106,6 +106,8 @@ def run_kernel(launch: Launch, source: str, tensors: list[Tensor]) -> list[Tenso
   if launch.shared_bytes and binary:
     if device_target(device).dialect != "cuda": raise KernelBuildError(f"{launch.kernel}: dynamic shared memory is CUDA only")
     for d in devices: compat.use_dynamic_shared(d, binary, launch.kernel, launch.shared_bytes)
+  if binary and device_target(device).dialect == "cuda":   # every kernel of ours begins with TV_WAIT_PRIOR_GRIDS
+    for d in devices: compat.launch_programmatically(d, binary, launch.kernel)
   outs = tuple(i for i, p in enumerate(launch.params) if p.written)
   ins = tuple(i for i, p in enumerate(launch.params) if not p.written)
   return Tensor.custom_kernel(*tensors, fxn=compat.program(launch.kernel, launch.grid, launch.threads, outs, ins, source,

@@ -70,11 +70,17 @@ def check(device: str | None = None) -> None:
   if device is not None and device.split(":")[0] == "CUDA":
     wanted.update({"autogen.cuda": _cuda_bindings_present, "NVRTCCompiler": lambda: _nvrtc_class() is not None,
                    "CUDA device context / pending_copyin / cu_device": lambda: all(
-                     hasattr(Device[device], a) for a in ("context", "pending_copyin", "cu_device", "arch"))})
+                     hasattr(Device[device], a) for a in ("context", "pending_copyin", "cu_device", "arch")),
+                   "CUDAGraph nodes / graph / instance, GraphRunner calls / runtimes": _graph_internals_present})
   for what, probe in wanted.items():
     try: ok = probe()
     except Exception as e: ok, what = False, f"{what} ({type(e).__name__}: {e})"
     if not ok: raise CompatError(f"tinygrad {_version()} lacks {what}, which tinyvllm uses (it supports tinygrad==0.14.0)")
+
+
+def _graph_internals_present() -> bool:
+  from tinyvllm.platform import cuda_graph
+  return cuda_graph.internals_present()
 
 
 def _version() -> str: return tinygrad_version()
@@ -211,6 +217,13 @@ def use_dynamic_shared(device: str, binary: bytes, kernel: str, nbytes: int) -> 
   with _lock:
     if not isinstance(dev.runtime_t, DynamicSharedRuntime): dev.runtime_t = DynamicSharedRuntime(dev.runtime_t)
     _dynamic_shared[(binary, kernel)] = max(nbytes, _dynamic_shared.get((binary, kernel), 0))
+
+
+def launch_programmatically(device: str, binary: bytes, kernel: str) -> None:
+  """`kernel` of `binary` begins with TV_WAIT_PRIOR_GRIDS: CUDA graphs on `device` (sm_90+) may launch it while the
+  kernel before it finishes (platform/cuda_graph.py)."""
+  from tinyvllm.platform import cuda_graph
+  if cuda_graph.use_programmatic_graphs(device): cuda_graph.mark_waiting(binary, kernel)
 
 
 # ---- buffers and copies

@@ -36,6 +36,15 @@ typedef unsigned char uchar;
 #define TV_LD8(p) (*reinterpret_cast<const uint2*>(p))
 #define TV_ST8(p, v) (*reinterpret_cast<uint2*>(p) = (v))
 #define TV_RINT(x) rintf(x)
+// Programmatic dependent launch (Hopper): in a CUDA graph a kernel's blocks may start while the kernel before it is still
+// finishing (the graph's programmatic edges, tinyvllm/platform/cuda_graph.py), so every kernel begins with
+// TV_WAIT_PRIOR_GRIDS, before it reads or writes any memory: it waits there until the kernels it depends on have
+// finished with their writes visible, then lets the kernel after it start launching (its blocks wait in turn).
+#if !defined(TV_EMULATOR) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define TV_WAIT_PRIOR_GRIDS() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define TV_WAIT_PRIOR_GRIDS()
+#endif
 // device-wide: a fence ordering this thread's writes before its later ones for every block, an atomic increment
 // (returns the old value), a load past the L1 cache (of data another block of the launch wrote)
 #define TV_DEVICE_FENCE() __threadfence()

@@ -18,6 +18,8 @@ using namespace metal;
 #define TV_BID_Y ((int)tv_tg.y)
 #define TV_BID_Z ((int)tv_tg.z)
 #define TV_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
+// Metal has no programmatic dependent launch: a kernel starts after the one before it (prelude_cuda.h)
+#define TV_WAIT_PRIOR_GRIDS()
 #define TV_SHFL_XOR(v, m) simd_shuffle_xor((v), (ushort)(m))
 #define TV_UNROLL
 #define TV_NO_UNROLL
