@@ -5,6 +5,7 @@ a float32 product in tinygrad.
 
 Usage (GPU machine): DEV=CUDA python bench/skinny_bench.py [--rows 1,4] [--only NAMES] [--planned | --layout R:S];
 writes $OUT/skinny_bench.json when OUT is set.
+--plain-graphs: tinygrad's CUDA graphs with plain edges (the kernels' wait stays, a no-op without a programmatic launch).
 Timing: each layout is captured with TinyJit as R calls on R different weight copies (so weights come from HBM, not
 L2, as in a decode step), replayed; time per call = wall time / (replays * R), launch gaps inside the graph included.
 """
@@ -130,7 +131,13 @@ def main() -> None:
   p.add_argument("--only", help="comma-separated shape names")
   p.add_argument("--planned", action="store_true", help="time only the planner's layout")
   p.add_argument("--layout", help="time only this layout, RPW:KSPLIT (e.g. 4:8)")
+  p.add_argument("--plain-graphs", action="store_true",
+                 help="tinygrad's CUDA graphs without programmatic launch (platform/cuda_graph.py), for comparison")
   args = p.parse_args()
+  from tinyvllm.platform import cuda_graph
+  if args.plain_graphs: cuda_graph.use_programmatic_graphs = lambda device: False
+  relink, edges = cuda_graph._relink, []
+  cuda_graph._relink = lambda graph, e: (edges.append(len(e)), relink(graph, e))[1]
   device = Device.DEFAULT
   target = device_target(device)
   shapes = [s for s in SHAPES if args.only is None or s[0] in args.only.split(",")]
@@ -141,6 +148,7 @@ def main() -> None:
     only = SkinnyLayout(int(rpw), int(ksplit))
   records = [r for rows in map(int, args.rows.split(",")) for spec in shapes
              for r in bench_shape(target, device, rows, spec, args.replays, args.planned, only)]
+  print(f"programmatic edges: {sum(edges)} in {len(edges)} graphs")
   if out := os.environ.get("OUT"): Path(out, "skinny_bench.json").write_text(json.dumps(records, indent=1))
   assert all(r["ok"] for r in records), "a layout's product is off"
 
