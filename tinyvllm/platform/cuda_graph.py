@@ -59,6 +59,7 @@ def _driver_has_edge_data() -> bool:
 def use_programmatic_graphs(device: str) -> bool:
   """Install the programmatic graph on a CUDA device that supports it (returns whether it did or had)."""
   dev = Device[device]
+  if dev.graph is programmatic_graph_class(): return True   # (each kernel of a capture asks again)
   arch = str(getattr(dev, "arch", ""))
   if not arch.startswith("sm_") or int(arch[3:5]) < 90 or dev.graph is None or not _driver_has_edge_data(): return False
   dev.graph = programmatic_graph_class()
@@ -78,32 +79,30 @@ def _handle(node) -> int: return ctypes.cast(node, ctypes.c_void_p).value or 0
 
 def _graph_edges(graph) -> list[tuple[int, int]]:
   import tinygrad.runtime.autogen.cuda as cuda
+  from tinygrad.runtime.ops_cuda import check
   fn = cuda.dll.cuGraphGetEdges
   fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int
   count = ctypes.c_size_t(0)
-  _check(fn(_handle(graph), None, None, ctypes.byref(count)))
+  check(fn(_handle(graph), None, None, ctypes.byref(count)))
   if count.value == 0: return []
   src, dst = (ctypes.c_void_p * count.value)(), (ctypes.c_void_p * count.value)()
-  _check(fn(_handle(graph), src, dst, ctypes.byref(count)))
+  check(fn(_handle(graph), src, dst, ctypes.byref(count)))
   return [(a or 0, b or 0) for a, b in zip(src, dst, strict=True)]
 
 
 def _relink(graph, edges: list[tuple[int, int]]) -> None:
   """Replace each plain edge by a programmatic one."""
   import tinygrad.runtime.autogen.cuda as cuda
+  from tinygrad.runtime.ops_cuda import check
   n = len(edges)
   src, dst = (ctypes.c_void_p * n)(*[a for a, _ in edges]), (ctypes.c_void_p * n)(*[b for _, b in edges])
   remove = cuda.dll.cuGraphRemoveDependencies
   remove.argtypes, remove.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
-  _check(remove(_handle(graph), src, dst, n))
+  check(remove(_handle(graph), src, dst, n))
   data = (EdgeData * n)(*[EdgeData(PORT_PROGRAMMATIC, 0, TYPE_PROGRAMMATIC) for _ in range(n)])
   add = cuda.dll.cuGraphAddDependencies_v2
   add.argtypes, add.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
-  _check(add(_handle(graph), src, dst, data, n))
-
-
-def _check(status: int) -> None:
-  if status != 0: raise RuntimeError(f"CUDA graph call failed with status {status}")
+  check(add(_handle(graph), src, dst, data, n))
 
 
 @functools.cache
