@@ -3,15 +3,18 @@
 # with `git archive REV | tar -x -C .before`) and this one alternating run by run, so that both see the same machine.
 # Each argument is "MODEL [FLAGS...]" (e.g. "llama-3.2-1b -q int4", "qwen3-0.6b --no-decode-layer-kernel"); each line of
 # $OUT/decode_ab.txt is a side, the model and flags, and the bench's result (mean tok/s, median step). ROUNDS (default 1):
-# the whole alternation repeated, since one run's mean moves with the host's pace.
+# the whole alternation repeated, since one run's mean moves with the host's pace. Several other checkouts, comma-separated,
+# alternate with this one in turn (each line names its directory).
 #   ROUNDS=2 bash bench/decode_ab.sh .before "llama-3.2-1b" "llama-3.2-1b -q int8"
 set -u
-other=$1
+IFS=, read -r -a others <<< "$1"
 shift
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-[ -e "$other/.whl" ] || ln -s "$PWD/.whl" "$other/.whl"
-[ -e "$other/.data" ] || ln -s "$PWD/.data" "$other/.data"
+for other in "${others[@]}"; do
+  [ -e "$other/.whl" ] || ln -s "$PWD/.whl" "$other/.whl"
+  [ -e "$other/.data" ] || ln -s "$PWD/.data" "$other/.data"
+done
 decode() {   # side dir, model and flags
   local side=$1 dir=$2 model=$3
   shift 3
@@ -24,7 +27,11 @@ decode() {   # side dir, model and flags
 for _ in $(seq "${ROUNDS:-1}"); do
   for spec in "$@"; do
     read -r -a words <<< "$spec"
-    decode before "$other" "${words[@]}"
+    for other in "${others[@]}"; do
+      side=before
+      [ ${#others[@]} -gt 1 ] && side="before:$other"
+      decode "$side" "$other" "${words[@]}"
+    done
     decode after "$PWD" "${words[@]}"
   done
 done
