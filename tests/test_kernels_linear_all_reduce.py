@@ -23,6 +23,9 @@ CASES = {
   "bf16_residual_2": ("bfloat16", 1, 256, 64, False, True, 2),
   "f32_silu_residual_2": ("float32", 2, 72, 24, True, True, 2),
   "f16_plain_4": ("float16", 3, 128, 40, False, False, 4),
+  # the last block's threads add several vectors each (outputs past a multiple of the block's threads)
+  "bf16_wide_2": ("bfloat16", 2, 256, 600, False, True, 2),
+  "f16_wide_4": ("float16", 1, 128, 520, False, False, 4),
 }
 BETWEEN = (4096, "bfloat16")   # an all-reduce kernel launch between the products (2 devices)
 
