@@ -1,6 +1,9 @@
 """Where a decode step's time goes on the GPU: decode tok/s, kernel count, and the slowest kernels of one step.
 
 Usage (on the GPU machine): DEV=CUDA python bench/gpu_profile.py --model qwen3-0.6b --batch 1 [--stories PATH]
+  [--quantization int4] [--replay-only]
+--replay-only: the step breakdown alone, with the captured decode graph replayed in --replay-rounds rounds (its median
+is the GPU's step, free of the host's pace; bench/replay_ab.sh alternates checkouts with it).
 Writes $OUT/profile_<tag>.json when OUT is set.
 """
 from __future__ import annotations
@@ -56,7 +59,7 @@ def profile_one_step(engine, batch: int) -> dict:
           "top": [{"name": k, "ms": round(v, 4), "count": counts[k]} for k, v in top]}
 
 
-def step_breakdown(engine, batch: int, steps: int = 50) -> dict:
+def step_breakdown(engine, batch: int, steps: int = 50, rounds: int = 1) -> dict:
   """Where a decode step's wall time goes: the whole engine.step, the runner's launch (batch prep + upload + graph
   launch), and the captured graph alone replayed back to back (GPU time + launch), in ms. With asynchronous
   scheduling the engine step overlaps the host's work with the previous step's graph."""
@@ -100,11 +103,14 @@ def step_breakdown(engine, batch: int, steps: int = 50) -> dict:
     for dev in devices: dev.synchronize()
   for _ in range(3): fn(packed)
   synchronize()
-  t = time.perf_counter()
-  for _ in range(steps): fn(packed)
-  graph_launch_s = (time.perf_counter() - t) / steps
-  synchronize()
-  replay_s = (time.perf_counter() - t) / steps
+  replays = []
+  for _ in range(rounds):
+    t = time.perf_counter()
+    for _ in range(steps): fn(packed)
+    graph_launch_s = (time.perf_counter() - t) / steps
+    synchronize()
+    replays.append((time.perf_counter() - t) / steps)
+  replay_s = sorted(replays)[len(replays) // 2]
   tail = len(step_s) // 2   # the second half: decode steps only, captures warm
   ms = lambda xs: round(1e3 * sorted(xs)[len(xs) // 2], 3)
   return {"engine_step_ms": ms(step_s[-tail:]), "runner_launch_ms": ms(launch_s[-tail:]),
@@ -140,6 +146,9 @@ def main() -> None:
   p.add_argument("--tag", default="default")
   p.add_argument("--tensor-parallel-size", type=int, default=1)
   p.add_argument("--stories", help="stories260K-hf folder: check the greedy reference on this device first")
+  p.add_argument("--quantization", help="weights quantized at load (int8, int4, fp8)")
+  p.add_argument("--replay-only", action="store_true", help="only the step breakdown (no host or kernel profile)")
+  p.add_argument("--replay-rounds", type=int, default=1, help="rounds of graph replays; the median round is reported")
   args = p.parse_args()
   from tinyvllm import LLM, SamplingParams
   from tinyvllm.bench.decode import run_decode_bench
@@ -153,7 +162,7 @@ def main() -> None:
     del llm
   t0 = time.perf_counter()
   llm = LLM(args.model, load_format="dummy", dtype=args.dtype, num_gpu_blocks=2048, max_model_len=args.max_model_len,
-            max_num_seqs=256, tensor_parallel_size=args.tensor_parallel_size)
+            max_num_seqs=256, tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
   result["load_s"] = time.perf_counter() - t0
   t0 = time.perf_counter()
   runs = run_decode_bench(llm.engine, args.batch, 128, 256, no_kv_cache=False)
@@ -161,8 +170,9 @@ def main() -> None:
   result["decode_tok_s"] = runs[0].decode_tok_s
   result["prefill_ms"] = runs[0].prefill_s * 1e3
   print(runs[0].line(), flush=True)
-  result["breakdown"] = step_breakdown(llm.engine, args.batch)
+  result["breakdown"] = step_breakdown(llm.engine, args.batch, rounds=args.replay_rounds)
   print("step breakdown (median ms):", result["breakdown"], flush=True)
+  if args.replay_only: return
   result["host_profile"] = host_profile(llm.engine, args.batch)
   print("\n".join(result["host_profile"]), flush=True)
   if args.tensor_parallel_size > 1:

@@ -3,7 +3,7 @@ for the per-op decode paths' shapes (Qwen3-30B-A3B's attention half, router and 
 int8, int4 and FP8; Qwen3-0.6B's LM head; a fourth of Qwen3-8B, a device's share at TP=4), each layout checked against
 a float32 product in tinygrad.
 
-Usage (GPU machine): DEV=CUDA python bench/skinny_bench.py [--rows 1,4] [--only NAMES] [--planned | --layout R:S];
+Usage (GPU machine): DEV=CUDA python bench/skinny_bench.py [--rows 1,4] [--only NAMES] [--planned | --layout R:S,...];
 writes $OUT/skinny_bench.json when OUT is set.
 --plain-graphs: tinygrad's CUDA graphs with plain edges (the kernels' wait stays, a no-op without a programmatic launch).
 Timing: each layout is captured with TinyJit as R calls on R different weight copies (so weights come from HBM, not
@@ -37,7 +37,16 @@ SHAPES = (("30b_qkv", 5120, 2048, {"norm": True}, "elem"), ("30b_o", 2048, 4096,
           ("1b_gate_up_int8", 16384, 2048, {"norm": True}, "int8"), ("1b_gate_up_fp8", 16384, 2048, {"norm": True}, "fp8"),
           ("1b_down_fp8", 2048, 8192, {"silu_mul": True, "residual": True}, "fp8"),
           ("8b_tp4_qkv", 1536, 4096, {"norm": True}, "elem"), ("8b_tp4_o", 4096, 1024, {}, "elem"),
-          ("8b_tp4_gate_up", 6144, 4096, {"norm": True}, "elem"), ("8b_tp4_down", 4096, 3072, {"silu_mul": True}, "elem"))
+          ("8b_tp4_gate_up", 6144, 4096, {"norm": True}, "elem"), ("8b_tp4_down", 4096, 3072, {"silu_mul": True}, "elem"),
+          ("8b_down", 4096, 12288, {"silu_mul": True, "residual": True}, "elem"),
+          ("8b_tp2_down", 4096, 6144, {"silu_mul": True, "residual": True}, "elem"))
+# The down products again with x' = silu(gate) * up given (computed once before them), named "<down>_xp": what the
+# SwiGLU prologue's per-block recomputation (every block reads gate and up whole and takes K SiLUs) costs each
+SHAPES += tuple((f"{name}_xp", o, k, {n: v for n, v in opts.items() if n != "silu_mul"}, method)
+                for name, o, k, opts, method in SHAPES if opts.get("silu_mul"))
+# and the packed gate_up products with x' = rmsnorm(x) * g given, "<gate_up>_xn": what the RMSNorm prologue costs them
+SHAPES += tuple((f"{name}_xn", o, k, {}, method) for name, o, k, opts, method in SHAPES
+                if opts.get("norm") and name.startswith("1b_gate_up_"))
 RPW, KSPLIT = (2, 4, 8), (1, 2, 4, 8, 16)
 WEIGHT_BYTES = 256 << 20   # weight copies of a layout's chain: past the 50 MB L2
 MAX_COPIES = 256
@@ -82,7 +91,7 @@ def chained(call, ws: list, residual) -> list:
 
 
 def bench_shape(target, device: str, rows: int, spec: tuple, replays: int, planned_only: bool, only=None) -> list[dict]:
-  """Every layout (`planned_only`: the planner's; `only`: that SkinnyLayout) of one shape, timed and checked."""
+  """Every layout (`planned_only`: the planner's; `only`: those SkinnyLayouts) of one shape, timed and checked."""
   from tinygrad import Device, TinyJit
 
   from tinyvllm.kernels.linear import SkinnyLayout, linear_shape, run_linear, skinny_layout, unsupported_reason
@@ -97,7 +106,7 @@ def bench_shape(target, device: str, rows: int, spec: tuple, replays: int, plann
   others = [SkinnyLayout(r, s) for r in RPW for s in KSPLIT if r * rows <= 64]   # (registers)
   want = reference(x, ws[0], extra, opts)
   records = []
-  variants = [planned, *([] if planned_only else others)] if only is None else [only]
+  variants = [planned, *([] if planned_only else others)] if only is None else only
   for layout in dict.fromkeys(variants):
     call = lambda w, residual, layout=layout: run_linear(target, shape, "skinny", x, w, None, extra.get("norm"), residual,
                                                          layout=layout)
@@ -130,7 +139,7 @@ def main() -> None:
   p.add_argument("--replays", type=int, default=10)
   p.add_argument("--only", help="comma-separated shape names")
   p.add_argument("--planned", action="store_true", help="time only the planner's layout")
-  p.add_argument("--layout", help="time only this layout, RPW:KSPLIT (e.g. 4:8)")
+  p.add_argument("--layout", help="time only these layouts, RPW:KSPLIT, comma-separated (e.g. 4:8,8:4)")
   p.add_argument("--plain-graphs", action="store_true",
                  help="tinygrad's CUDA graphs without programmatic launch (platform/cuda_graph.py), for comparison")
   args = p.parse_args()
@@ -144,8 +153,7 @@ def main() -> None:
   only = None
   if args.layout:
     from tinyvllm.kernels.linear import SkinnyLayout
-    rpw, ksplit = args.layout.split(":")
-    only = SkinnyLayout(int(rpw), int(ksplit))
+    only = [SkinnyLayout(*map(int, layout.split(":"))) for layout in args.layout.split(",")]
   records = [r for rows in map(int, args.rows.split(",")) for spec in shapes
              for r in bench_shape(target, device, rows, spec, args.replays, args.planned, only)]
   print(f"programmatic edges: {sum(edges)} in {len(edges)} graphs")
