@@ -379,7 +379,7 @@ def main() -> int:
              ("correctness", lambda: step_correctness(target, device, cases)),
              ("engine", lambda: step_engine(args.model, device, dialect, args.tensor_parallel_size)),
              ("engine-fp8", lambda: step_fp8_engine(device, dialect)),
-             ("sample", lambda: log(f"ok   sampling kernel: {RESULTS.setdefault('sample', check_sample(dialect, device))}")),
+             ("sample", lambda: log(f"ok   sampling kernel: {RESULTS.setdefault('sample', check_sample(device))}")),
              ("quant", lambda: log(f"ok   packed-weight products: {RESULTS.setdefault('quant', check_quant(target, device))}")),
              ("moe", lambda: log(f"ok   mixture of experts: {RESULTS.setdefault('moe', check_moe(target, device))}")),
              ("bench", lambda: step_bench(target, device, [int(b) for b in args.batches.split(",") if b], args.iters)),

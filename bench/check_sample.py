@@ -1,9 +1,9 @@
-"""The sampling kernel (tinyvllm/kernels/csrc/neutral/sample.inc) on the GPU, as part of bench/check_kernels.py: a
-batch of 256 rows over Qwen3's 151,936-token vocabulary (greedy, temperature and padding rows mixed), the kernel against
-the portable sampler (tinygrad ops on the same device): the same token in every row, except where the two draws' noisy
-values are within TIE of each other (log2 may round differently), each checked against numpy's float64 evaluation of
-the same noise; and each path's time per call (TinyJit replays). Returns a record for $OUT/kernels.json; raises
-AssertionError."""
+"""The sampling kernel (tinyvllm/kernels/csrc/neutral/sample.inc) on the GPU, as part of bench/check_kernels.py: batches
+of 1, 8 and 256 rows (each row over the blocks sample_splits gives it) over Qwen3's 151,936-token vocabulary (greedy,
+temperature and padding rows mixed), the kernel against the portable sampler (tinygrad ops on the same device): the same
+token in every row, except where the two draws' noisy values are within TIE of each other (log2 may round
+differently), each checked against numpy's float64 evaluation of the same noise; and each path's time per call (TinyJit
+replays). Returns a record a batch for $OUT/kernels.json; raises AssertionError."""
 from __future__ import annotations
 
 import time
@@ -32,22 +32,28 @@ def noisy_values(logits: np.ndarray, params: np.ndarray, seeds: np.ndarray) -> n
   return np.where(greedy, logits, logits / np.where(greedy, 1.0, params[:, :1]) - np.log(-np.log(u)))
 
 
-def check_sample(dialect: str, device: str, rows: int = 256, vocab: int = 151936) -> dict:
+def check_sample(device: str, batches: tuple[int, ...] = (1, 8, 256), vocab: int = 151936) -> list[dict]:
+  return [check_sample_rows(device, rows, vocab) for rows in batches]
+
+
+def check_sample_rows(device: str, rows: int, vocab: int) -> dict:
   from tinygrad import Device, Tensor, TinyJit
 
   from tinyvllm.backend.sampling import NEUTRAL_PARAMS, SamplerVariant
-  from tinyvllm.kernels.sample import fused_sample
+  from tinyvllm.kernels.sample import fused_sample, sample_splits
+  from tinyvllm.kernels.tinygrad_program import device_target
   from tinyvllm.layers.sampler import sample_packed
-  rng = np.random.default_rng(21)
+  target = device_target(device)
+  rng = np.random.default_rng(21 + rows)
   logits = (rng.standard_normal((rows, vocab)) * 4).astype(np.float32)
   params = np.tile(np.array(NEUTRAL_PARAMS, np.float32), (rows, 1))
   params[:, 0] = np.where(rng.random(rows) < 0.25, 0.0, rng.uniform(0.3, 1.5, rows))
   seeds = np.stack([rng.integers(0, 2**32, rows), rng.integers(0, 5000, rows)], 1).astype(np.uint32)
   args = [Tensor(x, device=device).realize() for x in (logits, params.view(np.int32), seeds.view(np.int32))]
   variant = SamplerVariant(True, False, False)
-  record: dict = {"rows": rows, "vocab": vocab}
+  record: dict = {"rows": rows, "vocab": vocab, "splits": sample_splits(target, rows, vocab)}
   tokens = {}
-  for name, fn in (("kernel", lambda: fused_sample(dialect, *args, variant).realize()),
+  for name, fn in (("kernel", lambda: fused_sample(target, *args, variant).realize()),
                    ("portable", lambda: sample_packed(*args, variant).realize())):
     jit = TinyJit(fn)
     for _ in range(3): jit()

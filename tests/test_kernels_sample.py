@@ -1,7 +1,9 @@
 """The sampling kernel (csrc/neutral/sample.inc), CUDA and Metal dialect, run on the CPU through the C++ emulation against
 the portable sampler (tinyvllm/layers/sampler.py `sample`, tinygrad ops): the same token ids for greedy rows, seeded
 temperature rows (the same hashed noise) and a mix of both, a vocabulary that is not a multiple of the block, ties
-(the lowest id wins), rows of -inf with one finite logit; and which steps the backend sends to it."""
+(the lowest id wins, also across the blocks of a split row), rows of -inf with one finite logit; CUDA's rows split
+over several blocks (the last to arrive picks the token, whatever order the blocks run in) give the one block's
+tokens and leave their arrival counters zero; how many blocks a row takes; and which steps the backend sends to it."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,16 +12,19 @@ from tinygrad import Tensor, dtypes
 
 from tests.emulator.emulator import LazyKernels, Spec, emulate
 from tinyvllm.backend.sampling import NEUTRAL_PARAMS, SamplerVariant
-from tinyvllm.kernels.sample import sample_plan, takes
+from tinyvllm.kernels.sample import sample_plan, sample_splits, takes
 from tinyvllm.layers.sampler import sample, sample_packed
+from tinyvllm.platform.target import DeviceTarget
 
 ROWS, VOCAB = 6, 1000     # 1000: each of the 512 threads scans one or two ids
+SPLITS = 3                # CUDA: a row over three blocks of 334 ids (the last one's 332)
 
 
 @pytest.fixture(scope="module")
 def emu(dialect: str) -> LazyKernels:
-  plan = sample_plan(ROWS, VOCAB)
-  return emulate(dialect, [Spec("sample", "sample", plan.defines, plan.launches)])
+  plans = {"sample": sample_plan(ROWS, VOCAB)}
+  if dialect == "cuda": plans["sample_split"] = sample_plan(ROWS, VOCAB, SPLITS)
+  return emulate(dialect, [Spec(name, "sample", plan.defines, plan.launches) for name, plan in plans.items()])
 
 
 def _inputs(rng: np.random.Generator, temperatures: list[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -31,9 +36,19 @@ def _inputs(rng: np.random.Generator, temperatures: list[float]) -> tuple[np.nda
 
 
 def _kernel(emu: LazyKernels, logits, params, seeds, order: str = "forward") -> np.ndarray:
-  tokens = np.full(ROWS, -7, np.int32)
+  """The one-block kernel's tokens, after checking that the split kernel (CUDA) draws the same ones, twice (its
+  counters left zero for the next launch)."""
   bits = [params.reshape(-1).view(np.int32).copy(), seeds.reshape(-1).view(np.int32).copy()]   # as the packed input
+  tokens = np.full(ROWS, -7, np.int32)
   emu.launch("sample", 0, [tokens, logits.reshape(-1).copy(), *bits], order)
+  if "sample_split" in emu.specs:
+    arrivals = np.zeros(ROWS, np.uint32)
+    for again in ("reverse", "random"):
+      split = np.full(ROWS, -7, np.int32)
+      part = np.zeros(ROWS * SPLITS * 2, np.uint32)
+      emu.launch("sample_split", 0, [split, logits.reshape(-1).copy(), *bits, part, arrivals], again if order == "forward" else order)
+      np.testing.assert_array_equal(split, tokens)
+      assert not arrivals.any()
   return tokens
 
 
@@ -86,6 +101,17 @@ def test_packed_contract_is_the_samplers():
   variant = SamplerVariant(True, False, False)
   packed = sample_packed(Tensor(logits), Tensor(params.view(np.int32)), Tensor(seeds.view(np.int32)), variant).numpy()
   np.testing.assert_array_equal(packed, sample(Tensor(logits), Tensor(params), Tensor(seeds), variant).numpy())
+
+
+def test_rows_spread_over_blocks_on_cuda_only():
+  h100, metal = DeviceTarget.nominal("cuda"), DeviceTarget.nominal("metal", "")
+  assert sample_splits(h100, 1, 151936) == 75            # 512 threads, about 4 ids each
+  assert sample_splits(h100, 8, 151936) == 33            # two blocks an SM
+  assert sample_splits(h100, 256, 151936) == 2 and sample_splits(h100, 512, 151936) == 1
+  assert sample_splits(h100, 1, 1000) == 1               # a small vocabulary: one block
+  assert sample_splits(metal, 1, 151936) == 1            # no device-wide atomics in the Metal dialect
+  plan = sample_plan(1, 151936, 75)
+  assert plan.launches[0].grid == (75, 1, 1) and plan.defines["TV_CHUNK"] * 75 >= 151936
 
 
 def test_steps_with_filters_or_penalties_stay_portable():

@@ -26,7 +26,7 @@ from tinyvllm.kernels.plan import (
 )
 from tinyvllm.kernels.plan import write_unsupported_reason as _write_unsupported
 from tinyvllm.kernels.sources import kernel_source
-from tinyvllm.kernels.tinygrad_program import has_buffer_identity, run_kernel
+from tinyvllm.kernels.tinygrad_program import has_buffer_identity, run_kernel, zeroed_counters
 from tinyvllm.layers.fp8 import is_fp8
 from tinyvllm.platform.target import DeviceTarget
 
@@ -84,16 +84,10 @@ def launch_attention(plan: DecodePlan | PrefillPlan, source: str, out: Tensor, q
   part_o, part_ml = scratch or (Tensor.empty(numel["part_o"], dtype=dtypes.float32, device=q.device),
                                 Tensor.empty(numel["part_ml"], dtype=dtypes.float32, device=q.device))
   if len(plan.launches) == 1:
-    return run_kernel(first, source, [part_o, part_ml, q, k_cache, v_cache, *ints, out, _arrivals(q.device, numel["arrivals"])])[8]
+    arrivals = zeroed_counters(q.device, numel["arrivals"])
+    return run_kernel(first, source, [part_o, part_ml, q, k_cache, v_cache, *ints, out, arrivals])[8]
   part_o, part_ml = run_kernel(first, source, [part_o, part_ml, q, k_cache, v_cache, *ints])[:2]
   return run_kernel(plan.launches[1], source, [out, part_o, part_ml, ints[1], ints[2]])[0]
-
-
-@functools.cache
-def _arrivals(device: str | tuple[str, ...], numel: int) -> Tensor:
-  """Zeroed counters for the split decode kernel's merge, one buffer a device and size for every launch: the kernel
-  leaves them zero (a layer's launch runs after the one before on its device's stream)."""
-  return Tensor.zeros(numel, dtype=dtypes.uint32, device=device).contiguous().realize()
 
 
 def kv_write_unsupported_reason(k_cache: Tensor, v_cache: Tensor, k: Tensor, slot_mapping: Tensor) -> str | None:

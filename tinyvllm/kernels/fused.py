@@ -191,7 +191,7 @@ class FusedBackend:
              penalties: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Greedy and temperature-only steps in one kernel (sample.inc); filters and penalties in tinygrad ops."""
     self.calls["sample" if takes(logits, variant, penalties) else "portable-sample"] += 1
-    return fused_sample(self.name, logits, params_bits, rng_bits, variant, penalties)
+    return fused_sample(self.target, logits, params_bits, rng_bits, variant, penalties)
 
   def _fallback(self, what: str, reason: str) -> None:
     self.calls[f"portable-{what}"] += 1

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from tinygrad import Tensor
+from tinygrad import Tensor, dtypes
 
 from tinyvllm.kernels.plan import Launch
 from tinyvllm.platform import tinygrad_compat as compat
@@ -35,6 +35,14 @@ class KernelBuildError(RuntimeError):
 def device_target(device: str) -> DeviceTarget:
   """The target of a device (read once per device)."""
   return detect_target(device)
+
+
+@functools.cache
+def zeroed_counters(device: str | tuple[str, ...], numel: int) -> Tensor:
+  """Zeroed uint32 counters for a kernel whose last block to arrive finishes its work (a split decode's merge, a split
+  sampling row): one buffer a device and size, shared by every launch and kernel that takes it, since each leaves it
+  zero and runs after the one before on its device's stream."""
+  return Tensor.zeros(numel, dtype=dtypes.uint32, device=device).contiguous().realize()
 
 
 @functools.cache
