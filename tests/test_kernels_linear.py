@@ -81,6 +81,12 @@ def test_layout_spreads_long_rows_over_warps():
   assert skinny_layout(logits(1024, 1)) == SkinnyLayout(2, 4)
   plan = linear_plan(shape(8192))
   assert plan.launch.grid == (1024, 1, 1) and plan.launch.threads == 256 and plan.defines["TV_KSPLIT"] == 8
+  # int4 codes behind SwiGLU at one or two rows: at most 4 warps (Llama-3.2-1B's down: 8 steps of 32-column spans);
+  # int8 and FP8 codes, and three rows, as before
+  down = lambda weight, rows=1: LinearShape("bfloat16", rows, 8192, 2048, False, None, True, True, False, weight,
+                                            128 if weight == "int4" else 8192)
+  assert skinny_layout(down("int4")) == skinny_layout(down("int4", 2)) == SkinnyLayout(4, 4)
+  assert skinny_layout(down("int8")) == skinny_layout(down("fp8")) == skinny_layout(down("int4", 3)) == SkinnyLayout(4, 8)
 
 
 def test_shapes_the_kernel_refuses():
