@@ -1,7 +1,7 @@
 """The skinny product (csrc/neutral/linear.inc) at decode batch sizes, in every layout: time per call and GB/s of weights
 for the per-op decode paths' shapes (Qwen3-30B-A3B's attention half, router and LM head; Llama-3.2-1B's layer in bf16,
-int8, int4 and FP8; Qwen3-0.6B's LM head; a fourth of Qwen3-8B, a device's share at TP=4), each layout checked against
-a float32 product in tinygrad.
+int8, int4 and FP8 (gate_up and down; qkv and o in int8 and int4); Qwen3-0.6B's LM head; a fourth of Qwen3-8B, a
+device's share at TP=4), each layout checked against a float32 product in tinygrad.
 
 Usage (GPU machine): DEV=CUDA python bench/skinny_bench.py [--rows 1,4] [--only NAMES] [--planned | --layout R:S,...];
 writes $OUT/skinny_bench.json when OUT is set.
@@ -32,6 +32,8 @@ SHAPES = (("30b_qkv", 5120, 2048, {"norm": True}, "elem"), ("30b_o", 2048, 4096,
           ("1b_qkv", 3072, 2048, {"norm": True}, "elem"), ("1b_o", 2048, 2048, {"residual": True}, "elem"),
           ("1b_gate_up", 16384, 2048, {"norm": True}, "elem"), ("1b_down", 2048, 8192, {"silu_mul": True, "residual": True}, "elem"),
           ("1b_gate_up_int4", 16384, 2048, {"norm": True}, "int4"),
+          ("1b_qkv_int4", 3072, 2048, {"norm": True}, "int4"), ("1b_o_int4", 2048, 2048, {"residual": True}, "int4"),
+          ("1b_qkv_int8", 3072, 2048, {"norm": True}, "int8"), ("1b_o_int8", 2048, 2048, {"residual": True}, "int8"),
           ("1b_down_int4", 2048, 8192, {"silu_mul": True, "residual": True}, "int4"),
           ("1b_down_int8", 2048, 8192, {"silu_mul": True, "residual": True}, "int8"),
           ("1b_gate_up_int8", 16384, 2048, {"norm": True}, "int8"), ("1b_gate_up_fp8", 16384, 2048, {"norm": True}, "fp8"),

@@ -87,6 +87,10 @@ def test_layout_spreads_long_rows_over_warps():
                                             128 if weight == "int4" else 8192)
   assert skinny_layout(down("int4")) == skinny_layout(down("int4", 2)) == SkinnyLayout(4, 4)
   assert skinny_layout(down("int8")) == skinny_layout(down("fp8")) == skinny_layout(down("int4", 3)) == SkinnyLayout(4, 8)
+  # int8 codes outside SwiGLU at one or two rows: 2 columns a block, as 16-bit weights (K 2,048: 4 steps of 16 codes)
+  qkv = lambda weight, rows=1: LinearShape("bfloat16", rows, 2048, 3072, False, EPS, False, False, False, weight, 2048)
+  assert skinny_layout(qkv("int8")) == skinny_layout(qkv("int8", 2)) == SkinnyLayout(2, 4)
+  assert skinny_layout(qkv("int8", 3)) == skinny_layout(qkv("fp8")) == SkinnyLayout(4, 4)
 
 
 def test_shapes_the_kernel_refuses():

@@ -102,7 +102,9 @@ def lane_columns(shape: LinearShape) -> int:
 def skinny_layout(shape: LinearShape) -> SkinnyLayout:
   """Columns a block: each 16-byte w load is matched by rows/rpw x loads (from cache), so more rows want a larger rpw
   (4 keeps 16 rows at ~170 registers without spills: nvcc -Xptxas -v, sm_90), and so do packed codes, whose 16 bytes a
-  lane cover more columns. Warps: K's steps shared by as many as divide them evenly, up to MAX_KSPLIT. One row on an H100
+  lane cover more columns, but for int8 codes at one or two rows outside SwiGLU, which take 2 as 16-bit weights do
+  (Llama-3.2-1B's int8 qkv 5.7 -> 4.5 us alone, its decode step on the GPU 0.866 -> 0.853 ms; its SwiGLU down 9.3 with
+  4 columns, 9.6 with 2). Warps: K's steps shared by as many as divide them evenly, up to MAX_KSPLIT. One row on an H100
   (bench/skinny_bench.py, us a call): Qwen3-30B-A3B's o (K 4,096, 16 steps) 11.5 with one warp a block, 7.5 with 8;
   Llama-3.2-1B's down (K 8,192) 30.9 and 15.1; its int4 down (8 steps of 32-column spans) 29.8 with 4 columns and one
   warp, 10.0 with 8 warps; a K of 3,072 (12 steps) 14.0 with 8 warps (four take one step more), 12.2 with 4. Wide
@@ -114,7 +116,8 @@ def skinny_layout(shape: LinearShape) -> SkinnyLayout:
   steps = -(-shape.in_features // (32 * lane_columns(shape)))
   most = INT4_SWIGLU_KSPLIT if shape.silu_mul and shape.weight == "int4" and shape.rows <= 2 else MAX_KSPLIT
   splits = [s for s in range(1, most + 1) if steps % s == 0]
-  rpw, ksplit = 2 if shape.rows <= 2 and shape.weight == "elem" else 4, max(splits)
+  narrow = shape.weight == "elem" or (shape.weight == "int8" and not shape.silu_mul)
+  rpw, ksplit = 2 if shape.rows <= 2 and narrow else 4, max(splits)
   if shape.rows > 2:
     blocks = -(-shape.out_features // rpw)
     ksplit = next((s for s in splits if blocks * s >= GRID_WARPS and steps // s <= MAX_WARP_STEPS), ksplit)
