@@ -146,7 +146,7 @@ def main() -> None:
   p.add_argument("--tag", default="default")
   p.add_argument("--tensor-parallel-size", type=int, default=1)
   p.add_argument("--stories", help="stories260K-hf folder: check the greedy reference on this device first")
-  p.add_argument("--quantization", help="weights quantized at load (int8, int4, fp8)")
+  p.add_argument("-q", "--quantization", help="weights quantized at load (int8, int4, fp8)")
   p.add_argument("--replay-only", action="store_true", help="only the step breakdown (no host or kernel profile)")
   p.add_argument("--replay-rounds", type=int, default=1, help="rounds of graph replays; the median round is reported")
   args = p.parse_args()
