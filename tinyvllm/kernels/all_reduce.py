@@ -56,19 +56,15 @@ def table_words(world: int) -> int:
 
 
 def signal_words(world: int) -> int:
-  """uint32 words of a device's signal buffer: a flag per (block, device), a launch counter per block, then the
-  arrivals counter of a product that all-reduces its outputs (csrc/neutral/linear.inc, TV_AR)."""
-  return arrivals_word(world) + 1
-
-
-def arrivals_word(world: int) -> int: return MAX_BLOCKS * (world + 1)
+  """uint32 words of a device's signal buffer: a flag per (block, device), then a launch counter per block."""
+  return MAX_BLOCKS * (world + 1)
 
 
 def peer_defines(world: int, words: int) -> dict[str, int]:
   """What a kernel that meets the group through peer.inc's LL lines needs: the group and buffer layout, and the words
   each device sends (`words` 4-byte words)."""
   return {"TV_W": world, "TV_MAX_BLOCKS": MAX_BLOCKS, "TV_LL_BASE": 2 * SLOT_BYTES, "TV_LL_SLOT": LL_SLOT_BYTES,
-          "TV_LL_WORDS": words, "TV_ARRIVALS": arrivals_word(world)}
+          "TV_LL_WORDS": words}
 
 
 def unsupported_reason(numel: int, dtype: str, world: int) -> str | None:

@@ -9,13 +9,14 @@ the RMSNorm before it, the SwiGLU product and the residual add into its loads an
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field, replace
 
 from tinygrad import Tensor, dtypes
 
 from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.backend.weights import Weight
-from tinyvllm.kernels.all_reduce import peer_defines, table_words
+from tinyvllm.kernels.all_reduce import MAX_BLOCKS, peer_defines, table_words
 from tinyvllm.kernels.all_reduce import unsupported_reason as peer_reason
 from tinyvllm.kernels.gemm import GemmTiles, gemm_source, packed_reason
 from tinyvllm.kernels.gemm import unsupported_reason as gemm_unsupported_reason
@@ -31,7 +32,7 @@ INT4_SWIGLU_KSPLIT = 4    # ... for int4 codes behind the SwiGLU prologue at one
 # from three rows a K split costs its cross-warp sums (rows x columns partials a block), so it goes only as far as a
 # grid of GRID_WARPS warps (an H100's 132 SMs x 64 resident) and MAX_WARP_STEPS steps a warp need
 GRID_WARPS, MAX_WARP_STEPS = 8192, 4
-# a row-parallel product that all-reduces its own outputs adds them up in its last block: a decode step's few rows
+# a row-parallel product that all-reduces its own outputs takes a decode step's few rows
 MAX_ALL_REDUCE_OUTPUTS = 4 * 4096
 DTYPE_NAMES = {dtypes.float32: "float32", dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}
 
@@ -85,9 +86,8 @@ def all_reduce_reason(shape: LinearShape) -> str | None:
   elem = ELEM_BYTES[dtype_code(shape.dtype)]
   outputs = shape.rows * shape.out_features
   if shape.bias or shape.out_float32 or shape.norm_eps is not None: return "a bias, a norm or float32 outputs"
-  if shape.out_features * elem % 4: return f"{shape.out_features} columns (whole 4-byte words a row)"
-  if outputs * elem % 16: return f"{outputs} outputs (whole 16-byte vectors)"
-  if outputs > MAX_ALL_REDUCE_OUTPUTS: return f"{outputs} outputs (one block adds them up: at most {MAX_ALL_REDUCE_OUTPUTS})"
+  if shape.out_features * elem % 16: return f"{shape.out_features} columns (whole 16-byte vectors a row)"
+  if outputs > MAX_ALL_REDUCE_OUTPUTS: return f"{outputs} outputs (decode rows: at most {MAX_ALL_REDUCE_OUTPUTS})"
   return peer_reason(outputs, shape.dtype, shape.all_reduce)
 
 
@@ -150,11 +150,27 @@ def linear_plan(shape: LinearShape, layout: SkinnyLayout | None = None) -> Linea
   if shape.norm_eps is not None: defines["TV_EPS"] = f"{shape.norm_eps!r}f"
   if shape.silu_mul: defines["TV_PRO_SILU"] = 1
   if shape.out_float32: defines["TV_OUT_F32"] = 1
-  if shape.all_reduce:   # the group's table last (csrc/cuda/peer.inc)
+  grid = blocks
+  if shape.all_reduce:   # the group's table last (csrc/cuda/peer.inc), the reducers after the product's blocks
     elem = ELEM_BYTES[dtype_code(shape.dtype)]
-    defines.update({"TV_AR": len(params), "TV_GRID": blocks, **peer_defines(shape.all_reduce, m * o * elem // 4)})
+    columns = reducer_columns(shape, rpw, threads)
+    reducers = -(-o // columns)
+    defines.update({"TV_AR": len(params), "TV_BLOCKS": blocks, "TV_REDUCERS": reducers, "TV_RCOLS": columns,
+                    **peer_defines(shape.all_reduce, m * o * elem // 4)})
     params.append(Param("table", "uint", False, table_words(shape.all_reduce)))
-  return LinearPlan(shape, defines, Launch("tv_linear", (blocks, 1, 1), threads, tuple(params)))
+    grid += reducers
+  return LinearPlan(shape, defines, Launch("tv_linear", (grid, 1, 1), threads, tuple(params)))
+
+
+def reducer_columns(shape: LinearShape, rpw: int, threads: int) -> int:
+  """Columns of every row a reducer block of the all-reducing product adds up: a 16-byte vector a thread (so that
+  each waits for one arrival), a multiple of the vector and of a product block's columns (a product block has one
+  reducer), and at most MAX_BLOCKS reducers (one launch counter each)."""
+  vec = 16 // ELEM_BYTES[dtype_code(shape.dtype)]
+  unit = math.lcm(vec, rpw)
+  columns = max(unit, threads * vec // shape.rows // unit * unit)
+  least = -(-shape.out_features // MAX_BLOCKS)   # columns a reducer needs for MAX_BLOCKS of them to cover the row
+  return max(columns, -(-least // unit) * unit)
 
 
 @functools.cache
