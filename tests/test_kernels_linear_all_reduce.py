@@ -28,8 +28,10 @@ CASES = {
   # several reducers, each owning a run of columns of every row
   "bf16_wide_2": ("bfloat16", 2, 256, 600, False, True, 2),
   "f16_wide_4": ("float16", 1, 128, 520, False, False, 4),
-  # 32 reducers (one launch counter each), each thread adding two vectors
+  # 32 reducers (one launch counter each), two rounds of vectors each
   "bf16_many_2": ("bfloat16", 1, 64, 8448, False, True, 2),
+  # three devices: a reducer's threads past 3 x (32 // 3) idle
+  "bf16_three_3": ("bfloat16", 2, 128, 64, False, True, 3),
 }
 BETWEEN = (4096, "bfloat16")   # an all-reduce kernel launch between the products (2 devices)
 

@@ -156,6 +156,7 @@ def linear_plan(shape: LinearShape, layout: SkinnyLayout | None = None) -> Linea
     columns = reducer_columns(shape, rpw, threads)
     reducers = -(-o // columns)
     defines.update({"TV_AR": len(params), "TV_BLOCKS": blocks, "TV_REDUCERS": reducers, "TV_RCOLS": columns,
+                    "TV_RVECS": threads // shape.all_reduce,
                     **peer_defines(shape.all_reduce, m * o * elem // 4)})
     params.append(Param("table", "uint", False, table_words(shape.all_reduce)))
     grid += reducers
@@ -163,12 +164,12 @@ def linear_plan(shape: LinearShape, layout: SkinnyLayout | None = None) -> Linea
 
 
 def reducer_columns(shape: LinearShape, rpw: int, threads: int) -> int:
-  """Columns of every row a reducer block of the all-reducing product adds up: a 16-byte vector a thread (so that
-  each waits for one arrival), a multiple of the vector and of a product block's columns (a product block has one
-  reducer), and at most MAX_BLOCKS reducers (one launch counter each)."""
+  """Columns of every row a reducer block of the all-reducing product adds up: a 16-byte vector of one device's
+  words a thread (so that each waits for one arrival), a multiple of the vector and of a product block's columns (a
+  product block has one reducer), and at most MAX_BLOCKS reducers (one launch counter each)."""
   vec = 16 // ELEM_BYTES[dtype_code(shape.dtype)]
   unit = math.lcm(vec, rpw)
-  columns = max(unit, threads * vec // shape.rows // unit * unit)
+  columns = max(unit, threads // shape.all_reduce * vec // shape.rows // unit * unit)
   least = -(-shape.out_features // MAX_BLOCKS)   # columns a reducer needs for MAX_BLOCKS of them to cover the row
   return max(columns, -(-least // unit) * unit)
 
