@@ -120,3 +120,22 @@ def test_refusals():
   assert "16-byte vectors" in all_reduce_reason(shape(out_features=4092))
   assert "decode rows" in all_reduce_reason(shape(rows=8))
   assert "devices" in all_reduce_reason(shape(all_reduce=9))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_reducer_plan_covers_every_column_once(dtype, world):
+  """Over decode shapes: reducers own whole runs of vectors and of product blocks' columns (a product block reads its
+  reducer's launch counter), at most one counter each, and a round's threads (vector, device) fit the block."""
+  checked = 0
+  for rows, k, o in ((1, 2048, 4096), (2, 6144, 4096), (4, 1024, 4096), (1, 64, 8448), (1, 256, 40), (4, 3072, 896)):
+    shape = LinearShape(dtype, rows, k, o, False, None, False, True, False, all_reduce=world)
+    if all_reduce_reason(shape) is not None: continue
+    checked += 1
+    d = linear_plan(shape).defines
+    vec, cols, reducers = 16 // (4 if dtype == "float32" else 2), d["TV_RCOLS"], d["TV_REDUCERS"]
+    assert cols % vec == 0 and cols % d["TV_RPW"] == 0
+    assert (reducers - 1) * cols < o <= reducers * cols and reducers <= ar.MAX_BLOCKS
+    assert d["TV_RVECS"] * world <= d["TV_NT"] and d["TV_RVECS"] >= 1
+    assert linear_plan(shape).launch.grid[0] == d["TV_BLOCKS"] + reducers
+  assert checked == 6
