@@ -135,3 +135,38 @@ def test_a_load_error_in_the_core_is_raised_with_its_message_and_leaves_no_proce
       await AsyncLLM.from_config(EngineConfig(model=str(tmp_path)))
   asyncio.run(main())
   assert not [p for p in multiprocessing.active_children() if p.name == "tinyvllm-engine-core"]
+
+
+def test_a_message_sent_before_the_core_connects_waits_for_it(tmp_path):
+  """A core the supervisor of several API servers started connects to a server's input socket on its own schedule (it
+  retries every 100 ms) and its READY may come first, on the other socket: a request the server sends meanwhile is
+  delivered once the core connects, in order with those after it, never dropped."""
+  import zmq
+
+  from tinyvllm.engine.core_client import CoreClient
+  from tinyvllm.engine.core_launcher import SharedCoreLauncher
+  from tinyvllm.engine.messages import RequestType
+  from tinyvllm.engine.serialization import decode_input
+
+  launcher = SharedCoreLauncher(f"ipc://{tmp_path}/input", f"ipc://{tmp_path}/output", pid=0)
+
+  async def scenario() -> list[tuple]:
+    client = CoreClient(EngineConfig(model="unused"), launcher)
+    client.abort_requests(["first"])   # no core connected: the socket cannot take it yet
+    await asyncio.sleep(0.05)
+    client.abort_requests(["second"])
+    context = zmq.Context()
+    core = context.socket(zmq.PULL)   # the core connects late
+    core.connect(launcher.input_address)
+    try:
+      got = []
+      for _ in range(2):
+        assert await asyncio.to_thread(core.poll, 5000), f"only {got} arrived"
+        got.append(decode_input(core.recv_multipart()))
+      return got
+    finally:
+      core.close(linger=0)
+      context.term()
+      await client.shutdown()
+
+  assert asyncio.run(scenario()) == [(RequestType.ABORT, ["first"]), (RequestType.ABORT, ["second"])]

@@ -7,6 +7,7 @@ it sent, or how it ended) and sends are dropped.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import shutil
 import tempfile
@@ -24,6 +25,7 @@ from tinyvllm.engine.serialization import decode_output, encode
 
 LAST_WORDS_S = 0.2         # after the process exits, how long its last messages (FAILED) may still take to arrive
 SHUTDOWN_TIMEOUT_S = 10.0  # how long a SHUTDOWN may take before the process is killed
+UNSENT_RETRY_S = 0.01      # how often a message the input socket did not take (no core connected yet) is tried again
 
 
 class CoreClient:
@@ -46,6 +48,8 @@ class CoreClient:
     self._exited = self._loop.create_future()
     self.process.watch(self._loop, self._on_exit)
     self._receiving: asyncio.Future | None = None
+    self._unsent: collections.deque[list[bytes]] = collections.deque()   # messages the socket has not taken yet
+    self._retrying = False
     self.dead: EngineDeadError | None = None
     self.ready = self._closing = False
 
@@ -61,8 +65,22 @@ class CoreClient:
   def stop_samples(self, samples: list[SampleRef]) -> None: self._send(RequestType.STOP_SAMPLES, samples)
 
   def _send(self, kind: RequestType, payload: Any) -> None:
-    if self.dead is not None or self._exited.done(): return   # nobody would read it (and a send to no peer would block)
-    with contextlib.suppress(zmq.Again): self._input.send_multipart(encode(kind, payload), flags=zmq.NOBLOCK)
+    if self.dead is not None or self._exited.done(): return   # nobody would read it
+    self._unsent.append(encode(kind, payload))
+    if not self._retrying: self._flush()   # (else the retry scheduled sends it, after those before it)
+
+  def _flush(self) -> None:
+    """Send what waits, in order, never blocking the event loop. The socket takes a message only once the core has
+    connected to it: a core started by the supervisor of several API servers connects on its own schedule (it retries
+    every 100 ms), and its READY may come before (on the other socket), so a request then waits here, not dropped."""
+    self._retrying = False
+    while self._unsent and self.dead is None and not self._exited.done():
+      try: self._input.send_multipart(self._unsent[0], flags=zmq.NOBLOCK)
+      except zmq.Again:   # no core connected yet (the high-water mark is off: nothing else refuses a message)
+        self._retrying = True
+        self._loop.call_later(UNSENT_RETRY_S, self._flush)
+        return
+      self._unsent.popleft()
 
   # ---- from the core
   async def wait_ready(self) -> EngineCoreInfo:
