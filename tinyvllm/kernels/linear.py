@@ -156,7 +156,6 @@ def linear_plan(shape: LinearShape, layout: SkinnyLayout | None = None) -> Linea
     columns = reducer_columns(shape, rpw, threads)
     reducers = -(-o // columns)
     defines.update({"TV_AR": len(params), "TV_BLOCKS": blocks, "TV_REDUCERS": reducers, "TV_RCOLS": columns,
-                    "TV_RVECS": threads // shape.all_reduce,
                     **peer_defines(shape.all_reduce, m * o * elem // 4)})
     params.append(Param("table", "uint", False, table_words(shape.all_reduce)))
     grid += reducers
