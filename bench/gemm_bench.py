@@ -1,7 +1,8 @@
 """The model's matrix products on the GPU, one kernel at a time: correctness of the tensor-core GEMM and the skinny
 decode kernel against tinygrad's own ops on the device, then time per call, achieved GB/s and TFLOP/s of every variant
 (planner's choice, other tiles, splits, shared-memory stage counts and K slice depths, cuBLAS through torch as the
-ceiling) for Qwen3-0.6B's projections.
+ceiling) for Qwen3-0.6B's projections (and, named with --projections, Qwen3-30B-A3B's attention and router products,
+Llama-3.2-1B's and Qwen3-8B's).
 
 Usage (GPU machine): DEV=CUDA python bench/gemm_bench.py [--quick] [--rows 1,32,256] [--projections qkv,gate_up];
 writes $OUT/gemm_bench.json when
@@ -30,7 +31,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # (name, out_features, in_features, prologue/epilogue) of Qwen3-0.6B's projections
 PROJECTIONS = (("qkv", 4096, 1024, {"norm": True}), ("o", 1024, 2048, {"residual": True}),
                ("gate_up", 6144, 1024, {"norm": True}), ("down", 1024, 3072, {"silu_mul": True, "residual": True}),
-               ("lm_head", 151936, 1024, {"norm": True, "out_float32": True}))
+               ("lm_head", 151936, 1024, {"norm": True, "out_float32": True}),
+               # Qwen3-30B-A3B's attention half and router (hidden 2,048, 32 heads and 4 KV heads of 128)
+               ("moe_qkv", 5120, 2048, {"norm": True}), ("moe_o", 2048, 4096, {"residual": True}),
+               ("moe_router", 128, 2048, {"out_float32": True}),
+               # Llama-3.2-1B's and Qwen3-8B's
+               ("llama_qkv", 3072, 2048, {"norm": True}), ("llama_o", 2048, 2048, {"residual": True}),
+               ("llama_gate_up", 16384, 2048, {"norm": True}), ("llama_down", 2048, 8192, {"silu_mul": True, "residual": True}),
+               ("q8b_qkv", 6144, 4096, {"norm": True}), ("q8b_o", 4096, 4096, {"residual": True}),
+               ("q8b_gate_up", 24576, 4096, {"norm": True}), ("q8b_down", 4096, 12288, {"silu_mul": True, "residual": True}))
+OTHER_MODELS = ("moe_", "llama_", "q8b_")   # timed only when --projections names them
 RESULTS: dict = {"correctness": [], "timing": [], "errors": []}
 
 
@@ -226,7 +236,7 @@ def variants_for(m: int, o: int, k: int, opts: dict) -> list[dict]:
 
 def bench(device: str, rows: list[int], replays: int, projections: set[str] | None = None) -> None:
   for name, o, k, opts in PROJECTIONS:
-    if projections and name not in projections: continue
+    if (name not in projections) if projections else name.startswith(OTHER_MODELS): continue
     wbytes = o * k * {"int8": 1, "fp8": 1, "int4": 0.5}.get(os.environ.get("GEMM_QUANT", ""), 2)
     copies = max(2, min(16, math.ceil(256e6 / wbytes)))
     for m in rows:

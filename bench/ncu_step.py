@@ -31,7 +31,8 @@ def profiled_steps(model: str, batch: int, steps: int, quantization: str | None 
   engine = llm.engine
   params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
   for i in range(batch): engine.add_request(f"p{i}", [3 + i] * 128, params)
-  for _ in range(8): engine.step()   # the prefill and warm decode steps
+  prefill_steps = -(-batch * 128 // engine.config.max_num_batched_tokens)
+  for _ in range(prefill_steps + 8): engine.step()   # the prompts' chunks and warm decode steps
   cuda = ctypes.CDLL("libcuda.so.1")
   cuda.cuProfilerStart()
   for _ in range(steps): engine.step()

@@ -6,7 +6,7 @@
 # (bench/check_decode_layer.py alone), quant (bench/check_kernels.py's packed-weight products alone), check_moe
 # (its mixture-of-experts kernels alone), wheel (the tinyvllm wheel carried in .dist/, installed alone and run
 # from /tmp), bound (bench/layer_bound.py), phases (bench/layer_phases.py: the layer kernel's time by phase), profile1 / profile256 (bench/gpu_profile.py), gemm (bench/gemm_bench.py),
-# timeline (bench/step_timeline.py), serve_profile (bench/serve_profile.py:
+# timeline (bench/step_timeline.py; timeline_moe: the same for the Qwen3-30B-A3B shape, MOE_KV_GIB of cache, on nvidia-h200), serve_profile (bench/serve_profile.py:
 # workload 3 against the server with timers on each stage; SERVE_ARGS adds server flags), sweep (bench/serve_sweep.py:
 # 1-256 concurrent clients; plotted here with --replot), explore (bench/attention_bench.py), sampler (bench/sampler_bench.py), spec (bench/spec_bench.py), gguf
 # (bench/gguf_bench.py: GGUF mixes' packed linears against the portable path and against bf16; GGUF_MIXES picks them), moe (bench/moe_bench.py: the Qwen3-30B-A3B shape;
@@ -75,6 +75,8 @@ for step in "$@"; do
     profile256) cmd=(python3 bench/gpu_profile.py --batch 256 --tag b256) ;;
     gemm) cmd=(python3 bench/gemm_bench.py --rows "${GEMM_ROWS:-1,4,16,32,64,128,256,1024,4096}") ;;
     timeline) cmd=(python3 bench/step_timeline.py) ;;
+    timeline_moe*) cmd=(python3 bench/step_timeline.py --model qwen3-30b-a3b --kv-cache-memory "${MOE_KV_GIB:-40}"
+                        --kv-cache-dtype "$([ "$step" = timeline_moe_fp8 ] && echo fp8 || echo auto)") ;;
     explore) cmd=(python3 bench/attention_bench.py) ;;
     sampler) cmd=(python3 bench/sampler_bench.py) ;;
     spec) cmd=(python3 bench/spec_bench.py --parts "${SPEC_PARTS:-verify,ngram,draft}") ;;

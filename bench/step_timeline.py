@@ -6,10 +6,12 @@ and KV tokens read, a least-squares fit over the decode-only steps splits their 
 row and a part per KV token (the attention's bandwidth).
 
 Usage (on the GPU machine, from the repo root): DEV=CUDA python bench/step_timeline.py  ->  $OUT/step_timeline.json
-(BENCH_KV_CACHE_DTYPE=fp8: with the FP8 KV cache, -> $OUT/step_timeline_fp8.json)
+(--kv-cache-dtype fp8 or BENCH_KV_CACHE_DTYPE=fp8: with the FP8 KV cache, -> $OUT/step_timeline_fp8.json; --model
+qwen3-30b-a3b --kv-cache-memory 40 on an H200: the mixture-of-experts shape, -> $OUT/step_timeline_qwen3-30b-a3b.json)
 """
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import os
@@ -120,8 +122,13 @@ def main() -> None:
 
   from tinyvllm import LLM
   from tinyvllm.bench.throughput import nano_vllm_workload, run_throughput
-  kv_cache_dtype = os.environ.get("BENCH_KV_CACHE_DTYPE", "auto")   # fp8: the E4M3 KV cache
-  llm = LLM("qwen3-0.6b", load_format="dummy", dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory=40,
+  p = argparse.ArgumentParser()
+  p.add_argument("--model", default="qwen3-0.6b")
+  p.add_argument("--kv-cache-memory", type=float, default=40.0)
+  p.add_argument("--kv-cache-dtype", default=os.environ.get("BENCH_KV_CACHE_DTYPE", "auto"))   # fp8: the E4M3 KV cache
+  args = p.parse_args()
+  kv_cache_dtype = args.kv_cache_dtype
+  llm = LLM(args.model, load_format="dummy", dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory=args.kv_cache_memory,
             max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192, kv_cache_dtype=kv_cache_dtype)
   vocab = llm.engine.model_config.vocab_size
   run_throughput(llm, nano_vllm_workload(vocab, 48))   # captures and compiles outside the timed run
@@ -137,7 +144,8 @@ def main() -> None:
   result["output_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
   result["probe"] = probed
   print(json.dumps({k: v for k, v in result.items() if k != "per_step"}, indent=1), flush=True)
-  name = "step_timeline_fp8.json" if kv_cache_dtype.startswith("fp8") else "step_timeline.json"
+  name = "step_timeline" + ("" if args.model == "qwen3-0.6b" else f"_{args.model}") + ("_fp8" if kv_cache_dtype.startswith("fp8") else "")
+  name += ".json"
   if out := os.environ.get("OUT"): Path(out, name).write_text(json.dumps(result))
 
 
