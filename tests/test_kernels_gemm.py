@@ -28,7 +28,7 @@ EPS = 1e-5
 # name -> (dtype, rows, K, NOUT, bias, norm, silu_mul, residual, out_float32, tiles or None for the planner's)
 CASES = {
   "bf16_m1_plain": ("bfloat16", 1, 64, 40, False, False, False, False, False, None),
-  "bf16_m17_norm_split": ("bfloat16", 17, 256, 72, False, True, False, False, False, None),
+  "bf16_m17_norm_split": ("bfloat16", 17, 256, 72, False, True, False, False, False, GemmTiles(32, 64, 2, 2, 2)),
   "f16_m33_silu_residual": ("float16", 33, 128, 64, False, False, True, True, False, GemmTiles(32, 64, 2, 2, 1)),
   "bf16_m70_bias_residual_split2": ("bfloat16", 70, 256, 136, True, False, False, True, False, GemmTiles(64, 128, 2, 2, 2)),
   "bf16_m130_norm_logits": ("bfloat16", 130, 96, 136, False, True, False, False, True, GemmTiles(128, 128, 2, 4, 1)),
@@ -56,6 +56,9 @@ CASES = {
   # that are not multiples of the tile, the ring wrapping, split K, the prologue in the loop and as its own pass
   "bf16_m70_wgmma_64x64_residual": ("bfloat16", 70, 384, 72, False, False, False, True, False, GemmTiles.warpgroup(64, 64, ring=3)),
   "f16_m130_wgmma_128x128_norm": ("float16", 130, 320, 136, False, True, False, False, False, GemmTiles.warpgroup(128, 128)),
+  # long_k_tiles' tall row block (four warpgroups), rows past the last ones, split K with the residual in the reduce
+  "bf16_m200_wgmma_256x64_residual_split2": ("bfloat16", 200, 512, 136, False, False, False, True, False,
+                                             GemmTiles.warpgroup(256, 64, 2)),
   "bf16_m65_wgmma_64x256_silu_split2": ("bfloat16", 65, 512, 260, True, False, True, True, False,
                                         GemmTiles.warpgroup(64, 256, 2, ring=2)),
   "bf16_m130_wgmma_64x64_norm_xprime_logits": ("bfloat16", 130, 128, 330, False, True, False, False, True,
@@ -146,6 +149,21 @@ def test_planner_fills_the_gpu_and_splits_only_whole_slices():
   for rows, k, o in ((1, 96, 8), (300, 1024, 1024), (48, 4864, 896)):
     t = mma(rows, k, o)
     assert k % (32 * t.splits) == 0 and (t.splits == 1 or k // (32 * t.splits) >= 4)
+
+
+def test_long_k_products_at_decode_batches_take_one_tall_row_block():
+  """Long-K products at least long_k_tall_min_out wide from 64 to 256 rows on Hopper (Qwen3-30B-A3B's qkv and o): one
+  wgmma row block as tall as the rows, K split while the grid gives fewer than half the SMs a block and the float32
+  partials stay within the weights' bytes; narrower ones (Qwen3-0.6B's o and down), packed weights and other row counts
+  keep their choice. Weights under min_split_weights elements (a router, 2,048 -> 128) never split K."""
+  hopper = lambda rows, k, o, packed=False: choose_tiles(rows, k, o, HOPPER, packed=packed)
+  assert hopper(256, 2048, 5120) == GemmTiles.warpgroup(256, 64) and hopper(100, 2048, 5120) == GemmTiles.warpgroup(128, 64)
+  assert [hopper(rows, 4096, 2048) for rows in (64, 128, 256)] == [GemmTiles.warpgroup(bm, 64, 4) for bm in (64, 128, 256)]
+  assert hopper(256, 4096, 4096) == GemmTiles.warpgroup(256, 64, 2)   # 64 blocks; split in four the partials would pass the weights
+  assert hopper(256, 2048, 1024) == GemmTiles.warpgroup(128, 64, 4) and hopper(32, 2048, 5120) == choose_tiles(32, 2048, 5120, MMA)
+  assert hopper(300, 2048, 5120) == GemmTiles.warpgroup(128, 64, 2) and hopper(256, 2048, 5120, packed=True).bm == 128
+  assert tuning_for(HOPPER.kind).gemm.min_split_weights > 2048 * 128
+  assert all(choose_tiles(rows, 2048, 128, target).splits == 1 for rows in (1, 17, 64, 128, 256) for target in (HOPPER, MMA))
 
 
 def test_stage_rings_in_dynamic_shared_memory():
@@ -254,8 +272,10 @@ PACKED = {
   "int8_bf16_m65_g128_wgmma_norm_xprime": ("bfloat16", 65, 384, 330, "int8", 128, True, False, False, GemmTiles.warpgroup(64, 64)),
   # four warpgroups over 256 rows (a 256-row decode batch's column block dequantized once), the last row block partial
   "int4_bf16_m260_g64_wgmma_256x64_norm": ("bfloat16", 260, 256, 72, "int4", 64, True, False, False, GemmTiles.warpgroup(256, 64)),
-  # the planner's packed tiles at decode batches (short_k_tiles): 64x64 with K split in two, then 64x64 or 128x64
+  # the planner's packed tiles at decode batches (short_k_tiles: 64x64, K split in two where the weight is large
+  # enough, then 64x64 or 128x64)
   "int4_bf16_m48_g64_norm_planned": ("bfloat16", 48, 256, 72, "int4", 64, True, False, False, None),
+  "int4_bf16_m48_g64_norm_wgmma_split2": ("bfloat16", 48, 256, 72, "int4", 64, True, False, False, GemmTiles.warpgroup(64, 64, 2)),
   "int8_bf16_m100_channel_planned": ("bfloat16", 100, 256, 136, "int8", 256, False, False, True, None),
   # groups of 16 (GGUF Q6_K, and Q4_K_M's mixed q/k/v): one scale a 16-byte chunk of int8 codes
   "int8_bf16_m40_g16_planned": ("bfloat16", 40, 256, 72, "int8", 16, False, False, True, None),

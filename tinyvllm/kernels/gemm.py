@@ -25,6 +25,7 @@ MIN_REGISTERS, BLOCK_SHARED_OVERHEAD = 128, 1024
 # wgmma tiles (Hopper, csrc/cuda/wgmma.inc): N of the instruction, stage rows unpadded in 1,024-byte swizzle atoms (the
 # ring's start is aligned at run time: ALIGN_SLACK more bytes), up to the block's whole shared memory
 WGMMA_N, ALIGN_SLACK = (64, 128, 256), 1024
+TALL_ROWS = (64, 128, 256)   # long_k_tiles' row block heights (one to four warpgroups)
 
 
 def row_bytes(bk: int, wgmma: bool = False) -> int:
@@ -107,10 +108,25 @@ def wgmma_tiles(rows: int, in_features: int, out_features: int, t: GemmTuning) -
   if rows >= t.wgmma_prompt_rows or out_features >= t.wgmma_wide_out: return GemmTiles.warpgroup(128, 128, ring=3)
   if in_features < t.long_k or rows < t.wgmma_long_k_rows: return None
   blocks, splits = cdiv(rows, 128) * cdiv(out_features, 64), 1
-  while splits < t.long_k_max_splits and blocks * splits < t.target_blocks and in_features % (128 * splits) == 0 \
-      and in_features // (128 * splits) >= t.min_ktiles_per_split:
+  while splits < t.long_k_max_splits and blocks * splits < t.target_blocks and _may_split(in_features, out_features, 2 * splits, t, 64):
     splits *= 2
   return GemmTiles.warpgroup(128, 64, splits)
+
+
+def long_k_tiles(rows: int, in_features: int, out_features: int, t: GemmTuning, multiprocessors: int) -> GemmTiles | None:
+  """Wide long-K products at decode batches on Hopper (Qwen3-30B-A3B's qkv, 2,048 -> 5,120, and o, 4,096 -> 2,048):
+  one wgmma row block as tall as the rows (64, 128 or 256) by 64 columns, K split in two while the grid gives fewer
+  than long_k_tall_fill of the SMs a block and the float32 partials (written and read) stay within the weights' bytes.
+  H100, 256 / 128 / 64 rows: qkv (80 column blocks, not split) 34.1 / 30.6 / 26.2 µs against 47.1 / 45.5 / 34.7 for
+  the 128x64 tile split to fill 256 blocks and mma.sync's split 64x64; o (split in four) 27.0 / 20.4 / 16.4 against
+  29.4 / 25.6 / 18.1. None elsewhere (packed weights keep short_k_tiles' and wgmma_tiles' choices)."""
+  if in_features % 64 or in_features < t.long_k or out_features < t.long_k_tall_min_out: return None
+  if not t.long_k_tall_rows <= rows <= TALL_ROWS[-1]: return None
+  blocks, splits = cdiv(out_features, 64), 1
+  while (splits < t.long_k_max_splits and blocks * splits < t.long_k_tall_fill * multiprocessors
+         and _partials_fit(rows, in_features, 2 * splits) and _may_split(in_features, out_features, 2 * splits, t, 64)):
+    splits *= 2
+  return GemmTiles.warpgroup(next(bm for bm in TALL_ROWS if bm >= rows), 64, splits)
 
 
 def short_k_tiles(rows: int, in_features: int, out_features: int, packed: bool, t: GemmTuning,
@@ -123,7 +139,7 @@ def short_k_tiles(rows: int, in_features: int, out_features: int, packed: bool, 
   24.2 -> 23.4). None where this does not apply (long K, prompt chunks, wide outputs)."""
   if in_features % 64 or in_features >= t.long_k or out_features >= t.wgmma_wide_out: return None
   if not (t.packed_min_rows < rows if packed else t.short_k_min_rows <= rows) or rows >= t.wgmma_prompt_rows: return None
-  if rows <= t.short_k_split_rows: return GemmTiles.warpgroup(64, 64, 2 if in_features % 128 == 0 else 1)
+  if rows <= t.short_k_split_rows: return GemmTiles.warpgroup(64, 64, 2 if _may_split(in_features, out_features, 2, t, 64) else 1)
   fills = lambda bm: cdiv(rows, bm) * cdiv(out_features, 64) >= t.short_k_min_fill * multiprocessors
   padded = lambda bm: cdiv(rows, bm) * bm * (1 - t.short_k_max_padding) > rows
   return GemmTiles.warpgroup(next((bm for bm in t.short_k_tile_rows if fills(bm) and not padded(bm)), 64), 64)
@@ -138,11 +154,13 @@ def choose_tiles(rows: int, in_features: int, out_features: int, target: DeviceT
   t = tuning_for(target.kind).gemm
   if target.wgmma and (tiles := short_k_tiles(rows, in_features, out_features, packed, t, target.multiprocessors)):
     return tiles
+  if target.wgmma and not packed and (tiles := long_k_tiles(rows, in_features, out_features, t, target.multiprocessors)):
+    return tiles
   if target.wgmma and (tiles := wgmma_tiles(rows, in_features, out_features, t)) is not None: return tiles
   fits = lambda tile: GemmTiles(*tile, 1).stages(target, silu_mul) >= 3
   if in_features >= t.long_k and t.long_k_rows[0] <= rows <= t.long_k_rows[1] and fits(t.long_k_tile):
     blocks, splits = cdiv(rows, t.long_k_tile[0]) * cdiv(out_features, t.long_k_tile[1]), 1
-    while splits < t.long_k_max_splits and blocks * splits < t.target_blocks and _whole_splits(in_features, 2 * splits, t):
+    while splits < t.long_k_max_splits and blocks * splits < t.target_blocks and _may_split(in_features, out_features, 2 * splits, t):
       splits *= 2
     return GemmTiles(*t.long_k_tile, splits)
   big_deep = _deep_slices(t.big_tile, in_features, out_features, silu_mul, target, t.deep_big_ring)
@@ -157,16 +175,23 @@ def choose_tiles(rows: int, in_features: int, out_features: int, target: DeviceT
   bm, bn, wm, wn = next((tile for limit, tile in t.row_tiles if rows <= limit and fits(tile)), t.fallback_tile)
   blocks = cdiv(rows, bm) * cdiv(out_features, bn)
   splits = 1
-  # the float32 partials (written and read: 8 bytes per split, row and output) must stay below the weight bytes
-  while (splits * 2 <= t.max_splits and blocks * splits < t.target_blocks and _whole_splits(in_features, 2 * splits, t)
-         and 4 * rows * splits * 2 <= in_features):
+  while (splits * 2 <= t.max_splits and blocks * splits < t.target_blocks and _may_split(in_features, out_features, 2 * splits, t)
+         and _partials_fit(rows, in_features, 2 * splits)):
     splits *= 2
   return GemmTiles(bm, bn, wm, wn, splits)
 
 
-def _whole_splits(k: int, splits: int, t: GemmTuning) -> bool:
-  """Whether K splits into `splits` runs of whole 32-wide slices, min_ktiles_per_split or more each."""
-  return k % (BK * splits) == 0 and k // (BK * splits) >= t.min_ktiles_per_split
+def _partials_fit(rows: int, k: int, splits: int) -> bool:
+  """Whether the float32 partials of K split `splits` ways (written and read: 8 bytes per split, row and output) stay
+  within the weight's bytes (2 per K and output)."""
+  return 4 * rows * splits <= k
+
+
+def _may_split(k: int, o: int, splits: int, t: GemmTuning, bk: int = BK) -> bool:
+  """Whether K may split into `splits` runs of whole bk-wide slices, min_ktiles_per_split or more each: not for
+  weights under min_split_weights elements, whose reduce launch costs more than the split saves (H100, the
+  Qwen3-30B-A3B router, 2,048 -> 128 at 256 rows: 9.6 µs split four ways, 2.9 whole)."""
+  return o * k >= t.min_split_weights and k % (bk * splits) == 0 and k // (bk * splits) >= t.min_ktiles_per_split
 
 
 def x_prime_pass(out_features: int, bn: int, t: GemmTuning) -> bool:

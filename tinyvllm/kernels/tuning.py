@@ -41,6 +41,7 @@ class GemmTuning:
   xprime_column_blocks: int       # the RMSNorm / SwiGLU prologue runs as its own pass above this many column blocks
   max_splits: int
   min_ktiles_per_split: int
+  min_split_weights: int          # K is split only for weights of at least this many elements
   wide_tiles: tuple[Tile, ...]    # tried in order: the first that makes target_blocks without splitting K
   row_tiles: tuple[tuple[int, Tile], ...]   # else by rows (up to the first number), with K split
   fallback_tile: Tile
@@ -50,6 +51,11 @@ class GemmTuning:
   long_k_rows: tuple[int, int]
   long_k_tile: Tile
   long_k_max_splits: int
+  # on Hopper, long-K products at least long_k_tall_min_out wide from long_k_tall_rows up to 256 rows: one wgmma row
+  # block as tall as the rows, K split while the grid gives fewer than long_k_tall_fill of the SMs a block
+  long_k_tall_rows: int
+  long_k_tall_min_out: int
+  long_k_tall_fill: float
   deep_bk: int                    # 64-wide K slices where K is not split: the big tile from deep_big_rows rows, the
   deep_big_ring: int              # wide tiles from deep_wide_rows
   deep_wide_rows: int
