@@ -94,7 +94,10 @@ def check(device: str) -> None:
            (33, 1000, 3072, {"silu_mul": True, "residual": True}), (100, 6144, 1024, {"norm": True}),
            (256, 4096, 1024, {}), (1000, 1024, 3072, {"silu_mul": True, "residual": True}),
            (256, 1024, 2048, {"residual": True}), (200, 1024, 3072, {"silu_mul": True, "residual": True}),
-           (77, 151936, 1024, {"norm": True, "out_float32": True})]
+           (77, 151936, 1024, {"norm": True, "out_float32": True}),
+           # the planner's tall row blocks for wide long-K products (long_k_tiles): whole K, and K split in four
+           (200, 5120, 2048, {"norm": True}), (128, 2048, 4096, {"residual": True}),
+           (256, 128, 2048, {"out_float32": True})]   # a weight too small to split K (min_split_weights)
   for m, o, k, opts in cases:
     x, ws, extra = inputs(m, o, k, opts, device, seed=m)
     ref = call(x, ws[0], extra, opts, {"kind": "portable"}).float().numpy()
@@ -192,7 +195,7 @@ BK64_RINGS = {(64, 64, 2, 2): (), (64, 128, 2, 2): (), (128, 128, 2, 4): (3,)}
 # (256 rows: one row block at a 256-row decode batch, so a packed weight's column block is dequantized once, not twice)
 WGMMA_TILES = {(64, 64): (), (128, 64): (), (128, 128): (3,), (128, 256): (3,), (256, 64): (), (256, 128): ()}
 # (bm, bn, splits, ring) checked for correctness: every instruction width, split K, a ring of 2
-WGMMA_CHECKS = ((128, 128, 1, 0), (128, 256, 1, 3), (64, 64, 2, 0), (64, 128, 1, 2), (128, 64, 2, 3), (256, 64, 1, 0))
+WGMMA_CHECKS = ((128, 128, 1, 0), (128, 256, 1, 3), (64, 64, 2, 0), (64, 128, 1, 2), (128, 64, 2, 3), (256, 64, 1, 0), (256, 64, 2, 0))
 
 
 def wgmma_variants(m: int, k: int) -> list[dict]:
