@@ -8,7 +8,7 @@
 # from /tmp), bound (bench/layer_bound.py), phases (bench/layer_phases.py: the layer kernel's time by phase), profile1 / profile256 (bench/gpu_profile.py), gemm (bench/gemm_bench.py),
 # timeline (bench/step_timeline.py; timeline_moe: the same for the Qwen3-30B-A3B shape, MOE_KV_GIB of cache, on nvidia-h200), serve_profile (bench/serve_profile.py:
 # workload 3 against the server with timers on each stage; SERVE_ARGS adds server flags), sweep (bench/serve_sweep.py:
-# 1-256 concurrent clients; plotted here with --replot), explore (bench/attention_bench.py), sampler (bench/sampler_bench.py), spec (bench/spec_bench.py), gguf
+# 1-256 concurrent clients; plotted here with --replot), explore (bench/attention_bench.py; gqa: its decode kernel against the tensor-core one by GQA group, GQA_BATCHES), sampler (bench/sampler_bench.py), spec (bench/spec_bench.py), gguf
 # (bench/gguf_bench.py: GGUF mixes' packed linears against the portable path and against bf16; GGUF_MIXES picks them), moe (bench/moe_bench.py: the Qwen3-30B-A3B shape;
 # MOE_PARTS picks its parts; run it on nvidia-h200), structured (bench/structured_bench.py: batch-64 decode with every
 # row under a JSON schema against free decoding; needs the Qwen3 tokenizer in .data/qwen3 and the llguidance wheel in
@@ -78,6 +78,7 @@ for step in "$@"; do
     timeline_moe*) cmd=(python3 bench/step_timeline.py --model qwen3-30b-a3b --kv-cache-memory "${MOE_KV_GIB:-40}"
                         --kv-cache-dtype "$([ "$step" = timeline_moe_fp8 ] && echo fp8 || echo auto)") ;;
     explore) cmd=(python3 bench/attention_bench.py) ;;
+    gqa) cmd=(python3 bench/attention_bench.py --gqa --batches "${GQA_BATCHES:-64,256}") ;;
     sampler) cmd=(python3 bench/sampler_bench.py) ;;
     spec) cmd=(python3 bench/spec_bench.py --parts "${SPEC_PARTS:-verify,ngram,draft}") ;;
     gguf) cmd=(python3 bench/gguf_bench.py --mixes "${GGUF_MIXES:-q4_k_m,q4_k_m_by_layer,q5_k_m,q8_0}" --parts "${GGUF_PARTS:-check,decode}") ;;
