@@ -87,6 +87,12 @@ def llm(stories_dir: Path):
   return LLM(str(stories_dir), max_num_seqs=8, num_gpu_blocks=256)
 
 
+@pytest.fixture(scope="module", params=(1, 2), ids=("one-engine", "dp2"))
+def data_parallel_size(request) -> int:
+  """The server suites' servers run as one engine and as two data-parallel replicas behind the endpoint."""
+  return request.param
+
+
 @pytest.fixture(scope="module", params=("cuda", "metal"))
 def dialect(request) -> str:
   """Each kernel dialect, for the emulated kernel tests (tests/emulator)."""

@@ -1,5 +1,6 @@
 """The OpenAI server (a real `main.py serve` process) against the official client,
-checked against the offline LLM on the same model (beam search and best_of too); 64 concurrent streams; /metrics."""
+checked against the offline LLM on the same model (beam search and best_of too); 64 concurrent streams; /metrics.
+Every test of the server runs against one engine and against two data-parallel replicas behind the endpoint."""
 from __future__ import annotations
 
 import asyncio
@@ -33,9 +34,9 @@ def model_dir(stories_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
+def server(model_dir, tmp_path_factory, data_parallel_size):
   with ServerProcess(model_dir, tmp_path_factory.mktemp("log") / "server.log", "--served-model-name", MODEL,
-                     "--num-gpu-blocks", "256") as s:
+                     "--num-gpu-blocks", "256", "--data-parallel-size", str(data_parallel_size)) as s:
     yield s
 
 
@@ -244,7 +245,7 @@ def _stream_text(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: i
 
 
 @pytest.mark.slow
-def test_64_concurrent_streams_get_their_own_text_and_free_every_block(server, llm):
+def test_64_concurrent_streams_get_their_own_text_and_free_every_block(server, llm, data_parallel_size):
   prompts = [f"{s} {a}" for s in SUBJECTS for a in ACTIONS]
   assert len(set(prompts)) == 64
   alone = [greedy(llm, p, max_tokens=12) for p in prompts]   # each prompt by itself
@@ -258,7 +259,7 @@ def test_64_concurrent_streams_get_their_own_text_and_free_every_block(server, l
   assert [reasons for _, reasons in results] == [[o.finish_reason] for o in alone]
   after = scrape(server)
   assert after["tinyvllm:kv_cache_blocks_used"] == 0 and after["tinyvllm:kv_cache_usage_perc"] == 0
-  assert after["tinyvllm:kv_cache_blocks_total"] == 256
+  assert after["tinyvllm:kv_cache_blocks_total"] == 256 * data_parallel_size   # (the replicas' caches summed)
   assert after["tinyvllm:num_requests_running"] == 0 and after["tinyvllm:num_requests_waiting"] == 0
   finished = sum(after[k] - before.get(k, 0) for k in after if k.startswith("tinyvllm:request_success_total"))
   assert finished == 64

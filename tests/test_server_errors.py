@@ -24,9 +24,9 @@ JSON_TYPE = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
-def server(stories_dir, tmp_path_factory):
+def server(stories_dir, tmp_path_factory, data_parallel_size):
   with ServerProcess(stories_dir, tmp_path_factory.mktemp("log") / "server.log", "--served-model-name", MODEL,
-                     "--num-gpu-blocks", "64", api_key=KEY) as s:
+                     "--num-gpu-blocks", "64", "--data-parallel-size", str(data_parallel_size), api_key=KEY) as s:
     yield s
 
 
@@ -45,8 +45,10 @@ def good_text(http):
 def completion(**fields): return ("POST", CMPL, {"json": {**GOOD, **fields}})
 def chat(**fields): return ("POST", CHAT_PATH, {"json": {**CHAT, **fields}})
 def without(body: dict, key: str) -> dict: return {k: v for k, v in body.items() if k != key}
-def chunked(size: int):
-  yield from (b"x" * (1 << 20) for _ in range(size >> 20))
+class Chunked:
+  """A body of `size` bytes sent in 1 MiB chunks, without a length; iterable again for each parametrized server."""
+  def __init__(self, size: int): self.size = size
+  def __iter__(self): return (b"x" * (1 << 20) for _ in range(self.size >> 20))
 
 
 # (case id, (method, path, httpx kwargs), status, param, code); headers=None means "send the right API key"
@@ -76,7 +78,7 @@ CASES = [
   ("foreign host", ("POST", CMPL, {"json": GOOD, "headers": {"Host": "evil.example:8000"}}), 400, None, "invalid_host"),
   ("foreign host on health", ("GET", "/health", {"headers": {"Host": "attacker.test"}}), 400, None, "invalid_host"),
   ("huge body", ("POST", CMPL, {"content": b"x" * HUGE}), 413, None, "request_too_large"),
-  ("huge chunked body", ("POST", CMPL, {"content": chunked(HUGE)}), 413, None, "request_too_large"),
+  ("huge chunked body", ("POST", CMPL, {"content": Chunked(HUGE)}), 413, None, "request_too_large"),
   ("missing prompt", ("POST", CMPL, {"json": without(GOOD, "prompt")}), 400, "prompt", None),
   ("prompt number", completion(prompt=5), 400, "prompt", None),
   ("prompt mixed list", completion(prompt=[1, "a"]), 400, "prompt", None),

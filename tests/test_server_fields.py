@@ -71,9 +71,10 @@ ACCEPTED = ([(CMPL, GOOD_CMPL, {field: value}) for field, value in DEFAULTS_CMPL
 
 
 @pytest.fixture(scope="module")
-def server(stories_dir, tmp_path_factory):
+def server(stories_dir, tmp_path_factory, data_parallel_size):
   model = model_with_chat_template(stories_dir, tmp_path_factory.mktemp("model") / "stories-chat")
-  with ServerProcess(model, tmp_path_factory.mktemp("log") / "server.log", "--served-model-name", MODEL, "--num-gpu-blocks", "64") as s:
+  with ServerProcess(model, tmp_path_factory.mktemp("log") / "server.log", "--served-model-name", MODEL, "--num-gpu-blocks", "64",
+                     "--data-parallel-size", str(data_parallel_size)) as s:
     yield s
 
 

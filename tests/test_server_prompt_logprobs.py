@@ -19,9 +19,10 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def server(stories_dir, tmp_path_factory):
+def server(stories_dir, tmp_path_factory, data_parallel_size):
   model = model_with_chat_template(stories_dir, tmp_path_factory.mktemp("model") / "stories-chat")
-  with ServerProcess(model, tmp_path_factory.mktemp("log") / "server.log", "--served-model-name", MODEL, "--num-gpu-blocks", "128") as s:
+  with ServerProcess(model, tmp_path_factory.mktemp("log") / "server.log", "--served-model-name", MODEL, "--num-gpu-blocks", "128",
+                     "--data-parallel-size", str(data_parallel_size)) as s:
     yield s
 
 

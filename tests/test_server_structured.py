@@ -24,11 +24,12 @@ CHAT = [{"role": "user", "content": "Tell me about a pet."}]
 
 
 @pytest.fixture(scope="module")
-def server(stories_dir, tmp_path_factory):
+def server(stories_dir, tmp_path_factory, data_parallel_size):
   model = model_with_chat_template(stories_dir, tmp_path_factory.mktemp("model") / "stories-chat")
   # (greedy, this tiny model would fill JSON's optional whitespace with newlines until max_tokens)
   with ServerProcess(model, tmp_path_factory.mktemp("log") / "server.log", "--served-model-name", MODEL, "--num-gpu-blocks", "64",
-                     "--structured-outputs-config", '{"disable_any_whitespace": true}') as s:
+                     "--structured-outputs-config", '{"disable_any_whitespace": true}',
+                     "--data-parallel-size", str(data_parallel_size)) as s:
     yield s
 
 

@@ -56,10 +56,11 @@ def model_dir(shared_data: Path, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
+def server(model_dir, tmp_path_factory, data_parallel_size):
   with ServerProcess(model_dir, tmp_path_factory.mktemp("log") / "server.log", "--load-format", "dummy", "--served-model-name",
                      MODEL, "--num-gpu-blocks", "96", "--max-model-len", "1024", "--enable-auto-tool-choice",
-                     "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", "--trust-request-chat-template") as s:
+                     "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", "--trust-request-chat-template",
+                     "--data-parallel-size", str(data_parallel_size)) as s:
     yield s
 
 
