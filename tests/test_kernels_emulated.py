@@ -52,6 +52,7 @@ ATTENTION_CASES = {
   "dec_bf16_g8_d128_tc": ([(15, 1), (200, 1), (64, 1), (1, 1)], 16, 2, 128, "bfloat16", 1, {"tensor_cores": True}),
   "dec_f16_g2_d64_tc": ([(130, 1), (17, 1), (40, 1)], 4, 2, 64, "float16", 2, {"tensor_cores": True}),
   "dec_bf16_g7_d64_tc": ([(70, 1), (1, 1), (129, 1)], 14, 2, 64, "bfloat16", 1, {"tensor_cores": True}),   # 14 of 16 rows
+  "dec_bf16_g4_d64_kv8_tc": ([(90, 1), (5, 1), (140, 1)], 8, 2, 64, "bfloat16", 1, {"tensor_cores": True}),   # FP8 cache
   "dec_f32_d8": ([(1, 1), (9, 1), (40, 1)], 8, 4, 8, "float32", 0, None),
   "pre_f32_g2": ([(40, 40), (50, 7), (20, 1), (16, 16)], 8, 4, 64, "float32", 1, None),
   "pre_f16_g4_mixed": ([(100, 37), (3, 3), (70, 1), (64, 2), (17, 1)], 8, 2, 64, "float16", 2, None),
@@ -208,9 +209,12 @@ def test_decode_cases_split(emu, dialect):
   """The split-K path is what most decode cases exercise (on CUDA one kernel, the last split of each sequence's KV head
   merging them, in every block order the cases run; on Metal a second kernel); the no-split one is covered too."""
   on_tensor_cores = {name for name in emu.specs if name.endswith("_tc") and dialect == "cuda"}   # (Metal: the decode kernel)
-  assert on_tensor_cores == {"dec_bf16_g8_d128_tc", "dec_f16_g2_d64_tc", "dec_bf16_g7_d64_tc"} if dialect == "cuda" else \
-    not on_tensor_cores
+  assert on_tensor_cores == {"dec_bf16_g8_d128_tc", "dec_f16_g2_d64_tc", "dec_bf16_g7_d64_tc", "dec_bf16_g4_d64_kv8_tc"} \
+    if dialect == "cuda" else not on_tensor_cores
   assert all(emu.specs[name].defines["TV_KW"] == TC_DECODE_KEY_WARPS for name in on_tensor_cores)
+  # 16-bit caches' tiles go through a ring of two (cp.async); an FP8 cache's are converted in registers: one stage
+  assert {name: emu.specs[name].defines["TV_TC_STAGES"] for name in on_tensor_cores} == \
+    {name: 1 if "_kv8" in name else 2 for name in on_tensor_cores}
   kernels = [launch.kernel for name in on_tensor_cores for launch in emu.specs[name].launches]
   assert kernels == ["tv_paged_prefill_tc"] * len(on_tensor_cores)
   splits = {name: emu.specs[name].defines["TV_NSPLIT"] for name in emu.specs if name.startswith("dec_") and name not in on_tensor_cores}

@@ -26,7 +26,9 @@ NEUTRAL_SHARED_BYTES = 32 * 1024
 ROW_GROUPS, COL_GROUPS = 16, 8   # prefill thread layout: THREADS = ROW_GROUPS * COL_GROUPS
 PREFILL_TILES = ((64, 32), (32, 32), (32, 16), (16, 16), (16, 8))   # (rows M, keys BK) tried in order
 TC_PREFILL_ROWS, TC_PREFILL_KEYS = 64, 64   # tensor-core prefill: 4 warps of 16 query rows, keys per tile
-TC_DECODE_KEY_WARPS = 4                      # ... taking a decode step: 4 warps over the keys of one 16-row tile
+TC_DECODE_KEY_WARPS = 4                      # ... taking a decode step: 4 warps over the keys of one 16-row tile,
+TC_DECODE_STAGES = 2                         # its K/V tiles in a ring of two (the next tile's copies in flight;
+                                             # 16-bit caches only: an FP8 cache's tiles are converted, not copied)
 TC_PREFILL_MAX_HEAD_DIM = 128               # its O accumulators take head_dim / 2 registers a thread
 
 
@@ -320,9 +322,10 @@ def tc_prefill_plan(shape: AttentionShape, key_warps: int = 1) -> PrefillPlan:
   rows, keys = TC_PREFILL_ROWS // key_warps, TC_PREFILL_KEYS
   tokens = rows // shape.group
   q_tiles = cdiv(shape.query_len, tokens)
-  d = {**_common(shape), "TV_BK": keys, "TV_BQ": tokens, "TV_NQT": q_tiles, "TV_KW": key_warps}
-  launch = Launch("tv_paged_prefill_tc", (q_tiles, shape.num_kv_heads, shape.num_seqs), THREADS, _attention_params(shape))
-  shared = 2 * keys * (shape.head_dim + 8) * ELEM_BYTES[dtype_code(shape.dtype)]   # K and V tiles, padded rows
+  stages = TC_DECODE_STAGES if key_warps > 1 and not shape.kv_fp8 else 1
+  d = {**_common(shape), "TV_BK": keys, "TV_BQ": tokens, "TV_NQT": q_tiles, "TV_KW": key_warps, "TV_TC_STAGES": stages}
+  shared = stages * 2 * keys * (shape.head_dim + 8) * ELEM_BYTES[dtype_code(shape.dtype)]   # K and V tiles, padded rows
+  launch = Launch("tv_paged_prefill_tc", (q_tiles, shape.num_kv_heads, shape.num_seqs), THREADS, _attention_params(shape), shared)
   return PrefillPlan(shape, "prefill_tc", rows, keys, tokens, q_tiles, d, (launch,), shared)
 
 
