@@ -6,7 +6,8 @@ of the CUDA graphs on its own, clocks left alone):
   ncu --profile-from-start off --clock-control none --graph-profiling node --csv --log-file $OUT/ncu.csv \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum python3 bench/ncu_step.py --model qwen3-30b-a3b
   python3 bench/ncu_step.py --report $OUT/ncu.csv [--steps 2] [--in-order]   # the table (per step: divided by --steps)
---quantization: weights quantized at load; --in-order: also the first step's kernels one by one, in launch order.
+--quantization: weights quantized at load; --in-order: also the first step's kernels one by one, in launch order;
+--proposals K: verification steps of K forced proposals (bench/spec_bench.py's ForcedProposals) instead of decode steps.
 """
 from __future__ import annotations
 
@@ -23,12 +24,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def profiled_steps(model: str, batch: int, steps: int, quantization: str | None = None) -> None:
-  """Decode steps of `batch` sequences (prompts of 128 tokens), `steps` of them between cuProfilerStart and Stop."""
+def profiled_steps(model: str, batch: int, steps: int, quantization: str | None = None, proposals: int = 0) -> None:
+  """Decode steps of `batch` sequences (prompts of 128 tokens), `steps` of them between cuProfilerStart and Stop; with
+  `proposals` > 0, verification steps of that many forced proposals a sequence (bench/spec_bench.py's)."""
   from tinyvllm import LLM, SamplingParams
+  spec = {"method": "ngram", "num_speculative_tokens": proposals} if proposals else None
   llm = LLM(model, load_format="dummy", dtype="bfloat16", kv_cache_memory=4, max_model_len=4096, max_num_seqs=max(4, batch),
-            cuda_graph_sizes=[batch], enable_prefix_caching=False, async_scheduling=False, quantization=quantization)
+            cuda_graph_sizes=[batch], enable_prefix_caching=False, async_scheduling=False, quantization=quantization,
+            speculative_config=spec)
   engine = llm.engine
+  if proposals:
+    from bench.spec_bench import ForcedProposals
+    engine.core.speculator = ForcedProposals(proposals)
   params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
   for i in range(batch): engine.add_request(f"p{i}", [3 + i] * 128, params)
   prefill_steps = -(-batch * 128 // engine.config.max_num_batched_tokens)
@@ -80,8 +87,9 @@ def main() -> None:
   p.add_argument("--report", help="an ncu --csv log: print its table instead of running")
   p.add_argument("--quantization", help="weights quantized at load (int8, int4, fp8)")
   p.add_argument("--in-order", action="store_true", help="with --report: the first step's kernels in launch order")
+  p.add_argument("--proposals", type=int, default=0, help="verification steps of this many forced proposals a sequence")
   args = p.parse_args()
-  if args.report is None: return profiled_steps(args.model, args.batch, args.steps, args.quantization)
+  if args.report is None: return profiled_steps(args.model, args.batch, args.steps, args.quantization, args.proposals)
   result = report(args.report, args.steps, args.in_order)
   if out := os.environ.get("OUT"): Path(out, "ncu_step.json").write_text(json.dumps(result, indent=1))
 

@@ -6,6 +6,8 @@
    repeated), 128 new tokens, plain against n-gram speculation (k = 4), batch 1 and 64 (at 64 also with speculation off
    from 32 running requests); the greedy tokens must be equal.
 3. draft: stories260K as its own draft model (k = 4, every proposal accepted) against plain decoding, random prompts.
+4. replay: the GPU's part of a batch-1 decode step and of a verification step (--verify-ks), each captured graph
+   replayed back to back, free of the host's pace.
 Results to $OUT/spec_bench.json. Usage: DEV=CUDA python bench/spec_bench.py [--stories .data/stories260K-hf]
 """
 from __future__ import annotations
@@ -156,6 +158,46 @@ def verify_profile(model: str) -> list[dict]:
   return rows
 
 
+def graph_replays(model: str, ks: list[int], rounds: int = 5, steps: int = 50, dtype: str = "bfloat16") -> list[dict]:
+  """The GPU's part of a decode step and of a verification step (batch 1), free of the host's pace: each step's
+  captured graph replayed back to back with its last input, `rounds` rounds of `steps`, the median round (ms)."""
+  from tinygrad import Device
+
+  from tinyvllm import LLM
+  out = []
+  for k in ks:
+    llm = LLM(model, load_format="dummy", dtype=dtype, max_num_seqs=64, kv_cache_memory=4, enable_prefix_caching=False,
+              cuda_graph_sizes=[1], speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    runner, seen = llm.engine.runner, {}
+    original = runner._step_fn
+    def record(layout, original=original, seen=seen, **kw):
+      fn = original(layout, **kw)
+      def call(packed):
+        if layout.query_len == 1: seen[layout.verifies] = (fn, packed)   # (not the prompts' steps)
+        return fn(packed)
+      return call
+    runner._step_fn = record
+    for forced in (0, k): step_times(llm, 1, forced, steps=10)
+    runner._step_fn = original
+    row: dict = {"model": model, "k": k, "batch": 1}
+    for verifies, name in ((False, "decode_replay_ms"), (True, "verify_replay_ms")):
+      fn, inputs = seen[verifies]
+      for _ in range(3): fn(inputs)
+      Device[llm.engine.model.device].synchronize()
+      times = []
+      for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(steps): fn(inputs)
+        Device[llm.engine.model.device].synchronize()
+        times.append((time.perf_counter() - t) / steps * 1e3)
+      row[name] = round(float(np.median(times)), 4)
+    row["ratio"] = round(row["verify_replay_ms"] / row["decode_replay_ms"], 3)
+    print(json.dumps(row), flush=True)
+    out.append(row)
+    del llm
+  return out
+
+
 def skinny_rows_experiment(model: str) -> list[dict]:
   """The verification step (k = 4, batch 1: 8 token rows) and plain decode steps of 5-8 sequences with the products'
   skinny kernel up to 4 rows (the tuning table's) and up to 8 (the table overridden here, bench-only)."""
@@ -193,6 +235,7 @@ def main() -> int:
   if "draft" in parts: result["draft"] = draft_end_to_end(args.stories, 4, 128, 128)
   if "skinny" in parts: result["skinny"] = skinny_rows_experiment(args.model)
   if "profile" in parts: result["profile"] = verify_profile(args.model)
+  if "replay" in parts: result["replay"] = graph_replays(args.model, [int(k) for k in args.verify_ks.split(",")])
   if "verify" in parts: result["verify"] = verify_cost(args.model, [int(k) for k in args.verify_ks.split(",")],
                                                         [int(b) for b in args.verify_batches.split(",")])
   if out := os.environ.get("OUT"): Path(out, "spec_bench.json").write_text(json.dumps(result, indent=1))
