@@ -343,7 +343,8 @@ def step_shape(layers: list[DecoderLayerWeights], h: Tensor, cos: Tensor, k_cach
   if reason is not None or dtype is None: return None, reason or "dtype"
   shape = DecodeLayerShape(dtype, rows, h.shape[1], layer.o_proj.shape[1] // head_dim, k_cache.shape[1] // head_dim, head_dim,
                            layer.down_proj.shape[1], layer.q_norm is not None, layer.qkv_bias is not None, eps, meta.block_size,
-                           meta.block_tables.shape[1], k_cache.shape[0], kv_fp8, target.multiprocessors)
+                           meta.block_tables.shape[1], k_cache.shape[0], kv_fp8, target.multiprocessors,
+                           tuning_for(target.kind).decode_layer.threads(rows, THREADS))
   launches = layer_launches(shape, layers)
   reason = next((r for _, launch in launches if (r := unsupported_reason(launch, target)) is not None), None)
   return (launches[0][1], None) if reason is None else (None, reason)
