@@ -4,7 +4,7 @@ prints each phase's total over the launch's layers (printf); the engine then dec
 the median of its launches per row count. A phase's time runs from the barrier before it to the barrier after it, so it
 includes the wait for the slowest block.
 
-  DEV=CUDA python3 bench/layer_phases.py [--batches 1,4,8]      (bash bench/run_on_device.sh phases)
+  DEV=CUDA python3 bench/layer_phases.py [--batches 1,4,8] [--proposals K]      (bash bench/run_on_device.sh phases)
 Writes $OUT/layer_phases.json.
 """
 from __future__ import annotations
@@ -44,6 +44,8 @@ def instrumented(source: str) -> str:
 def main() -> int:
   p = argparse.ArgumentParser()
   p.add_argument("--batches", default="1,4,8")
+  p.add_argument("--proposals", type=int, default=0,
+                 help="verification steps of this many forced proposals a sequence (bench/spec_bench.py's) instead of decode steps")
   args = p.parse_args()
   from tinyvllm.kernels import decode_layer
   original = decode_layer.kernel_source
@@ -52,8 +54,13 @@ def main() -> int:
   from tinyvllm.config import EngineConfig
   from tinyvllm.engine.llm_engine import LLMEngine
   batches = [int(b) for b in args.batches.split(",")]
+  spec = {"method": "ngram", "num_speculative_tokens": args.proposals} if args.proposals else None
   engine = LLMEngine(EngineConfig(model="qwen3-0.6b", load_format="dummy", device=os.environ.get("DEV", "CUDA"), max_model_len=2048,
-                                  max_num_seqs=max(batches), num_gpu_blocks=1024, cuda_graph_sizes=batches, compile_cache=False))
+                                  max_num_seqs=max(batches), num_gpu_blocks=1024, cuda_graph_sizes=batches, compile_cache=False,
+                                  speculative_config=spec))
+  if args.proposals:
+    from bench.spec_bench import ForcedProposals
+    engine.core.speculator = ForcedProposals(args.proposals)
   steps = {}
   with tempfile.TemporaryFile("w+") as log:
     fd = os.dup(1)
