@@ -182,8 +182,8 @@ def test_plan_fits_qwen3_06b_on_h100():
     assert unsupported_reason(shape, H100) is None
     plan = decode_layer_plan(shape, H100)
     assert plan.launch.grid == (132, 1, 1) and plan.launch.cooperative and shared_bytes(shape) <= 227 * 1024
-    assert len(plan.launch.params) == 15 + 28 * 10 and 8 * len(plan.launch.params) <= 4096
-    assert [p.name for p in plan.launch.params if p.written] == ["h_out", "qkv", "part_o", "part_ml", "h_mid", "gu", "sync",
+    assert len(plan.launch.params) == 16 + 28 * 10 and 8 * len(plan.launch.params) <= 4096
+    assert [p.name for p in plan.launch.params if p.written] == ["h_out", "qkv", "part_o", "part_ml", "h_mid", "gu", "sync", "attn",
                                                                   *(f"{c}_cache_{li}" for li in range(28) for c in "kv")]
     d = plan.defines
     assert (d["TV_R_O"], d["TV_R_GU"]) == (8, 47) and d["TV_NSPLIT"] * d["TV_CHUNK"] == 2048
@@ -203,7 +203,7 @@ def test_packed_plan_fits_qwen3_06b_on_h100():
   assert max_layers(int4) == 27 and unsupported_reason(int4, H100) is None
   assert "28 layers in one launch (it takes 1 to 27)" in unsupported_reason(replace(int4, layers=28), H100)
   plan = decode_layer_plan(int4, H100)
-  assert len(plan.launch.params) == 15 + 14 * 18 and 8 * len(plan.launch.params) <= 4096
+  assert len(plan.launch.params) == 16 + 14 * 18 and 8 * len(plan.launch.params) <= 4096
   assert shared_bytes(int4) < shared_bytes(bf16) <= 227 * 1024
   layout = shared_layout(int4)   # gate_up's 47 rows: 47 x 512 bytes of codes, 47 x 8 scales and shifts in 16-byte windows
   assert layout["TV_A_BYTES"] == 47 * 512 + 2 * (47 * 8 * 4 + 16)

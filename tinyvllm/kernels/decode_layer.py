@@ -33,7 +33,7 @@ MAX_ROWS = 8          # decode rows it takes (sequences, or a verification's tok
                       # input fits beside its weight slices
 MAX_LAYERS = 32       # layers a launch takes at most (fewer where a layer's pointers would pass ARGUMENT_POINTERS)
 ARGUMENT_POINTERS = 512   # CUDA's 4 KB of kernel arguments
-STEP_PARAMS = 15          # the step's own buffers, before the layers'
+STEP_PARAMS = 16          # the step's own buffers, before the layers'
 MAX_GROUP = 4         # query heads per KV head (the attention phase holds G x 8 q values and accumulators a thread)
 THREADS = 512
 TILE_KEYS = 128       # keys an attention tile covers at least
@@ -266,7 +266,8 @@ def decode_layer_plan(shape: DecodeLayerShape, target: DeviceTarget) -> DecodeLa
             Param("h_in", "elem", False, m * s.hidden), Param("rope_cos", "float", False, m * s.head_dim // 2),
             Param("rope_sin", "float", False, m * s.head_dim // 2), Param("slot_mapping", "int", False, m),
             Param("block_tables", "int", False, m * s.max_blocks), Param("context_lens", "int", False, m),
-            Param("query_start", "int", False, m + 1), Param("new_keys", "int", False, m)]
+            Param("query_start", "int", False, m + 1), Param("new_keys", "int", False, m),
+            Param("attn", "elem", True, m * s.heads * s.head_dim)]
   defines.update(_layer_defines(s, len(params)))
   for li in range(s.layers):
     params += [replace(_layer_param(s, name), name=f"{name}_{li}") for name in s.layer_params]
