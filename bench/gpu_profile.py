@@ -59,44 +59,27 @@ def profile_one_step(engine, batch: int) -> dict:
           "top": [{"name": k, "ms": round(v, 4), "count": counts[k]} for k, v in top]}
 
 
-def step_breakdown(engine, batch: int, steps: int = 50, rounds: int = 1) -> dict:
-  """Where a decode step's wall time goes: the whole engine.step, the runner's launch (batch prep + upload + graph
-  launch), and the captured graph alone replayed back to back (GPU time + launch), in ms. With asynchronous
-  scheduling the engine step overlaps the host's work with the previous step's graph."""
-  from tinygrad import Device
-
-  from tinyvllm import SamplingParams
-  runner = engine.runner
+@contextlib.contextmanager
+def recorded_steps(runner):
+  """While inside: every step function the runner hands out records its layout's last call, seen[layout] = (fn,
+  packed), so that the captured graph can be replayed afterwards (replay_ms)."""
   seen: dict = {}
-  orig_step_fn, orig_launch = runner._step_fn, runner.launch
-  launch_s: list[float] = []
-
+  original = runner._step_fn
   def step_fn(layout, **kw):
-    fn = orig_step_fn(layout, **kw)
+    fn = original(layout, **kw)
     def record(packed):
       seen[layout] = (fn, packed)
       return fn(packed)
     return record
+  runner._step_fn = step_fn
+  try: yield seen
+  finally: runner._step_fn = original
 
-  def launch(sched):
-    t = time.perf_counter()
-    out = orig_launch(sched)
-    launch_s.append(time.perf_counter() - t)
-    return out
 
-  runner._step_fn, runner.launch = step_fn, launch
-  params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-  for i in range(batch): engine.add_request(f"b{i}", [1 + i] * 100, params)
-  step_s = []
-  try:
-    while engine.has_unfinished_requests():
-      t = time.perf_counter()
-      engine.step()
-      step_s.append(time.perf_counter() - t)
-  finally:
-    runner._step_fn, runner.launch = orig_step_fn, orig_launch
-  layout = next(lay for lay in reversed(list(seen)) if lay.query_len == 1)
-  fn, packed = seen[layout]
+def replay_ms(engine, fn, packed, steps: int = 50, rounds: int = 1) -> tuple[float, float]:
+  """A captured step replayed back to back: (the median round's ms a step, GPU time + launch; the host's launch alone
+  in that round)."""
+  from tinygrad import Device
   group = engine.model.group   # a tensor-parallel model's step runs on every device of its group
   devices = [Device[d] for d in (group.devices if group is not None else (engine.model.device,))]
   def synchronize() -> None:
@@ -107,14 +90,46 @@ def step_breakdown(engine, batch: int, steps: int = 50, rounds: int = 1) -> dict
   for _ in range(rounds):
     t = time.perf_counter()
     for _ in range(steps): fn(packed)
-    graph_launch_s = (time.perf_counter() - t) / steps
+    launch_s = (time.perf_counter() - t) / steps
     synchronize()
-    replays.append((time.perf_counter() - t) / steps)
-  replay_s = sorted(replays)[len(replays) // 2]
+    replays.append(((time.perf_counter() - t) / steps, launch_s))
+  replay_s, launch_s = sorted(replays)[len(replays) // 2]
+  return replay_s * 1e3, launch_s * 1e3
+
+
+def step_breakdown(engine, batch: int, steps: int = 50, rounds: int = 1) -> dict:
+  """Where a decode step's wall time goes: the whole engine.step, the runner's launch (batch prep + upload + graph
+  launch), and the captured graph alone replayed back to back (GPU time + launch), in ms. With asynchronous
+  scheduling the engine step overlaps the host's work with the previous step's graph."""
+  from tinyvllm import SamplingParams
+  runner = engine.runner
+  orig_launch = runner.launch
+  launch_s: list[float] = []
+
+  def launch(sched):
+    t = time.perf_counter()
+    out = orig_launch(sched)
+    launch_s.append(time.perf_counter() - t)
+    return out
+
+  runner.launch = launch
+  params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+  for i in range(batch): engine.add_request(f"b{i}", [1 + i] * 100, params)
+  step_s = []
+  try:
+    with recorded_steps(runner) as seen:
+      while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        step_s.append(time.perf_counter() - t)
+  finally:
+    runner.launch = orig_launch
+  layout = next(lay for lay in reversed(list(seen)) if lay.query_len == 1)
+  replay, graph_launch = replay_ms(engine, *seen[layout], steps, rounds)
   tail = len(step_s) // 2   # the second half: decode steps only, captures warm
   ms = lambda xs: round(1e3 * sorted(xs)[len(xs) // 2], 3)
   return {"engine_step_ms": ms(step_s[-tail:]), "runner_launch_ms": ms(launch_s[-tail:]),
-          "graph_replay_ms": round(replay_s * 1e3, 3), "graph_launch_host_ms": round(graph_launch_s * 1e3, 3),
+          "graph_replay_ms": round(replay, 3), "graph_launch_host_ms": round(graph_launch, 3),
           "async_scheduling": engine.async_scheduling}
 
 

@@ -17,15 +17,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+PLANNED: dict = {}   # the package's step_shape, kept before the first patch
+
+
 def with_threads(threads: int) -> None:
-  """Every decode-layer launch planned with blocks of `threads`."""
+  """Every decode-layer launch planned with blocks of `threads` (the package's own step_shape, patched over)."""
   from tinyvllm.kernels import decode_layer
-  original = getattr(decode_layer, "_original_step_shape", decode_layer.step_shape)
-  decode_layer._original_step_shape = original
+  original = PLANNED.setdefault("step_shape", decode_layer.step_shape)
   def step_shape(*args, **kwargs):
     shape, reason = original(*args, **kwargs)
     return (replace(shape, threads=threads) if shape is not None else None), reason
   decode_layer.step_shape = step_shape
+
 
 
 def main() -> int:

@@ -161,36 +161,18 @@ def verify_profile(model: str) -> list[dict]:
 def graph_replays(model: str, ks: list[int], rounds: int = 5, steps: int = 50, dtype: str = "bfloat16") -> list[dict]:
   """The GPU's part of a decode step and of a verification step (batch 1), free of the host's pace: each step's
   captured graph replayed back to back with its last input, `rounds` rounds of `steps`, the median round (ms)."""
-  from tinygrad import Device
-
+  from bench.gpu_profile import recorded_steps, replay_ms
   from tinyvllm import LLM
   out = []
   for k in ks:
     llm = LLM(model, load_format="dummy", dtype=dtype, max_num_seqs=64, kv_cache_memory=4, enable_prefix_caching=False,
               cuda_graph_sizes=[1], speculative_config={"method": "ngram", "num_speculative_tokens": k})
-    runner, seen = llm.engine.runner, {}
-    original = runner._step_fn
-    def record(layout, original=original, seen=seen, **kw):
-      fn = original(layout, **kw)
-      def call(packed):
-        if layout.query_len == 1: seen[layout.verifies] = (fn, packed)   # (not the prompts' steps)
-        return fn(packed)
-      return call
-    runner._step_fn = record
-    for forced in (0, k): step_times(llm, 1, forced, steps=10)
-    runner._step_fn = original
+    with recorded_steps(llm.engine.runner) as seen:
+      for forced in (0, k): step_times(llm, 1, forced, steps=10)
     row: dict = {"model": model, "k": k, "batch": 1}
     for verifies, name in ((False, "decode_replay_ms"), (True, "verify_replay_ms")):
-      fn, inputs = seen[verifies]
-      for _ in range(3): fn(inputs)
-      Device[llm.engine.model.device].synchronize()
-      times = []
-      for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(steps): fn(inputs)
-        Device[llm.engine.model.device].synchronize()
-        times.append((time.perf_counter() - t) / steps * 1e3)
-      row[name] = round(float(np.median(times)), 4)
+      layout = next(lay for lay in reversed(list(seen)) if not lay.multi_token and lay.verifies == verifies)   # (not prompts)
+      row[name] = round(replay_ms(llm.engine, *seen[layout], steps, rounds)[0], 4)
     row["ratio"] = round(row["verify_replay_ms"] / row["decode_replay_ms"], 3)
     print(json.dumps(row), flush=True)
     out.append(row)
