@@ -1,0 +1,50 @@
+"""The batch-1 verification's GPU step (bench/spec_bench.py's graph_replays: k = 4, five rows) with the persistent
+decode-layer kernel planned another way (bench-only: the plan patched here, never in the package), one variant a
+process so that each compiles its own kernel:
+
+  DEV=CUDA python3 bench/verify_variants.py [--threads N] [--chunk-tiles T] [--ks 3,4]
+--threads: blocks of N threads at every row count; --chunk-tiles: an attention item covers T tiles of keys (the
+package sizes its chunk for the context bucket). Appends a line to $OUT/verify_variants.jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def with_chunk_tiles(tiles: int) -> None:
+  """Every launch of more than one row plans attention chunks of `tiles` tiles."""
+  from tinyvllm.kernels import decode_layer
+  original = decode_layer._tiles
+  def planned(shape):
+    kpass, tile, chunk, splits = original(shape)
+    if shape.rows == 1: return kpass, tile, chunk, splits
+    context = shape.max_blocks * shape.block_size
+    return kpass, tile, tile * tiles, -(-context // (tile * tiles))
+  decode_layer._tiles = planned
+
+
+def main() -> int:
+  p = argparse.ArgumentParser()
+  p.add_argument("--threads", type=int)
+  p.add_argument("--chunk-tiles", type=int)
+  p.add_argument("--ks", default="4")
+  args = p.parse_args()
+  from bench.layer_threads import with_threads
+  from bench.spec_bench import graph_replays
+  if args.threads: with_threads(args.threads)
+  if args.chunk_tiles: with_chunk_tiles(args.chunk_tiles)
+  variant = {"threads": args.threads, "chunk_tiles": args.chunk_tiles}
+  for row in graph_replays("qwen3-0.6b", [int(k) for k in args.ks.split(",")]):
+    if out := os.environ.get("OUT"):
+      with Path(out, "verify_variants.jsonl").open("a") as f: f.write(json.dumps({**variant, **row}) + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
