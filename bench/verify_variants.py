@@ -20,12 +20,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def with_chunk_tiles(tiles: int) -> None:
   """Every launch of more than one row plans attention chunks of `tiles` tiles."""
   from tinyvllm.kernels import decode_layer
+  from tinyvllm.kernels.plan import cdiv
   original = decode_layer._tiles
   def planned(shape):
     kpass, tile, chunk, splits = original(shape)
     if shape.rows == 1: return kpass, tile, chunk, splits
     context = shape.max_blocks * shape.block_size
-    return kpass, tile, tile * tiles, -(-context // (tile * tiles))
+    return kpass, tile, tile * tiles, cdiv(context, tile * tiles)
   decode_layer._tiles = planned
 
 
