@@ -272,6 +272,13 @@ PACKED = {
   "int8_bf16_m65_g128_wgmma_norm_xprime": ("bfloat16", 65, 384, 330, "int8", 128, True, False, False, GemmTiles.warpgroup(64, 64)),
   # four warpgroups over 256 rows (a 256-row decode batch's column block dequantized once), the last row block partial
   "int4_bf16_m260_g64_wgmma_256x64_norm": ("bfloat16", 260, 256, 72, "int4", 64, True, False, False, GemmTiles.warpgroup(256, 64)),
+  # tall tiles with fewer 16-byte chunks of codes a slice than threads: 8-byte pieces (int8 over 512 threads, int4
+  # over 256), 4-byte ones (int4 groups of 32 over 512 threads: the narrowest scale group a piece sits in)
+  "int8_bf16_m200_g64_wgmma_256x64": ("bfloat16", 200, 192, 72, "int8", 64, False, False, True, GemmTiles.warpgroup(256, 64)),
+  "int4_bf16_m130_g128_wgmma_128x64_norm": ("bfloat16", 130, 256, 136, "int4", 128, True, False, False,
+                                             GemmTiles.warpgroup(128, 64)),
+  "int4_f16_m250_g32_wgmma_256x64_split2": ("float16", 250, 256, 72, "int4", 32, False, False, True,
+                                            GemmTiles.warpgroup(256, 64, 2)),
   # the planner's packed tiles at decode batches (short_k_tiles: 64x64, K split in two where the weight is large
   # enough, then 64x64 or 128x64)
   "int4_bf16_m48_g64_norm_planned": ("bfloat16", 48, 256, 72, "int4", 64, True, False, False, None),
