@@ -20,13 +20,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 PLANNED: dict = {}   # the package's step_shape, kept before the first patch
 
 
-def with_threads(threads: int) -> None:
-  """Every decode-layer launch planned with blocks of `threads` (the package's own step_shape, patched over)."""
+def with_threads(threads: int, from_rows: int = 1) -> None:
+  """Every decode-layer launch of `from_rows` rows or more planned with blocks of `threads` (the package's own
+  step_shape, patched over)."""
   from tinyvllm.kernels import decode_layer
   original = PLANNED.setdefault("step_shape", decode_layer.step_shape)
   def step_shape(*args, **kwargs):
     shape, reason = original(*args, **kwargs)
-    return (replace(shape, threads=threads) if shape is not None else None), reason
+    if shape is None or shape.rows < from_rows: return shape, reason
+    return replace(shape, threads=threads), reason
   decode_layer.step_shape = step_shape
 
 

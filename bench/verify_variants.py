@@ -2,9 +2,10 @@
 decode-layer kernel planned another way (bench-only: the plan patched here, never in the package), one variant a
 process so that each compiles its own kernel:
 
-  DEV=CUDA python3 bench/verify_variants.py [--threads N] [--chunk-tiles T] [--ks 3,4]
---threads: blocks of N threads at every row count; --chunk-tiles: an attention item covers T tiles of keys (the
-package sizes its chunk for the context bucket). Appends a line to $OUT/verify_variants.jsonl.
+  DEV=CUDA python3 bench/verify_variants.py [--threads N [--threads-from-rows R]] [--chunk-tiles T] [--ks 3,4]
+--threads: blocks of N threads at every row count (from R rows on with --threads-from-rows); --chunk-tiles: an
+attention item covers T tiles of keys (the package sizes its chunk for the context bucket). Appends a line to
+$OUT/verify_variants.jsonl.
 """
 from __future__ import annotations
 
@@ -33,14 +34,16 @@ def with_chunk_tiles(tiles: int) -> None:
 def main() -> int:
   p = argparse.ArgumentParser()
   p.add_argument("--threads", type=int)
+  p.add_argument("--threads-from-rows", type=int, default=1)
   p.add_argument("--chunk-tiles", type=int)
   p.add_argument("--ks", default="4")
   args = p.parse_args()
   from bench.layer_threads import with_threads
   from bench.spec_bench import graph_replays
-  if args.threads: with_threads(args.threads)
+  if args.threads: with_threads(args.threads, args.threads_from_rows)
   if args.chunk_tiles: with_chunk_tiles(args.chunk_tiles)
-  variant = {"threads": args.threads, "chunk_tiles": args.chunk_tiles}
+  variant = {"threads": args.threads, "threads_from_rows": args.threads_from_rows,
+             "chunk_tiles": args.chunk_tiles}
   for row in graph_replays("qwen3-0.6b", [int(k) for k in args.ks.split(",")]):
     if out := os.environ.get("OUT"):
       with Path(out, "verify_variants.jsonl").open("a") as f: f.write(json.dumps({**variant, **row}) + "\n")
