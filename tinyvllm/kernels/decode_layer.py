@@ -151,10 +151,9 @@ def shared_layout(shape: DecodeLayerShape) -> dict[str, int]:
   """Bytes of the shared-memory regions (csrc/cuda/decode_layer_ops.inc): A, B (weight slices), X (x'), S, Y, T (the
   buffers' mbarriers and a flag, the layers' pointers, the step's metadata)."""
   s, r, nw = shape, _slices(shape), shape.threads // 32
-  tile = _tiles(shape)[1]
   g, d = s.group, s.head_dim
   m = s.rows   # new keys a row may have (decode_layer_attend.inc's scratch)
-  attention = (g + m) * d + g * tile + cdiv(3 * (g + 1) + g + m, 4) * 4 + m * 8 * (d // 8) + max(nw * g, 3 + m) * d
+  attention = (g + m) * d + 2 * nw * g + cdiv(g + m, 4) * 4 + m * 8 * (d // 8) + max(nw * g, 3 + m) * d
   red_rows, keep_rows = max(*r.values(), nw), max(r["TV_R_O"], r["TV_R_DN"])
   slice_bytes = lambda product, rows: _slice_bytes(s, product, r[rows])
   return {"TV_A_BYTES": _align(max(slice_bytes("qkv", "TV_R_QKV"), slice_bytes("gu", "TV_R_GU"))),
