@@ -20,6 +20,7 @@ from tests.emulator.cases import FP8, LayerCase, from_bits, layer_as_decode_rows
 from tests.emulator.emulator import LazyKernels, Spec, emulate
 from tinyvllm.config import KernelOptions
 from tinyvllm.kernels.decode_layer import (
+  ELEM,
   THREADS,
   DecodeLayerShape,
   decode_layer_plan,
@@ -81,6 +82,10 @@ CASES.update({name: case[:7] for name, case in PACKED.items()})
 VERIFY = {"qwen3_verify_rows": [5, 1, 2], "qwen2_verify_rows_fp8": [3, 4]}
 CASES.update({"qwen3_verify_rows": ("qwen3", [259, 40, 2], False, "bfloat16", 33, 64, 2),
               "qwen2_verify_rows_fp8": ("qwen2", [33, 17], True, "float16", 5, 128, 1)})
+# cases whose blocks own gate_up's rows in pairs (paired_gate_up: silu(gate) * up written by phase 4), on tensor cores
+# and by FMAs, with a short last block (qwen2_long_f16: 96 = 4 x 20 + 16) and blocks that own none (qwen3_verify_rows:
+# 33 blocks of 3 pairs for 80)
+PAIRED_GATE_UP = frozenset({"qwen2_long_f16", "wide_tensor_cores", "qwen3_verify_rows", "qwen2_verify_rows_fp8"})
 # the cases that run in a few seconds with `-m "not slow"` (their own small library); the rest are marked slow
 QUICK = frozenset({"qwen3_split_rows", "qwen2_mixed", "qwen3_verify_rows", "wide_tensor_cores"})
 
@@ -100,7 +105,7 @@ def make_multi_query(name: str) -> tuple[LayerCase, DecodeLayerShape]:
   d, p = case.dims, case.paged
   shape = DecodeLayerShape(dtype, case.rows, d["hidden"], d["heads"], d["kv_heads"], d["head_dim"], d["intermediate"], d["qk_norm"],
                            d["qkv_bias"], case.eps, p.shape.block_size, p.arrays["block_tables"].shape[1], p.k_cache.shape[0],
-                           kv_fp8, blocks, threads, layers=layers, weights=weights)
+                           kv_fp8, blocks, threads, layers=layers, weights=weights, paired_gate_up=name in PAIRED_GATE_UP)
   return case, shape
 
 
@@ -186,7 +191,7 @@ def test_plan_fits_qwen3_06b_on_h100():
     assert [p.name for p in plan.launch.params if p.written] == ["h_out", "qkv", "part_o", "part_ml", "h_mid", "gu", "sync", "attn",
                                                                   *(f"{c}_cache_{li}" for li in range(28) for c in "kv")]
     d = plan.defines
-    assert (d["TV_R_O"], d["TV_R_GU"]) == (8, 47) and d["TV_NSPLIT"] * d["TV_CHUNK"] == 2048
+    assert (d["TV_R_O"], d["TV_R_GU"], d["TV_GU_PAIRS"]) == (8, 47, 0) and d["TV_NSPLIT"] * d["TV_CHUNK"] == 2048
     # qkv (32 rows a block) and gate_up take the tensor cores, o and down (8) the FMA form
     assert d["TV_R_QKV"] >= d["TV_TC_MIN_ROWS"] == 16 and d["TV_R_GU"] >= 16 > max(d["TV_R_O"], d["TV_R_DN"])
     assert d["TV_CHUNK"] == 128 * rows   # about one attention item per block at full context
@@ -250,15 +255,16 @@ def test_unsupported_shapes_say_why():
                                                  (1, False, ("int4", 128)), (4, False, ("int8", 128)), (1, True, ("fp8", 128))])
 def test_cuda_source_compiles_without_spills(tmp_path, rows, kv_fp8, weights):
   """Qwen3-0.6B's 28 layers as an H100 plans them (14 a launch with int8 / int4 weights' scales and shifts; blocks of
-  the sm_90 table's threads: 512 up to 4 rows, 384 from 5), through nvcc (sm_90a): no errors, and within 512 threads'
-  128 registers at most a few loop-invariant words in local memory (the bf16 build keeps ~40 bytes there: barrier and
-  copy bookkeeping, read a few times a phase, never in a product's or an attention tile's loop); none at all with 384
-  threads' 168 (512 threads spill 100+ bytes at 5 rows)."""
+  the sm_90 table's threads: 512 up to 4 rows, 384 from 5, and its paired gate_up rows from 5), through nvcc (sm_90a): no
+  errors, and within 512 threads' 128 registers at most a few loop-invariant words in local memory (the bf16 build keeps
+  ~40 bytes there: barrier and copy bookkeeping, read a few times a phase, never in a product's or an attention tile's
+  loop); with 384 threads' 168 none at 5 rows and a few such words at 8 (512 threads spill 100+ bytes at 5 rows)."""
   layers = 14 if weights and weights[0] != "fp8" else 28
   threads = tuning_for(H100.kind).decode_layer.threads(rows, THREADS)
   assert threads == (512 if rows <= 4 else 384)
   shape = DecodeLayerShape("bfloat16", rows, 1024, 16, 8, 128, 3072, True, False, 1e-6, 16, 128, 1 << 16, kv_fp8, 132, threads,
-                           layers=layers, weights=(weights,) * 4 if weights else (("elem", 0),) * 4)
+                           layers=layers, weights=(weights,) * 4 if weights else (("elem", 0),) * 4,
+                           paired_gate_up=tuning_for(H100.kind).decode_layer.pairs_gate_up(rows))
   path = tmp_path / "layer.cu"
   path.write_text(decode_layer_source(shape, H100)[1])
   run = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-o", str(tmp_path / "layer.cubin"),
@@ -266,7 +272,7 @@ def test_cuda_source_compiles_without_spills(tmp_path, rows, kv_fp8, weights):
   out = run.stdout + run.stderr
   assert run.returncode == 0 and "error" not in out.lower(), out
   spills = re.findall(r"(\d+) bytes spill stores", out)
-  assert len(spills) == 1 and int(spills[0]) <= (64 if threads == 512 else 0), out
+  assert len(spills) == 1 and int(spills[0]) <= {512: 64, 384: 0 if rows == 5 else 32}[threads], out
 
 
 @pytest.mark.slow
@@ -384,3 +390,19 @@ def test_backend_decode_layer_options():
   assert FusedBackend(cpu(H100), KernelOptions(decode_layer=False)).decode_verify_tokens == 0
   for target in (DeviceTarget.nominal("cuda", arch="sm_80", multiprocessors=108), DeviceTarget.nominal("metal")):
     assert FusedBackend(cpu(target)).decode_layer_bounds == {}
+
+
+def test_gate_up_rows_paired_from_the_tables_row_count():
+  """The sm_90 table pairs gate_up's rows from five rows on (384-thread blocks): a block owns 24 gate rows of Qwen3-0.6B
+  and their 24 up rows (128 blocks of 3,072; the last four own none) and the gate_up buffer holds silu(gate) * up,
+  [rows][I]; packed gate_up weights are never paired (their scale windows take one run of rows)."""
+  tuned = tuning_for(H100.kind).decode_layer
+  assert [tuned.pairs_gate_up(rows) for rows in range(1, 9)] == [False] * 4 + [True] * 4
+  shape = lambda rows, weights=ELEM: DecodeLayerShape("bfloat16", rows, 1024, 16, 8, 128, 3072, True, False, 1e-6, 16, 128,
+                                                      1 << 16, False, 132, tuned.threads(rows, THREADS), layers=14,
+                                                      weights=(weights,) * 4, paired_gate_up=tuned.pairs_gate_up(rows))
+  for rows, pairs, r_gu, gu in ((4, 0, 47, 2 * 4 * 3072), (5, 24, 48, 5 * 3072)):
+    plan = decode_layer_plan(shape(rows), H100)
+    assert (plan.defines["TV_GU_PAIRS"], plan.defines["TV_R_GU"]) == (pairs, r_gu)
+    assert next(p.numel for p in plan.launch.params if p.name == "gu") == gu
+  assert decode_layer_plan(shape(5, ("int4", 128)), H100).defines["TV_GU_PAIRS"] == 0

@@ -95,10 +95,16 @@ class DecodeLayerTuning:
   # (rows, a block's threads) where not the kernel's default: past four rows 512 threads' step is slower than 384
   # threads' (a 5-row verification 0.98 against 0.90 ms on nvidia-h200), with or without their spills and L1 room
   threads_by_rows: tuple[tuple[int, int], ...]
+  # from this many rows on (0: never) a block owns gate_up's rows in pairs and writes silu(gate) * up itself, halving
+  # the down phase's reads (a 5-row verification on nvidia-h200 0.90 -> 0.87-0.88 ms); where blocks have 512 threads'
+  # 128 registers, the pairing's extra ones spilled and one- and four-row steps took 6.5-11% longer
+  paired_gate_up_min_rows: int
 
   def max_context(self, rows: int) -> int: return dict(self.max_context_by_rows).get(rows, 0)
 
   def threads(self, rows: int, default: int) -> int: return dict(self.threads_by_rows).get(rows, default)
+
+  def pairs_gate_up(self, rows: int) -> bool: return 0 < self.paired_gate_up_min_rows <= rows
 
 
 @dataclass(frozen=True)
