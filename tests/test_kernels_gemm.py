@@ -241,9 +241,9 @@ def test_kernel_choice_by_rows_dialect_and_dtype():
   assert pick_kernel(HOPPER, shape("float32", 16)) == "skinny"     # nor for float32
   assert pick_kernel(HOPPER, shape("float32", 17)) is None
   assert pick_kernel(metal, shape("float16", 17)) is None
-  # the logits (151,936 wide) stream their weight once up to 8 rows: a verification's five, a decode of 5-8 sequences
+  # the logits (151,936 wide) stream their weight once up to 16 rows on Hopper: a verification's five, a decode of 5-16 sequences
   logits = lambda rows: LinearShape("bfloat16", rows, 1024, 151936, False, EPS, False, False, True)
-  assert pick_kernel(HOPPER, logits(8)) == "skinny" and pick_kernel(HOPPER, logits(9)) == "gemm"
+  assert pick_kernel(HOPPER, logits(16)) == "skinny_tc" and pick_kernel(HOPPER, logits(17)) == "gemm"   # (its sums on tensor cores)
 
 
 def test_wgmma_tiles_and_target():

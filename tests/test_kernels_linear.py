@@ -6,12 +6,25 @@ in the planner's layout and in others (a column or eight a block; K's steps shar
 warps take fewer steps or only the tail)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from tests.emulator.cases import from_bits, linear_inputs, packed_weight, portable_linear_reference, to_bits
 from tests.emulator.emulator import LazyKernels, Spec, emulate, poisoned
-from tinyvllm.kernels.linear import LinearShape, SkinnyLayout, linear_plan, skinny_layout, unsupported_reason
+from tinyvllm.kernels.linear import (
+  LinearShape,
+  SkinnyLayout,
+  linear_plan,
+  pick_kernel,
+  skinny_layout,
+  tensor_core_layout,
+  tensor_core_reason,
+  unsupported_reason,
+)
+from tinyvllm.kernels.tuning import tuning_for
+from tinyvllm.platform.target import DeviceTarget
 
 TOLERANCE = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}
 EPS = 1e-5
@@ -61,6 +74,97 @@ def test_linear_matches_portable(emu, name, layout):
   ref = portable_linear_reference(a, shape)
   assert not np.isnan(got).any(), "an output element was never written"
   assert np.abs(got - ref).max() / np.abs(ref).max() < TOLERANCE[shape.dtype]
+
+
+# the sums on tensor cores (csrc/cuda/linear_tc.inc, CUDA): name -> (rows, K, NOUT, bias, norm, residual, out_float32)
+TENSOR_CORE = {
+  "tc_2rows_norm_logits": (2, 128, 40, False, True, False, True),        # 40 columns: a short last block
+  "tc_5rows_norm_logits": (5, 320, 37, False, True, False, True),        # 5 steps: a warp each
+  "tc_8rows_bias_residual": (8, 256, 33, True, False, True, False),      # no norm: x as the one term, bfloat16 out
+  "tc_12rows_norm_logits": (12, 512, 20, False, True, False, True),      # two n tiles, the second half used
+  "tc_3rows_norm_logits": (3, 512, 20, False, True, False, True),        # the same product's first three rows
+  "tc_16rows_norm_residual": (16, 1024, 16, False, True, True, False),   # two full n tiles, 16 steps over 4 warps
+}
+
+
+def _tc_shape(name: str) -> LinearShape:
+  m, k, o, bias, norm, res, f32 = TENSOR_CORE[name]
+  return LinearShape("bfloat16", m, k, o, bias, EPS if norm else None, False, res, f32)
+
+
+@pytest.fixture(scope="module")
+def emu_tc() -> LazyKernels:
+  specs = []
+  for name in TENSOR_CORE:
+    for tag, layout in TC_LAYOUTS.items():
+      plan = linear_plan(_tc_shape(name), layout or (tensor_core_layout(_tc_shape(name)) if tag == "tc" else None))
+      specs.append(Spec(f"{name}__{tag}", "linear_tc" if tag != "fma" else "linear", plan.defines, (plan.launch,)))
+  return emulate("cuda", specs)
+
+
+# the planned layout, K's steps over three warps (some take fewer, or none), on one warp (rounds of four steps, the last
+# short where K's steps are not a multiple of four), and the FMA form
+TC_LAYOUTS = {"tc": None, "tc_k3": SkinnyLayout(16, 3, tensor_cores=True), "tc_k1": SkinnyLayout(16, 1, tensor_cores=True),
+              "fma": None}
+
+
+def _run(emu, spec: str, shape: LinearShape, a: dict[str, np.ndarray]) -> np.ndarray:
+  out = np.full(shape.rows * shape.out_features, np.nan, np.float32) if shape.out_float32 else \
+    poisoned(shape.rows * shape.out_features, shape.dtype)
+  args = [out] + [to_bits(a[key], shape.dtype).reshape(-1) for key in ("x", "w", "bias", "norm", "residual") if key in a]
+  emu.launch(spec, 0, args)
+  return (out if shape.out_float32 else from_bits(out, shape.dtype)).reshape(shape.rows, shape.out_features)
+
+
+@pytest.mark.parametrize("layout", ["tc", "tc_k3", "tc_k1"])
+@pytest.mark.parametrize("name", list(TENSOR_CORE))
+def test_tensor_core_sums_match_the_fma_form(emu_tc, name, layout):
+  """The same products as the FMA form (x * g split exactly into two bfloat16 terms): float32 outputs agree to float32
+  rounding of the sums, bfloat16 ones to a rounding step; both match the portable form."""
+  shape = _tc_shape(name)
+  a = linear_inputs(np.random.default_rng(len(name)), shape)
+  tc, fma = _run(emu_tc, f"{name}__{layout}", shape, a), _run(emu_tc, f"{name}__fma", shape, a)
+  assert not np.isnan(tc).any(), "an output element was never written"
+  scale = np.abs(fma).max()
+  assert np.abs(tc - fma).max() / scale < (1e-6 if shape.out_float32 else 1e-2)
+  ref = portable_linear_reference(a, shape)
+  assert np.abs(tc - ref).max() / np.abs(ref).max() < TOLERANCE["bfloat16"]
+
+
+def test_tensor_core_rows_same_bits_at_every_row_count(emu_tc):
+  """A row's sums take the same order whatever the row count (the layout depends on K, an mma's output on its own row
+  and column): the first three rows of a 12-row product are the 3-row product's bits, so a verification's logits equal
+  a decode step's."""
+  wide, narrow = _tc_shape("tc_12rows_norm_logits"), _tc_shape("tc_3rows_norm_logits")
+  a = linear_inputs(np.random.default_rng(7), wide)
+  few = _run(emu_tc, "tc_3rows_norm_logits__tc", narrow, {**a, "x": a["x"][:3]})
+  many = _run(emu_tc, "tc_12rows_norm_logits__tc", wide, a)
+  assert np.array_equal(few.view(np.uint32), many[:3].view(np.uint32))
+
+
+def test_tensor_core_layout_and_choice():
+  """16 columns a block, K's 64-column steps over as many warps as divide them (up to 8); wide outputs (the logits)
+  take it from the tuning table's skinny_tc_min_rows where mma.sync and bfloat16 allow, the rest keep the FMA form."""
+  logits = lambda k, rows, dtype="bfloat16": LinearShape(dtype, rows, k, 151936, False, EPS, False, False, True)
+  assert tensor_core_layout(logits(1024, 5)) == SkinnyLayout(16, 8, tensor_cores=True)
+  assert tensor_core_layout(logits(2048, 8)) == tensor_core_layout(logits(4096, 8)) == SkinnyLayout(16, 8, tensor_cores=True)
+  assert tensor_core_layout(logits(128, 2)) == SkinnyLayout(16, 2, tensor_cores=True)
+  assert tensor_core_layout(logits(320, 2)) == SkinnyLayout(16, 5, tensor_cores=True)
+  plan = linear_plan(logits(1024, 5), tensor_core_layout(logits(1024, 5)))
+  assert plan.launch.grid == (9496, 1, 1) and plan.launch.threads == 256 and plan.defines["TV_TC"] == 1
+  hopper = DeviceTarget.nominal("cuda")
+  min_rows = tuning_for(hopper.kind).linear.skinny_tc_min_rows
+  assert min_rows == 1   # (one row fills an eighth of the mma's columns, and still streams faster: the numbers in linear.py)
+  assert pick_kernel(hopper, logits(1024, 1)) == pick_kernel(hopper, logits(1024, 16)) == "skinny_tc"
+  assert pick_kernel(hopper, logits(1024, 17)) == "gemm"
+  assert pick_kernel(DeviceTarget.nominal("cuda", "sm_86"), logits(1024, 5)) == "skinny"   # not measured there: off
+  assert pick_kernel(hopper, logits(1024, 5, "float16")) == "skinny"          # x * g is split exactly for bfloat16 only
+  assert pick_kernel(hopper, logits(1000, 5)) == "skinny"                      # K not a multiple of 64
+  assert pick_kernel(DeviceTarget.nominal("metal"), logits(1024, 5)) == "skinny"
+  narrow = LinearShape("bfloat16", 4, 1024, 3072, False, EPS, False, False, False)
+  assert pick_kernel(hopper, narrow) == "skinny"
+  assert "SwiGLU" in tensor_core_reason(LinearShape("bfloat16", 4, 1024, 151936, False, None, True, False, True), hopper)
+  assert "int8" in tensor_core_reason(replace(logits(1024, 4), weight="int8", group=1024), hopper)
 
 
 def test_layout_spreads_long_rows_over_warps():

@@ -32,6 +32,7 @@ INT4_SWIGLU_KSPLIT = 4    # ... for int4 codes behind the SwiGLU prologue at one
 # from three rows a K split costs its cross-warp sums (rows x columns partials a block), so it goes only as far as a
 # grid of GRID_WARPS warps (an H100's 132 SMs x 64 resident) and MAX_WARP_STEPS steps a warp need
 GRID_WARPS, MAX_WARP_STEPS = 8192, 4
+TC_COLUMNS, TC_STEP = 16, 64   # linear_tc.inc: columns a block, K a step
 # a row-parallel product that all-reduces its own outputs takes a decode step's few rows
 MAX_ALL_REDUCE_OUTPUTS = 4 * 4096
 DTYPE_NAMES = {dtypes.float32: "float32", dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}
@@ -57,6 +58,7 @@ class LinearShape:
 class SkinnyLayout:
   rpw: int      # output columns a block (and a warp: each warp sums its share of K for all of them)
   ksplit: int   # warps a block, each taking every ksplit-th step of K
+  tensor_cores: bool = False   # the sums on tensor cores (csrc/cuda/linear_tc.inc: 16 columns a block, 64 K a step)
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,27 @@ def all_reduce_reason(shape: LinearShape) -> str | None:
   if shape.out_features * elem % 16: return f"{shape.out_features} columns (whole 16-byte vectors a row)"
   if outputs > MAX_ALL_REDUCE_OUTPUTS: return f"{outputs} outputs (decode rows: at most {MAX_ALL_REDUCE_OUTPUTS})"
   return peer_reason(outputs, shape.dtype, shape.all_reduce)
+
+
+def tensor_core_reason(shape: LinearShape, target: DeviceTarget) -> str | None:
+  """Why the skinny product cannot take its sums from tensor cores (csrc/cuda/linear_tc.inc), or None."""
+  if not target.tensor_cores: return f"device {target.arch or target.device} (mma.sync needs CUDA sm_80 or newer)"
+  if shape.dtype != "bfloat16": return f"dtype {shape.dtype} (x' split exactly into two bfloat16 terms)"
+  if shape.weight != "elem": return f"{shape.weight} weights"
+  if shape.silu_mul: return "the SwiGLU prologue"
+  if shape.all_reduce: return "an all-reduce"
+  if shape.in_features % TC_STEP: return f"in_features {shape.in_features} not a multiple of {TC_STEP}"
+  return unsupported_reason(shape)
+
+
+def tensor_core_layout(shape: LinearShape) -> SkinnyLayout:
+  """16 columns a block; K's 64-column steps shared by as many warps as divide them, up to MAX_KSPLIT. nvidia-h200,
+  Qwen3-0.6B's logits (K 1,024: 16 steps) at 1 / 2 / 5 / 8 rows: 89.9 / 80.6 / 90.6 / 88.8 µs with 8 warps, 98.6 at
+  5 rows with 4 (the FMA form 100.8 / 100.7 / 109.1 / 154.4); Qwen3-30B-A3B's (K 2,048) at 5 / 8 rows 158.8 / 173.4
+  with 8, 193.5 / 196.8 with 4 (FMA 199.8 / 296.8); at 12 and 16 rows 127-135 and 131-138 µs with 2-8 warps against
+  the GEMM's 136.5 and 141.0 (bench/skinny_bench.py)."""
+  steps = shape.in_features // TC_STEP
+  return SkinnyLayout(TC_COLUMNS, max(s for s in range(1, MAX_KSPLIT + 1) if steps % s == 0), tensor_cores=True)
 
 
 def lane_columns(shape: LinearShape) -> int:
@@ -150,6 +173,9 @@ def linear_plan(shape: LinearShape, layout: SkinnyLayout | None = None) -> Linea
   if shape.norm_eps is not None: defines["TV_EPS"] = f"{shape.norm_eps!r}f"
   if shape.silu_mul: defines["TV_PRO_SILU"] = 1
   if shape.out_float32: defines["TV_OUT_F32"] = 1
+  if layout.tensor_cores:
+    assert rpw == TC_COLUMNS and shape.weight == "elem" and not shape.silu_mul and shape.in_features % TC_STEP == 0, layout
+    defines["TV_TC"] = 1
   grid = blocks
   if shape.all_reduce:   # the group's table last (csrc/cuda/peer.inc), the reducers after the product's blocks
     elem = ELEM_BYTES[dtype_code(shape.dtype)]
@@ -176,15 +202,19 @@ def reducer_columns(shape: LinearShape, rpw: int, threads: int) -> int:
 @functools.cache
 def skinny_source(dialect: str | None, shape: LinearShape, layout: SkinnyLayout | None = None) -> tuple[LinearPlan, str]:
   plan = linear_plan(shape, layout)
-  return plan, kernel_source(dialect, "linear_all_reduce" if shape.all_reduce else "linear", plan.defines)
+  algorithm = "linear_all_reduce" if shape.all_reduce else "linear_tc" if "TV_TC" in plan.defines else "linear"
+  return plan, kernel_source(dialect, algorithm, plan.defines)
 
 
 def pick_kernel(target: DeviceTarget, shape: LinearShape) -> str | None:
-  """"skinny" (linear.inc) up to the tuning table's rows (more for wide outputs: the logits), "gemm" (tensor cores,
-  CUDA) above, the skinny one up to MAX_ROWS where the gemm cannot run (Metal, float32); None: neither takes it."""
+  """"skinny" (linear.inc) up to the tuning table's rows (more for wide outputs: the logits, which from
+  skinny_tc_min_rows take their sums from tensor cores: "skinny_tc"), "gemm" (tensor cores, CUDA) above, the skinny one
+  up to MAX_ROWS where the gemm cannot run (Metal, float32); None: neither takes it."""
   skinny, t = unsupported_reason(shape) is None, tuning_for(target.kind).linear
   wide = shape.out_features >= t.skinny_wide_out
-  if skinny and shape.rows <= (t.skinny_wide_max_rows if wide else t.skinny_max_rows): return "skinny"
+  if skinny and shape.rows <= (t.skinny_wide_max_rows if wide else t.skinny_max_rows):
+    tc = wide and 0 < t.skinny_tc_min_rows <= shape.rows and tensor_core_reason(shape, target) is None
+    return "skinny_tc" if tc else "skinny"
   if gemm_unsupported_reason(shape.dtype, shape.rows, shape.in_features, shape.out_features, target) is None \
       and packed_reason(shape) is None: return "gemm"
   return "skinny" if skinny else None
@@ -218,13 +248,14 @@ def fused_linear(target: DeviceTarget, x: Tensor, w: Weight, bias: Tensor | None
 def run_linear(target: DeviceTarget, shape: LinearShape, kernel: str, x: Tensor, w: Weight, bias: Tensor | None = None,
                norm: Tensor | None = None, residual: Tensor | None = None, tiles: GemmTiles | None = None,
                layout: SkinnyLayout | None = None, peers: Tensor | None = None) -> Tensor:
-  """The product on the "skinny" or the "gemm" kernel (with `tiles` or `layout`, else the planner's); `peers`: a
+  """The product on the "skinny", "skinny_tc" or "gemm" kernel (with `tiles` or `layout`, else the planner's); `peers`: a
   tensor-parallel group's peer table, for the skinny product that all-reduces its outputs (shape.all_reduce)."""
   y = Tensor.empty(shape.rows, shape.out_features, dtype=dtypes.float32 if shape.out_float32 else w.dtype, device=x.device)
   x, extras = x.cast(w.dtype).contiguous(), {n: t.cast(w.dtype).contiguous() for n, t in
                                              (("bias", bias), ("norm", norm), ("residual", residual)) if t is not None}
   weights = [w] if isinstance(w, Tensor) else _packed_operands(w)
   if kernel == "gemm": return _run_gemm(shape, target, tiles, y, x, weights, w.dtype, extras)
+  if kernel == "skinny_tc": layout = layout or tensor_core_layout(shape)
   plan, source = skinny_source(target.dialect, shape, layout)
   return run_kernel(plan.launch, source, [y, x, *weights, *extras.values(), *([] if peers is None else [peers])])[0]
 

@@ -29,7 +29,8 @@ ALGORITHMS = {"decode": ("paged_decode.inc",), "decode_staged": ("tensor_core.in
               "moe": ("moe_route.inc", "moe.inc"), "moe_grouped": ("linear.inc", "moe_products.inc"),
               "moe_direct": ("linear.inc", "moe_route.inc", "moe_products.inc", "moe_direct.inc"),
               "moe_align": ("moe_route.inc", "moe.inc", "moe_align.inc"), "all_reduce": ("peer.inc", "all_reduce.inc"),
-              "linear_all_reduce": ("peer.inc", "linear.inc")}
+              "linear_all_reduce": ("peer.inc", "linear.inc"),
+              "linear_tc": ("tensor_core.inc", "linear_tc.inc", "linear.inc")}
 
 
 def source_root() -> Traversable:

@@ -31,6 +31,9 @@ class LinearTuning:
   skinny_max_rows: int            # above this the tensor-core GEMM runs the product (where it can)
   skinny_wide_out: int            # outputs this wide (the logits) stream their weight once up to skinny_wide_max_rows
   skinny_wide_max_rows: int       # (H100, Qwen3-0.6B's logits at 5 rows: 121 µs against the GEMM's 162; at 8, 160 / 163)
+  # from this many rows (0: never) those wide products take their sums from tensor cores where they can (sm_90: from
+  # one row, and up to 16 rows, past the GEMM's 141 µs at 16; linear.tensor_core_layout has the numbers)
+  skinny_tc_min_rows: int
 
 
 @dataclass(frozen=True)
