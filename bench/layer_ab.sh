@@ -4,7 +4,7 @@
 # its engine part), then the batch-1 verification and decode steps' GPU time (bench/spec_bench.py --parts replay: graph
 # replays, k = 4 and 3 proposals) in every checkout in turn, ROUNDS times, then decode steps of 1, 5 and 8 sequences
 # (bench/replay_ab.sh: its "before" lines are the other checkouts, "after" this one). One line a run in
-# $OUT/layer_ab.txt.
+# $OUT/layer_ab.txt. CHECK=0 skips the GPU checks (a checkout whose layer kernel is already checked).
 #   ROUNDS=2 bash bench/layer_ab.sh .b1,.b2
 set -u
 IFS=, read -r -a others <<< "$1"
@@ -16,6 +16,7 @@ summary=$OUT/layer_ab.txt
 for other in "${others[@]}"; do
   [ -e "$other/.whl" ] || ln -s "$PWD/.whl" "$other/.whl"
   [ -e "$other/.data" ] || ln -s "$PWD/.data" "$other/.data"
+  [ "${CHECK:-1}" = 0 ] && continue
   result=$(cd "$other" && PYTHONPATH="/tmp/site:$PWD" OUT="$OUT/check_$(basename "$other")" SKIP=engine \
            python3 bench/check_decode_layer.py 2>&1 | tail -1)
   echo "check $other: $result" | tee -a "$summary"

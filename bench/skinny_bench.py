@@ -4,7 +4,9 @@ int8, int4 and FP8 (gate_up and down; qkv and o in int8 and int4); Qwen3-0.6B's 
 device's share at TP=4), each layout checked against a float32 product in tinygrad.
 
 Usage (GPU machine): DEV=CUDA python bench/skinny_bench.py [--rows 1,4] [--only NAMES] [--planned | --layout R:S,...];
-writes $OUT/skinny_bench.json when OUT is set.
+writes $OUT/skinny_bench.json when OUT is set. A --layout entry is RPW:KSPLIT, RPW:KSPLIT:tc (the sums on tensor cores,
+RPW 16), "planned" (the FMA form's planned layout) or "gemm" (the tensor-core GEMM); each variant's largest difference
+from the first one's output is reported beside its error.
 --plain-graphs: tinygrad's CUDA graphs with plain edges (the kernels' wait stays, a no-op without a programmatic launch).
 Timing: each layout is captured with TinyJit as R calls on R different weight copies (so weights come from HBM, not
 L2, as in a decode step), replayed; time per call = wall time / (replays * R), launch gaps inside the graph included.
@@ -107,13 +109,16 @@ def bench_shape(target, device: str, rows: int, spec: tuple, replays: int, plann
   planned = skinny_layout(shape)
   others = [SkinnyLayout(r, s) for r in RPW for s in KSPLIT if r * rows <= 64]   # (registers)
   want = reference(x, ws[0], extra, opts)
-  records = []
-  variants = [planned, *([] if planned_only else others)] if only is None else only
+  records, first = [], None
+  variants = [planned, *([] if planned_only else others)] if only is None else [planned if v == "planned" else v for v in only]
   for layout in dict.fromkeys(variants):
-    call = lambda w, residual, layout=layout: run_linear(target, shape, "skinny", x, w, None, extra.get("norm"), residual,
-                                                         layout=layout)
+    kernel = "gemm" if layout == "gemm" else "skinny_tc" if layout.tensor_cores else "skinny"
+    call = lambda w, residual, layout=layout, kernel=kernel: run_linear(
+      target, shape, kernel, x, w, None, extra.get("norm"), residual, layout=None if kernel == "gemm" else layout)
     got = call(ws[0], extra.get("residual")).float().numpy()
     err = float(np.abs(got - want).max() / np.abs(want).max())
+    first = got if first is None else first
+    vs_first = float(np.abs(got - first).max() / np.abs(first).max())
     jit = TinyJit(lambda call=call: chained(call, ws, extra.get("residual")))
     for _ in range(3): jit()
     Device[device].synchronize()
@@ -121,8 +126,11 @@ def bench_shape(target, device: str, rows: int, spec: tuple, replays: int, plann
     for _ in range(replays): jit()
     Device[device].synchronize()
     us = (time.perf_counter() - t) / replays / copies * 1e6
-    rec = {"shape": name, "rows": rows, "rpw": layout.rpw, "ksplit": layout.ksplit, "planned": layout == planned,
-           "us": round(us, 2), "GBps": round(bytes_per / us / 1e3), "rel_err": err, "ok": err < 2e-2}
+    rec = {"shape": name, "rows": rows, "kernel": kernel, "rpw": getattr(layout, "rpw", 0), "ksplit": getattr(layout, "ksplit", 0),
+           "planned": layout == planned, "us": round(us, 2), "GBps": round(bytes_per / us / 1e3), "rel_err": err,
+           "vs_first": vs_first, "ok": err < 2e-2}
+    print(f"  {kernel:9} rpw {rec['rpw']:2} ksplit {rec['ksplit']}: {rec['us']:7.2f} us {rec['GBps']:5} GB/s, "
+          f"error {err:.2e}, from the first {vs_first:.2e}", flush=True)
     records.append(rec)
   best = min(records, key=lambda r: r["us"])
   plan = next((r for r in records if r["planned"]), records[0])
@@ -155,7 +163,8 @@ def main() -> None:
   only = None
   if args.layout:
     from tinyvllm.kernels.linear import SkinnyLayout
-    only = [SkinnyLayout(*map(int, layout.split(":"))) for layout in args.layout.split(",")]
+    parse = lambda f: SkinnyLayout(int(f[0]), int(f[1]), tensor_cores=f[2:] == ["tc"])
+    only = [v if v in ("planned", "gemm") else parse(v.split(":")) for v in args.layout.split(",")]
   records = [r for rows in map(int, args.rows.split(",")) for spec in shapes
              for r in bench_shape(target, device, rows, spec, args.replays, args.planned, only)]
   print(f"programmatic edges: {sum(edges)} in {len(edges)} graphs")
