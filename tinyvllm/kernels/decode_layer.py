@@ -147,7 +147,7 @@ def _slice_bytes(shape: DecodeLayerShape, product: str, rows: int) -> int:
 
 
 def _tensor_core_sums(shape: DecodeLayerShape) -> int:
-  """Partial sums an x' row of a product on tensor cores leaves in the scratch region (decode_layer_ops.inc's
+  """Partial sums an x' row of a product on tensor cores leaves in the scratch region (decode_layer_products.inc's
   tv_dl_gemv_tc: a block's rows times the parts K is split into, the warps shared among its 16-row tiles), the most of
   any product that could run there (the tuning table's row bound aside: the region is sized for either choice)."""
   r, nw, most = _slices(shape), shape.threads // 32, 0
