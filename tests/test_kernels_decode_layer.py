@@ -355,7 +355,7 @@ def test_layers_of_different_weight_forms_launch_by_runs():
 def test_backend_takes_packed_layers(monkeypatch):
   """Packed (int4 g128) layers through FusedBackend on CPU tensors with the nominal H100: the step's shape carries each
   product's form; with the arguments' room cut to two layers a launch, three layers run as launches of 2 and 1 (two
-  specialisations, both built); act-order weights (g_idx) are refused, once in the log."""
+  specialisations, both built); act-order weights (g_idx, or columns sorted by group) are refused, once in the log."""
   from dataclasses import replace as swap
 
   from tinygrad import Tensor, dtypes
@@ -378,6 +378,10 @@ def test_backend_takes_packed_layers(monkeypatch):
                for layer in stack]
   for _ in range(2): assert backend.decode_layers(act_order, h, cos, sin, caches, meta, case.eps) is None
   assert len(messages) == 1 and "act-order (g_idx) weights" in messages[0]
+  # sorted by group (QuantizedWeight.perm): the kernel would read x' in the wrong order, so it is refused as well
+  sorted_order = [swap(layer, down_proj=swap(layer.down_proj, perm=Tensor.arange(3072, dtype=dtypes.int32).contiguous()))
+                  for layer in stack]
+  assert backend.decode_layers(sorted_order, h, cos, sin, caches, meta, case.eps) is None
 
 
 def test_backend_decode_layer_options():

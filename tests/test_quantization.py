@@ -70,6 +70,9 @@ def test_quantized_checkpoint_matches_hf_on_its_dequantized_weights(case, tmp_pa
   assert layer.qkv_proj.method == method and layer.qkv_proj.bits == options.get("bits", 4 if method == "awq" else 8)
   left_float = bool(options.get("ignore") or options.get("not_converted"))
   assert isinstance(layer.down_proj, QuantizedWeight) != left_float   # a linear the checkpoint leaves float stays float
+  # act-order: loaded with its columns sorted by group (its input read in that order), which is what HF is checked against
+  act_order = bool(options.get("desc_act") or options.get("actorder"))
+  assert (layer.qkv_proj.perm is not None) == act_order and layer.qkv_proj.g_idx is None
   check_against(load_dequantized(hf, dequantized), llm)
 
 

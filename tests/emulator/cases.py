@@ -332,7 +332,8 @@ def _packed_to(w, device: str | None, dtype):
   """A packed weight's buffers on `device`, dequantizing to `dtype`."""
   from dataclasses import replace
   move = lambda t: None if t is None else t.to(device).contiguous().realize()
-  return replace(w, dtype=dtype, codes=move(w.codes), scales=move(w.scales), shifts=move(w.shifts), g_idx=move(w.g_idx))
+  return replace(w, dtype=dtype, codes=move(w.codes), scales=move(w.scales), shifts=move(w.shifts), g_idx=move(w.g_idx),
+                 perm=move(w.perm))
 
 
 def layer_outputs(case: LayerCase, h, caches) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:

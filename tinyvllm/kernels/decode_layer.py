@@ -343,7 +343,8 @@ def step_shape(layers: list[DecoderLayerWeights], h: Tensor, cos: Tensor, k_cach
   reason = next((r for bad, r in (
     (any(x.moe is not None for x in layers), "mixture-of-experts layers"),
     (any(x.signature() != layer.signature() for x in layers), "layers of different shapes"),
-    (any(isinstance(w, QuantizedWeight) and w.g_idx is not None for x in layers for w in x.linears()), "act-order (g_idx) weights"),
+    (any(isinstance(w, QuantizedWeight) and (w.g_idx is not None or w.perm is not None) for x in layers for w in x.linears()),
+     "act-order (g_idx) weights"),
     (any(b is not None for b in (layer.o_bias, layer.gate_up_bias, layer.down_bias)), "o / MLP biases"),
     (dtype is None or layer.qkv_proj.dtype != h.dtype, f"activations {h.dtype.name}, weights {layer.qkv_proj.dtype.name}"),
     (v_cache.dtype != k_cache.dtype or (not kv_fp8 and k_cache.dtype != h.dtype), "cache dtype"),

@@ -34,6 +34,7 @@ from tinyvllm.layers.attention import paged_attention, write_kv
 from tinyvllm.layers.linear import portable_linear
 from tinyvllm.layers.moe import portable_moe
 from tinyvllm.layers.portable import qkv_rope_write
+from tinyvllm.layers.quantized import permute_input
 from tinyvllm.layers.tensor_parallel import TensorParallelGroup
 from tinyvllm.platform.target import DeviceTarget
 
@@ -102,9 +103,10 @@ class FusedBackend:
     tinygrad ops (a packed weight no kernel takes, act-order groups say, said once per format)."""
     if fused.get("gelu_mul"):   # never reached through the selection: the capability record has SiLU only
       raise ValueError(f"the {self.name} kernels fuse SwiGLU only; a GeGLU (gelu_pytorch_tanh) model runs on the portable backend")
-    y = fused_linear(self.target, x, w, bias, **fused)
+    ordered, ordered_fused = permute_input(w, x, fused)   # (an act-order weight's column order: then a plain grouped one)
+    y = fused_linear(self.target, ordered, w, bias, **ordered_fused)
     if y is None and isinstance(w, QuantizedWeight):
-      self._fallback("linear", f"{w.describe()} weights no kernel takes here (act-order groups, or over {MAX_ROWS} rows "
+      self._fallback("linear", f"{w.describe()} weights no kernel takes here (act-order groups of unequal sizes, or over {MAX_ROWS} rows "
                                "without the tensor-core kernel)")
       return portable_linear(x, w, bias, **fused)
     self.calls["linear" if y is not None else "portable-linear"] += 1

@@ -10,7 +10,7 @@ from tinygrad import Tensor, dtypes
 
 from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.layers.norm import rms_norm
-from tinyvllm.layers.quantized import dequantize
+from tinyvllm.layers.quantized import dequantize, permute_input
 
 LinearFn = Callable[..., Tensor]
 
@@ -18,8 +18,11 @@ LinearFn = Callable[..., Tensor]
 def portable_linear(x: Tensor, w: Tensor | QuantizedWeight, bias: Tensor | None = None, *, norm: Tensor | None = None,
                     eps: float = 1e-6, silu_mul: bool = False, gelu_mul: bool = False, residual: Tensor | None = None,
                     out_float32: bool = False) -> Tensor:
-  """A quantized weight is dequantized inside the graph, in x's dtype (tinygrad fuses it into the product)."""
-  if isinstance(w, QuantizedWeight): w = dequantize(w, x.dtype)
+  """A quantized weight is dequantized inside the graph, in x's dtype (tinygrad fuses it into the product); an act-order
+  one's input taken in its column order."""
+  if isinstance(w, QuantizedWeight):
+    x, reordered = permute_input(w, x, {"norm": norm, "silu_mul": silu_mul, "gelu_mul": gelu_mul})
+    w, norm = dequantize(w, x.dtype), reordered["norm"]
   if norm is not None: x = rms_norm(x, norm, eps)
   if silu_mul or gelu_mul:
     half = x.shape[-1] // 2

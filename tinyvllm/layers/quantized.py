@@ -7,6 +7,17 @@ from tinygrad.dtype import DType
 
 from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.layers.fp8 import FP8_MAX, decode_e4m3, encode_e4m3
+from tinyvllm.layers.scatter import gather_columns
+
+
+def permute_input(w, x: Tensor, fused: dict) -> tuple[Tensor, dict]:
+  """The product's input in an act-order weight's column order (QuantizedWeight.perm): x's columns (each half's behind
+  SwiGLU / GeGLU) and the RMSNorm's weight, whose 1 / RMS the order leaves as it is; any other weight's as they are."""
+  if not isinstance(w, QuantizedWeight) or w.perm is None: return x, fused
+  gated = fused.get("silu_mul") or fused.get("gelu_mul")
+  index = w.perm.cat(w.perm + w.shape[1]) if gated else w.perm
+  if fused.get("norm") is not None: fused = {**fused, "norm": gather_columns(fused["norm"].reshape(1, -1), w.perm).reshape(-1)}
+  return gather_columns(x, index), fused
 
 
 def unpack_codes(w: QuantizedWeight) -> Tensor:

@@ -1,10 +1,12 @@
-"""Indexed row movement as tinygrad UOp-DSL kernels: scatter dst[index[n]] := src[n], gather out[m] := src[index[m]].
+"""Indexed row movement as tinygrad UOp-DSL kernels: scatter dst[index[n]] := src[n], gather out[m] := src[index[m]]
+(and of columns, out[:, n] := src[:, index[n]]).
 
 tinygrad 0.14's `setitem` with an index tensor, `Tensor.scatter`, one-hot tricks and even plain `table[index_tensor]`
 compare every table row with every index (O(R * N * D): an embedding lookup would read the whole table, a KV-cache
 read the whole cache); these kernels touch only the rows named (O(N * D)). Scatter is the KV-cache write (slot
 mapping) and builds the sampler's dense penalty tensors; gather is the embedding lookup, the RoPE table lookup and
-the portable attention's reads through block tables. Generic over dtype and row shape; they render on every backend.
+the portable attention's reads through block tables; the column gather puts a product's input in an act-order weight's
+column order. Generic over dtype and row shape; they render on every backend.
 """
 from __future__ import annotations
 
@@ -89,3 +91,21 @@ def gather_rows(src: Tensor, index: Tensor) -> Tensor:
   out = Tensor.empty(flat.shape[0], *src.shape[1:], dtype=src.dtype, device=src.device)
   out = Tensor.custom_kernel(out, src, flat, fxn=_gather_kernel)[0]
   return out.reshape(*index.shape, *src.shape[1:])
+
+
+def _gather_columns_kernel(out: UOp, src: UOp, index: UOp) -> UOp:
+  rows, cols, n_out = src.shape[0], src.shape[1], index.shape[0]
+  m, n = UOp.range(rows, 0), UOp.range(n_out, 1)
+  col = _flat(index).index(n)
+  ok = (col >= 0) & (col < cols)  # an out-of-range index reads zeros, never outside the buffer
+  store = _flat(out).index(m * n_out + n).store(_flat(src).index((m * cols + col).valid(ok)))
+  return store.end(m, n).sink(arg=KernelInfo(name=f"gather_columns_{rows}_{cols}_{n_out}_{src.dtype.name}"))
+
+
+def gather_columns(src: Tensor, index: Tensor) -> Tensor:
+  """out[:, n] = src[:, index[n]] for src [M, K] and int32 index [N]: [M, N]. Columns outside [0, K) read as zeros."""
+  if index.ndim != 1 or index.dtype != dtypes.int32: raise ValueError(f"index must be 1-D int32, got {index.shape} {index.dtype}")
+  if src.ndim != 2: raise ValueError(f"src must be 2-D, got {src.shape}")
+  if src.shape[0] * src.shape[1] >= INT32_LIMIT: raise ValueError(f"src {src.shape} needs 64-bit offsets")
+  out = Tensor.empty(src.shape[0], index.shape[0], dtype=src.dtype, device=src.device)
+  return Tensor.custom_kernel(out, src.contiguous(), index, fxn=_gather_columns_kernel)[0]

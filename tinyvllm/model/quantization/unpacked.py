@@ -3,7 +3,7 @@ blocks) is read into this form, its parts (q/k/v, gate/up) stacked along the out
 QuantizedWeight of tinyvllm/backend/quantized.py."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from tinygrad import Tensor
@@ -67,9 +67,21 @@ def common_form(parts: list[UnpackedWeight]) -> list[UnpackedWeight]:
   return [convert(p) for p in parts]
 
 
+def sorted_by_group(w: UnpackedWeight) -> tuple[UnpackedWeight, np.ndarray | None]:
+  """An act-order weight (g_idx) whose groups each hold group_size columns with its columns sorted by group, and the
+  order (QuantizedWeight.perm); any other weight as it is, and None."""
+  if w.g_idx is None: return w, None
+  cols = w.codes.shape[1]
+  if cols % w.group_size or np.any(np.bincount(w.g_idx, minlength=cols // w.group_size) != w.group_size): return w, None
+  perm = np.argsort(w.g_idx, kind="stable").astype(np.int32)
+  return replace(w, codes=np.ascontiguousarray(w.codes[:, perm]), g_idx=None), perm
+
+
 def upload(w: UnpackedWeight, method: str, kind: str, dtype: DType, device: str) -> QuantizedWeight:
   """The packed form on the device: each row's codes as 32-bit words; float32 scales and shifts (exact for float16
-  scales and small zero points: every product and their difference fit float32)."""
+  scales and small zero points: every product and their difference fit float32). Act-order columns sorted by group
+  where the groups allow (sorted_by_group)."""
+  w, perm = sorted_by_group(w)
   out, cols = w.codes.shape
   per = 32 // w.bits
   fields = np.pad(w.codes, ((0, 0), (0, -cols % per))).astype(np.uint32).reshape(out, -1, per)
@@ -81,4 +93,4 @@ def upload(w: UnpackedWeight, method: str, kind: str, dtype: DType, device: str)
     shifts = -zeros * scales + (0 if w.offsets is None else w.offsets.astype(np.float32))
   put = lambda a: None if a is None else Tensor(np.ascontiguousarray(a), device=device).contiguous()
   return QuantizedWeight(method, kind, w.bits, (out, cols), dtype, w.group_size, put(codes), put(scales),
-                         put(shifts), put(w.g_idx))
+                         put(shifts), put(w.g_idx), put(perm))
