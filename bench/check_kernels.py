@@ -11,7 +11,8 @@
 3. greedy-decodes stories260K through the engine with the hand-written backend and checks reference_greedy.json;
    the FP8 KV cache (bench/check_fp8.py): attention cases over FP8 codes, the write's codes, greedy Qwen3-shape decoding;
    the sampling kernel (bench/check_sample.py); the packed-weight (quantized) products (bench/check_quant.py); the
-   mixture-of-experts kernels against portable_moe at Qwen3-30B-A3B's shape, 1, 4 and 16 tokens (bench/check_moe.py);
+   logits products (bench/check_logits.py); the mixture-of-experts kernels against portable_moe at Qwen3-30B-A3B's
+   shape, 1, 4 and 16 tokens (bench/check_moe.py);
 4. times the fused decode against the portable path for the Qwen3-0.6B attention shape (16 q heads, 8 KV heads,
    head_dim 128, bf16, block 16, contexts ~1024) at batch 1, 8, 32, 128, 256;
 5. (unless --no-e2e) batch-1 decode tok/s of the whole Qwen3-0.6B shape (random weights), both backends.
@@ -33,6 +34,7 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 from attention_bench import bench_batch, bench_prefill, dev_tensor, rel_err  # noqa: E402  (bench/ is on sys.path)
 from check_fp8 import check_kv_write_fp8, step_engine_fp8  # noqa: E402
+from check_logits import check_logits  # noqa: E402
 from check_moe import check_moe  # noqa: E402
 from check_quant import check_quant  # noqa: E402
 from check_sample import check_sample  # noqa: E402
@@ -355,7 +357,7 @@ def main() -> int:
   p.add_argument("--tensor-parallel-size", type=int, default=1,
                  help="run the engine checks (stories260K's reference, e2e) with the model split over this many GPUs")
   p.add_argument("--skip", default="",
-                 help="comma list of steps to skip: compile,correctness,engine,engine-fp8,sample,quant,moe,bench,prefill-bench,e2e")
+                 help="comma list of steps to skip: compile,correctness,engine,engine-fp8,sample,quant,logits,moe,bench,prefill-bench,e2e")
   args = p.parse_args()
   skip = set(filter(None, args.skip.split(","))) | ({"e2e"} if args.no_e2e else set())
 
@@ -381,6 +383,7 @@ def main() -> int:
              ("engine-fp8", lambda: step_fp8_engine(device, dialect)),
              ("sample", lambda: log(f"ok   sampling kernel: {RESULTS.setdefault('sample', check_sample(device))}")),
              ("quant", lambda: log(f"ok   packed-weight products: {RESULTS.setdefault('quant', check_quant(target, device))}")),
+             ("logits", lambda: log(f"ok   wide products (logits): {RESULTS.setdefault('logits', check_logits(target, device))}")),
              ("moe", lambda: log(f"ok   mixture of experts: {RESULTS.setdefault('moe', check_moe(target, device))}")),
              ("bench", lambda: step_bench(target, device, [int(b) for b in args.batches.split(",") if b], args.iters)),
              ("prefill-bench", lambda: step_prefill_bench(target, device, args.iters)),
