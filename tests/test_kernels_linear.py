@@ -76,20 +76,23 @@ def test_linear_matches_portable(emu, name, layout):
   assert np.abs(got - ref).max() / np.abs(ref).max() < TOLERANCE[shape.dtype]
 
 
-# the sums on tensor cores (csrc/cuda/linear_tc.inc, CUDA): name -> (rows, K, NOUT, bias, norm, residual, out_float32)
+# the sums on tensor cores (csrc/cuda/linear_tc.inc, CUDA): name -> (rows, K, NOUT, bias, norm, residual, out_float32,
+# SwiGLU prologue)
 TENSOR_CORE = {
   "tc_2rows_norm_logits": (2, 128, 40, False, True, False, True),        # 40 columns: a short last block
   "tc_5rows_norm_logits": (5, 320, 37, False, True, False, True),        # 5 steps: a warp each
   "tc_8rows_bias_residual": (8, 256, 33, True, False, True, False),      # no norm: x as the one term, bfloat16 out
   "tc_12rows_norm_logits": (12, 512, 20, False, True, False, True),      # two n tiles, the second half used
   "tc_3rows_norm_logits": (3, 512, 20, False, True, False, True),        # the same product's first three rows
-  "tc_16rows_norm_residual": (16, 1024, 16, False, True, True, False),   # two full n tiles, 16 steps over 4 warps
+  "tc_16rows_norm_residual": (16, 1024, 16, False, True, True, False),   # two full n tiles, 16 steps over 8 warps
+  "tc_4rows_silu_residual": (4, 192, 40, False, False, True, False, True),   # x' = silu(gate) * up: three terms
+  "tc_9rows_silu_logits": (9, 256, 17, True, False, False, True, True),
 }
 
 
 def _tc_shape(name: str) -> LinearShape:
-  m, k, o, bias, norm, res, f32 = TENSOR_CORE[name]
-  return LinearShape("bfloat16", m, k, o, bias, EPS if norm else None, False, res, f32)
+  m, k, o, bias, norm, res, f32, *silu = TENSOR_CORE[name]
+  return LinearShape("bfloat16", m, k, o, bias, EPS if norm else None, bool(silu), res, f32)
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +122,9 @@ def _run(emu, spec: str, shape: LinearShape, a: dict[str, np.ndarray]) -> np.nda
 @pytest.mark.parametrize("layout", ["tc", "tc_k3", "tc_k1"])
 @pytest.mark.parametrize("name", list(TENSOR_CORE))
 def test_tensor_core_sums_match_the_fma_form(emu_tc, name, layout):
-  """The same products as the FMA form (x * g split exactly into two bfloat16 terms): float32 outputs agree to float32
-  rounding of the sums, bfloat16 ones to a rounding step; both match the portable form."""
+  """The same products as the FMA form (x * g split exactly into two bfloat16 terms, silu(gate) * up into three):
+  float32 outputs agree to float32 rounding of the sums, bfloat16 ones to a rounding step; both match the portable
+  form."""
   shape = _tc_shape(name)
   a = linear_inputs(np.random.default_rng(len(name)), shape)
   tc, fma = _run(emu_tc, f"{name}__{layout}", shape, a), _run(emu_tc, f"{name}__fma", shape, a)
@@ -163,7 +167,7 @@ def test_tensor_core_layout_and_choice():
   assert pick_kernel(DeviceTarget.nominal("metal"), logits(1024, 5)) == "skinny"
   narrow = LinearShape("bfloat16", 4, 1024, 3072, False, EPS, False, False, False)
   assert pick_kernel(hopper, narrow) == "skinny"
-  assert "SwiGLU" in tensor_core_reason(LinearShape("bfloat16", 4, 1024, 151936, False, None, True, False, True), hopper)
+  assert tensor_core_reason(LinearShape("bfloat16", 4, 1024, 151936, False, None, True, False, True), hopper) is None
   assert "int8" in tensor_core_reason(replace(logits(1024, 4), weight="int8", group=1024), hopper)
 
 

@@ -98,7 +98,6 @@ def tensor_core_reason(shape: LinearShape, target: DeviceTarget) -> str | None:
   if not target.tensor_cores: return f"device {target.arch or target.device} (mma.sync needs CUDA sm_80 or newer)"
   if shape.dtype != "bfloat16": return f"dtype {shape.dtype} (x' split exactly into two bfloat16 terms)"
   if shape.weight != "elem": return f"{shape.weight} weights"
-  if shape.silu_mul: return "the SwiGLU prologue"
   if shape.all_reduce: return "an all-reduce"
   if shape.in_features % TC_STEP: return f"in_features {shape.in_features} not a multiple of {TC_STEP}"
   return unsupported_reason(shape)
@@ -174,7 +173,7 @@ def linear_plan(shape: LinearShape, layout: SkinnyLayout | None = None) -> Linea
   if shape.silu_mul: defines["TV_PRO_SILU"] = 1
   if shape.out_float32: defines["TV_OUT_F32"] = 1
   if layout.tensor_cores:
-    assert rpw == TC_COLUMNS and shape.weight == "elem" and not shape.silu_mul and shape.in_features % TC_STEP == 0, layout
+    assert rpw == TC_COLUMNS and shape.weight == "elem" and shape.in_features % TC_STEP == 0, layout
     defines["TV_TC"] = 1
   grid = blocks
   if shape.all_reduce:   # the group's table last (csrc/cuda/peer.inc), the reducers after the product's blocks
