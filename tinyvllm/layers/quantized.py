@@ -10,7 +10,7 @@ from tinyvllm.layers.fp8 import FP8_MAX, decode_e4m3, encode_e4m3
 from tinyvllm.layers.scatter import gather_columns
 
 
-def permute_input(w, x: Tensor, fused: dict) -> tuple[Tensor, dict]:
+def permute_input(w: Tensor | QuantizedWeight, x: Tensor, fused: dict) -> tuple[Tensor, dict]:
   """The product's input in an act-order weight's column order (QuantizedWeight.perm): x's columns (each half's behind
   SwiGLU / GeGLU) and the RMSNorm's weight, whose 1 / RMS the order leaves as it is; any other weight's as they are."""
   if not isinstance(w, QuantizedWeight) or w.perm is None: return x, fused
