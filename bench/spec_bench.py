@@ -173,6 +173,8 @@ def graph_replays(model: str, ks: list[int], rounds: int = 5, steps: int = 50, d
     for verifies, name in ((False, "decode_replay_ms"), (True, "verify_replay_ms")):
       layout = next(lay for lay in reversed(list(seen)) if not lay.multi_token and lay.verifies == verifies)   # (not prompts)
       row[name] = round(replay_ms(llm.engine, *seen[layout], steps, rounds)[0], 4)
+      contexts = layout.unpack(seen[layout][1])["context_lens"].numpy().tolist()   # (the replayed input's)
+      row[name.replace("_replay_ms", "_contexts")] = {"bucket": layout.context_len, "rows": contexts}
     row["ratio"] = round(row["verify_replay_ms"] / row["decode_replay_ms"], 3)
     print(json.dumps(row), flush=True)
     out.append(row)

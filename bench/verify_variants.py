@@ -2,12 +2,12 @@
 decode-layer kernel planned another way (bench-only: the plan patched here, never in the package), one variant a
 process so that each compiles its own kernel:
 
-  DEV=CUDA python3 bench/verify_variants.py [--threads N [--threads-from-rows R]] [--chunk-tiles T] [--swiglu-as-copy]
-                                            [--ks 3,4]
+  DEV=CUDA python3 bench/verify_variants.py [--threads N [--threads-from-rows R]] [--chunk-tiles T]
+                                            [--decode-chunk-tiles T] [--swiglu-as-copy] [--ks 3,4]
 --threads: blocks of N threads at every row count (from R rows on with --threads-from-rows); --chunk-tiles: an
-attention item covers T tiles of keys (the package sizes its chunk for the context bucket); --swiglu-as-copy: phase 5
-copies x' from gate's half of gu (SWIGLU_COPY: wrong values, for the time). Appends a line to
-$OUT/verify_variants.jsonl.
+attention item covers T tiles of keys (the package sizes its chunk for the context bucket), --decode-chunk-tiles the
+same for decode steps (one row); --swiglu-as-copy: phase 5 copies x' from gate's half of gu (SWIGLU_COPY: wrong values,
+for the time). Appends a line to $OUT/verify_variants.jsonl.
 """
 from __future__ import annotations
 
@@ -20,14 +20,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def with_chunk_tiles(tiles: int) -> None:
-  """Every launch of more than one row plans attention chunks of `tiles` tiles."""
+def with_chunk_tiles(tiles: int, decode: bool = False) -> None:
+  """Every launch of more than one row (of one row: decode) plans attention chunks of `tiles` tiles."""
   from tinyvllm.kernels import decode_layer
   from tinyvllm.kernels.plan import cdiv
   original = decode_layer._tiles
   def planned(shape):
     kpass, tile, chunk, splits = original(shape)
-    if shape.rows == 1: return kpass, tile, chunk, splits
+    if (shape.rows == 1) != decode: return kpass, tile, chunk, splits
     context = shape.max_blocks * shape.block_size
     return kpass, tile, tile * tiles, cdiv(context, tile * tiles)
   decode_layer._tiles = planned
@@ -59,6 +59,7 @@ def main() -> int:
   p.add_argument("--threads", type=int)
   p.add_argument("--threads-from-rows", type=int, default=1)
   p.add_argument("--chunk-tiles", type=int)
+  p.add_argument("--decode-chunk-tiles", type=int)
   p.add_argument("--swiglu-as-copy", action="store_true")
   p.add_argument("--ks", default="4")
   args = p.parse_args()
@@ -66,9 +67,10 @@ def main() -> int:
   from bench.spec_bench import graph_replays
   if args.threads: with_threads(args.threads, args.threads_from_rows)
   if args.chunk_tiles: with_chunk_tiles(args.chunk_tiles)
+  if args.decode_chunk_tiles: with_chunk_tiles(args.decode_chunk_tiles, decode=True)
   if args.swiglu_as_copy: with_swiglu_as_copy()
   variant = {"threads": args.threads, "threads_from_rows": args.threads_from_rows,
-             "chunk_tiles": args.chunk_tiles, "swiglu_as_copy": args.swiglu_as_copy}
+             "chunk_tiles": args.chunk_tiles, "decode_chunk_tiles": args.decode_chunk_tiles, "swiglu_as_copy": args.swiglu_as_copy}
   for row in graph_replays("qwen3-0.6b", [int(k) for k in args.ks.split(",")]):
     if out := os.environ.get("OUT"):
       with Path(out, "verify_variants.jsonl").open("a") as f: f.write(json.dumps({**variant, **row}) + "\n")
