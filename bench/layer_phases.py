@@ -4,7 +4,8 @@ prints each phase's total over the launch's layers (printf); the engine then dec
 the median of its launches per row count. A phase's time runs from the barrier before it to the barrier after it, so it
 includes the wait for the slowest block.
 
-  DEV=CUDA python3 bench/layer_phases.py [--batches 1,4,8] [--proposals K]      (bash bench/run_on_device.sh phases)
+  DEV=CUDA python3 bench/layer_phases.py [--batches 1,4,8] [--proposals K] [--quantization int8]
+                                                                              (bash bench/run_on_device.sh phases)
 Writes $OUT/layer_phases.json.
 """
 from __future__ import annotations
@@ -44,6 +45,7 @@ def instrumented(source: str) -> str:
 def main() -> int:
   p = argparse.ArgumentParser()
   p.add_argument("--batches", default="1,4,8")
+  p.add_argument("--quantization", help="the linears quantized at load (int8, int4, fp8): the packed products' phases")
   p.add_argument("--proposals", type=int, default=0,
                  help="verification steps of this many forced proposals a sequence (bench/spec_bench.py's) instead of decode steps")
   args = p.parse_args()
@@ -57,7 +59,7 @@ def main() -> int:
   spec = {"method": "ngram", "num_speculative_tokens": args.proposals} if args.proposals else None
   engine = LLMEngine(EngineConfig(model="qwen3-0.6b", load_format="dummy", device=os.environ.get("DEV", "CUDA"), max_model_len=2048,
                                   max_num_seqs=max(batches), num_gpu_blocks=1024, cuda_graph_sizes=batches, compile_cache=False,
-                                  speculative_config=spec))
+                                  speculative_config=spec, quantization=args.quantization))
   if args.proposals:
     from bench.spec_bench import ForcedProposals
     engine.core.speculator = ForcedProposals(args.proposals)
@@ -87,7 +89,8 @@ def main() -> int:
   print(json.dumps({"engine_ms_per_step": {b: round(ms, 3) for b, ms in steps.items()}}), flush=True)
   out = Path(os.environ.get("OUT", "/tmp/out"))
   out.mkdir(parents=True, exist_ok=True)
-  (out / "layer_phases.json").write_text(json.dumps({"phases": result, "engine_ms_per_step": steps}, indent=1))
+  (out / f"layer_phases{'_' + args.quantization if args.quantization else ''}.json").write_text(
+    json.dumps({"phases": result, "engine_ms_per_step": steps}, indent=1))
   return 0
 
 
