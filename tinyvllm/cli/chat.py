@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import dataclasses
 import itertools
+import select
 import signal
 import sys
 import threading
@@ -109,17 +110,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _read_line() -> str | None:
-  """The next line typed; None at Ctrl-D or Ctrl-C (quit)."""
-  try: return input("> ")
-  except (EOFError, KeyboardInterrupt):
+  """The next line typed; None at Ctrl-D or Ctrl-C (quit). Ctrl-C sets a flag that short waits for input look at: a
+  blocking read that had not started when the signal came would hold it until the next line (Python runs a signal's
+  handler between its own instructions, not inside a read)."""
+  print("> ", end="", flush=True)
+  with ctrl_c_deferred() as interrupted:
+    while not interrupted() and not select.select([sys.stdin], [], [], 0.1)[0]: pass
+    line = "" if interrupted() else sys.stdin.readline()
+  if not line:
     print(file=sys.stderr)
     return None
+  return line.removesuffix("\n")
 
 
 @contextlib.contextmanager
 def ctrl_c_deferred() -> Iterator[Callable[[], bool]]:
   """While a turn runs, Ctrl-C sets a flag that the reply loop reads between engine steps, rather than raising in the
-  middle of one (which could leave the scheduler's state half-updated)."""
+  middle of one (which could leave the scheduler's state half-updated); _read_line's waits read it too."""
   if threading.current_thread() is not threading.main_thread():   # signal handlers are the main thread's only
     yield lambda: False
     return
