@@ -393,6 +393,20 @@ class Chat:
       raise AssertionError(f"chat did not exit within {timeout} s; its stacks and stderr:\n{self.err.decode()[-8000:]}") from None
 
 
+def test_lines_sent_at_once_are_each_answered():
+  """Two lines in one write, standard input left open: the second is answered without waiting for more input."""
+  chat = Chat("--model", str(embedded_model_path()), "--num-gpu-blocks", "16", "--max-tokens", "3", "--temperature", "0")
+  try:
+    chat.wait_for(lambda: chat.prompts() == 1)
+    chat.send("Once upon a time\nThe cat sat")
+    chat.wait_for(lambda: chat.prompts() == 3, timeout=120)
+    chat.send("/exit")
+    assert chat.exit_code() == 0
+  finally:
+    chat.proc.kill()
+  assert len([reply for reply in replies(chat.out.decode()) if reply]) == 2, chat.out.decode()
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_the_reply_and_chat_goes_on():
   chat = Chat("--model", str(embedded_model_path()), "--max-tokens", "100000", "--ignore-eos", "--num-gpu-blocks", "64")

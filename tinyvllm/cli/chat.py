@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import dataclasses
 import itertools
+import os
 import select
 import signal
 import sys
@@ -101,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
   template_kwargs = {"enable_thinking": False} if args.no_thinking else {}
   conversation = Conversation(llm.engine.tokenizer, llm.engine.max_model_len, args.system, template_kwargs)
   print(HELP, file=sys.stderr)
-  while (line := _read_line()) is not None:
+  lines = StdinLines()
+  while (line := lines.read()) is not None:
     if line.strip() == "/exit": break
     if line.strip() == "/reset": conversation.reset()
     elif line.strip():
@@ -109,24 +111,38 @@ def run(args: argparse.Namespace) -> int:
   return 0
 
 
-def _read_line() -> str | None:
-  """The next line typed; None at Ctrl-D or Ctrl-C (quit). Ctrl-C sets a flag that short waits for input look at: a
-  blocking read that had not started when the signal came would hold it until the next line (Python runs a signal's
-  handler between its own instructions, not inside a read)."""
-  print("> ", end="", flush=True)
-  with ctrl_c_deferred() as interrupted:
-    while not interrupted() and not select.select([sys.stdin], [], [], 0.1)[0]: pass
-    line = "" if interrupted() else sys.stdin.readline()
-  if not line:
-    print(file=sys.stderr)
-    return None
-  return line.removesuffix("\n")
+class StdinLines:
+  """The lines typed, read from standard input's file descriptor under the Ctrl-C flag: short waits (select) between
+  which Ctrl-C is seen at once, where a blocking read that had not started when the signal came would hold it until
+  the next line (Python runs a signal's handler between its own instructions, not inside a read). Bytes past a line
+  stay here (sys.stdin's buffer would hide them from select: pasted lines would wait for more input)."""
+
+  def __init__(self) -> None:
+    self.pending = bytearray()
+
+  def read(self) -> str | None:
+    """The next line; None at Ctrl-D (end of input) or Ctrl-C (quit)."""
+    print("> ", end="", flush=True)
+    fd, eof = sys.stdin.fileno(), False
+    with ctrl_c_deferred() as interrupted:
+      while b"\n" not in self.pending and not eof and not interrupted():
+        if select.select([fd], [], [], 0.1)[0]:
+          chunk = os.read(fd, 1 << 16)
+          self.pending += chunk
+          eof = not chunk
+      quit_now = interrupted()
+    if quit_now or not self.pending:
+      print(file=sys.stderr)
+      return None
+    line, _, rest = bytes(self.pending).partition(b"\n")   # (a last line without one at end of input: whole)
+    self.pending = bytearray(rest)
+    return line.decode(sys.stdin.encoding or "utf-8", errors="replace")
 
 
 @contextlib.contextmanager
 def ctrl_c_deferred() -> Iterator[Callable[[], bool]]:
   """While a turn runs, Ctrl-C sets a flag that the reply loop reads between engine steps, rather than raising in the
-  middle of one (which could leave the scheduler's state half-updated); _read_line's waits read it too."""
+  middle of one (which could leave the scheduler's state half-updated); StdinLines' waits read it too."""
   if threading.current_thread() is not threading.main_thread():   # signal handlers are the main thread's only
     yield lambda: False
     return
