@@ -67,7 +67,7 @@ class DecodeLayerShape:
   # each product's weight form (PACKED_FORMATS) and scale group (input columns), in PRODUCTS' order
   weights: tuple[tuple[str, int], ...] = (ELEM,) * 4
   # a block owns gate_up's rows in pairs (gate row i, up row I + i) and writes silu(gate) * up itself, so that the down
-  # phase reads [rows][I] instead of [rows][2 I] (16-bit gate_up weights only: _gu_paired)
+  # phase reads [rows][I] instead of [rows][2 I] (16-bit gate_up weights only: _gu_pairs)
   paired_gate_up: bool = False
 
   @property
@@ -96,16 +96,17 @@ class DecodeLayerPlan:
   launch: Launch
 
 
-def _gu_paired(shape: DecodeLayerShape) -> bool:
-  """Whether the launch pairs gate_up's rows (DecodeLayerShape.paired_gate_up): only where gate_up's weight is in the
-  activations' dtype, since a packed slice's scale windows take one run of rows."""
-  return shape.paired_gate_up and shape.weights[PRODUCTS.index("gu")][0] == "elem"
+def _gu_pairs(shape: DecodeLayerShape) -> int:
+  """gate_up's row pairs a block owns where the launch pairs them (DecodeLayerShape.paired_gate_up), else 0: only where
+  gate_up's weight is in the activations' dtype, since a packed slice's scale windows take one run of rows."""
+  paired = shape.paired_gate_up and shape.weights[PRODUCTS.index("gu")][0] == "elem"
+  return cdiv(shape.intermediate, shape.blocks) if paired else 0
 
 
 def _slices(shape: DecodeLayerShape) -> dict[str, int]:
   """Rows of each product a block owns (gate_up's: 2 TV_GU_PAIRS rows where paired, its first half gate rows)."""
   nb, s = shape.blocks, shape
-  pairs = cdiv(s.intermediate, nb) if _gu_paired(s) else 0
+  pairs = _gu_pairs(s)
   return {"TV_R_QKV": cdiv(s.qkv_width, nb), "TV_R_O": cdiv(s.hidden, nb),
           "TV_R_GU": 2 * pairs if pairs else cdiv(2 * s.intermediate, nb), "TV_R_DN": cdiv(s.hidden, nb)}
 
@@ -265,14 +266,14 @@ def decode_layer_plan(shape: DecodeLayerShape, target: DeviceTarget) -> DecodeLa
     "TV_PACE_CHUNK": tuned.pace_chunk_bytes, "TV_PACE_GAP": tuned.pace_chunk_bytes // tuned.hbm_bytes_per_sm_cycle,
     "TV_TC_MIN_ROWS": tuned.tensor_core_min_rows,
     "TV_SCALE_LOG2": f"{(1.0 / math.sqrt(s.head_dim)) * math.log2(math.e)!r}f", **_slices(s), **layout,
-    "TV_GU_PAIRS": cdiv(s.intermediate, s.blocks) if _gu_paired(s) else 0,
+    "TV_GU_PAIRS": _gu_pairs(s),
     "TV_META_INTS": _meta_ints(s), "TV_CACHE_TABLES": int(_caches_tables(s))}
   if s.qk_norm: defines["TV_QK_NORM"] = 1
   m = s.rows
   params = [Param("h_out", "elem", True, m * s.hidden), Param("qkv", "elem", True, m * s.qkv_width),
             Param("part_o", "float", True, m * s.heads * splits * s.head_dim),
             Param("part_ml", "float", True, 2 * m * s.heads * splits), Param("h_mid", "elem", True, m * s.hidden),
-            Param("gu", "elem", True, (1 if _gu_paired(s) else 2) * m * s.intermediate), Param("sync", "uint", True, 2),
+            Param("gu", "elem", True, (1 if _gu_pairs(s) else 2) * m * s.intermediate), Param("sync", "uint", True, 2),
             Param("h_in", "elem", False, m * s.hidden), Param("rope_cos", "float", False, m * s.head_dim // 2),
             Param("rope_sin", "float", False, m * s.head_dim // 2), Param("slot_mapping", "int", False, m),
             Param("block_tables", "int", False, m * s.max_blocks), Param("context_lens", "int", False, m),
