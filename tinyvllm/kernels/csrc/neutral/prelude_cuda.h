@@ -79,6 +79,8 @@ __device__ __forceinline__ ushort tv_cuda_f2h(float f) { ushort h; asm("cvt.rn.f
 #endif
 // byte j of w under float 2^23's exponent (common.inc's tv_code_float bits of an 8-bit code) in one byte permute
 #define TV_BYTE_UNDER_2P23(w, j) __byte_perm((w), 0x4b000000u, 0x7540u + (j))
+// byte j of w as the third byte of float 2.0 (a nibble c there: 2 + c / 64, common.inc's tv_int4_biased8) in one permute
+#define TV_BYTE_IN_2(w, j) __byte_perm((w), 0x40000000u, 0x7054u + ((j) << 8))
 #if !defined(TV_EMULATOR) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 // float32 to bfloat16 in hardware (sm_80+; common.inc has the portable rounding, the same bits but for a NaN's payload):
 // one instruction for two values, where the bit arithmetic takes eight for one (a packed weight's dequantized tile
