@@ -199,6 +199,9 @@ def test_layout_spreads_long_rows_over_warps():
   qkv = lambda weight, rows=1: LinearShape("bfloat16", rows, 2048, 3072, False, EPS, False, False, False, weight, 2048)
   assert skinny_layout(qkv("int8")) == skinny_layout(qkv("int8", 2)) == SkinnyLayout(2, 4)
   assert skinny_layout(qkv("int8", 3)) == skinny_layout(qkv("fp8")) == SkinnyLayout(4, 4)
+  # ... but 4 for wide outputs (Llama-3.2-1B's gate_up: 16,384)
+  gate_up = LinearShape("bfloat16", 1, 2048, 16384, False, EPS, False, False, False, "int8", 2048)
+  assert skinny_layout(gate_up) == SkinnyLayout(4, 4)
 
 
 def test_shapes_the_kernel_refuses():
@@ -219,6 +222,7 @@ PACKED = {
   "int4_f32_g16_halfwords": ("float32", 2, 96, 7, "int4", 16, False, False, False),   # 4-element vectors: half a word
   # 16-byte code spans a lane (TV_WSPAN): whole steps of 32 lanes, and whole steps with a tail
   "int8_bf16_k1024_span_steps": ("bfloat16", 2, 1024, 12, "int8", 128, True, False, False),
+  "int4_f32_k1024_span_steps": ("float32", 2, 1024, 9, "int4", 128, True, False, False),   # int4's biased codes in float32
   "int4_bf16_k1536_span_steps_tail": ("bfloat16", 3, 1536, 9, "int4", 128, False, True, False),
   # a packed LM head (GGUF's output.weight): the final norm in the prologue, float32 logits
   "int8_bf16_g16_logits": ("bfloat16", 2, 256, 40, "int8", 16, True, False, False, True),

@@ -29,6 +29,7 @@ from tinyvllm.platform.target import DeviceTarget
 MAX_ROWS = 16
 MAX_KSPLIT = 8         # warps a block at most, sharing its columns' K (a step: 32 lanes' 16-byte vectors of each row)
 INT4_SWIGLU_KSPLIT = 4    # ... for int4 codes behind the SwiGLU prologue at one or two rows (skinny_layout)
+INT8_WIDE_OUT = 8192      # int8 products outside SwiGLU at one or two rows this wide take 4 columns a block, not 2
 # from three rows a K split costs its cross-warp sums (rows x columns partials a block), so it goes only as far as a
 # grid of GRID_WARPS warps (an H100's 132 SMs x 64 resident) and MAX_WARP_STEPS steps a warp need
 GRID_WARPS, MAX_WARP_STEPS = 8192, 4
@@ -126,7 +127,8 @@ def skinny_layout(shape: LinearShape) -> SkinnyLayout:
   (4 keeps 16 rows at ~170 registers without spills: nvcc -Xptxas -v, sm_90), and so do packed codes, whose 16 bytes a
   lane cover more columns, but for int8 codes at one or two rows outside SwiGLU, which take 2 as 16-bit weights do
   (Llama-3.2-1B's int8 qkv 5.7 -> 4.5 us alone, its decode step on the GPU 0.866 -> 0.853 ms; its SwiGLU down 9.3 with
-  4 columns, 9.6 with 2). Warps: K's steps shared by as many as divide them evenly, up to MAX_KSPLIT. One row on an H100
+  4 columns, 9.6 with 2) but from INT8_WIDE_OUT outputs (its gate_up, 16,384: 15.4 us with 2, 14.2 with 4 on
+  nvidia-h200). Warps: K's steps shared by as many as divide them evenly, up to MAX_KSPLIT. One row on an H100
   (bench/skinny_bench.py, us a call): Qwen3-30B-A3B's o (K 4,096, 16 steps) 11.5 with one warp a block, 7.5 with 8;
   Llama-3.2-1B's down (K 8,192) 30.9 and 15.1; its int4 down (8 steps of 32-column spans) 29.8 with 4 columns and one
   warp, 10.0 with 8 warps; a K of 3,072 (12 steps) 14.0 with 8 warps (four take one step more), 12.2 with 4. Wide
@@ -138,7 +140,7 @@ def skinny_layout(shape: LinearShape) -> SkinnyLayout:
   steps = -(-shape.in_features // (32 * lane_columns(shape)))
   most = INT4_SWIGLU_KSPLIT if shape.silu_mul and shape.weight == "int4" and shape.rows <= 2 else MAX_KSPLIT
   splits = [s for s in range(1, most + 1) if steps % s == 0]
-  narrow = shape.weight == "elem" or (shape.weight == "int8" and not shape.silu_mul)
+  narrow = shape.weight == "elem" or (shape.weight == "int8" and not shape.silu_mul and shape.out_features < INT8_WIDE_OUT)
   rpw, ksplit = 2 if shape.rows <= 2 and narrow else 4, max(splits)
   if shape.rows > 2:
     blocks = -(-shape.out_features // rpw)
