@@ -71,6 +71,8 @@ PACKED = {
   "qwen3_int8_channel": ("qwen3", [300, 40], False, "bfloat16", 9, 64, 2, channel("int8", 48, 64, 48, 80)),
   "qwen2_int4_g32": ("qwen2", [33, 5], False, "float16", 5, 128, 1, (("int4", 32),) * 4),
   "qwen3_fp8_g16_fp8_cache": ("qwen3", [70, 1], True, "bfloat16", 9, 64, 1, (("fp8", 16),) * 4),
+  # one scale a row in every form (its sums scaled once): FP8 without shifts, int4 with
+  "qwen2_fp8_int4_channel": ("qwen2", [33, 5], False, "float16", 5, 128, 1, (("fp8", 64), ("int4", 64), ("fp8", 64), ("int4", 96))),
   # GGUF-like: each product its own form, o left in the activations' dtype
   "qwen2_mixed": ("qwen2", [300, 17], False, "float16", 5, 128, 2, (("int8", 32), ("elem", 0), ("fp8", 64), ("int4", 32))),
 }
