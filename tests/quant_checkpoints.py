@@ -14,11 +14,18 @@ the packed checkpoint, and returns the dequantized float32 weights, which HF tra
   packed the same way along the output; int-quantized int8 weight (and zero points); float-quantized float8_e4m3fn
   weight; weight_scale per tensor [1], channel [out, 1], group [out, groups] or block; actorder's weight_g_idx [in];
   w = (q - zero_point) * scale. Linears named in `ignore` stay float.
+
+A mixture-of-experts model (Qwen3-MoE, Mixtral) is written as save_pretrained writes it, and as the published
+quantized MoE checkpoints are: each expert's gate / up / down (Mixtral's w1 / w3 / w2) a linear of its own under its
+per-expert name, quantized like any other; the router (mlp.gate) float. transformers 5 holds the experts fused
+(experts.gate_up_proj [E, 2I, H], each expert's gate rows then its up rows; experts.down_proj [E, H, I]), so their
+dequantized weights are returned fused, under those names.
 """
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +35,30 @@ from safetensors.torch import save_file
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
            "mlp.down_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+EXPERT_LINEARS = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w3|w2)$")
+# model_type -> the sparse block's name in the checkpoint, and its experts' gate, up, down projections
+MOE_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")), "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+
+
+def checkpoint_tensors(hf_model) -> tuple[Iterator[tuple[str, torch.Tensor]], dict[str, list[list[str]]]]:
+  """hf_model's tensors under the names save_pretrained writes, and for each fused expert parameter the checkpoint
+  weights of each expert whose rows it stacks (filled as the tensors are read; {} for a dense model)."""
+  state = hf_model.state_dict()
+  if hf_model.config.model_type not in MOE_NAMES: return iter(state.items()), {}
+  block, (gate, up, down) = MOE_NAMES[hf_model.config.model_type]
+  fused: dict[str, list[list[str]]] = {}
+  def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+    for name, t in state.items():
+      name = re.sub(r"^(model\.layers\.\d+)\.mlp\.(gate\.|experts\.)", rf"\1.{block}.\2", name)
+      if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        yield name, t
+        continue
+      experts, inter = name.removesuffix("gate_up_proj").removesuffix("down_proj"), t.shape[1] // 2
+      parts = [(gate, slice(0, inter)), (up, slice(inter, None))] if name.endswith("gate_up_proj") else [(down, slice(None))]
+      fused[re.sub(rf"\.{block}\.", ".mlp.", name)] = [[f"{experts}{e}.{p}.weight" for p, _ in parts] for e in range(t.shape[0])]
+      for e in range(t.shape[0]):
+        for p, rows in parts: yield f"{experts}{e}.{p}.weight", t[e, rows].clone()
+  return tensors(), fused
 
 
 def pack_words(fields: np.ndarray, bits: int) -> np.ndarray:
@@ -133,20 +164,21 @@ def compressed_tensors(w: np.ndarray, options: dict, order: np.ndarray) -> tuple
 def write_quantized(hf_model, folder: Path, method: str, seed: int = 0, **options) -> dict[str, np.ndarray]:
   """Save hf_model's folder (config.json, float tensors) with its linears in `method`'s layout; returns the
   dequantized float32 weights by name, to load into the reference."""
-  rng, state = np.random.default_rng(seed), hf_model.state_dict()
+  rng, (state, fused) = np.random.default_rng(seed), checkpoint_tensors(hf_model)
   tensors, dequantized, orders = {}, {}, {}
-  for name, t in state.items():
+  for name, t in state:
     if name == "lm_head.weight" and hf_model.config.tie_word_embeddings: continue   # the embedding table itself
     prefix = name.removesuffix(".weight")
     # compressed-tensors' ignore list (regular expressions); HF's modules_to_not_convert (parts of the names)
     left_float = (any(re.match(p, prefix) for p in options.get("ignore", ()))
                   or any(k in prefix for k in options.get("not_converted", ())))
-    if not (name.endswith(".weight") and prefix.endswith(LINEARS)) or left_float:
+    if not (name.endswith(".weight") and (prefix.endswith(LINEARS) or EXPERT_LINEARS.search(prefix))) or left_float:
       tensors[name] = t.contiguous()
       continue
     w = t.float().numpy()
     # act-order: one column order for the projections of the same input (q/k/v, gate/up), as the quantizer's Hessian gives
-    role = prefix.rsplit(".", 1)[0] + (".in" if prefix.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")) else prefix)
+    role = prefix.rsplit(".", 1)[0] + (".in" if prefix.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3"))
+                                       else prefix)
     if role not in orders:
       shuffled = options.get("desc_act") or options.get("actorder")
       orders[role] = rng.permutation(w.shape[1]) if shuffled else np.arange(w.shape[1])
@@ -157,6 +189,9 @@ def write_quantized(hf_model, folder: Path, method: str, seed: int = 0, **option
     dequantized[name] = deq
     for suffix, a in packed.items():
       tensors[f"{prefix}.{suffix}"] = a if isinstance(a, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(a))
+  for name, experts in fused.items():   # the experts' dequantized weights, fused as the HF model holds them
+    if all(n in dequantized for names in experts for n in names):
+      dequantized[name] = np.stack([np.concatenate([dequantized.pop(n) for n in names]) for names in experts])
   hf_model.config.save_pretrained(folder)
   config = json.loads((folder / "config.json").read_text())
   config["quantization_config"] = quantization_config(method, options)

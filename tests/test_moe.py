@@ -3,8 +3,6 @@ greedy tokens, batched equal to alone; the two portable ways of computing the ex
 here (experts without tokens, a token routed to every expert); refused variants; the presets."""
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -168,12 +166,6 @@ def test_sparse_layers_follow_hf():
                                    "intermediate_size": 64, "mlp_only_layers": [0]})
   assert mixtral.moe is not None and mixtral.moe.norm_topk_prob and mixtral.moe.intermediate_size == 64
   assert all(mixtral.moe.is_sparse(i) for i in range(4))   # Mixtral has no dense layers
-
-
-def test_quantizing_a_moe_model_is_refused(tmp_path):
-  (tmp_path / "config.json").write_text(json.dumps(PRESETS["qwen3-moe-tiny"]))
-  with pytest.raises(ConfigError, match="experts would run unquantized"):
-    LLM(str(tmp_path), load_format="dummy", quantization="int8", num_gpu_blocks=8)
 
 
 @pytest.mark.slow

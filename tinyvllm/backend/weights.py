@@ -12,17 +12,29 @@ Weight = Tensor | QuantizedWeight   # a linear's weight: plain, or packed (quant
 
 @dataclass
 class MoEWeights:
-  """A sparse layer's experts, stacked at load (from HF's per-expert tensors) so that a kernel indexes them."""
+  """A sparse layer's experts, stacked at load (from HF's per-expert tensors) so that a kernel indexes them. A packed
+  (quantized) projection keeps the experts' rows stacked in one 2-D weight: expert e's rows are [e R, (e + 1) R)."""
   router: Tensor                # [experts, hidden]: the gate whose softmax picks each token's experts
-  gate_up_proj: Tensor          # [experts, 2 * intermediate, hidden]: each expert's gate rows, then its up rows
-  down_proj: Tensor             # [experts, hidden, intermediate]
+  gate_up_proj: Weight          # [experts, 2 * intermediate, hidden]: each expert's gate rows, then its up rows
+  down_proj: Weight             # [experts, hidden, intermediate]
   top_k: int                    # experts per token
   norm_topk_prob: bool          # renormalise the chosen experts' probabilities
 
   @property
   def num_experts(self) -> int: return self.router.shape[0]
 
-  def tensors(self) -> list[Tensor]: return [self.router, self.gate_up_proj, self.down_proj]
+  @property
+  def hidden(self) -> int: return self.router.shape[1]
+
+  @property
+  def intermediate(self) -> int: return self.down_proj.shape[-1]
+
+  @property
+  def packed(self) -> bool: return isinstance(self.gate_up_proj, QuantizedWeight)
+
+  def tensors(self) -> list[Tensor]:
+    return [x for t in (self.router, self.gate_up_proj, self.down_proj)
+            for x in (t.tensors() if isinstance(t, QuantizedWeight) else [t])]
 
 
 @dataclass

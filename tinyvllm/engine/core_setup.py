@@ -221,9 +221,6 @@ def load_weights(config: EngineConfig, mc: ModelConfig, folder: Path | None, dty
                  backend: ComputeBackend, group: TensorParallelGroup | None = None) -> TransformerLM:
   """The model, its linears quantized as the checkpoint or --quantization says; logs the format and the weights' bytes."""
   quantization = resolve_quantization(config.quantization, mc.quantization_config, str(folder or config.model))
-  if quantization is not None and mc.moe is not None:
-    raise ConfigError(f"{quantization.describe()} weights are not supported for {mc.architecture} yet: its experts would run "
-                      "unquantized (serve the bfloat16/float16 checkpoint)")
   loaded = load_model(mc, folder, config.load_format, dtype, device, max_model_len, backend, config.seed, quantization, group)
   if quantization is not None:
     weights = loaded.model.weights

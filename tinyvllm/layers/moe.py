@@ -12,14 +12,19 @@ exact ways to compute the experts' outputs, chosen by the step's shape:
   each token's k; its products are large batched ones, the better form when most experts have tokens anyway. Its
   intermediates hold every expert's rows for every token ([E, N, 2I] + [E, N, I] + [E, N, H]: 9 GB for 8,192 tokens of
   Qwen3-30B-A3B in bf16), so a large step runs in chunks of tokens, one after another, each within DENSE_CHUNK_ELEMENTS.
+Packed (quantized) experts are dequantized as they are read: the gathered form dequantizes the pairs' experts only.
 (The CUDA kernels take larger steps on a grouped GEMM over the pairs only: tinyvllm/kernels/moe_grouped.py.)
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tinygrad import Tensor
 
-from tinyvllm.backend.weights import MoEWeights
+from tinyvllm.backend.quantized import QuantizedWeight
+from tinyvllm.backend.weights import MoEWeights, Weight
 from tinyvllm.layers.norm import rms_norm
+from tinyvllm.layers.quantized import dequantize
 from tinyvllm.layers.scatter import gather_rows
 from tinyvllm.layers.top_k import top_k
 
@@ -33,15 +38,31 @@ def route(x: Tensor, moe: MoEWeights) -> tuple[Tensor, Tensor]:
   return weights, ids
 
 
+def gathered_experts(w: Weight, experts: int, ids: Tensor) -> Tensor:
+  """The weights of expert ids[p] for each p ([P, R, K]): a packed weight's rows (R of each expert, stacked) gathered in
+  their packed form, then dequantized."""
+  if not isinstance(w, QuantizedWeight): return gather_rows(w, ids)
+  rows, pairs = w.shape[0] // experts, ids.shape[0]
+  take = lambda t: gather_rows(t.reshape(experts, rows, -1), ids).reshape(pairs * rows, -1)
+  chosen = replace(w, shape=(pairs * rows, w.shape[1]), codes=take(w.codes), scales=take(w.scales),
+                   shifts=None if w.shifts is None else take(w.shifts))
+  return dequantize(chosen).reshape(pairs, rows, w.shape[1])
+
+
+def every_expert(w: Weight, experts: int) -> Tensor:
+  """Every expert's weights [E, R, K] (a packed weight dequantized)."""
+  return w if not isinstance(w, QuantizedWeight) else dequantize(w).reshape(experts, w.shape[0] // experts, w.shape[1])
+
+
 def experts_gathered(x: Tensor, moe: MoEWeights, weights: Tensor, ids: Tensor) -> Tensor:
   """sum_k weights[:, k] * expert_{ids[:, k]}(x), reading only the chosen experts' weights: x [N, H] -> [N, H]."""
   n, k = ids.shape
-  inter = moe.down_proj.shape[2]
+  inter, e = moe.intermediate, moe.num_experts
   flat = ids.reshape(-1)
   xs = x.reshape(n, 1, -1).expand(n, k, x.shape[1]).reshape(n * k, 1, x.shape[1])
-  gate_up = (xs @ gather_rows(moe.gate_up_proj, flat).transpose(1, 2)).reshape(n * k, 2 * inter)
+  gate_up = (xs @ gathered_experts(moe.gate_up_proj, e, flat).transpose(1, 2)).reshape(n * k, 2 * inter)
   act = (gate_up[:, :inter].silu() * gate_up[:, inter:]).contiguous()
-  y = (act.reshape(n * k, 1, inter) @ gather_rows(moe.down_proj, flat).transpose(1, 2)).reshape(n, k, x.shape[1])
+  y = (act.reshape(n * k, 1, inter) @ gathered_experts(moe.down_proj, e, flat).transpose(1, 2)).reshape(n, k, x.shape[1])
   return (y * weights.cast(y.dtype).reshape(n, k, 1)).sum(1)
 
 
@@ -58,7 +79,7 @@ def experts_dense(x: Tensor, moe: MoEWeights, weights: Tensor, ids: Tensor, chun
   (a materialised intermediate) keep a buffer of their own, [E, N, I] in all (computed inside the down product instead
   they would cost a SiLU per output column: ten times the time on the CPU)."""
   n, hidden = x.shape
-  inter, experts = moe.down_proj.shape[2], moe.num_experts
+  inter, experts = moe.intermediate, moe.num_experts
   chunk = max(1, chunk_elements // (experts * (3 * inter + hidden)))
   if n <= chunk: return _experts_dense(x, moe, weights, ids)
   out = Tensor.empty(n, hidden, dtype=x.dtype, device=x.device).assign(x.contiguous())
@@ -69,10 +90,10 @@ def experts_dense(x: Tensor, moe: MoEWeights, weights: Tensor, ids: Tensor, chun
 
 
 def _experts_dense(x: Tensor, moe: MoEWeights, weights: Tensor, ids: Tensor) -> Tensor:
-  inter, experts = moe.down_proj.shape[2], moe.num_experts
-  gate_up = x.reshape(1, *x.shape) @ moe.gate_up_proj.transpose(1, 2)     # [E, N, 2I]
+  inter, experts = moe.intermediate, moe.num_experts
+  gate_up = x.reshape(1, *x.shape) @ every_expert(moe.gate_up_proj, experts).transpose(1, 2)   # [E, N, 2I]
   act = (gate_up[..., :inter].silu() * gate_up[..., inter:]).contiguous()
-  y = act @ moe.down_proj.transpose(1, 2)                                   # [E, N, H]
+  y = act @ every_expert(moe.down_proj, experts).transpose(1, 2)                               # [E, N, H]
   table = ((ids.reshape(*ids.shape, 1) == Tensor.arange(experts).to(ids.device)).where(weights.reshape(*weights.shape, 1), 0)
            .sum(1))                                                         # [N, E]
   return (y * table.T.cast(y.dtype).reshape(experts, -1, 1)).sum(0)

@@ -10,6 +10,7 @@ from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
 
 from tinyvllm.backend.interface import ComputeBackend
+from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.backend.weights import DecoderLayerWeights, MoEWeights
 from tinyvllm.config import ConfigError
 from tinyvllm.layers.rotary import rope_tables
@@ -82,10 +83,10 @@ def _experts(cfg: ModelConfig, get: TensorSource, i: int) -> MoEWeights:
   expert = lambda e, name: f"{p}experts.{e}.{name}.weight"
   gate_up = get([expert(e, name) for e in range(moe.num_experts) for name in (gate, up)], (moe.num_experts * 2 * inter, d), "experts")
   down_proj = get([expert(e, down) for e in range(moe.num_experts)], (moe.num_experts * d, inter), "experts")
+  stacked = lambda w, rows, cols: w if isinstance(w, QuantizedWeight) else w.reshape(moe.num_experts, rows, cols)
   return MoEWeights(router=get([p + "gate.weight"], (moe.num_experts, d), "matrix"),
-                    gate_up_proj=gate_up.reshape(moe.num_experts, 2 * inter, d),
-                    down_proj=down_proj.reshape(moe.num_experts, d, inter), top_k=moe.num_experts_per_tok,
-                    norm_topk_prob=moe.norm_topk_prob)
+                    gate_up_proj=stacked(gate_up, 2 * inter, d), down_proj=stacked(down_proj, d, inter),
+                    top_k=moe.num_experts_per_tok, norm_topk_prob=moe.norm_topk_prob)
 
 
 def _layer(cfg: ModelConfig, get: TensorSource, i: int) -> DecoderLayerWeights:

@@ -98,10 +98,9 @@ def shard_layer(layer: DecoderLayerWeights, cfg: ModelConfig, group: TensorParal
 
 
 def _shard_experts(moe: MoEWeights, group: TensorParallelGroup) -> MoEWeights:
-  inter = moe.down_proj.shape[2]
   return replace(moe, router=group.replicate(moe.router),
-                 gate_up_proj=group.local(_gate_up_parts(moe.gate_up_proj, inter, group.size, axis=1)),
-                 down_proj=group.local(_column_parts(moe.down_proj, group.size)))
+                 gate_up_proj=group.local(_gate_up_parts(_plain(moe.gate_up_proj), moe.intermediate, group.size, axis=1)),
+                 down_proj=group.local(_column_parts(_plain(moe.down_proj), group.size)))
 
 
 def splits_vocabulary(cfg: ModelConfig, tp: int) -> bool: return cfg.vocab_size % tp == 0

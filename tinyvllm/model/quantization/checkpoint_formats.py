@@ -19,7 +19,7 @@ import numpy as np
 
 from tinyvllm.config import ConfigError
 from tinyvllm.model.quantization.config import QuantizationConfig
-from tinyvllm.model.quantization.unpacked import UnpackedWeight, stack, unpack_bits
+from tinyvllm.model.quantization.unpacked import UnpackedWeight, unpack_bits
 from tinyvllm.model.safetensors_file import Checkpoint, bf16_as_float32
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -160,7 +160,6 @@ def _ct_zero_points(r: Reader, qc: QuantizationConfig, out: int, groups: int) ->
 READERS = {"gptq": read_gptq, "awq": read_awq, "fp8": read_fp8, "compressed-tensors": read_compressed}
 
 
-def read_linear(checkpoint: Checkpoint, prefixes: list[str], qc: QuantizationConfig, cols: int, used: set[str]) -> UnpackedWeight:
-  """One linear's weight from its parts (q/k/v, gate/up), stacked along the output rows."""
-  parts = [READERS[qc.method](Reader(checkpoint, p, qc.method, used), qc, cols) for p in prefixes]
-  return stack(parts, prefixes)
+def read_parts(checkpoint: Checkpoint, prefixes: list[str], qc: QuantizationConfig, cols: int, used: set[str]) -> list[UnpackedWeight]:
+  """Each part of one linear (q/k/v, gate/up, a sparse layer's experts) as the checkpoint holds it."""
+  return [READERS[qc.method](Reader(checkpoint, p, qc.method, used), qc, cols) for p in prefixes]

@@ -12,9 +12,9 @@ from tinygrad.dtype import DType
 from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.config import ConfigError
 from tinyvllm.layers.quantized import quantize_rtn
-from tinyvllm.model.quantization.checkpoint_formats import read_linear
+from tinyvllm.model.quantization.checkpoint_formats import read_parts
 from tinyvllm.model.quantization.config import INT4_GROUP, QuantizationConfig
-from tinyvllm.model.quantization.unpacked import upload
+from tinyvllm.model.quantization.unpacked import label, stack, upload
 from tinyvllm.model.safetensors_file import Checkpoint
 
 Source = Callable[[list[str], tuple[int, ...], str], "Tensor | QuantizedWeight"]
@@ -35,20 +35,28 @@ class QuantizedSource:
                    "stay in the compute dtype (weight-only)")
 
   def __call__(self, names: list[str], shape: tuple[int, ...], kind: str) -> Tensor | QuantizedWeight:
-    if kind != "linear": return self.plain(names, shape, kind)
+    """A linear's weight, or a sparse layer's experts' (kind "experts": every expert's rows stacked, as one weight)."""
+    if kind not in ("linear", "experts"): return self.plain(names, shape, kind)
+    return self._linear(names, shape, kind)
+
+  def _linear(self, names: list[str], shape: tuple[int, ...], kind: str) -> Tensor | QuantizedWeight:
     out, cols = shape
     if not self.qc.from_checkpoint: return self._quantize(self.plain(names, shape, kind), cols, names)
     if self.checkpoint is None: raise ConfigError(f"{self.qc.method} weights need a checkpoint (not --load-format dummy)")
     prefixes = [n.removesuffix(".weight") for n in names]
     if (left := [p for p in prefixes if self.qc.ignores(p)]):
       if len(left) < len(prefixes):
-        raise ConfigError(f"{' + '.join(prefixes)}: the checkpoint's quantization_config leaves {', '.join(left)} float beside "
+        raise ConfigError(f"{label(prefixes)}: the checkpoint's quantization_config leaves {label(left)} float beside "
                           "quantized parts, which one fused product cannot take")
       self._float += left
       return self.plain(names, shape, kind)
-    w = read_linear(self.checkpoint, prefixes, self.qc, cols, self.used)
+    parts = read_parts(self.checkpoint, prefixes, self.qc, cols, self.used)
+    if kind == "experts" and any(p.g_idx is not None for p in parts):   # checked before stacking, which refuses unequal g_idx
+      raise ConfigError(f"{names[0].rsplit('.experts.', 1)[0]}.experts: act-order (desc_act / g_idx) experts are not supported: "
+                        "each expert would read its input in an order of its own")
+    w = stack(parts, prefixes)
     if w.codes.shape[0] != out:
-      raise ConfigError(f"{' + '.join(prefixes)}: quantized weights have {w.codes.shape[0]} output rows, the config implies {out}")
+      raise ConfigError(f"{label(prefixes)}: quantized weights have {w.codes.shape[0]} output rows, the config implies {out}")
     for p in prefixes:   # static activation scales: activations stay in the compute dtype here (weight-only)
       for name in (f"{p}.input_scale", f"{p}.input_zero_point"):
         if name in self.checkpoint:

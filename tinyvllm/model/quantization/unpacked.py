@@ -35,9 +35,14 @@ def unpack_bits(packed: np.ndarray, bits: int, axis: int) -> np.ndarray:
   return fields.reshape(shape).astype(np.uint8)
 
 
+def label(names: list[str]) -> str:
+  """The parts of one product, as an error names them (a sparse layer's experts: the first and last of many)."""
+  return " + ".join(names) if len(names) <= 3 else f"{names[0]} + ... + {names[-1]} ({len(names)} parts)"
+
+
 def stack(parts: list[UnpackedWeight], names: list[str]) -> UnpackedWeight:
   """One linear's weight from its parts, stacked along the output rows."""
-  first, where = parts[0], " + ".join(names)
+  first, where = parts[0], label(names)
   if any(p.group_size != first.group_size or p.bits != first.bits or p.scales.dtype != first.scales.dtype for p in parts):
     raise ConfigError(f"{where}: the parts are quantized with different bits, group sizes or scale dtypes")
   if len({None if p.g_idx is None else p.g_idx.tobytes() for p in parts}) > 1:
