@@ -36,6 +36,11 @@ class QuantizedWeight:
   @property
   def groups(self) -> int: return -(-self.shape[1] // self.group_size)
 
+  @property
+  def code_format(self) -> str:
+    """What a kernel reads: "int8", "int4" or "fp8" codes (kernels/plan.py's PACKED_WEIGHTS)."""
+    return f"int{self.bits}" if self.kind == "int" else self.kind
+
   def tensors(self) -> list[Tensor]:
     return [t for t in (self.codes, self.scales, self.shifts, self.g_idx, self.perm) if t is not None]
 

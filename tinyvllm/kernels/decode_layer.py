@@ -318,7 +318,7 @@ def _weight_arguments(name: str, li: int, weight: Weight) -> dict[str, Tensor | 
 def weight_form(weight: Weight) -> tuple[str, int]:
   """A product's entry in DecodeLayerShape.weights."""
   if not isinstance(weight, QuantizedWeight): return ELEM
-  return (f"int{weight.bits}" if weight.kind == "int" else weight.kind, weight.group_size)
+  return (weight.code_format, weight.group_size)
 
 
 def run_decode_layer(shape: DecodeLayerShape, target: DeviceTarget, tensors: dict[str, Tensor]) -> dict[str, Tensor]:

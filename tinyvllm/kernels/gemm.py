@@ -209,7 +209,7 @@ def _deep_slices(tile: Tile, k: int, o: int, silu_mul: bool, target: DeviceTarge
   return tiles if tiles.stages(target) >= 3 else None
 
 
-def _packed_ring(t: GemmTiles, bits: int, stages: int, target: DeviceTarget) -> tuple[int, int]:
+def packed_ring(t: GemmTiles, bits: int, stages: int, target: DeviceTarget) -> tuple[int, int]:
   """(stages, shared bytes) of a packed weight's ring: x and the codes a stage, two w tiles the dequantized slices go
   to; as many stages as the plain weight's ring has, fewer where the blocks an SM it plans for would not fit."""
   rb = row_bytes(t.bk, t.wgmma)
@@ -232,7 +232,7 @@ def gemm_plan(shape, target: DeviceTarget, tiles: GemmTiles | None = None) -> tu
   if packed:
     if (reason := packed_reason(shape)) is not None: raise ValueError(f"packed weights: {reason}")
     code, bits = PACKED_WEIGHTS[shape.weight]
-    stages, smem = _packed_ring(t, bits, stages, target)
+    stages, smem = packed_ring(t, bits, stages, target)
   if t.bk not in (32, 64): raise ValueError(f"tiles {t}: K slices of {t.bk} (the kernel steps in 32 or 64)")
   if (reason := t.wgmma_error()) is not None: raise ValueError(reason)
   if k % (t.bk * t.splits): raise ValueError(f"tiles {t}: K = {k} does not split into {t.splits} runs of {t.bk}-wide slices")

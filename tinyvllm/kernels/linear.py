@@ -232,7 +232,7 @@ def linear_shape(x: Tensor, w: Weight, bias: Tensor | None, norm: Tensor | None,
   packed = {}
   if isinstance(w, QuantizedWeight):
     if w.g_idx is not None: return None
-    packed = {"weight": f"{w.kind}{w.bits}" if w.kind == "int" else w.kind, "group": w.group_size}
+    packed = {"weight": w.code_format, "group": w.group_size}
   return LinearShape(dtype, x.shape[0], k, w.shape[0], bias is not None, eps if norm is not None else None, silu_mul,
                      residual is not None, out_float32, **packed)
 
@@ -254,7 +254,7 @@ def run_linear(target: DeviceTarget, shape: LinearShape, kernel: str, x: Tensor,
   y = Tensor.empty(shape.rows, shape.out_features, dtype=dtypes.float32 if shape.out_float32 else w.dtype, device=x.device)
   x, extras = x.cast(w.dtype).contiguous(), {n: t.cast(w.dtype).contiguous() for n, t in
                                              (("bias", bias), ("norm", norm), ("residual", residual)) if t is not None}
-  weights = [w] if isinstance(w, Tensor) else _packed_operands(w)
+  weights = [w] if isinstance(w, Tensor) else packed_operands(w)
   if kernel == "gemm": return _run_gemm(shape, target, tiles, y, x, weights, w.dtype, extras)
   if kernel == "skinny_tc": layout = layout or tensor_core_layout(shape)
   plan, source = skinny_source(target.dialect, shape, layout)
@@ -273,7 +273,7 @@ def linear_all_reduce(target: DeviceTarget, x: Tensor, w: Weight, table: Tensor,
   return run_linear(target, shape, "skinny", x, w, residual=residual, peers=table)
 
 
-def _packed_operands(w: QuantizedWeight) -> list[Tensor]:
+def packed_operands(w: QuantizedWeight) -> list[Tensor]:
   """A packed weight's buffers as the kernel takes them: codes, scales, shifts (FP8 has none: its scales stand in,
   never read)."""
   shifts = w.shifts if w.shifts is not None else w.scales

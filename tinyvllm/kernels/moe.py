@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 
 from tinygrad import Tensor, dtypes
 
+from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.backend.weights import MoEWeights
-from tinyvllm.kernels.linear import DTYPE_NAMES, MAX_ROWS, fused_linear
-from tinyvllm.kernels.plan import DTYPE_CODES, ELEM_BYTES, Launch, Param, cdiv, dtype_code
+from tinyvllm.kernels.linear import DTYPE_NAMES, MAX_ROWS, fused_linear, packed_operands
+from tinyvllm.kernels.plan import DTYPE_CODES, ELEM_BYTES, PACKED_WEIGHTS, Launch, Param, cdiv, dtype_code
 from tinyvllm.kernels.sources import kernel_source
 from tinyvllm.kernels.tinygrad_program import run_kernel
 from tinyvllm.layers.norm import rms_norm
@@ -67,6 +68,8 @@ class MoEShape:
   top_k: int           # k
   norm_topk_prob: bool
   eps: float           # the RMSNorm's
+  weight: str = "elem"             # the experts' weights: "elem" (the activations' dtype) or packed codes: int8, int4, fp8
+  groups: tuple[int, int] = (0, 0)   # a packed weight's input columns a scale: gate_up's, down's
 
   @property
   def pairs(self) -> int: return self.tokens * self.top_k
@@ -116,7 +119,35 @@ def unsupported_reason(shape: MoEShape) -> str | None:
   vec = 16 // ELEM_BYTES[dtype_code(shape.dtype)]
   if shape.hidden % vec or shape.intermediate % vec:
     return f"hidden {shape.hidden} or intermediate {shape.intermediate} not a multiple of {vec} (16-byte vectors)"
+  return packed_reason(shape, vec)
+
+
+def packed_reason(shape: MoEShape, vec: int) -> str | None:
+  """Why the experts' packed weights do not fit the products' vectors of `vec` columns (None: they do, or are not
+  packed): a vector's codes within one scale group, each expert row's codes whole 32-bit words."""
+  if shape.weight == "elem": return None
+  if shape.weight not in PACKED_WEIGHTS: return f"{shape.weight} expert weights"
+  bits = PACKED_WEIGHTS[shape.weight][1]
+  for product, group, k in zip(("gate_up", "down"), shape.groups, (shape.hidden, shape.intermediate), strict=True):
+    if group % vec or k % group: return f"{product}'s scale group {group} (a multiple of {vec} dividing {k})"
+    if k * bits % 32: return f"{product}'s rows of {k} {shape.weight} codes (whole 32-bit words a row)"
   return None
+
+
+def packed_params(shape: MoEShape, product: str, defines: dict[str, int | str], params: list[Param]) -> None:
+  """A packed product's codes in place of its weight's parameter, its scales and shifts appended (TV_WQ_ARG); a lane's
+  step a span of codes (16 bytes of them, TV_WSPAN) where K and the scale group are whole spans."""
+  if shape.weight == "elem": return
+  code, bits = PACKED_WEIGHTS[shape.weight]
+  gate_up = product == "gate_up"
+  rows, k = shape.experts * (2 * shape.intermediate if gate_up else shape.hidden), shape.hidden if gate_up else shape.intermediate
+  group = shape.groups[0 if gate_up else 1]
+  at = next(i for i, p in enumerate(params) if p.name == f"w_{product}")
+  params[at] = Param(f"w_{product}", "uint", False, rows * k * bits // 32)
+  defines.update({"TV_WQ": code, "TV_WGROUP": group, "TV_WQ_ARG": len(params)})
+  if (span := code_span(shape, product)) is not None: defines["TV_WSPAN"] = span
+  params += [Param(f"w_{product}_scale", "float", False, rows * (k // group)),
+             Param(f"w_{product}_shift", "float", False, rows * (k // group))]
 
 
 def routing_kernel(shape: MoEShape) -> MoEKernel:
@@ -142,11 +173,32 @@ def pass_rows(shape: MoEShape) -> int:
   return min(shape.tokens, cdiv(shape.pairs, shape.slots))
 
 
-def warp_columns(k: int) -> int:
-  """Output columns a warp (TV_RPW): 4, or 8 for short rows (K < 1,024) so that a warp keeps as many bytes in flight.
-  H200, one token of Qwen3-30B-A3B: gate_up (K 2,048) 13.7 us with 4 against 22 with 8 (fewer blocks) and 14.3 with 2;
-  down (K 768) 8.9 us with 8 against 10.1 with 4 and 12.4 with 2."""
-  return 4 if k >= 1024 else 8
+def warp_columns(k: int, packed: bool = False) -> int:
+  """Output columns a warp (TV_RPW): 4, or 8 for short rows (K < 1,024) of 16-bit weights so that a warp keeps as many
+  bytes in flight. H200, one token of Qwen3-30B-A3B: gate_up (K 2,048) 13.7 us with 4 against 22 with 8 (fewer blocks)
+  and 14.3 with 2; down (K 768) 8.9 us with 8 against 10.1 with 4 and 12.4 with 2. Packed codes take 4: a lane's
+  16-byte load holds 2-4 times the columns already, and with 8 the 16-token int8 down spilled 72 bytes (nvcc, sm_90)."""
+  return 4 if k >= 1024 or packed else 8
+
+
+def batch_steps(shape: MoEShape, product: str, rpw: int) -> int:
+  """Steps of K a batch of loads (TV_SB): BATCH_VECTORS weight vectors a lane; where a step is a span of packed codes
+  (code_span), as many columns of x' as that many vectors cover (the x' a batch holds in registers: with a span a
+  load, the 16-token int4 gate_up spilled 284 bytes, nvcc sm_90); half as many vectors of packed codes taken a vector a
+  step (each holds its scale and shift beside the codes: with as many, the 16-token int8 gate_up spilled 52 bytes)."""
+  vec, span = 16 // ELEM_BYTES[dtype_code(shape.dtype)], code_span(shape, product)
+  vectors = BATCH_VECTORS if shape.weight == "elem" or span is not None else BATCH_VECTORS // 2
+  return max(1, vectors // rpw // ((span or vec) // vec))
+
+
+def code_span(shape: MoEShape, product: str) -> int | None:
+  """The columns of a lane's step in a product of packed codes: a span (16 bytes of codes) where K and the product's
+  scale group are whole spans (TV_WSPAN), else None (a vector of activations a step)."""
+  if shape.weight == "elem": return None
+  gate_up = product == "gate_up"
+  k, group = (shape.hidden, shape.groups[0]) if gate_up else (shape.intermediate, shape.groups[1])
+  span = 128 // PACKED_WEIGHTS[shape.weight][1]
+  return span if k % span == 0 and group % span == 0 else None
 
 
 def grouped_kernel(shape: MoEShape, product: str) -> MoEKernel:
@@ -154,10 +206,10 @@ def grouped_kernel(shape: MoEShape, product: str) -> MoEKernel:
   n, h, i, e, p, g = shape.tokens, shape.hidden, shape.intermediate, shape.experts, shape.pairs, shape.slots
   gate_up = product == "gate_up"
   k, nout = (h, 2 * i) if gate_up else (i, h)
-  rows, rpw = pass_rows(shape), warp_columns(k)
+  rows, rpw = pass_rows(shape), warp_columns(k, shape.weight != "elem")
   defines: dict[str, int | str] = {"TV_DTYPE": dtype_code(shape.dtype), "TV_M": rows, "TV_K": k, "TV_NOUT": nout, "TV_RPW": rpw,
                                    "TV_NT": THREADS, "TV_MOE_GROUPED": 1, "TV_P": p, "TV_G": g,
-                                   "TV_XDIV": shape.top_k if gate_up else 1, "TV_SB": BATCH_VECTORS // rpw}
+                                   "TV_XDIV": shape.top_k if gate_up else 1, "TV_SB": batch_steps(shape, product, rpw)}
   params = [Param("gate_up" if gate_up else "down", "elem" if gate_up else "float", True, p * nout),
             Param("x" if gate_up else "gate_up", "elem", False, n * h if gate_up else p * 2 * i),
             Param(f"w_{product}", "elem", False, e * nout * k), Param("groups", "int", False, p + 3 * g)]
@@ -165,6 +217,7 @@ def grouped_kernel(shape: MoEShape, product: str) -> MoEKernel:
     defines.update({"TV_PRO_NORM": len(params), "TV_EPS": f"{shape.eps!r}f"})
     params.append(Param("norm", "elem", False, h))
   else: defines.update({"TV_PRO_SILU": 1, "TV_OUT_F32": 1})
+  packed_params(shape, product, defines, params)
   grid = (cdiv(nout, rpw * THREADS // 32), g, 1)
   return MoEKernel(product, "moe_grouped", defines, (Launch("tv_moe_linear", grid, THREADS, tuple(params)),))
 
@@ -179,20 +232,22 @@ def direct_kernel(shape: MoEShape, product: str, columns: int | None = None) -> 
   warps = THREADS // 32 if gate_up else min(k, DIRECT_WARPS)
   defines: dict[str, int | str] = {"TV_DTYPE": dtype_code(shape.dtype), "TV_M": 1, "TV_K": kdim, "TV_NOUT": nout,
                                    "TV_RPW": rpw, "TV_NT": 32 * warps, "TV_MOE_GROUPED": 1, "TV_MOE_DIRECT": 1,
-                                   "TV_SB": BATCH_VECTORS // rpw, "TV_N": n, "TV_E": e, "TV_TOPK": k, "TV_EPL": cdiv(e, 32),
+                                   "TV_SB": batch_steps(shape, product, rpw), "TV_N": n, "TV_E": e, "TV_TOPK": k, "TV_EPL": cdiv(e, 32),
                                    "TV_KPL": cdiv(k, 32), "TV_NORM_TOPK": int(shape.norm_topk_prob), "TV_DW": warps}
   if gate_up:
-    params = (Param("gate_up", "elem", True, p * nout), Param("ids", "int", True, p), Param("weights", "float", True, p),
+    params = [Param("gate_up", "elem", True, p * nout), Param("ids", "int", True, p), Param("weights", "float", True, p),
               Param("x", "elem", False, n * h), Param("w_gate_up", "elem", False, e * nout * kdim),
-              Param("logits", "float", False, n * e), Param("norm", "elem", False, h))
+              Param("logits", "float", False, n * e), Param("norm", "elem", False, h)]
     defines.update({"TV_PRO_NORM": len(params) - 1, "TV_EPS": f"{shape.eps!r}f"})   # (the norm's buffer index)
-    launch = Launch("tv_moe_up", (cdiv(nout, rpw * warps), k, n), 32 * warps, params)
+    grid = (cdiv(nout, rpw * warps), k, n)
   else:
     defines["TV_PRO_SILU"] = 1
-    launch = Launch("tv_moe_down", (cdiv(nout, rpw), n, 1), 32 * warps, (
-      Param("out", "elem", True, n * h), Param("gate_up", "elem", False, p * 2 * i),
-      Param("w_down", "elem", False, e * nout * kdim), Param("ids", "int", False, p), Param("weights", "float", False, p),
-      Param("residual", "elem", False, n * h)))
+    params = [Param("out", "elem", True, n * h), Param("gate_up", "elem", False, p * 2 * i),
+              Param("w_down", "elem", False, e * nout * kdim), Param("ids", "int", False, p), Param("weights", "float", False, p),
+              Param("residual", "elem", False, n * h)]
+    grid = (cdiv(nout, rpw), n, 1)
+  packed_params(shape, product, defines, params)
+  launch = Launch("tv_moe_up" if gate_up else "tv_moe_down", grid, 32 * warps, tuple(params))
   return MoEKernel(product, "moe_direct", defines, (launch,))
 
 
@@ -217,14 +272,28 @@ def moe_sources(dialect: str, shape: MoEShape, direct: bool | None = None,
 def moe_shape(x: Tensor, moe: MoEWeights, eps: float) -> tuple[MoEShape | None, str | None]:
   """The step's static shape and why the kernels do not take it (None: they do)."""
   weights = (moe.router, moe.gate_up_proj, moe.down_proj)
-  if not all(isinstance(w, Tensor) for w in weights) or len({w.dtype for w in weights}) != 1:
-    return None, "expert weights not all of one dtype"
-  dtype = DTYPE_NAMES.get(moe.gate_up_proj.dtype)
-  if dtype is None: return None, f"dtype {moe.gate_up_proj.dtype}"
-  experts, two_i, hidden = moe.gate_up_proj.shape
-  if x.ndim != 2 or x.shape[1] != hidden: return None, f"activations of shape {x.shape}"
-  shape = MoEShape(dtype, x.shape[0], hidden, two_i // 2, experts, moe.top_k, moe.norm_topk_prob, eps)
+  if len({w.dtype for w in weights}) != 1: return None, "expert weights not all of one dtype"
+  dtype = DTYPE_NAMES.get(moe.router.dtype)
+  if dtype is None: return None, f"dtype {moe.router.dtype}"
+  if x.ndim != 2 or x.shape[1] != moe.hidden: return None, f"activations of shape {x.shape}"
+  packed = {}
+  if moe.packed:
+    up, down = moe.gate_up_proj, moe.down_proj
+    if not isinstance(up, QuantizedWeight) or not isinstance(down, QuantizedWeight) or up.code_format != down.code_format:
+      return None, "experts' gate_up and down packed in different forms"
+    packed = {"weight": up.code_format, "groups": (up.group_size, down.group_size)}
+  shape = MoEShape(dtype, x.shape[0], moe.hidden, moe.intermediate, moe.num_experts, moe.top_k, moe.norm_topk_prob, eps,
+                   **packed)
   return shape, unsupported_reason(shape)
+
+
+def expert_buffers(moe: MoEWeights) -> dict[str, Tensor]:
+  """The experts' weights by parameter name: each product's, or a packed one's codes, scales and shifts."""
+  buffers = {}
+  for product, w in (("gate_up", moe.gate_up_proj), ("down", moe.down_proj)):
+    parts = packed_operands(w) if isinstance(w, QuantizedWeight) else [w]
+    buffers.update(zip((f"w_{product}", f"w_{product}_scale", f"w_{product}_shift"), parts, strict=False))
+  return buffers
 
 
 def router_logits(target: DeviceTarget, x: Tensor, moe: MoEWeights, norm: Tensor, eps: float) -> Tensor:
@@ -239,9 +308,9 @@ def run_moe(target: DeviceTarget, shape: MoEShape, x: Tensor, moe: MoEWeights, n
   buffer found by its parameter's name (the outputs made when first written; `direct`, `direct_columns` as
   moe_plan's)."""
   plan, sources = moe_sources(target.dialect, shape, direct, direct_columns)
-  dtype = moe.gate_up_proj.dtype
+  dtype = moe.router.dtype
   x, norm, residual = (t.cast(dtype).contiguous() for t in (x, norm, residual))
-  buffers = {"x": x, "norm": norm, "residual": residual, "w_gate_up": moe.gate_up_proj, "w_down": moe.down_proj,
+  buffers = {"x": x, "norm": norm, "residual": residual, **expert_buffers(moe),
              "logits": router_logits(target, x, moe, norm, shape.eps).contiguous(),
              # the output in its 2-D shape: the next layer's products take it as it is (a 1-D one reshaped cost a copy)
              "out": Tensor.empty(shape.tokens, shape.hidden, dtype=dtype, device=x.device)}

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from tinygrad import Tensor
 
 from tinyvllm.backend.weights import MoEWeights
-from tinyvllm.kernels.gemm import GemmTiles
+from tinyvllm.kernels.gemm import GemmTiles, packed_reason, packed_ring
 from tinyvllm.kernels.linear import fused_linear
-from tinyvllm.kernels.moe import KIND_DTYPES, MoEKernel, MoEShape
-from tinyvllm.kernels.plan import Launch, Param, cdiv, dtype_code
+from tinyvllm.kernels.moe import KIND_DTYPES, MoEKernel, MoEShape, expert_buffers
+from tinyvllm.kernels.plan import PACKED_WEIGHTS, Launch, Param, cdiv, dtype_code
 from tinyvllm.kernels.sources import kernel_source
 from tinyvllm.kernels.tinygrad_program import run_kernel
 from tinyvllm.kernels.tuning import tuning_for
@@ -75,7 +75,17 @@ def grouped_reason(shape: MoEShape, target: DeviceTarget) -> str | None:
     return f"top {shape.top_k} of {shape.experts} experts (1 <= k <= E <= {MAX_EXPERTS})"
   if shape.hidden % 32 or shape.intermediate % 32:
     return f"hidden {shape.hidden} or intermediate {shape.intermediate} not a multiple of 32 (the GEMM's K slices)"
+  for group, k in zip(shape.groups, (shape.hidden, shape.intermediate), strict=True):
+    if (reason := packed_reason(_ProductWeight(shape.weight, group, k))) is not None: return f"packed experts: {reason}"
   return None
+
+
+@dataclass(frozen=True)
+class _ProductWeight:
+  """An expert product's weight as gemm.packed_reason reads a LinearShape's."""
+  weight: str
+  group: int
+  in_features: int
 
 
 def grouped_tiles(shape: MoEShape, target: DeviceTarget) -> GemmTiles:
@@ -124,25 +134,35 @@ def product_kernel(shape: MoEShape, product: str, tiles: GemmTiles, rows: int, t
   gate_up = product == "gate_up"
   k, nout = (h, 2 * i) if gate_up else (i, h)
   stages, smem = tiles.stages(target), tiles.shared_bytes(target)
+  packed = shape.weight != "elem"
+  if packed: stages, smem = packed_ring(tiles, PACKED_WEIGHTS[shape.weight][1], stages, target)
   if stages < 2: raise ValueError(f"tiles {tiles} leave room for {stages} shared-memory stage(s); at least 2 are needed")
   align = Param("align", "int", False, rows + rows // tiles.bm + 1)
   defines: dict[str, int | str] = {"TV_DTYPE": dtype_code(shape.dtype), "TV_M": rows, "TV_K": k, "TV_NOUT": nout, "TV_BM": tiles.bm,
                                    "TV_BN": tiles.bn, "TV_BK": tiles.bk, "TV_WM": tiles.wm, "TV_WN": tiles.wn,
                                    "TV_NT": tiles.threads, "TV_SPLITS": 1, "TV_STAGES": stages, "TV_SMEM_BYTES": smem,
-                                   "TV_MIN_BLOCKS": tiles.min_blocks(target), "TV_XPRIME_PASS": 1, "TV_MOE": 3}
+                                   "TV_MIN_BLOCKS": tiles.min_blocks(target), "TV_XPRIME_PASS": 1}
   if tiles.wgmma: defines["TV_WGMMA"] = tiles.bn
   if gate_up:
     defines.update({"TV_PRO_NORM": 2, "TV_EPS": f"{shape.eps!r}f", "TV_MOE_GATHER": 1, "TV_MOE_XDIV": shape.top_k})
     pre = Launch("tv_gemm_xprime", (n, 1, 1), tiles.threads, (
       Param("xn", "elem", True, n * h), Param("x", "elem", False, n * h), Param("norm", "elem", False, h)))
-    params = (Param("gate_up", "elem", True, rows * nout), Param("xn", "elem", False, n * h),
-              Param("w_gate_up", "elem", False, e * nout * k), align)
+    params = (Param("gate_up", "elem", True, rows * nout), Param("xn", "elem", False, n * h))
   else:
     defines.update({"TV_PRO_SILU": 1, "TV_OUT_F32": 1, "TV_MOE_SCATTER": 1})
     pre = Launch("tv_gemm_xprime", (rows, 1, 1), tiles.threads, (
       Param("act", "elem", True, rows * k), Param("gate_up", "elem", False, rows * 2 * k), align))
-    params = (Param("down", "float", True, p * nout), Param("act", "elem", False, rows * k),
-              Param("w_down", "elem", False, e * nout * k), align)
+    params = (Param("down", "float", True, p * nout), Param("act", "elem", False, rows * k))
+  weight = [Param(f"w_{product}", "elem", False, e * nout * k)]
+  if packed:   # (gemm_tc.inc's arguments 2-4: codes, scales, shifts)
+    code, bits = PACKED_WEIGHTS[shape.weight]
+    group = shape.groups[0 if gate_up else 1]
+    weight = [Param(f"w_{product}", "uint", False, e * nout * k * bits // 32),
+              Param(f"w_{product}_scale", "float", False, e * nout * (k // group)),
+              Param(f"w_{product}_shift", "float", False, e * nout * (k // group))]
+    defines.update({"TV_WQ": code, "TV_WGROUP": group})
+  params = (*params, *weight, align)
+  defines["TV_MOE"] = len(params) - 1
   gemm = Launch("tv_gemm", (cdiv(nout, tiles.bn), rows // tiles.bm, 1), tiles.threads, params, smem)
   return MoEKernel(product, "gemm_tc", defines, (pre, gemm))
 
@@ -174,9 +194,9 @@ def run_grouped(target: DeviceTarget, shape: MoEShape, x: Tensor, moe: MoEWeight
   x', the router product from it, then the plan's launches, each buffer found by its parameter's name (the outputs
   made when first written)."""
   plan, sources = grouped_sources(target, shape, tiles)
-  dtype = moe.gate_up_proj.dtype
+  dtype = moe.router.dtype
   buffers = {name: t.cast(dtype).contiguous() for name, t in (("x", x), ("norm", norm), ("residual", residual))}
-  buffers.update({"w_gate_up": moe.gate_up_proj, "w_down": moe.down_proj})
+  buffers.update(expert_buffers(moe))
 
   def launch(step: Launch, kernel: MoEKernel) -> None:
     for p in step.params:
