@@ -3,7 +3,8 @@ Qwen3-30B-A3B's shape (hidden 2,048, experts' intermediate 768, 128 experts, top
 the device: the decode kernels (the router product, routing and grouping, the grouped skinny products, the combine:
 tinyvllm/kernels/moe.py) at 1, 4 and 16 tokens, and the grouped tensor-core path (tinyvllm/kernels/moe_grouped.py:
 x', router product, routing and alignment, the grouped gate_up and down GEMMs, the combine) at 64, 256, 2,048 and 8,192
-tokens, with other tiles than the planner's timed beside it at 256, 2,048 and 8,192 (the tuning table's `moe` section).
+tokens, with other tiles than the planner's timed beside it at 256, 2,048 and 8,192 (the tuning table's `moe` section);
+then packed experts (bench/check_moe_packed.py).
 
 The decode kernels' reference is portable_moe on float32 copies of the same bf16 values (both route on float32 logits;
 the bf16 portable path rounds the normed activations to bf16 before the router, so a near-tie between two experts may
@@ -242,5 +243,7 @@ def check_moe(target, device: str, tokens=(1, 2, 4, 16), large_tokens=(64, 256, 
   shape = lambda n: MoEShape("bfloat16", n, HIDDEN, INTER, EXPERTS, TOP_K, True, EPS)
   _compile_grouped(target, device, [(shape(n), tiles) for n in large_tokens for tiles in [None, *_explored(n)]], layers[0])
   for n in large_tokens: records += _check_large(target, device, n, layers, reference_layer, iters)
+  from check_moe_packed import check_moe_packed
+  records += check_moe_packed(target, device, layers, iters)
   for rec in records: assert rec["ok"], f"{rec['name']}: relative error {rec['rel_err']:.3g} (NaN: {rec['nan']})"
   return records

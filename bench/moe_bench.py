@@ -24,6 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 PROMPT_LEN, NEW_TOKENS = 128, 256
+QUANTIZATION: str | None = None   # --quantization: the weights quantized at load (int8, int4, fp8)
 
 
 def save(part: str, result: dict) -> None:
@@ -32,14 +33,17 @@ def save(part: str, result: dict) -> None:
 
 
 def active_bytes(llm, context: int) -> int:
+  from tinyvllm.backend.quantized import QuantizedWeight
   """What one batch-1 decode step reads: every weight but the experts, k experts a sparse layer, the LM head, and
   the KV cache of `context` tokens."""
   weights, cfg = llm.engine.model.weights, llm.engine.model_config
   total = weights.norm.nbytes() + weights.lm_head.nbytes()
   for layer in weights.layers:
-    experts = [] if layer.moe is None else [layer.moe.gate_up_proj, layer.moe.down_proj]
+    moe = layer.moe
+    experts = [] if moe is None else [t for w in (moe.gate_up_proj, moe.down_proj)
+                                      for t in (w.tensors() if isinstance(w, QuantizedWeight) else [w])]
     total += sum(t.nbytes() for t in layer.tensors() if not any(t is e for e in experts))
-    if layer.moe is not None: total += sum(t.nbytes() // layer.moe.num_experts for t in experts) * layer.moe.top_k
+    if moe is not None: total += sum(t.nbytes() // moe.num_experts for t in experts) * moe.top_k
   return total + context * llm.engine.kv_cache.bytes_per_token(cfg, llm.engine.kv_dtype)
 
 
@@ -51,7 +55,8 @@ def calls(llm) -> dict:
 def engine(model: str, **kwargs):
   from tinyvllm import LLM
   t0 = time.perf_counter()
-  llm = LLM(model, load_format="dummy", dtype=os.environ.get("MOE_DTYPE", "bfloat16"), enable_prefix_caching=False, **kwargs)
+  llm = LLM(model, load_format="dummy", dtype=os.environ.get("MOE_DTYPE", "bfloat16"), enable_prefix_caching=False,
+            quantization=QUANTIZATION, **kwargs)
   return llm, time.perf_counter() - t0
 
 
@@ -63,7 +68,8 @@ def part_decode(model: str) -> dict:
   step_bytes = active_bytes(llm, PROMPT_LEN + NEW_TOKENS // 2)
   print(r.line(), f"{step_bytes / 1e9:.2f} GB a step, {step_bytes / step_s / 1e9:,.0f} GB/s; median step {r.median_step_ms:.3f} ms",
         flush=True)
-  return {"model": model, "load_s": load_s, "decode_tok_s": r.decode_tok_s, "step_ms": step_s * 1e3, "median_step_ms": r.median_step_ms,
+  return {"model": model, "quantization": QUANTIZATION, "load_s": load_s, "decode_tok_s": r.decode_tok_s, "step_ms": step_s * 1e3,
+          "median_step_ms": r.median_step_ms,
           "active_bytes_per_step": step_bytes, "gb_s": step_bytes / step_s / 1e9, "calls": calls(llm),
           "attention_backend": llm.engine.model.backend.describe()}
 
@@ -75,7 +81,8 @@ def part_throughput(model: str) -> dict:
   vocab = llm.engine.model_config.vocab_size
   r = run_throughput(llm, nano_vllm_workload(vocab), [nano_vllm_workload(vocab, 64, seed=1)])
   print(r.line(), flush=True)
-  return {"model": model, "load_s": load_s, "requests": r.requests, "output_tokens": r.output_tokens, "seconds": r.seconds,
+  return {"model": model, "quantization": QUANTIZATION, "load_s": load_s, "requests": r.requests, "output_tokens": r.output_tokens,
+          "seconds": r.seconds,
           "output_tok_s": r.output_tok_s, "cpu_seconds": r.cpu_seconds, "warmup_seconds": r.warmup_seconds,
           "captures": r.captures, "captures_in_timed_run": r.captures_in_timed_run, "calls": calls(llm)}
 
@@ -147,16 +154,20 @@ def main() -> int:
   p = argparse.ArgumentParser()
   p.add_argument("parts", nargs="+", choices=list(PARTS))
   p.add_argument("--model", default="qwen3-30b-a3b")
+  p.add_argument("--quantization", choices=["int8", "int4", "fp8"], help="quantize the weights at load (not the hf part)")
   p.add_argument("--in-process", action="store_true", help="run the one part here (what each part's process does)")
   args = p.parse_args()
+  global QUANTIZATION
+  QUANTIZATION = args.quantization
   if args.in_process:
     (part,) = args.parts
-    save(part, PARTS[part](args.model))
+    save(part + (f"_{QUANTIZATION}" if QUANTIZATION else ""), PARTS[part](args.model))
     return 0
   failed = 0
   for part in args.parts:
-    print(f"=== moe {part} ===", flush=True)
-    failed |= subprocess.run([sys.executable, __file__, part, "--model", args.model, "--in-process"], cwd=REPO).returncode != 0
+    print(f"=== moe {part} {QUANTIZATION or ''} ===", flush=True)
+    quant = ["--quantization", QUANTIZATION] if QUANTIZATION else []
+    failed |= subprocess.run([sys.executable, __file__, part, "--model", args.model, *quant, "--in-process"], cwd=REPO).returncode != 0
   return int(failed)
 
 

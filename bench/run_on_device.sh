@@ -5,7 +5,7 @@
 # Steps: check (the GPU check: bench/check_kernels.py, then bench/check_decode_layer.py), layer
 # (bench/check_decode_layer.py alone), quant (bench/check_kernels.py's packed-weight products alone), logits (its wide
 # products alone), check_moe
-# (its mixture-of-experts kernels alone), wheel (the tinyvllm wheel carried in .dist/, installed alone and run
+# (its mixture-of-experts kernels alone), check_moe_packed (bench/check_moe_packed.py: packed experts alone), wheel (the tinyvllm wheel carried in .dist/, installed alone and run
 # from /tmp), bound (bench/layer_bound.py), phases (bench/layer_phases.py: the layer kernel's time by phase), profile1 / profile256 (bench/gpu_profile.py), gemm (bench/gemm_bench.py),
 # timeline (bench/step_timeline.py; timeline_moe: the same for the Qwen3-30B-A3B shape, MOE_KV_GIB of cache, on nvidia-h200), serve_profile (bench/serve_profile.py:
 # workload 3 against the server with timers on each stage; SERVE_ARGS adds server flags), sweep (bench/serve_sweep.py:
@@ -70,6 +70,7 @@ for step in "$@"; do
     quant) cmd=(python3 bench/check_kernels.py --skip compile,correctness,engine,engine-fp8,sample,logits,moe,bench,prefill-bench,e2e) ;;
     logits) cmd=(python3 bench/check_kernels.py --skip compile,correctness,engine,engine-fp8,sample,quant,moe,bench,prefill-bench,e2e) ;;
     check_moe) cmd=(python3 bench/check_kernels.py --skip compile,correctness,engine,engine-fp8,sample,quant,logits,bench,prefill-bench,e2e) ;;
+    check_moe_packed) cmd=(python3 bench/check_moe_packed.py) ;;
     wheel) cmd=(wheel_check) ;;
     bound) cmd=(python3 bench/layer_bound.py ${BOUND_CASES:+--cases "$BOUND_CASES"}) ;;
     phases) cmd=(python3 bench/layer_phases.py) ;;
