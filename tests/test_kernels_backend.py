@@ -227,7 +227,8 @@ def test_large_gqa_groups_decode_on_tensor_cores_where_the_table_says():
   assert plan.algorithm == "prefill_tc" and plan.defines["TV_KW"] == 4 and plan.rows == 16 and plan.tokens == 2
 
 
-PACKED_EXPERTS = {"int4": (128, 128), "fp8": (2048, 768)}   # format -> gate_up's and down's scale groups
+PACKED_EXPERTS = {"int4": (("int4", 128), ("int4", 128)), "fp8": (("fp8", 2048), ("fp8", 768)),   # gate_up's, down's
+                  "q4_k_m": (("int4", 32), ("int8", 16))}   # (form, scale group); a GGUF Q4_K_M layer's Q4_K and Q6_K
 # the decode specimens on the register path unless named _staged (stages=0); the prefill ones on an H100 (tensor cores)
 decode = lambda shape, stages=0: decode_plan(shape, CUDA, stages=stages)
 SPECIMENS = {   # name -> (algorithm, plan): what the models of interest compile
@@ -252,8 +253,8 @@ SPECIMENS = {   # name -> (algorithm, plan): what the models of interest compile
   **{f"moe_{kernel.name}_n{n}": (kernel.algorithm, kernel) for n in (1, 16)
      for kernel in moe_plan(MoEShape("bfloat16", n, 2048, 768, 128, 8, True, 1e-6)).kernels},
   # its packed experts: int4 in groups of 128, FP8 per channel
-  **{f"moe_{fmt}_{kernel.name}_n{n}": (kernel.algorithm, kernel) for n in (1, 16) for fmt, groups in PACKED_EXPERTS.items()
-     for kernel in moe_plan(MoEShape("bfloat16", n, 2048, 768, 128, 8, True, 1e-6, fmt, groups)).kernels},
+  **{f"moe_{name}_{kernel.name}_n{n}": (kernel.algorithm, kernel) for n in (1, 16) for name, forms in PACKED_EXPERTS.items()
+     for kernel in moe_plan(MoEShape("bfloat16", n, 2048, 768, 128, 8, True, 1e-6, forms)).kernels},
   # tensor parallelism's collectives at TP=4: a row-parallel product's all-reduce with the residual, the inputs' broadcast
   "all_reduce_residual": ("all_reduce", all_reduce_plan(4096, 4, "bfloat16", residual=True)),
   "all_reduce_broadcast": ("all_reduce", all_reduce_plan(1024, 4, "float32", broadcast=True)),
@@ -276,10 +277,10 @@ def test_cuda_sources_compile_with_nvcc(tmp_path):
   sources |= {f"moe_grouped_{kernel.name}_n{n}": (kernel_source("cuda", kernel.algorithm, kernel.defines),
                                                  "-gencode=arch=compute_90a,code=sm_90a")
               for n in (256, 8192) for kernel in grouped_plan(MoEShape("bfloat16", n, 2048, 768, 128, 8, True, 1e-6), CUDA).kernels}
-  sources |= {f"moe_grouped_{fmt}_{kernel.name}_n{n}": (kernel_source("cuda", kernel.algorithm, kernel.defines),
-                                                       "-gencode=arch=compute_90a,code=sm_90a")
-              for n in (256, 8192) for fmt, groups in PACKED_EXPERTS.items()
-              for kernel in grouped_plan(MoEShape("bfloat16", n, 2048, 768, 128, 8, True, 1e-6, fmt, groups), CUDA).kernels}
+  sources |= {f"moe_grouped_{name}_{kernel.name}_n{n}": (kernel_source("cuda", kernel.algorithm, kernel.defines),
+                                                        "-gencode=arch=compute_90a,code=sm_90a")
+              for n in (256, 8192) for name, forms in PACKED_EXPERTS.items()
+              for kernel in grouped_plan(MoEShape("bfloat16", n, 2048, 768, 128, 8, True, 1e-6, forms), CUDA).kernels}
   assert sum("#define TV_WGMMA" in src for src, _ in sources.values()) >= 7
   procs = {}
   for name, (source, arch) in sources.items():

@@ -3,7 +3,8 @@ backend op (FusedBackend.moe, every launch on the emulator, the router product t
 (their rows stacked, as the loader quantizes them) against portable_moe on the same packed weights in float32: the
 direct plan (1-4 tokens) and the grouped skinny products (5-16 tokens) in both dialects, and the grouped tensor-core
 GEMM (17 and more) on CUDA; scale groups per channel and of 32 and 64 columns (a lane's step a span of 16 bytes of
-codes), and of 8 and 16 (a vector of activations a step); a scale changed in the kernels' copy alone fails the
+codes), and of 8 and 16 (a vector of activations a step); gate_up and down in different forms (a GGUF Q4_K_M layer's
+int4 and int8 codes; packed gate_up beside a float16 down); a scale changed in the kernels' copy alone fails the
 comparison."""
 from __future__ import annotations
 
@@ -24,8 +25,12 @@ from tinyvllm.platform.target import DeviceTarget
 
 EPS = 1e-6
 TARGETS = {"cuda": DeviceTarget.nominal("cuda"), "metal": DeviceTarget.nominal("metal")}
-# name -> (tokens, hidden, intermediate, experts, k, format, group: 0 for one scale a row)
+# name -> (tokens, hidden, intermediate, experts, k, format, group: 0 for one scale a row; or, for down's own: its format
+# and group after)
 CASES = {
+  "q4_k_m_n2": (2, 128, 64, 8, 2, "int4", 32, "int8", 16),   # a GGUF Q4_K_M layer: Q4_K gate/up, Q6_K down
+  "q4_k_m_n24": (24, 128, 64, 8, 2, "int4", 32, "int8", 16),
+  "int4_up_bf16_down_n5": (5, 128, 64, 8, 2, "int4", 32, "elem", 0),
   "int8_n1": (1, 128, 64, 8, 2, "int8", 0),
   "int4_g32_n3": (3, 128, 64, 16, 4, "int4", 32),
   "fp8_n12": (12, 64, 32, 16, 4, "fp8", 0),
@@ -42,15 +47,18 @@ GEMM_TOKENS = 17   # from here the grouped tensor-core path (CUDA)
 def packed_layer(name: str) -> tuple[MoEWeights, MoEWeights, dict[str, Tensor], dict[str, Tensor]]:
   """(the layer as the kernels take it: float16 router, packed experts; the same in float32 for the reference; the op's
   float16 tensors; their float32 values)."""
-  n, h, i, e, k, fmt, group = CASES[name]
+  n, h, i, e, k, fmt, group, *down_form = CASES[name]
+  down_fmt, down_group = down_form or (fmt, group)
   rng = np.random.default_rng(len(name))
   r = lambda *s, scale=1.0, offset=0.0: round_to(offset + rng.standard_normal(s).astype(np.float32) * scale, "float16")
   gate_up, down = r(e * 2 * i, h, scale=h ** -0.5), r(e * h, i, scale=i ** -0.5)
   q_up = quantize_rtn(Tensor(gate_up).cast(dtypes.float16), fmt, group or h)
-  q_down = quantize_rtn(Tensor(down).cast(dtypes.float16), fmt, group or i)
+  q_down = (quantize_rtn(Tensor(down).cast(dtypes.float16), down_fmt, down_group or i) if down_fmt != "elem"
+            else Tensor(down).cast(dtypes.float16).reshape(e, h, i).contiguous().realize())
   router = r(e, h, scale=2 * h ** -0.5)
   half = MoEWeights(Tensor(router).cast(dtypes.float16).contiguous().realize(), q_up, q_down, k, True)
-  full = MoEWeights(Tensor(router), replace(q_up, dtype=dtypes.float32), replace(q_down, dtype=dtypes.float32), k, True)
+  as_float32 = lambda w: w.float() if isinstance(w, Tensor) else replace(w, dtype=dtypes.float32)
+  full = MoEWeights(Tensor(router), as_float32(q_up), as_float32(q_down), k, True)
   values = {"x": r(n, h), "norm": r(h, scale=0.3, offset=1), "residual": r(n, h)}
   return (half, full, {key: Tensor(v).cast(dtypes.float16).contiguous().realize() for key, v in values.items()},
           {key: Tensor(v) for key, v in values.items()})
@@ -119,7 +127,7 @@ def test_a_lane_takes_a_span_of_codes_where_the_group_allows():
   (Qwen3-30B-A3B's shape: (columns a warp, steps a batch, span) of gate_up and of down)."""
   from tinyvllm.kernels.moe import moe_plan
   def layout(n: int, fmt: str, groups: tuple[int, int]) -> list[tuple]:
-    plan = moe_plan(MoEShape("bfloat16", n, 2048, 768, 128, 8, True, EPS, fmt, groups))
+    plan = moe_plan(MoEShape("bfloat16", n, 2048, 768, 128, 8, True, EPS, ((fmt, groups[0]), (fmt, groups[1]))))
     return [(k.defines["TV_RPW"], k.defines["TV_SB"], k.defines.get("TV_WSPAN")) for k in (plan.gate_up, plan.down)]
   assert layout(1, "elem", (0, 0)) == [(8, 2, None), (4, 4, None)]   # the direct plan's columns
   assert layout(1, "int4", (128, 128)) == [(8, 1, 32), (4, 1, 32)]

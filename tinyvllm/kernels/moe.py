@@ -68,8 +68,17 @@ class MoEShape:
   top_k: int           # k
   norm_topk_prob: bool
   eps: float           # the RMSNorm's
-  weight: str = "elem"             # the experts' weights: "elem" (the activations' dtype) or packed codes: int8, int4, fp8
-  groups: tuple[int, int] = (0, 0)   # a packed weight's input columns a scale: gate_up's, down's
+  # the experts' gate_up and down weights: (form, scale group): "elem" (the activations' dtype) or packed codes (int8,
+  # int4, fp8) with their input columns a scale (a GGUF file's mixes differ between the two)
+  weights: tuple[tuple[str, int], tuple[str, int]] = (("elem", 0), ("elem", 0))
+
+  @property
+  def packed(self) -> bool: return any(form != "elem" for form, _ in self.weights)
+
+  def product(self, product: str) -> tuple[str, int, int]:
+    """A product's (form, scale group, K)."""
+    (form, group), k = (self.weights[0], self.hidden) if product == "gate_up" else (self.weights[1], self.intermediate)
+    return form, group, k
 
   @property
   def pairs(self) -> int: return self.tokens * self.top_k
@@ -125,23 +134,22 @@ def unsupported_reason(shape: MoEShape) -> str | None:
 def packed_reason(shape: MoEShape, vec: int) -> str | None:
   """Why the experts' packed weights do not fit the products' vectors of `vec` columns (None: they do, or are not
   packed): a vector's codes within one scale group, each expert row's codes whole 32-bit words."""
-  if shape.weight == "elem": return None
-  if shape.weight not in PACKED_WEIGHTS: return f"{shape.weight} expert weights"
-  bits = PACKED_WEIGHTS[shape.weight][1]
-  for product, group, k in zip(("gate_up", "down"), shape.groups, (shape.hidden, shape.intermediate), strict=True):
+  for product in ("gate_up", "down"):
+    form, group, k = shape.product(product)
+    if form == "elem": continue
+    if form not in PACKED_WEIGHTS: return f"{form} expert weights ({product})"
     if group % vec or k % group: return f"{product}'s scale group {group} (a multiple of {vec} dividing {k})"
-    if k * bits % 32: return f"{product}'s rows of {k} {shape.weight} codes (whole 32-bit words a row)"
+    if k * PACKED_WEIGHTS[form][1] % 32: return f"{product}'s rows of {k} {form} codes (whole 32-bit words a row)"
   return None
 
 
 def packed_params(shape: MoEShape, product: str, defines: dict[str, int | str], params: list[Param]) -> None:
   """A packed product's codes in place of its weight's parameter, its scales and shifts appended (TV_WQ_ARG); a lane's
   step a span of codes (16 bytes of them, TV_WSPAN) where K and the scale group are whole spans."""
-  if shape.weight == "elem": return
-  code, bits = PACKED_WEIGHTS[shape.weight]
-  gate_up = product == "gate_up"
-  rows, k = shape.experts * (2 * shape.intermediate if gate_up else shape.hidden), shape.hidden if gate_up else shape.intermediate
-  group = shape.groups[0 if gate_up else 1]
+  form, group, k = shape.product(product)
+  if form == "elem": return
+  code, bits = PACKED_WEIGHTS[form]
+  rows = shape.experts * (2 * shape.intermediate if product == "gate_up" else shape.hidden)
   at = next(i for i, p in enumerate(params) if p.name == f"w_{product}")
   params[at] = Param(f"w_{product}", "uint", False, rows * k * bits // 32)
   defines.update({"TV_WQ": code, "TV_WGROUP": group, "TV_WQ_ARG": len(params)})
@@ -187,17 +195,16 @@ def batch_steps(shape: MoEShape, product: str, rpw: int) -> int:
   load, the 16-token int4 gate_up spilled 284 bytes, nvcc sm_90); half as many vectors of packed codes taken a vector a
   step (each holds its scale and shift beside the codes: with as many, the 16-token int8 gate_up spilled 52 bytes)."""
   vec, span = 16 // ELEM_BYTES[dtype_code(shape.dtype)], code_span(shape, product)
-  vectors = BATCH_VECTORS if shape.weight == "elem" or span is not None else BATCH_VECTORS // 2
+  vectors = BATCH_VECTORS if shape.product(product)[0] == "elem" or span is not None else BATCH_VECTORS // 2
   return max(1, vectors // rpw // ((span or vec) // vec))
 
 
 def code_span(shape: MoEShape, product: str) -> int | None:
   """The columns of a lane's step in a product of packed codes: a span (16 bytes of codes) where K and the product's
   scale group are whole spans (TV_WSPAN), else None (a vector of activations a step)."""
-  if shape.weight == "elem": return None
-  gate_up = product == "gate_up"
-  k, group = (shape.hidden, shape.groups[0]) if gate_up else (shape.intermediate, shape.groups[1])
-  span = 128 // PACKED_WEIGHTS[shape.weight][1]
+  form, group, k = shape.product(product)
+  if form == "elem": return None
+  span = 128 // PACKED_WEIGHTS[form][1]
   return span if k % span == 0 and group % span == 0 else None
 
 
@@ -206,7 +213,7 @@ def grouped_kernel(shape: MoEShape, product: str) -> MoEKernel:
   n, h, i, e, p, g = shape.tokens, shape.hidden, shape.intermediate, shape.experts, shape.pairs, shape.slots
   gate_up = product == "gate_up"
   k, nout = (h, 2 * i) if gate_up else (i, h)
-  rows, rpw = pass_rows(shape), warp_columns(k, shape.weight != "elem")
+  rows, rpw = pass_rows(shape), warp_columns(k, shape.product(product)[0] != "elem")
   defines: dict[str, int | str] = {"TV_DTYPE": dtype_code(shape.dtype), "TV_M": rows, "TV_K": k, "TV_NOUT": nout, "TV_RPW": rpw,
                                    "TV_NT": THREADS, "TV_MOE_GROUPED": 1, "TV_P": p, "TV_G": g,
                                    "TV_XDIV": shape.top_k if gate_up else 1, "TV_SB": batch_steps(shape, product, rpw)}
@@ -276,14 +283,9 @@ def moe_shape(x: Tensor, moe: MoEWeights, eps: float) -> tuple[MoEShape | None, 
   dtype = DTYPE_NAMES.get(moe.router.dtype)
   if dtype is None: return None, f"dtype {moe.router.dtype}"
   if x.ndim != 2 or x.shape[1] != moe.hidden: return None, f"activations of shape {x.shape}"
-  packed = {}
-  if moe.packed:
-    up, down = moe.gate_up_proj, moe.down_proj
-    if not isinstance(up, QuantizedWeight) or not isinstance(down, QuantizedWeight) or up.code_format != down.code_format:
-      return None, "experts' gate_up and down packed in different forms"
-    packed = {"weight": up.code_format, "groups": (up.group_size, down.group_size)}
+  form = lambda w: (w.code_format, w.group_size) if isinstance(w, QuantizedWeight) else ("elem", 0)
   shape = MoEShape(dtype, x.shape[0], moe.hidden, moe.intermediate, moe.num_experts, moe.top_k, moe.norm_topk_prob, eps,
-                   **packed)
+                   (form(moe.gate_up_proj), form(moe.down_proj)))
   return shape, unsupported_reason(shape)
 
 

@@ -75,8 +75,8 @@ def grouped_reason(shape: MoEShape, target: DeviceTarget) -> str | None:
     return f"top {shape.top_k} of {shape.experts} experts (1 <= k <= E <= {MAX_EXPERTS})"
   if shape.hidden % 32 or shape.intermediate % 32:
     return f"hidden {shape.hidden} or intermediate {shape.intermediate} not a multiple of 32 (the GEMM's K slices)"
-  for group, k in zip(shape.groups, (shape.hidden, shape.intermediate), strict=True):
-    if (reason := packed_reason(_ProductWeight(shape.weight, group, k))) is not None: return f"packed experts: {reason}"
+  for product in ("gate_up", "down"):
+    if (reason := packed_reason(_ProductWeight(*shape.product(product)))) is not None: return f"packed experts ({product}): {reason}"
   return None
 
 
@@ -134,8 +134,8 @@ def product_kernel(shape: MoEShape, product: str, tiles: GemmTiles, rows: int, t
   gate_up = product == "gate_up"
   k, nout = (h, 2 * i) if gate_up else (i, h)
   stages, smem = tiles.stages(target), tiles.shared_bytes(target)
-  packed = shape.weight != "elem"
-  if packed: stages, smem = packed_ring(tiles, PACKED_WEIGHTS[shape.weight][1], stages, target)
+  form, group, _ = shape.product(product)
+  if form != "elem": stages, smem = packed_ring(tiles, PACKED_WEIGHTS[form][1], stages, target)
   if stages < 2: raise ValueError(f"tiles {tiles} leave room for {stages} shared-memory stage(s); at least 2 are needed")
   align = Param("align", "int", False, rows + rows // tiles.bm + 1)
   defines: dict[str, int | str] = {"TV_DTYPE": dtype_code(shape.dtype), "TV_M": rows, "TV_K": k, "TV_NOUT": nout, "TV_BM": tiles.bm,
@@ -154,9 +154,8 @@ def product_kernel(shape: MoEShape, product: str, tiles: GemmTiles, rows: int, t
       Param("act", "elem", True, rows * k), Param("gate_up", "elem", False, rows * 2 * k), align))
     params = (Param("down", "float", True, p * nout), Param("act", "elem", False, rows * k))
   weight = [Param(f"w_{product}", "elem", False, e * nout * k)]
-  if packed:   # (gemm_tc.inc's arguments 2-4: codes, scales, shifts)
-    code, bits = PACKED_WEIGHTS[shape.weight]
-    group = shape.groups[0 if gate_up else 1]
+  if form != "elem":   # (gemm_tc.inc's arguments 2-4: codes, scales, shifts)
+    code, bits = PACKED_WEIGHTS[form]
     weight = [Param(f"w_{product}", "uint", False, e * nout * k * bits // 32),
               Param(f"w_{product}_scale", "float", False, e * nout * (k // group)),
               Param(f"w_{product}_shift", "float", False, e * nout * (k // group))]
