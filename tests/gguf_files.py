@@ -129,13 +129,18 @@ def gguf_writer(path: Path, arch: str = "llama"):
   return gguf.GGUFWriter(str(path), arch)
 
 
-def add_tensor(writer, name: str, kind: str, rows: int, cols: int, rng: np.random.Generator, scale: float = 0.05) -> None:
-  """A [rows, cols] tensor of `kind` (a block type, or F32 / F16 / BF16 with normal values) to the writer."""
+def add_tensor(writer, name: str, kind: str, rows: int, cols: int, rng: np.random.Generator, scale: float = 0.05,
+               experts: int = 1) -> None:
+  """A [rows, cols] tensor of `kind` (a block type, or F32 / F16 / BF16 with normal values) to the writer; with
+  `experts`, as [experts, rows / experts, cols] (llama.cpp's 3-D experts' tensor)."""
   import gguf
   if kind in LAYOUTS:
-    writer.add_tensor(name, make_blocks(kind, rows, cols, rng), raw_dtype=gguf.GGMLQuantizationType[kind])
+    raw = make_blocks(kind, rows, cols, rng)
+    writer.add_tensor(name, raw.reshape(experts, rows // experts, -1) if experts > 1 else raw,
+                      raw_dtype=gguf.GGMLQuantizationType[kind])
     return
   values = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+  if experts > 1: values = values.reshape(experts, rows // experts, cols)
   if kind == "F16": writer.add_tensor(name, values.astype(np.float16))
   elif kind == "BF16": writer.add_tensor(name, (values.view(np.uint32) >> 16).astype(np.uint16), raw_dtype=gguf.GGMLQuantizationType.BF16)
   else: writer.add_tensor(name, values)
@@ -145,12 +150,15 @@ TINY = dict(hidden=256, ffn=512, layers=2, heads=4, kv_heads=2, vocab=258)
 
 
 def write_tiny_llama(path: Path, linears: dict[str, str], embed: str = "F32", output: str | None = None, seed: int = 0,
-                     arch: str = "llama", tokenizer_model: str = "gpt2", **dims: int) -> Path:
+                     arch: str = "llama", tokenizer_model: str = "gpt2", experts: tuple[int, int, int] | None = None,
+                     **dims: int) -> Path:
   """A random 2-layer llama GGUF: `linears` maps attn_q/attn_k/attn_v/attn_output/ffn_gate/ffn_up/ffn_down to their type
   (or to a function of the layer and the layer count giving it: llama.cpp's mixes differ from layer to layer);
   `output` None ties the LM head to the embeddings; a byte-level tokenizer of the 256 bytes, "Ġt" and <|end|>. With
-  arch qwen2 the attention's q/k/v biases too, with qwen3 its q/k norms (llama.cpp's names for them); `dims` override
-  TINY's."""
+  arch qwen2 the attention's q/k/v biases too, with qwen3 / qwen3moe its q/k norms (llama.cpp's names for them); with
+  `experts` (count, used a token, each one's intermediate size) every layer's MLP is a mixture of experts as llama.cpp
+  writes one (the router ffn_gate_inp, F32; ffn_gate_exps / ffn_up_exps / ffn_down_exps of `linears`' ffn_gate / ffn_up /
+  ffn_down types); `dims` override TINY's."""
   rng = np.random.default_rng(seed)
   t = {**TINY, **dims}
   w = gguf_writer(path, arch)
@@ -165,7 +173,11 @@ def write_tiny_llama(path: Path, linears: dict[str, str], embed: str = "F32", ou
   w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
   w.add_uint32(f"{a}.vocab_size", t["vocab"])
   w.add_uint32(f"{a}.rope.dimension_count", t["hidden"] // t["heads"])
-  if arch == "qwen3":   # (as llama.cpp's converter writes it: HF's Qwen3 config would default to 128)
+  if experts is not None:
+    w.add_uint32(f"{a}.expert_count", experts[0])
+    w.add_uint32(f"{a}.expert_used_count", experts[1])
+    w.add_uint32(f"{a}.expert_feed_forward_length", experts[2])
+  if arch in ("qwen3", "qwen3moe"):   # (as llama.cpp's converter writes it: HF's Qwen3 config would default to 128)
     w.add_uint32(f"{a}.attention.key_length", t["hidden"] // t["heads"])
     w.add_uint32(f"{a}.attention.value_length", t["hidden"] // t["heads"])
   tokens = [*byte_to_unicode(), "Ġt", "<|end|>"]
@@ -185,11 +197,17 @@ def write_tiny_llama(path: Path, linears: dict[str, str], embed: str = "F32", ou
       w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
     for name, (rows, cols) in shapes.items():
       kind = linears[name] if isinstance(linears[name], str) else linears[name](i, t["layers"])
-      add_tensor(w, f"blk.{i}.{name}.weight", kind, rows, cols, rng)
+      if experts is None: add_tensor(w, f"blk.{i}.{name}.weight", kind, rows, cols, rng)
+      elif name.startswith("ffn_"):   # [experts, rows, cols], each expert's rows as a 2-D tensor's
+        count, inter = experts[0], experts[2]
+        rows, cols = (inter, d) if name != "ffn_down" else (d, inter)
+        add_tensor(w, f"blk.{i}.{name}_exps.weight", kind, count * rows, cols, rng, experts=count)
+      else: add_tensor(w, f"blk.{i}.{name}.weight", kind, rows, cols, rng)
+    if experts is not None: w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", (0.3 * rng.standard_normal((experts[0], d))).astype(np.float32))
     if arch == "qwen2":
       for name in ("attn_q", "attn_k", "attn_v"):
         w.add_tensor(f"blk.{i}.{name}.bias", (0.1 * rng.standard_normal(shapes[name][0])).astype(np.float32))
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
       for name in ("attn_q_norm", "attn_k_norm"):
         w.add_tensor(f"blk.{i}.{name}.weight", (1 + 0.1 * rng.standard_normal(hd)).astype(np.float32))
   w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(d)).astype(np.float32))

@@ -1,4 +1,5 @@
-"""A GGUF file's llama / qwen2 / qwen3 metadata as a ModelConfig (the fields HF's config.json would hold)."""
+"""A GGUF file's llama / qwen2 / qwen3 / qwen3moe metadata (a llama file with experts: Mixtral) as a ModelConfig (the
+fields HF's config.json would hold)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +9,10 @@ from tinyvllm.config import ConfigError
 from tinyvllm.model.gguf.reader import GGUFFile
 from tinyvllm.model_config import ModelConfig
 
-SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                           "qwen3moe": "Qwen3MoeForCausalLM"}
+# llama files with experts are Mixtral's (llama.cpp converts Mixtral to its llama architecture)
+EXPERT_ARCHITECTURES = {"llama": "MixtralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 # architectures whose attn_q / attn_k rows llama.cpp's converter permutes (its LlamaModel; the Qwen models keep HF's)
 PERMUTED_ARCHITECTURES = ("llama",)
 # the compute dtype "auto" picks on a GPU: the blocks' scales are fp16, the activations of llama-family models want
@@ -33,9 +37,6 @@ def config_dict(f: GGUFFile) -> dict[str, Any]:
     value = f.get(scaling)
     if value not in (None, "none", 1.0, 0.0):
       raise ConfigError(f"{f.path}: GGUF metadata {scaling} = {value!r}: rope scaling in GGUF files is not supported")
-  if key("expert_count") in f.metadata and int(f.metadata[key("expert_count")]) > 0:
-    raise ConfigError(f"{f.path}: GGUF metadata {key('expert_count')} = {f.metadata[key('expert_count')]}: mixture-of-experts "
-                      "models are not supported")
   hidden, heads = int(f.require(key("embedding_length"))), int(f.require(key("attention.head_count")))
   head_dim = int(f.get(key("attention.key_length"), hidden // heads))
   rot = f.get(key("rope.dimension_count"))
@@ -46,17 +47,44 @@ def config_dict(f: GGUFFile) -> dict[str, Any]:
   vocab = f.get(key("vocab_size"), len(tokens) if tokens else None)
   if vocab is None: raise ConfigError(f"{f.path}: GGUF metadata {key('vocab_size')} and tokenizer.ggml.tokens are both missing")
   eos = f.get("tokenizer.ggml.eos_token_id")
+  experts = _experts(f, arch)
   return {
-    "architectures": [SUPPORTED_ARCHITECTURES[arch]], "model_type": arch,
-    "hidden_size": hidden, "intermediate_size": int(f.require(key("feed_forward_length"))),
+    "architectures": [EXPERT_ARCHITECTURES[arch] if experts else SUPPORTED_ARCHITECTURES[arch]], "model_type": arch,
+    "hidden_size": hidden, "intermediate_size": _dense_size(f, key("feed_forward_length"), experts),
     "num_hidden_layers": int(f.require(key("block_count"))), "num_attention_heads": heads,
     "num_key_value_heads": int(f.get(key("attention.head_count_kv"), heads)), "head_dim": head_dim, "vocab_size": int(vocab),
     "max_position_embeddings": int(f.get(key("context_length"), 2048)),
     "rms_norm_eps": float(f.get(key("attention.layer_norm_rms_epsilon"), 1e-5)),
     "rope_theta": float(f.get(key("rope.freq_base"), 10000.0)),
     "tie_word_embeddings": "output.weight" not in f, "torch_dtype": GGUF_TORCH_DTYPE,
-    "bos_token_id": f.get("tokenizer.ggml.bos_token_id"), "eos_token_id": eos,
+    "bos_token_id": f.get("tokenizer.ggml.bos_token_id"), "eos_token_id": eos, **experts,
   }
+
+
+def _dense_size(f: GGUFFile, key: str, experts: dict[str, Any]) -> int:
+  """A dense MLP's intermediate size: required, but in a qwen3moe file, whose layers are all sparse (its experts' size
+  then stands in)."""
+  size = f.get(key)
+  if size is None and "moe_intermediate_size" in experts: return experts["moe_intermediate_size"]
+  return int(size if size is not None else f.require(key))
+
+
+def _experts(f: GGUFFile, arch: str) -> dict[str, Any]:
+  """A mixture of experts' config fields (none for a dense file): every layer sparse, the chosen experts' probabilities
+  renormalised, as llama.cpp runs qwen3moe and llama files with experts (Mixtral)."""
+  key = lambda name: f"{arch}.{name}"
+  count = int(f.get(key("expert_count"), 0))
+  if count == 0:
+    if arch == "qwen3moe": raise ConfigError(f"{f.path}: GGUF metadata {key('expert_count')} is missing")
+    return {}
+  if arch not in EXPERT_ARCHITECTURES:
+    raise ConfigError(f"{f.path}: GGUF metadata {key('expert_count')} = {count}: experts in a {arch} file are not supported")
+  fields = {"num_experts_per_tok": int(f.require(key("expert_used_count"))), "norm_topk_prob": True}
+  if arch == "qwen3moe":
+    return {**fields, "num_experts": count, "moe_intermediate_size": int(f.require(key("expert_feed_forward_length")))}
+  # (Mixtral's experts' size is its intermediate_size: feed_forward_length, or expert_feed_forward_length where written)
+  size = f.get(key("expert_feed_forward_length"))
+  return {**fields, "num_local_experts": count, **({"intermediate_size": int(size)} if size is not None else {})}
 
 
 def gguf_model_config(f: GGUFFile) -> ModelConfig:

@@ -16,7 +16,7 @@ from tinyvllm.config import ConfigError
 from tinyvllm.model.gguf import blocks
 from tinyvllm.model.gguf.config import PERMUTED_ARCHITECTURES
 from tinyvllm.model.gguf.reader import GGUFFile, TensorInfo
-from tinyvllm.model.quantization.unpacked import common_form, stack, upload
+from tinyvllm.model.quantization.unpacked import UnpackedWeight, common_form, stack, upload
 from tinyvllm.model_config import ModelConfig
 
 GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -27,8 +27,13 @@ LAYER_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_lay
                "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
                "mlp.down_proj.weight": "ffn_down.weight", "self_attn.q_proj.bias": "attn_q.bias",
                "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
-               "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
+               "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+               "mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight"}
 LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# a sparse layer's experts: HF's per-expert names (Qwen3-MoE's, Mixtral's) -> the layer's 3-D tensor of every expert
+EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+EXPERT_TENSORS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                  "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 
 
 def gguf_name(hf_name: str) -> str | None:
@@ -70,6 +75,7 @@ class GGUFSource:
     return self.f.tensors[name]
 
   def __call__(self, names: list[str], shape: tuple[int, ...], kind: str) -> Tensor | QuantizedWeight:
+    if kind == "experts": return self._experts(names, shape)
     infos = [self._info(n) for n in names]
     self.used.update(i.name for i in infos)
     rows = sum(i.shape[0] for i in infos)
@@ -97,17 +103,53 @@ class GGUFSource:
         p = replace(p, codes=fix(p.codes), scales=fix(p.scales), zeros=fix(p.zeros), offsets=fix(p.offsets))
       parts.append(p)
     parts = common_form(parts)
+    return self._upload(stack(parts, [i.name for i in infos]), infos, role)
+
+  def _upload(self, w: UnpackedWeight, infos: list[TensorInfo], role: str) -> QuantizedWeight:
     names = "+".join(sorted({i.type_name for i in infos}))
-    label = names if "+" not in names else f"{names} as {parts[0].bits}-bit codes in groups of {parts[0].group_size}"
+    label = names if "+" not in names else f"{names} as {w.bits}-bit codes in groups of {w.group_size}"
     self.packed[(role, label)] += len(infos)
-    w = upload(stack(parts, [i.name for i in infos]), f"gguf {names}", "int", self.dtype, self.device)
-    Tensor.realize(*w.tensors())
-    return w
+    q = upload(w, f"gguf {names}", "int", self.dtype, self.device)
+    Tensor.realize(*q.tensors())
+    return q
+
+  def _experts(self, names: list[str], shape: tuple[int, ...]) -> Tensor | QuantizedWeight:
+    """A sparse layer's experts from its 3-D tensors ([experts, rows, cols]: ffn_gate_exps, ffn_up_exps or
+    ffn_down_exps), every expert's rows stacked in the order the loader names them (expert by expert, gate rows then up
+    rows): packed where the types allow, else dequantized."""
+    parsed = [EXPERT.fullmatch(n) for n in names]
+    if any(m is None or m.group(3) not in EXPERT_TENSORS for m in parsed): raise KeyError(names[0])
+    projections = list(dict.fromkeys(m.group(3) for m in parsed))
+    experts, layer = len(names) // len(projections), parsed[0].group(1)
+    expected = [(str(e), p) for e in range(experts) for p in projections]
+    if [(m.group(2), m.group(3)) for m in parsed] != expected: raise KeyError(f"{names[0]} (experts out of order)")
+    infos = []
+    for p in projections:
+      name = f"blk.{layer}.{EXPERT_TENSORS[p]}.weight"
+      if name not in self.f: raise KeyError(f"{name} ({names[0]})")
+      infos.append(self.f.tensors[name])
+    self.used.update(i.name for i in infos)
+    if any(len(i.shape) != 3 or i.shape[0] != experts or i.shape[1:] != infos[0].shape[1:] for i in infos) or (
+        experts * len(infos) * infos[0].shape[1], infos[0].shape[2]) != shape:
+      raise ConfigError(f"{self.f.path}: tensor {' + '.join(i.name for i in infos)} has shape "
+                        f"{' + '.join(str(i.shape) for i in infos)}, the metadata implies {experts} experts of {shape}")
+    rows = lambda i: (experts * i.shape[1], i.shape[2])
+    if all(i.ggml_type in blocks.PACKED_TYPES for i in infos):
+      parts = common_form([blocks.unpack(self.f.raw(i.name), i.ggml_type, rows(i)) for i in infos])
+      by_expert = lambda field: None if getattr(parts[0], field) is None else _by_expert([getattr(p, field) for p in parts], experts)
+      w = replace(parts[0], codes=by_expert("codes"), scales=by_expert("scales"), zeros=by_expert("zeros"),
+                  offsets=by_expert("offsets"))
+      return self._upload(w, infos, "experts")
+    for i in infos:
+      if not blocks.BLOCK_FORMATS[i.ggml_type].plain: self.dequantized[f"{i.type_name} experts"] += 1
+    arr = _by_expert([blocks.dequantize(self.f.raw(i.name), i.ggml_type, rows(i)) for i in infos], experts)
+    t = Tensor(np.ascontiguousarray(arr), device=self.device)
+    return (t if t.dtype == self.dtype else t.cast(self.dtype)).contiguous()
 
   def notices(self) -> list[str]:
     """What start-up says about the weights: the packed formats and what was dequantized at load."""
     out = []
-    for role in sorted({r for r, _ in self.packed}, reverse=True):   # linears, then the output layer
+    for role in sorted({r for r, _ in self.packed}, key=("linears", "experts", "output layer").index):
       kept = ", ".join(f"{n} x{c}" for (r, n), c in sorted(self.packed.items()) if r == role)
       out.append(f"gguf: {role} kept packed: {kept}")
     if self.dequantized:
@@ -115,3 +157,9 @@ class GGUFSource:
                  "quantized type with a plain one): "
                  + ", ".join(f"{n} x{c}" for n, c in sorted(self.dequantized.items())))
     return out
+
+
+def _by_expert(parts: list[np.ndarray], experts: int) -> np.ndarray:
+  """Per-row arrays of an experts' tensor each ([experts * rows, ...]) interleaved expert by expert: expert e's rows of
+  the first, then its rows of the second (gate then up), ..."""
+  return np.concatenate([p.reshape(experts, -1, *p.shape[1:]) for p in parts], axis=1).reshape(-1, *parts[0].shape[1:])
