@@ -1,5 +1,6 @@
 """Packed (quantized) experts on the GPU, part of bench/check_moe.py: Qwen3-30B-A3B's sparse layer with its experts
-quantized at load as the engine does it (int8 and FP8 per channel, int4 in groups of 128; the experts' rows stacked),
+quantized at load as the engine does it (int8 and FP8 per channel, int4 in groups of 128; and a GGUF Q4_K_M layer's
+forms, int4 gate/up in groups of 32 beside int8 down in groups of 16; the experts' rows stacked),
 FusedBackend.moe (the decode kernels up to 16 tokens, the grouped tensor-core GEMM above) against portable_moe in
 float32 on the same packed weights, each token within TOL of the experts' part (a token may route otherwise only
 where its k-th and (k+1)-th experts tie within the logits' rounding, as check_moe allows), then timed against the bf16
@@ -11,18 +12,20 @@ from dataclasses import replace
 import numpy as np
 from check_moe import EPS, HIDDEN, INTER, TIE, TOL, _inputs, _reference, _time
 
-FORMATS = {"int8": (HIDDEN, INTER), "int4": (128, 128), "fp8": (HIDDEN, INTER)}   # format -> gate_up's and down's groups
+# name -> gate_up's and down's (format, scale group): quantized at load, and a GGUF Q4_K_M layer's Q4_K / Q6_K forms
+FORMATS = {"int8": (("int8", HIDDEN), ("int8", INTER)), "int4": (("int4", 128), ("int4", 128)),
+           "fp8": (("fp8", HIDDEN), ("fp8", INTER)), "q4_k_m": (("int4", 32), ("int8", 16))}
 TOKENS = (1, 4, 16, 64, 256)
 
 
-def packed_layer(moe, fmt: str):
+def packed_layer(moe, name: str):
   """The layer's experts quantized at load (layers/quantized.py's round-to-nearest), their rows stacked."""
   from tinygrad import Tensor
 
   from tinyvllm.layers.quantized import quantize_rtn
-  up_group, down_group = FORMATS[fmt]
-  up = quantize_rtn(moe.gate_up_proj.reshape(-1, HIDDEN), fmt, up_group)
-  down = quantize_rtn(moe.down_proj.reshape(-1, INTER), fmt, down_group)
+  (up_format, up_group), (down_format, down_group) = FORMATS[name]
+  up = quantize_rtn(moe.gate_up_proj.reshape(-1, HIDDEN), up_format, up_group)
+  down = quantize_rtn(moe.down_proj.reshape(-1, INTER), down_format, down_group)
   Tensor.realize(*up.tensors(), *down.tensors())
   return replace(moe, gate_up_proj=up, down_proj=down)
 
