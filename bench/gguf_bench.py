@@ -1,6 +1,6 @@
 """GGUF files' packed linears on the GPU (docs/benchmarks.md section 10): random llama GGUFs of about Qwen3-0.6B's
-shape written here in llama.cpp's quantization mixes (tests/gguf_files.py: random blocks of ggml's published layouts),
-then for each mix
+shape written here in llama.cpp's quantization mixes (tests/gguf_files.py: random blocks of ggml's published layouts;
+qwen3moe_q4_k_m: a qwen3moe file of 64 experts a layer in Q4_K_M's mix), then for each mix
 - check: the hand-written kernels' logits against the portable path's on a 4-layer file (the packed products'
   correctness, including the common form of q/k/v parts of different types), beside the same gap of the file
   dequantized to bf16 at load (`GGUFSource`'s packed types emptied: the control, bf16 rounding through random layers);
@@ -37,7 +37,11 @@ MIXES = {"q4_k_m": {**dict.fromkeys(LINEARS, "Q4_K"), "attn_v": "Q6_K", "ffn_dow
          "q4_k_m_by_layer": {**dict.fromkeys(LINEARS, "Q4_K"), "attn_v": more_bits, "ffn_down": more_bits},
          "q5_k_m": {**dict.fromkeys(LINEARS, "Q5_K"), "attn_v": "Q6_K", "ffn_down": "Q6_K"},
          "q8_0": dict.fromkeys(LINEARS, "Q8_0"), "q4_0": dict.fromkeys(LINEARS, "Q4_0")}
+MIXES["qwen3moe_q4_k_m"] = MIXES["q4_k_m_by_layer"]
 SHAPE = dict(hidden=1024, ffn=3072, heads=8, kv_heads=4)   # head_dim 128, GQA 2, as Qwen3-0.6B's attention
+# mixes written as another architecture: a qwen3moe file of 64 experts of 768, 8 a token (Qwen3-30B-A3B's experts' size
+# and top-k at a smaller width and count), every layer sparse, its experts' down in Q6_K where llama.cpp's mix puts it
+FILE_ARGS = {"qwen3moe_q4_k_m": dict(arch="qwen3moe", experts=(64, 8, 768))}
 TOLERANCE = 2e-2   # bf16 activations on both paths, summed in different orders
 CHECK_LAYERS = 4   # the logits check's depth: random layers amplify bf16 rounding with every layer
 
@@ -74,7 +78,8 @@ def check_mix(name: str, dtype: str, folder: Path) -> dict:
   through the same kernels): a wrong scale or code order parts by far more than bf16's rounding, which the control
   shows at this depth."""
   from tests.gguf_files import write_tiny_llama
-  path = write_tiny_llama(folder / f"{name}_check.gguf", MIXES[name], "F16", None, layers=CHECK_LAYERS, **SHAPE)
+  path = write_tiny_llama(folder / f"{name}_check.gguf", MIXES[name], "F16", None, layers=CHECK_LAYERS, **SHAPE,
+                          **FILE_ARGS.get(name, {}))
   prompt = [int(t) for t in np.random.default_rng(0).integers(0, 256, 64)]
   packed = logits_gap(path, prompt, dtype)
   with dequantized_at_load(): control = logits_gap(path, prompt, dtype)
@@ -97,7 +102,7 @@ def bench_mix(name: str, layers: int, new_tokens: int, dtype: str, folder: Path,
   types = {k: v if isinstance(v, str) else f"{v.__name__} (by layer)" for k, v in MIXES[name].items()}
   result = {"mix": name, "types": types, **(check_mix(name, dtype, folder) if "check" in parts else {})}
   if "decode" not in parts: return result
-  path = write_tiny_llama(folder / f"{name}.gguf", MIXES[name], "F16", None, layers=layers, **SHAPE)
+  path = write_tiny_llama(folder / f"{name}.gguf", MIXES[name], "F16", None, layers=layers, **SHAPE, **FILE_ARGS.get(name, {}))
   result["packed"] = [decode(path, b, new_tokens, dtype) for b in (1, 8)]
   print(f"{name} dequantized at load:", flush=True)
   with dequantized_at_load(): result["dequantized"] = [decode(path, b, new_tokens, dtype) for b in (1, 8)]
