@@ -141,3 +141,11 @@ def test_an_experts_missing_block_scales_tensor_is_named(tmp_path: Path):
   name = "model.layers.1.block_sparse_moe.experts.3.w2.weight_scale_inv"
   with pytest.raises(ConfigError, match=re.escape(f"FP8 checkpoint is missing tensor {name}")):
     LLM(str(without(tmp_path / "q", name)), num_gpu_blocks=16)
+
+
+def test_start_up_counts_the_experts_as_quantized():
+  """The weights line's unquantized size counts the packed experts at the compute dtype: the float model's bytes."""
+  kwargs = dict(load_format="dummy", num_gpu_blocks=8, max_model_len=128)
+  plain = LLM("qwen3-moe-tiny", **kwargs).engine.model.weights
+  packed = LLM("qwen3-moe-tiny", quantization="int8", **kwargs).engine.model.weights
+  assert packed.unquantized_bytes() == plain.nbytes() > packed.nbytes()

@@ -45,7 +45,8 @@ class ModelWeights:
 
   def unquantized_bytes(self) -> int:
     """What the weights would take with every linear in the compute dtype."""
-    quantized = [w for layer in self.layers for w in layer.linears() if isinstance(w, QuantizedWeight)]
+    experts = lambda layer: (layer.moe.gate_up_proj, layer.moe.down_proj) if layer.moe is not None else ()
+    quantized = [w for layer in self.layers for w in (*layer.linears(), *experts(layer)) if isinstance(w, QuantizedWeight)]
     if isinstance(self.lm_head, QuantizedWeight): quantized.append(self.lm_head)
     inside = {id(t) for w in quantized for t in w.tensors()}
     plain = {id(t): t for t in self.tensors() if id(t) not in inside}
