@@ -134,4 +134,5 @@ def test_a_lane_takes_a_span_of_codes_where_the_group_allows():
   assert layout(1, "fp8", (2048, 768)) == [(8, 1, 16), (4, 2, 16)]
   assert layout(16, "elem", (0, 0)) == [(4, 4, None), (8, 2, None)]
   assert layout(16, "int8", (2048, 768)) == [(4, 2, 16), (4, 2, 16)]
+  assert layout(16, "fp8", (2048, 768)) == [(4, 1, 16), (4, 1, 16)]   # (the E4M3 conversion's registers: one step a batch)
   assert layout(16, "int4", (16, 16)) == [(4, 2, None), (4, 2, None)]   # groups narrower than a span

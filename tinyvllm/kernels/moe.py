@@ -189,13 +189,17 @@ def warp_columns(k: int, packed: bool = False) -> int:
   return 4 if k >= 1024 or packed else 8
 
 
-def batch_steps(shape: MoEShape, product: str, rpw: int) -> int:
+def batch_steps(shape: MoEShape, product: str, rpw: int, grouped: bool = False) -> int:
   """Steps of K a batch of loads (TV_SB): BATCH_VECTORS weight vectors a lane; where a step is a span of packed codes
   (code_span), as many columns of x' as that many vectors cover (the x' a batch holds in registers: with a span a
   load, the 16-token int4 gate_up spilled 284 bytes, nvcc sm_90); half as many vectors of packed codes taken a vector a
-  step (each holds its scale and shift beside the codes: with as many, the 16-token int8 gate_up spilled 52 bytes)."""
-  vec, span = 16 // ELEM_BYTES[dtype_code(shape.dtype)], code_span(shape, product)
-  vectors = BATCH_VECTORS if shape.product(product)[0] == "elem" or span is not None else BATCH_VECTORS // 2
+  step (each holds its scale and shift beside the codes: with as many, the 16-token int8 gate_up spilled 52 bytes).
+  FP8 spans in the grouped plan one step a batch: their E4M3 conversion holds more registers (H200, Qwen3-30B-A3B's
+  shape, us a layer at 8 / 16 tokens: 170.0 / 269.3 against 188.6 / 302.7 with two; int8 and int4 best as planned;
+  bench/moe_packed_sweep.py)."""
+  form, span, vec = shape.product(product)[0], code_span(shape, product), 16 // ELEM_BYTES[dtype_code(shape.dtype)]
+  if grouped and form == "fp8" and span is not None: return 1
+  vectors = BATCH_VECTORS if form == "elem" or span is not None else BATCH_VECTORS // 2
   return max(1, vectors // rpw // ((span or vec) // vec))
 
 
@@ -216,7 +220,7 @@ def grouped_kernel(shape: MoEShape, product: str) -> MoEKernel:
   rows, rpw = pass_rows(shape), warp_columns(k, shape.product(product)[0] != "elem")
   defines: dict[str, int | str] = {"TV_DTYPE": dtype_code(shape.dtype), "TV_M": rows, "TV_K": k, "TV_NOUT": nout, "TV_RPW": rpw,
                                    "TV_NT": THREADS, "TV_MOE_GROUPED": 1, "TV_P": p, "TV_G": g,
-                                   "TV_XDIV": shape.top_k if gate_up else 1, "TV_SB": batch_steps(shape, product, rpw)}
+                                   "TV_XDIV": shape.top_k if gate_up else 1, "TV_SB": batch_steps(shape, product, rpw, grouped=True)}
   params = [Param("gate_up" if gate_up else "down", "elem" if gate_up else "float", True, p * nout),
             Param("x" if gate_up else "gate_up", "elem", False, n * h if gate_up else p * 2 * i),
             Param(f"w_{product}", "elem", False, e * nout * k), Param("groups", "int", False, p + 3 * g)]
