@@ -12,7 +12,8 @@ The grouped plan reads each chosen expert's weights once, in four launches:
 The direct plan (steps of up to DIRECT_MAX_TOKENS tokens, where tokens seldom share an expert) goes pair by pair in two:
   1. tv_moe_up: a block per (columns, pair) routes its token itself and computes the pair's gate_up columns;
   2. tv_moe_down: a block per (columns, token) computes the token's k pairs' down columns and combines them.
-Both give the same bits (the same sums in the same order).
+Both give the same bits (the same sums in the same order). Packed experts (MoEShape.weights; each projection's form
+of its own) are read as codes with their scales and shifts (moe_products.inc's TV_WQ; packed_params).
 
 In tinygrad ops (tinyvllm/layers/moe.py, the reference and the path for larger steps) the routing is a chain of small
 kernels (softmax, k max-reductions, renormalisation) and the gathered products copy each pair's expert weights before
@@ -71,9 +72,6 @@ class MoEShape:
   # the experts' gate_up and down weights: (form, scale group): "elem" (the activations' dtype) or packed codes (int8,
   # int4, fp8) with their input columns a scale (a GGUF file's mixes differ between the two)
   weights: tuple[tuple[str, int], tuple[str, int]] = (("elem", 0), ("elem", 0))
-
-  @property
-  def packed(self) -> bool: return any(form != "elem" for form, _ in self.weights)
 
   def product(self, product: str) -> tuple[str, int, int]:
     """A product's (form, scale group, K)."""
