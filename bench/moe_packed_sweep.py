@@ -1,9 +1,10 @@
-"""Bench-only: the grouped skinny plan's layout for packed experts at decode batches (tinyvllm/kernels/moe.py's
-pass_rows, warp_columns and batch_steps: rows a pass, columns a warp, steps a batch), timed at Qwen3-30B-A3B's shape
+"""Bench-only: the decode plans' layouts for packed experts, the grouped skinny plan's at decode batches and the direct
+plan's at a few tokens (tinyvllm/kernels/moe.py's pass_rows, warp_columns / DIRECT_COLUMNS and batch_steps: rows a pass,
+columns a warp, steps a batch), timed at Qwen3-30B-A3B's shape
 with each format of bench/check_moe_packed.py, every layout checked against the portable path as check_moe_packed
 checks the planner's. Prints us a layer by layout; writes $OUT/moe_packed_sweep.json.
 
-  DEV=CUDA python3 bench/moe_packed_sweep.py [--tokens 8,16] [--formats int4,int8,fp8,q4_k_m]
+  DEV=CUDA python3 bench/moe_packed_sweep.py [--tokens 1,8,16] [--formats int4,int8,fp8,q4_k_m]
 """
 from __future__ import annotations
 
@@ -19,8 +20,11 @@ from check_moe import EPS, LAYERS, TIE, TOL, _inputs, _layer, _reference, _time
 from check_moe_packed import FORMATS, _float32, packed_layer
 
 
-def layouts() -> list[tuple[int, int, int]]:
-  """(rows a pass, columns a warp, steps a batch) to time; (0, 0, 0) is the planner's."""
+def layouts(tokens: int) -> list[tuple[int, int, int]]:
+  """(rows a pass, columns a warp, steps a batch) to time; (0, 0, 0) is the planner's, 0 a field it keeps. The direct
+  plan (DIRECT_MAX_TOKENS tokens and fewer) has one row a pass: its columns a warp (gate_up's and down's alike) and
+  steps a batch."""
+  if tokens <= 4: return [(0, 0, 0), *[(0, c, b) for c in (0, 2, 4, 8) for b in (0, 1, 2, 4) if (c, b) != (0, 0)]]
   return [(0, 0, 0), *itertools.product((1, 2, 4), (2, 4), (1, 2))]
 
 
@@ -33,14 +37,14 @@ def with_layout(layout: tuple[int, int, int]):
 
   @contextlib.contextmanager
   def patched():
-    saved = moe.pass_rows, moe.warp_columns, moe.batch_steps
+    saved = moe.pass_rows, moe.warp_columns, moe.batch_steps, moe.DIRECT_COLUMNS
     if rows: moe.pass_rows = lambda shape: min(shape.tokens, rows)
-    if rpw: moe.warp_columns = lambda k, packed=False: rpw
+    if rpw: moe.warp_columns, moe.DIRECT_COLUMNS = (lambda k, packed=False: rpw), (rpw, rpw)   # (the direct plan's too)
     if sb: moe.batch_steps = lambda shape, product, rpw, grouped=False: sb
     moe.moe_sources.cache_clear()
     try: yield
     finally:
-      moe.pass_rows, moe.warp_columns, moe.batch_steps = saved
+      moe.pass_rows, moe.warp_columns, moe.batch_steps, moe.DIRECT_COLUMNS = saved
       moe.moe_sources.cache_clear()
   return patched()
 
@@ -52,7 +56,7 @@ def sweep(target, device: str, fmt: str, n: int, bf16_layers: list, iters: int) 
   want, gaps = _reference(x, norm, residual, _float32(layers[0]))
   scale = np.abs(want - residual.float().numpy()).max()
   records = []
-  for layout in layouts():
+  for layout in layouts(n):
     with with_layout(layout):
       backend = FusedBackend(target)
       try:
