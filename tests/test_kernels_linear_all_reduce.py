@@ -3,7 +3,8 @@ csrc/cuda/peer.inc), run on the CPU through the C++ emulation, each device's lau
 device gets the same bits as its product (the plain skinny kernel, same layout) followed by the all-reduce kernel
 (each device's products rounded to the dtype, added in the devices' order in float32, rounded, the residual added).
 Launches of it and of the all-reduce kernel alternate on the same buffers (one launch count for the group, every
-reducer moving its counters), grids of one to 32 reducers, and what the planner refuses. The emulator runs a grid's
+reducer moving its counters), grids of one to 32 reducers, packed weight shards (int4, FP8), and what the planner
+refuses. The emulator runs a grid's
 blocks one after the other in index order, so the reducers (the last blocks) find their words pushed; on the GPU they
 run beside the product blocks, which never wait."""
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tests.emulator.cases import from_bits, linear_inputs, to_bits
+from tests.emulator.cases import from_bits, linear_inputs, packed_weight, to_bits
 from tests.emulator.emulator import LazyKernels, Spec, emulate, poisoned
 from tests.test_kernels_all_reduce import Devices, _expected, _name, _partials, on_every_device
 from tinyvllm.kernels import all_reduce as ar
@@ -32,13 +33,32 @@ CASES = {
   "bf16_many_2": ("bfloat16", 1, 64, 8448, False, True, 2),
   # three devices: a reducer's threads past 3 x (32 // 3) idle
   "bf16_three_3": ("bfloat16", 2, 128, 64, False, True, 3),
+  # packed weight shards (tensor parallelism with quantized weights): int4 in groups of 32 behind SwiGLU, FP8 per channel
+  "bf16_int4_g32_silu_2": ("bfloat16", 1, 256, 64, True, True, 2, "int4", 32),
+  "f16_fp8_4": ("float16", 2, 128, 40, False, False, 4, "fp8", 128),
 }
 BETWEEN = (4096, "bfloat16")   # an all-reduce kernel launch between the products (2 devices)
 
 
 def _shape(name: str, world: int | None = None) -> LinearShape:
-  dtype, m, k, o, silu, residual, devices = CASES[name]
-  return LinearShape(dtype, m, k, o, False, None, silu, residual, False, all_reduce=devices if world is None else world)
+  dtype, m, k, o, silu, residual, devices, *packed = CASES[name]
+  form = dict(zip(("weight", "group"), packed, strict=True)) if packed else {}
+  return LinearShape(dtype, m, k, o, False, None, silu, residual, False, all_reduce=devices if world is None else world, **form)
+
+
+def _operands(rng: np.random.Generator, name: str) -> dict[str, np.ndarray]:
+  """A device's x, residual and weight shard: in the activations' dtype, or packed (its codes, scales and shifts)."""
+  shape = _shape(name)
+  a = linear_inputs(rng, shape)
+  if shape.weight == "elem": return a
+  w = packed_weight(rng, shape.weight, shape.out_features, shape.in_features, shape.group)
+  shifts = w.shifts if w.shifts is not None else w.scales   # (FP8 has none: its scales stand in, never read)
+  return {**a, "w": None, "codes": w.codes.numpy().reshape(-1), "scales": w.scales.numpy().reshape(-1),
+          "shifts": shifts.numpy().reshape(-1)}
+
+
+def _weight_args(a: dict[str, np.ndarray], dtype: str) -> list[np.ndarray]:
+  return [to_bits(a["w"], dtype).reshape(-1)] if a["w"] is not None else [a["codes"], a["scales"], a["shifts"]]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +80,7 @@ def _want(emu: LazyKernels, name: str, operands: list[dict[str, np.ndarray]], re
   partials = []
   for a in operands:
     out = poisoned(shape.rows * shape.out_features, shape.dtype)
-    emu.launch(f"{name}__plain", 0, [out, to_bits(a["x"], shape.dtype).reshape(-1), to_bits(a["w"], shape.dtype).reshape(-1)])
+    emu.launch(f"{name}__plain", 0, [out, to_bits(a["x"], shape.dtype).reshape(-1), *_weight_args(a, shape.dtype)])
     partials.append(from_bits(out, shape.dtype))
   want = _expected(partials, shape.dtype)
   return want if residual is None else to_bits(residual.reshape(-1) + from_bits(want, shape.dtype), shape.dtype)
@@ -69,7 +89,7 @@ def _want(emu: LazyKernels, name: str, operands: list[dict[str, np.ndarray]], re
 def _product_args(name: str, a: dict[str, np.ndarray], residual: np.ndarray | None, table: np.ndarray, out: np.ndarray) -> list:
   shape = _shape(name)
   extra = [] if residual is None else [to_bits(residual, shape.dtype).reshape(-1)]
-  return [out, to_bits(a["x"], shape.dtype).reshape(-1), to_bits(a["w"], shape.dtype).reshape(-1), *extra, table]
+  return [out, to_bits(a["x"], shape.dtype).reshape(-1), *_weight_args(a, shape.dtype), *extra, table]
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -78,7 +98,7 @@ def test_every_device_gets_its_product_then_the_all_reduce(emu, name):
   world, m, o = shape.all_reduce, shape.rows, shape.out_features
   devices, rng = Devices(world), np.random.default_rng(len(name))
   for launch in range(2):   # the LL slots alternate; the arrivals counter starts again at 0
-    operands = [linear_inputs(rng, shape) for _ in range(world)]   # each device's x and weight shard
+    operands = [_operands(rng, name) for _ in range(world)]   # each device's x and weight shard
     residual = operands[0].get("residual")   # replicated, as the hidden states are
     want, outs = _want(emu, name, operands, residual), [poisoned(m * o, shape.dtype) for _ in range(world)]
 

@@ -103,7 +103,6 @@ def test_placed_columns_all_reduced_are_the_gather_bit_for_bit(size: int):
 
 @pytest.mark.parametrize(("kwargs", "words"), [
   ({"tensor_parallel_size": 3}, "tensor_parallel_size 3 does not divide the model's num_attention_heads (8)"),
-  ({"tensor_parallel_size": 2, "quantization": "int8"}, "tensor parallelism with quantized weights is not supported"),
   ({"tensor_parallel_size": 2, "preemption_mode": "swap"}, "tensor parallelism with --preemption-mode swap is not supported"),
 ])
 def test_what_cannot_be_split_is_refused_by_name(stories_dir, kwargs, words):

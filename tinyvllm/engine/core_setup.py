@@ -153,7 +153,7 @@ def tensor_parallel_group(config: EngineConfig, mc: ModelConfig, device: str, gg
   tp = config.tensor_parallel_size
   if tp == 1: return None
   check_shardable(mc, tp)
-  refusals = [(config.quantization is not None or mc.quantization_config is not None or gguf, "quantized weights"),
+  refusals = [(gguf, "a GGUF file"),
               (config.preemption_mode == "swap", "--preemption-mode swap"),
               (config.speculative_config is not None and config.speculative_config.method == "draft_model", "a draft model")]
   for refused, what in refusals:
