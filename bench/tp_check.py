@@ -6,6 +6,7 @@ split changes the order of the all-reduced sums, so bf16 tokens may part where t
 is reported). Prints one JSON line per check; exits 1 if the kernel's sums or stories260K's tokens differ.
 
   python3 bench/tp_check.py --tp 2 --stories .data/stories260K-hf
+  python3 bench/tp_check.py --tp 2 --quantization int8     (the tokens check alone, weights quantized at load)
 """
 from __future__ import annotations
 
@@ -104,14 +105,16 @@ def peer_all_reduce(tp: int) -> dict:
           "products": products, "gathers": gathers, "broadcasts": broadcasts, "mismatches": mismatches, "equal": mismatches == 0}
 
 
-def qwen_tokens(tp: int, model: str) -> list[list[int]]:
+def qwen_tokens(tp: int, model: str, quantization: str | None = None) -> list[list[int]]:
   from tinyvllm import LLM, SamplingParams
   rng = np.random.default_rng(0)
   prompts = [{"prompt_token_ids": rng.integers(0, 150000, int(n)).tolist()} for n in rng.integers(16, 400, 16)]
-  llm = LLM(model, load_format="dummy", tensor_parallel_size=tp, max_model_len=1024, gpu_memory_utilization=0.5)
+  llm = LLM(model, load_format="dummy", tensor_parallel_size=tp, max_model_len=1024, gpu_memory_utilization=0.5,
+            quantization=quantization)
   t = time.perf_counter()
   outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
-  print(f"tp {tp}: 16 sequences x 64 tokens in {time.perf_counter() - t:.2f} s", file=sys.stderr)
+  calls = dict(getattr(llm.engine.model.backend, "calls", {}))
+  print(f"tp {tp}: 16 sequences x 64 tokens in {time.perf_counter() - t:.2f} s; kernel calls {calls}", file=sys.stderr)
   return [o.outputs[0].token_ids for o in outs]
 
 
@@ -134,10 +137,15 @@ def main() -> int:
   p.add_argument("--stories")
   p.add_argument("--model", default="qwen3-0.6b")
   p.add_argument("--only", choices=("all_reduce", "stories", "tokens"))
+  p.add_argument("--quantization", help="the tokens check with the weights quantized at load (int8, int4, fp8)")
   args = p.parse_args()
+  quant = ["--quantization", args.quantization] if args.quantization else []
   if args.only == "all_reduce": print(json.dumps(peer_all_reduce(args.tp)))
   elif args.only == "stories": print(json.dumps(stories(args.stories, args.tp)))
-  elif args.only == "tokens": print(json.dumps(qwen_tokens(args.tp, args.model)))
+  elif args.only == "tokens": print(json.dumps(qwen_tokens(args.tp, args.model, args.quantization)))
+  elif args.quantization:   # the tokens check alone, quantized: tp N against tp 1
+    one, split = (in_subprocess("--tp", str(tp), "--model", args.model, "--only", "tokens", *quant) for tp in (1, args.tp))
+    print(json.dumps({"check": f"{args.model} {args.quantization} greedy, tp {args.tp} vs 1", **agreement(split, one)}), flush=True)
   else:
     kernel = in_subprocess("--tp", str(args.tp), "--only", "all_reduce")
     print(json.dumps(kernel), flush=True)
