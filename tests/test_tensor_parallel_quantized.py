@@ -1,6 +1,7 @@
 """Tensor parallelism with quantized weights over 2 and 4 tinygrad CPU devices: int8 / int4 / fp8 quantized at load and a
 GPTQ checkpoint, dense (Qwen3) and mixture-of-experts (Qwen3-MoE) models, give HF transformers' greedy tokens on the
-dequantized weights; each device's packed share is the packed form of its float share (rows for qkv and gate_up, input
+dequantized weights, and GGUF files (a llama file's packed output layer split by vocabulary rows; a qwen3moe file) HF's
+logits reading the same file; each device's packed share is the packed form of its float share (rows for qkv and gate_up, input
 columns in whole scale groups for o and down, a per-channel scale kept whole, codes repacked where a device's columns
 end inside a word); what cannot be split is refused naming the weight."""
 from __future__ import annotations
@@ -80,3 +81,26 @@ def test_what_does_not_split_is_refused_naming_the_weight(overrides: dict, metho
   make_model(kind, tmp_path, **{**base, **overrides})
   with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
     LLM(str(tmp_path), quantization=method, tensor_parallel_size=2, num_gpu_blocks=16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+def test_gguf_file_split_over_devices_matches_hf(arch: str, tmp_path: Path):
+  """A GGUF file's packed linears (and a llama file's packed Q6_K output layer, split by vocabulary rows) over 2
+  devices: HF transformers' logits reading the same file."""
+  import torch
+  from transformers import AutoModelForCausalLM
+
+  from tests.gguf_files import write_tiny_llama
+  from tests.test_gguf_moe import INTER, hf_qwen3moe
+  types = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K",
+           "ffn_down": "Q6_K"}
+  if arch == "llama": path = write_tiny_llama(tmp_path / "t.gguf", types, "F32", "Q6_K")
+  else: path = write_tiny_llama(tmp_path / "t.gguf", types, "F32", None, arch=arch, experts=(8, 2, INTER), heads=2, kv_heads=1)
+  llm = LLM(str(path), device="CPU", tensor_parallel_size=2, max_num_seqs=2, num_gpu_blocks=32, max_model_len=128)
+  hf = (AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32) if arch == "llama"
+        else hf_qwen3moe(path))
+  prompt = PROMPTS[1]
+  with torch.no_grad(): ref = hf(torch.tensor([prompt])).logits[0, -1].numpy()
+  ours = llm.engine.compute_logits(prompt)
+  assert float(np.abs(ours - ref).max() / np.abs(ref).max()) < 1e-4

@@ -113,9 +113,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                            config.block_size, mc.hidden_act)
   backend = select_backend(config.attention_backend, device, request, config.kernel_options())   # before loading
   log(f"attention backend {backend.describe()}")
-  group = tensor_parallel_group(config, mc, device, located.gguf is not None)
+  group = tensor_parallel_group(config, mc, device)
   model = (load_weights(config, mc, located.folder, dtype, device, max_model_len, backend, group) if located.gguf is None
-           or config.load_format == "dummy" else load_gguf_weights(config, mc, located.gguf, dtype, device, max_model_len, backend))
+           or config.load_format == "dummy" else load_gguf_weights(config, mc, located.gguf, dtype, device, max_model_len, backend,
+                                                                   group))
   draft = load_draft(config, mc, dtype, device, max_model_len)
   shard = mc if group is None else local_config(mc, group.size)   # what one device holds of the KV cache
   allocator = make_allocator(config, shard, device, kv_dtype, max_model_len, draft.config if draft is not None else None)
@@ -148,13 +149,12 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                      async_scheduling, warm_up_seconds, speculator)
 
 
-def tensor_parallel_group(config: EngineConfig, mc: ModelConfig, device: str, gguf: bool) -> TensorParallelGroup | None:
+def tensor_parallel_group(config: EngineConfig, mc: ModelConfig, device: str) -> TensorParallelGroup | None:
   """The devices tensor parallelism splits the model over (None: one device), after checking that it can."""
   tp = config.tensor_parallel_size
   if tp == 1: return None
   check_shardable(mc, tp)
-  refusals = [(gguf, "a GGUF file"),
-              (config.preemption_mode == "swap", "--preemption-mode swap"),
+  refusals = [(config.preemption_mode == "swap", "--preemption-mode swap"),
               (config.speculative_config is not None and config.speculative_config.method == "draft_model", "a draft model")]
   for refused, what in refusals:
     if refused: raise ConfigError(f"tensor parallelism with {what} is not supported yet (tensor_parallel_size {tp})")
@@ -231,12 +231,13 @@ def load_weights(config: EngineConfig, mc: ModelConfig, folder: Path | None, dty
 
 
 def load_gguf_weights(config: EngineConfig, mc: ModelConfig, gguf: GGUFFile, dtype: DType, device: str, max_model_len: int,
-                      backend: ComputeBackend) -> TransformerLM:
-  """The model from a GGUF file, its Q8_0 / Q4_0 / Q4_1 linears kept packed; logs the formats and the weights' bytes."""
+                      backend: ComputeBackend, group: TensorParallelGroup | None = None) -> TransformerLM:
+  """The model from a GGUF file (split over `group`), its quantized linears kept packed; logs the formats and the
+  weights' bytes."""
   if config.quantization not in (None, "gguf"):
     raise ConfigError(f"--quantization {config.quantization} does not apply to a GGUF file ({gguf.path}): its weights are "
                       "already quantized (pass --quantization gguf or none)")
-  loaded = load_gguf_model(mc, gguf, dtype, device, max_model_len, backend)
+  loaded = load_gguf_model(mc, gguf, dtype, device, max_model_len, backend, group)
   weights = loaded.model.weights
   for notice in loaded.notices: log(notice)
   log(f"weights: {weights.nbytes() / 2**20:.1f} MiB in all ({weights.unquantized_bytes() / 2**20:.1f} MiB unquantized in {dtype.name})")

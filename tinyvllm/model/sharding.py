@@ -8,7 +8,8 @@
   expert, with the router whole on every device.
 - o and down: device i takes its columns (the rows of the product's reduction); their biases stay whole, added once
   after the all-reduce.
-- embedding and LM head: device i takes its V / tp rows of the vocabulary (replicated where tp does not divide V).
+- embedding and LM head: device i takes its V / tp rows of the vocabulary (replicated where tp does not divide V), a
+  packed LM head (a GGUF file's output layer) its codes, scales and shifts of those rows.
 - packed (quantized) weights split as their float form would: their codes, scales and shifts by the same rows, or by
   input columns in whole scale groups (a per-channel scale kept by every device's part), codes repacked where a
   device's columns end inside a 32-bit word.
@@ -163,10 +164,12 @@ def _shard_experts(moe: MoEWeights, group: TensorParallelGroup) -> MoEWeights:
 def splits_vocabulary(cfg: ModelConfig, tp: int) -> bool: return cfg.vocab_size % tp == 0
 
 
-def shard_vocabulary(table: Tensor | QuantizedWeight, group: TensorParallelGroup, split: bool) -> Tensor:
-  """The embedding / LM head [V, H]: device i's V / tp rows, or (not `split`) the whole table on every device."""
-  if isinstance(table, QuantizedWeight): raise ConfigError("tensor parallelism with a quantized LM head is not supported yet")
-  return group.local(_split_rows(table, group.size)) if split else group.replicate(table)
+def shard_vocabulary(table: Weight, group: TensorParallelGroup, split: bool) -> Weight:
+  """The embedding / LM head [V, H]: device i's V / tp rows, or (not `split`) the whole table on every device (a
+  packed LM head's codes, scales and shifts alike)."""
+  if split: return place(group, split_rows(table, lambda t: _split_rows(t, group.size)))
+  if not isinstance(table, QuantizedWeight): return group.replicate(table)
+  return place(group, [table] * group.size)
 
 
 def vocabulary_starts(cfg: ModelConfig, group: TensorParallelGroup) -> Tensor:

@@ -6,6 +6,7 @@ from collections import Counter
 from tinygrad.dtype import DType
 
 from tinyvllm.backend.interface import ComputeBackend
+from tinyvllm.layers.tensor_parallel import TensorParallelGroup
 from tinyvllm.model.gguf import blocks
 from tinyvllm.model.gguf.reader import GGUFFile
 from tinyvllm.model.gguf.source import GGUFSource
@@ -20,9 +21,9 @@ def describe_file(f: GGUFFile) -> str:
 
 
 def load_gguf_model(cfg: ModelConfig, f: GGUFFile, dtype: DType, device: str, max_positions: int,
-                    backend: ComputeBackend) -> LoadedModel:
+                    backend: ComputeBackend, group: TensorParallelGroup | None = None) -> LoadedModel:
   source = GGUFSource(f, cfg, dtype, device)
-  model = build_model(cfg, source, device, max_positions, backend)
+  model = build_model(cfg, source, device, max_positions, backend, group)
   # a tensor nobody read means the metadata describes a different model than the file holds
   check_all_used(sorted(n for n in f.tensors if n not in source.used),
                  f"{f.path}: GGUF tensor(s) that {cfg.architecture} with this metadata does not use")
