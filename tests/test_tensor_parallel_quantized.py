@@ -104,3 +104,18 @@ def test_gguf_file_split_over_devices_matches_hf(arch: str, tmp_path: Path):
   with torch.no_grad(): ref = hf(torch.tensor([prompt])).logits[0, -1].numpy()
   ours = llm.engine.compute_logits(prompt)
   assert float(np.abs(ours - ref).max() / np.abs(ref).max()) < 1e-4
+
+
+def test_a_packed_output_layer_is_whole_on_every_device_where_the_vocabulary_does_not_split(tmp_path: Path):
+  """A vocabulary of 259 rows over 2 devices: the packed Q6_K output layer on every device whole, the logits one
+  device's (to float32 rounding)."""
+  from tests.gguf_files import write_tiny_llama
+  types = dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"), "Q8_0")
+  path = write_tiny_llama(tmp_path / "t.gguf", types, "F32", "Q6_K", vocab=259)
+  logits = {}
+  for tp in (1, 2):
+    llm = LLM(str(path), device="CPU", tensor_parallel_size=tp, max_num_seqs=2, num_gpu_blocks=32, max_model_len=128)
+    logits[tp] = llm.engine.compute_logits(PROMPTS[1])
+  head = llm.engine.model.weights.lm_head
+  assert head.shape == (259, 256) and isinstance(head.codes.device, tuple)
+  assert float(np.abs(logits[2] - logits[1]).max() / np.abs(logits[1]).max()) < 1e-5

@@ -169,7 +169,8 @@ def shard_vocabulary(table: Weight, group: TensorParallelGroup, split: bool) -> 
   packed LM head's codes, scales and shifts alike)."""
   if split: return place(group, split_rows(table, lambda t: _split_rows(t, group.size)))
   if not isinstance(table, QuantizedWeight): return group.replicate(table)
-  return place(group, [table] * group.size)
+  whole = lambda t: None if t is None else group.replicate(t)
+  return replace(table, codes=whole(table.codes), scales=whole(table.scales), shifts=whole(table.shifts))
 
 
 def vocabulary_starts(cfg: ModelConfig, group: TensorParallelGroup) -> Tensor:
