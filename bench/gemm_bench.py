@@ -97,7 +97,7 @@ def check(device: str) -> None:
            (77, 151936, 1024, {"norm": True, "out_float32": True}),
            # the planner's tall row blocks for wide long-K products (long_k_tiles): whole K, and K split in four
            (200, 5120, 2048, {"norm": True}), (128, 2048, 4096, {"residual": True}),
-           (256, 128, 2048, {"out_float32": True})]   # a weight too small to split K (min_split_weights)
+           (256, 128, 2048, {"out_float32": True})]   # a small weight with K split (the router)
   for m, o, k, opts in cases:
     x, ws, extra = inputs(m, o, k, opts, device, seed=m)
     ref = call(x, ws[0], extra, opts, {"kind": "portable"}).float().numpy()

@@ -65,6 +65,9 @@ CASES = {
                                                GemmTiles.warpgroup(64, 64)),
   # four warpgroups over 256 rows (the planner's gate_up tile at 192-256-row decode batches), the row block partial
   "bf16_m200_wgmma_256x64_norm": ("bfloat16", 200, 256, 72, False, True, False, False, False, GemmTiles.warpgroup(256, 64)),
+  # a router's float32 logits from a 128x64 tile with K split four ways (Qwen3-30B-A3B's at a 256-sequence step)
+  "bf16_m130_wgmma_128x64_logits_split4": ("bfloat16", 130, 1024, 72, False, False, False, False, True,
+                                           GemmTiles.warpgroup(128, 64, 4)),
 }
 # emulator self-tests of dynamic shared memory: each thread writes its slot (TV_SHIFT slots further on: past the end
 # for a shift of 1), then reads its neighbour's
@@ -155,15 +158,18 @@ def test_long_k_products_at_decode_batches_take_one_tall_row_block():
   """Long-K products at least long_k_tall_min_out wide from 64 to 256 rows on Hopper (Qwen3-30B-A3B's qkv and o): one
   wgmma row block as tall as the rows, K split while the grid gives fewer than half the SMs a block and the float32
   partials stay within the weights' bytes; narrower ones (Qwen3-0.6B's o and down), packed weights and other row counts
-  keep their choice. Weights under min_split_weights elements (a router, 2,048 -> 128) never split K."""
+  keep their choice. A small weight with a long K (the router, 2,048 -> 128) splits K as a large one does: its few
+  blocks would otherwise wait on each slice in turn."""
   hopper = lambda rows, k, o, packed=False: choose_tiles(rows, k, o, HOPPER, packed=packed)
   assert hopper(256, 2048, 5120) == GemmTiles.warpgroup(256, 64) and hopper(100, 2048, 5120) == GemmTiles.warpgroup(128, 64)
   assert [hopper(rows, 4096, 2048) for rows in (64, 128, 256)] == [GemmTiles.warpgroup(bm, 64, 4) for bm in (64, 128, 256)]
   assert hopper(256, 4096, 4096) == GemmTiles.warpgroup(256, 64, 2)   # 64 blocks; split in four the partials would pass the weights
   assert hopper(256, 2048, 1024) == GemmTiles.warpgroup(128, 64, 4) and hopper(32, 2048, 5120) == choose_tiles(32, 2048, 5120, MMA)
   assert hopper(300, 2048, 5120) == GemmTiles.warpgroup(128, 64, 2) and hopper(256, 2048, 5120, packed=True).bm == 128
-  assert tuning_for(HOPPER.kind).gemm.min_split_weights > 2048 * 128
-  assert all(choose_tiles(rows, 2048, 128, target).splits == 1 for rows in (1, 17, 64, 128, 256) for target in (HOPPER, MMA))
+  router = {(rows, target.kind): choose_tiles(rows, 2048, 128, target) for rows in (16, 64, 256) for target in (HOPPER, MMA)}
+  assert router[256, HOPPER.kind] == GemmTiles.warpgroup(128, 64, 4)
+  assert router[16, MMA.kind].splits == router[64, MMA.kind].splits == 8
+  assert all(2048 // (t.bk * t.splits) >= tuning_for(HOPPER.kind).gemm.min_ktiles_per_split for t in router.values())
 
 
 def test_stage_rings_in_dynamic_shared_memory():

@@ -108,7 +108,7 @@ def wgmma_tiles(rows: int, in_features: int, out_features: int, t: GemmTuning) -
   if rows >= t.wgmma_prompt_rows or out_features >= t.wgmma_wide_out: return GemmTiles.warpgroup(128, 128, ring=3)
   if in_features < t.long_k or rows < t.wgmma_long_k_rows: return None
   blocks, splits = cdiv(rows, 128) * cdiv(out_features, 64), 1
-  while splits < t.long_k_max_splits and blocks * splits < t.target_blocks and _may_split(in_features, out_features, 2 * splits, t, 64):
+  while splits < t.long_k_max_splits and blocks * splits < t.target_blocks and _may_split(in_features, 2 * splits, t, 64):
     splits *= 2
   return GemmTiles.warpgroup(128, 64, splits)
 
@@ -124,7 +124,7 @@ def long_k_tiles(rows: int, in_features: int, out_features: int, t: GemmTuning, 
   if not t.long_k_tall_rows <= rows <= TALL_ROWS[-1]: return None
   blocks, splits = cdiv(out_features, 64), 1
   while (splits < t.long_k_max_splits and blocks * splits < t.long_k_tall_fill * multiprocessors
-         and _partials_fit(rows, in_features, 2 * splits) and _may_split(in_features, out_features, 2 * splits, t, 64)):
+         and _partials_fit(rows, in_features, 2 * splits) and _may_split(in_features, 2 * splits, t, 64)):
     splits *= 2
   return GemmTiles.warpgroup(next(bm for bm in TALL_ROWS if bm >= rows), 64, splits)
 
@@ -139,7 +139,7 @@ def short_k_tiles(rows: int, in_features: int, out_features: int, packed: bool, 
   24.2 -> 23.4). None where this does not apply (long K, prompt chunks, wide outputs)."""
   if in_features % 64 or in_features >= t.long_k or out_features >= t.wgmma_wide_out: return None
   if not (t.packed_min_rows < rows if packed else t.short_k_min_rows <= rows) or rows >= t.wgmma_prompt_rows: return None
-  if rows <= t.short_k_split_rows: return GemmTiles.warpgroup(64, 64, 2 if _may_split(in_features, out_features, 2, t, 64) else 1)
+  if rows <= t.short_k_split_rows: return GemmTiles.warpgroup(64, 64, 2 if _may_split(in_features, 2, t, 64) else 1)
   fills = lambda bm: cdiv(rows, bm) * cdiv(out_features, 64) >= t.short_k_min_fill * multiprocessors
   padded = lambda bm: cdiv(rows, bm) * bm * (1 - t.short_k_max_padding) > rows
   return GemmTiles.warpgroup(next((bm for bm in t.short_k_tile_rows if fills(bm) and not padded(bm)), 64), 64)
@@ -160,7 +160,7 @@ def choose_tiles(rows: int, in_features: int, out_features: int, target: DeviceT
   fits = lambda tile: GemmTiles(*tile, 1).stages(target, silu_mul) >= 3
   if in_features >= t.long_k and t.long_k_rows[0] <= rows <= t.long_k_rows[1] and fits(t.long_k_tile):
     blocks, splits = cdiv(rows, t.long_k_tile[0]) * cdiv(out_features, t.long_k_tile[1]), 1
-    while splits < t.long_k_max_splits and blocks * splits < t.target_blocks and _may_split(in_features, out_features, 2 * splits, t):
+    while splits < t.long_k_max_splits and blocks * splits < t.target_blocks and _may_split(in_features, 2 * splits, t):
       splits *= 2
     return GemmTiles(*t.long_k_tile, splits)
   big_deep = _deep_slices(t.big_tile, in_features, out_features, silu_mul, target, t.deep_big_ring)
@@ -175,7 +175,7 @@ def choose_tiles(rows: int, in_features: int, out_features: int, target: DeviceT
   bm, bn, wm, wn = next((tile for limit, tile in t.row_tiles if rows <= limit and fits(tile)), t.fallback_tile)
   blocks = cdiv(rows, bm) * cdiv(out_features, bn)
   splits = 1
-  while (splits * 2 <= t.max_splits and blocks * splits < t.target_blocks and _may_split(in_features, out_features, 2 * splits, t)
+  while (splits * 2 <= t.max_splits and blocks * splits < t.target_blocks and _may_split(in_features, 2 * splits, t)
          and _partials_fit(rows, in_features, 2 * splits)):
     splits *= 2
   return GemmTiles(bm, bn, wm, wn, splits)
@@ -187,11 +187,12 @@ def _partials_fit(rows: int, k: int, splits: int) -> bool:
   return 4 * rows * splits <= k
 
 
-def _may_split(k: int, o: int, splits: int, t: GemmTuning, bk: int = BK) -> bool:
-  """Whether K may split into `splits` runs of whole bk-wide slices, min_ktiles_per_split or more each: not for
-  weights under min_split_weights elements, whose reduce launch costs more than the split saves (H100, the
-  Qwen3-30B-A3B router, 2,048 -> 128 at 256 rows: 9.6 µs split four ways, 3.3 whole)."""
-  return o * k >= t.min_split_weights and k % (bk * splits) == 0 and k // (bk * splits) >= t.min_ktiles_per_split
+def _may_split(k: int, splits: int, t: GemmTuning, bk: int = BK) -> bool:
+  """Whether K may split into `splits` runs of whole bk-wide slices, min_ktiles_per_split or more each. Small weights
+  split too: in a model's step their slices come from HBM, and a few blocks walking a long K wait on each slice in turn
+  (Qwen3-30B-A3B's router, 2,048 -> 128, in a decode step's graph on an H200, bench/graph_kernels.py: 25.7 µs whole at
+  256 rows, 9.8 split four ways with its reduce; 54.5 whole and 11.0 split eight ways at 16 rows)."""
+  return k % (bk * splits) == 0 and k // (bk * splits) >= t.min_ktiles_per_split
 
 
 def x_prime_pass(out_features: int, bn: int, t: GemmTuning) -> bool:

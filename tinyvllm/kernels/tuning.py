@@ -44,7 +44,6 @@ class GemmTuning:
   xprime_column_blocks: int       # the RMSNorm / SwiGLU prologue runs as its own pass above this many column blocks
   max_splits: int
   min_ktiles_per_split: int
-  min_split_weights: int          # K is split only for weights of at least this many elements
   wide_tiles: tuple[Tile, ...]    # tried in order: the first that makes target_blocks without splitting K
   row_tiles: tuple[tuple[int, Tile], ...]   # else by rows (up to the first number), with K split
   fallback_tile: Tile
