@@ -3,8 +3,9 @@ Qwen3-30B-A3B's shape (hidden 2,048, experts' intermediate 768, 128 experts, top
 the device: the decode kernels (the router product, routing and grouping, the grouped skinny products, the combine:
 tinyvllm/kernels/moe.py) at 1, 4 and 16 tokens, and the grouped tensor-core path (tinyvllm/kernels/moe_grouped.py:
 x', router product, routing and alignment, the grouped gate_up and down GEMMs, the combine) at 64, 256, 2,048 and 8,192
-tokens, with other tiles than the planner's timed beside it at 256, 2,048 and 8,192 (the tuning table's `moe` section);
-then packed experts (bench/check_moe_packed.py).
+tokens (and at the decode steps the tuning table hands it, `moe.decode_kernel_max_tokens`: 16 on Hopper), with other
+tiles than the planner's timed beside it at 256, 2,048 and 8,192 (the tuning table's `moe` section); then packed experts
+(bench/check_moe_packed.py).
 
 The decode kernels' reference is portable_moe on float32 copies of the same bf16 values (both route on float32 logits;
 the bf16 portable path rounds the normed activations to bf16 before the router, so a near-tie between two experts may
@@ -79,22 +80,24 @@ def _time(fn, layers: list, device: str, iters: int, warmup: int = 3) -> float:
 
 
 def _check_tokens(target, device: str, n: int, layers: list, reference_layer, iters: int) -> dict:
-  from tinyvllm.kernels.fused import FusedBackend
+  """The decode kernels at n tokens (called directly: where the tuning table hands such a step to the grouped GEMM,
+  they still run elsewhere, on other kinds and Metal)."""
+  from tinyvllm.kernels.moe import moe_shape, run_moe
   from tinyvllm.layers.moe import portable_moe
   x, norm, residual = _inputs(n, device)
-  backend = FusedBackend(target)
-  got = backend.moe(x, layers[0], norm=norm, eps=EPS, residual=residual).float().numpy()
-  assert dict(backend.calls) == {"moe": 1}, f"{n} tokens did not take the kernel path: {dict(backend.calls)}"
+  shape, reason = moe_shape(x, layers[0], EPS)
+  assert reason is None, f"{n} tokens: the decode kernels refuse the step: {reason}"
+  kernels = lambda moe: run_moe(target, shape, x, moe, norm, residual)
+  got = kernels(layers[0]).float().numpy()
   want = portable_moe(x.float(), reference_layer, norm=norm.float(), eps=EPS, residual=residual.float()).numpy()
   bf16 = portable_moe(x, layers[0], norm=norm, eps=EPS, residual=residual).float().numpy()
   scale = np.abs(want - residual.float().numpy()).max()
   rec = {"name": f"moe_qwen3_30b_a3b_n{n}", "tokens": n, "rel_err": float(np.abs(got - want).max() / scale),
          "rel_err_vs_bf16_portable": float(np.abs(got - bf16).max() / scale), "nan": bool(np.isnan(got).any())}
-  rec["fused_us_per_layer"] = _time(lambda moe: backend.moe(x, moe, norm=norm, eps=EPS, residual=residual), layers, device, iters)
+  rec["fused_us_per_layer"] = _time(kernels, layers, device, iters)
   rec["portable_us_per_layer"] = _time(lambda moe: portable_moe(x, moe, norm=norm, eps=EPS, residual=residual), layers, device, iters)
   rec["weight_bytes_per_layer"] = int(np.mean([_experts_read(x, norm, moe) for moe in layers]))
   rec["fused_GBps"] = rec["weight_bytes_per_layer"] / rec["fused_us_per_layer"] / 1e3
-  rec["calls"] = dict(backend.calls)
   rec["ok"] = rec["rel_err"] < TOL and not rec["nan"]
   if n <= DIRECT_TOKENS:
     rec.update(_plans(target, x, norm, residual, layers, device, iters))
@@ -237,10 +240,13 @@ def _check_large(target, device: str, n: int, layers: list, reference_layer, ite
 
 def check_moe(target, device: str, tokens=(1, 2, 4, 16), large_tokens=(64, 256, 2048, 8192), iters: int = 20) -> list[dict]:
   from tinyvllm.kernels.moe import MoEShape
+  from tinyvllm.kernels.moe_grouped import takes_decode_step
   layers = [_layer(device, seed) for seed in range(LAYERS)]
   reference_layer = _float32(layers[0])
   records = [_check_tokens(target, device, n, layers, reference_layer, iters) for n in tokens]
   shape = lambda n: MoEShape("bfloat16", n, HIDDEN, INTER, EXPERTS, TOP_K, True, EPS)
+  # decode steps the tuning table hands to the grouped GEMM (moe.decode_kernel_max_tokens) are checked there too
+  large_tokens = (*[n for n in tokens if takes_decode_step(shape(n), target)], *large_tokens)
   _compile_grouped(target, device, [(shape(n), tiles) for n in large_tokens for tiles in [None, *_explored(n)]], layers[0])
   for n in large_tokens: records += _check_large(target, device, n, layers, reference_layer, iters)
   from check_moe_packed import check_moe_packed

@@ -338,14 +338,17 @@ def portable_reference(a: dict[str, np.ndarray], k: int, norm_topk: bool) -> np.
 
 def test_backend_moe_through_the_emulator(dialect, monkeypatch):
   """FusedBackend.moe with every launch (the router product too) on the emulator: the kernel path for decode-sized
-  steps, against portable_moe; its outputs poisoned before each launch."""
+  steps, against portable_moe; its outputs poisoned before each launch. On CUDA an sm_80 target, whose tuning table
+  keeps steps of up to 16 tokens on these kernels (Hopper's hands 16-bit ones of 6 and more to the grouped GEMM:
+  test_kernels_moe_grouped.py)."""
   import tinyvllm.kernels.linear as linear
   import tinyvllm.kernels.moe as moe_module
   from tinyvllm.kernels.fused import FusedBackend
   fake = EmulatedRunKernel(dialect, order="random")
   monkeypatch.setattr(moe_module, "run_kernel", fake)
   monkeypatch.setattr(linear, "run_kernel", fake)
-  backend = FusedBackend(replace(TARGETS[dialect], device="CPU"), log=pytest.fail)
+  target = DeviceTarget.nominal("cuda", arch="sm_80") if dialect == "cuda" else TARGETS[dialect]
+  backend = FusedBackend(replace(target, device="CPU"), log=pytest.fail)
   cases = {name: backend_inputs(name) for name in BACKEND}
   for _, moe, t in cases.values(): backend.moe(t["x"], moe, norm=t["norm"], eps=EPS, residual=t["residual"])   # collect
   fake.build()

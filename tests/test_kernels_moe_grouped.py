@@ -27,7 +27,8 @@ from tests.test_kernels_moe import (
 )
 from tinyvllm.kernels.gemm import GemmTiles
 from tinyvllm.kernels.moe import LARGE_STEP, MoEShape, moe_shape
-from tinyvllm.kernels.moe_grouped import GroupedPlan, grouped_plan, grouped_reason, padded_rows
+from tinyvllm.kernels.moe_grouped import GroupedPlan, grouped_plan, grouped_reason, padded_rows, takes_decode_step
+from tinyvllm.kernels.tuning import tuning_for
 from tinyvllm.platform.target import DeviceTarget
 
 HOPPER, AMPERE = DeviceTarget.nominal("cuda"), DeviceTarget.nominal("cuda", arch="sm_80")
@@ -166,13 +167,15 @@ def test_plan_at_qwen3_30b_a3b():
 # ---- the backend op: decode kernels up to their bound, the grouped path above it
 # name -> (dtype, tokens, hidden, intermediate, experts, k, norm_topk_prob) (float16: tinygrad's CPU backend here compiles no
 # bfloat16 arithmetic)
-BACKEND = {"f16_n16_decode": ("float16", 16, 64, 32, 16, 4, True), "f16_n17": ("float16", 17, 64, 32, 16, 4, True),
+BACKEND = {"f16_n5_decode": ("float16", 5, 64, 32, 16, 4, True), "f16_n16": ("float16", 16, 64, 32, 16, 4, True),
+           "f16_n17": ("float16", 17, 64, 32, 16, 4, True),
            "f16_n64_every_expert": ("float16", 64, 64, 32, 4, 4, False), "f16_n300_wgmma": ("float16", 300, 128, 64, 8, 4, True)}
 
 
 def test_backend_moe_picks_decode_kernels_or_grouped_path(monkeypatch):
-  """FusedBackend.moe with every launch (the router products too) on the emulator against portable_moe: 16 tokens on
-  the decode kernels, 17 and more on the grouped path (the 128x128 wgmma tile at 150 pairs an expert)."""
+  """FusedBackend.moe with every launch (the router products too) on the emulator against portable_moe: 5 tokens on
+  the decode kernels, 16 (past Hopper's table's decode_kernel_max_tokens) and 17 and more (past the decode kernels'
+  bound) on the grouped path (the 128x128 wgmma tile at 150 pairs an expert)."""
   import tinyvllm.kernels.linear as linear
   import tinyvllm.kernels.moe as moe_module
   import tinyvllm.kernels.moe_grouped as grouped
@@ -191,3 +194,16 @@ def test_backend_moe_picks_decode_kernels_or_grouped_path(monkeypatch):
   assert "portable-moe" not in backend.calls
   assert fake.launches.count("tv_moe_align") == len(BACKEND) - 1 and fake.launches.count("tv_moe_route") == 1
   assert moe_shape(cases["f16_n17"][2]["x"], cases["f16_n17"][1], EPS)[1] == LARGE_STEP
+  assert moe_shape(cases["f16_n16"][2]["x"], cases["f16_n16"][1], EPS)[1] is None
+
+
+def test_decode_steps_past_the_tables_bound_take_the_grouped_path():
+  """16-bit experts past the tuning table's decode_kernel_max_tokens (Hopper's: 5, where the grouped GEMM measured
+  faster) take the grouped path; packed experts, other kinds' tables (16: the decode kernels' own bound) and devices
+  without the grouped GEMM keep the decode kernels."""
+  qwen = lambda n, **kw: replace(MoEShape("bfloat16", n, 2048, 768, 128, 8, True, EPS), **kw)
+  assert tuning_for(HOPPER.kind).moe.decode_kernel_max_tokens == 5
+  assert [takes_decode_step(qwen(n), HOPPER) for n in (1, 5, 6, 16)] == [False, False, True, True]
+  assert not takes_decode_step(qwen(16, weights=(("int4", 128), ("int4", 128))), HOPPER)
+  assert not takes_decode_step(qwen(16), AMPERE) and takes_decode_step(qwen(17), AMPERE)
+  assert not takes_decode_step(qwen(16), DeviceTarget.nominal("cuda", arch="sm_75"))

@@ -71,7 +71,8 @@ def translation_unit(dialect: str, specs: list[Spec]) -> str:
     names = sorted(_macro_names(text) - {"TV_LINKAGE", "TV_EMULATOR"})
     out += [f"namespace {spec.name} {{", text, *[f"#undef {n}" for n in names], f"}}  // namespace {spec.name}"]
     code, kv_fp8 = int(spec.defines["TV_DTYPE"]), bool(spec.defines.get("TV_KV_FP8"))
-    for launch in spec.launches:
+    # one entry point a kernel: launches of one kernel (one source met at two token counts) differ only in grid and sizes
+    for launch in {launch.kernel: launch for launch in spec.launches}.values():
       run = "launch_cooperative" if launch.cooperative else "launch"
       args = ", ".join(f"({_ctype(p.kind, code, kv_fp8)}*)b[{i}]" for i, p in enumerate(launch.params))
       pos = ", uint3{::emu::group_pos().x, ::emu::group_pos().y, ::emu::group_pos().z}, uint3{::emu::thread_pos().x, 0u, 0u}" \

@@ -25,7 +25,7 @@ from tinyvllm.kernels.all_reduce import PeerAllReduce, collectives_for
 from tinyvllm.kernels.attention import attention_shape, kv_write_unsupported_reason, run_attention, run_kv_write
 from tinyvllm.kernels.linear import MAX_ROWS, fused_linear, linear_all_reduce
 from tinyvllm.kernels.moe import LARGE_STEP, moe_shape, run_moe
-from tinyvllm.kernels.moe_grouped import grouped_reason, run_grouped
+from tinyvllm.kernels.moe_grouped import grouped_reason, run_grouped, takes_decode_step
 from tinyvllm.kernels.plan import AttentionShape, unsupported_reason
 from tinyvllm.kernels.qkv_rope import qkv_rope_shape, run_qkv_rope_write
 from tinyvllm.kernels.sample import fused_sample, takes
@@ -129,10 +129,10 @@ class FusedBackend:
     read once (kernels/moe.py). Larger steps (prompt chunks, decode batches) on the grouped tensor-core GEMM
     over the pairs sorted by expert (kernels/moe_grouped.py, CUDA); otherwise in tinygrad ops, said once."""
     shape, reason = moe_shape(x, moe, eps)
-    if shape is not None and reason is None:
+    if shape is not None and reason is None and not takes_decode_step(shape, self.target):
       self.calls["moe"] += 1
       return run_moe(self.target, shape, x, moe, norm, residual)
-    if shape is not None and reason == LARGE_STEP:
+    if shape is not None and reason in (None, LARGE_STEP):
       if (grouped := grouped_reason(shape, self.target)) is None:
         self.calls["moe-grouped"] += 1
         return run_grouped(self.target, shape, x, moe, norm, residual)

@@ -80,6 +80,14 @@ def grouped_reason(shape: MoEShape, target: DeviceTarget) -> str | None:
   return None
 
 
+def takes_decode_step(shape: MoEShape, target: DeviceTarget) -> bool:
+  """Whether a step the decode kernels could take runs here instead: 16-bit experts past the tuning table's
+  decode_kernel_max_tokens, where the grouped GEMM reads the chosen experts faster (packed experts, whose GEMM
+  dequantizes each slice in shared memory, keep the decode kernels up to their bound)."""
+  return (shape.weights == (("elem", 0), ("elem", 0)) and shape.tokens > tuning_for(target.kind).moe.decode_kernel_max_tokens
+          and grouped_reason(shape, target) is None)
+
+
 @dataclass(frozen=True)
 class _ProductWeight:
   """An expert product's weight as gemm.packed_reason reads a LinearShape's."""

@@ -84,6 +84,9 @@ class MoETuning:
                                                     # has on average (up to the first number); its row blocks pad each
                                                     # expert's run
   grouped_wgmma_rows: int         # from this average, Hopper's wgmma 128x128 tile (three stages)
+  # decode steps of 16-bit experts up to this many tokens (at most moe.MAX_TOKENS) run on the decode kernels; larger
+  # ones take the grouped GEMM where it runs
+  decode_kernel_max_tokens: int
 
 
 @dataclass(frozen=True)
