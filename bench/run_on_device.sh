@@ -7,7 +7,10 @@
 # products alone), check_moe
 # (its mixture-of-experts kernels alone), check_moe_packed (bench/check_moe_packed.py: packed experts alone), wheel (the tinyvllm wheel carried in .dist/, installed alone and run
 # from /tmp), bound (bench/layer_bound.py), phases (bench/layer_phases.py: the layer kernel's time by phase), profile1 / profile256 (bench/gpu_profile.py), gemm (bench/gemm_bench.py),
-# timeline (bench/step_timeline.py; timeline_moe: the same for the Qwen3-30B-A3B shape, MOE_KV_GIB of cache, on nvidia-h200), serve_profile (bench/serve_profile.py:
+# timeline (bench/step_timeline.py; timeline_moe: the same for the Qwen3-30B-A3B shape, MOE_KV_GIB of cache, on nvidia-h200),
+# graph_moe (bench/graph_kernels.py: workload 2 of the Qwen3-30B-A3B shape timed, then each kernel's time inside decode
+# steps of 256 down to 1 sequences), graph_b1_MODEL (the same for a batch-1 decode step of MODEL, e.g. graph_b1_llama-3.2-1b;
+# BENCH_QUANTIZATION=int4 quantizes it), moe_decode_bound (bench/moe_decode_bound.py), serve_profile (bench/serve_profile.py:
 # workload 3 against the server with timers on each stage; SERVE_ARGS adds server flags), sweep (bench/serve_sweep.py:
 # 1-256 concurrent clients; plotted here with --replot), explore (bench/attention_bench.py; gqa: its decode kernel against the tensor-core one by GQA group, GQA_BATCHES), sampler (bench/sampler_bench.py), spec (bench/spec_bench.py), gguf
 # (bench/gguf_bench.py: GGUF mixes' packed linears against the portable path and against bf16; GGUF_MIXES picks them), moe (bench/moe_bench.py: the Qwen3-30B-A3B shape;
@@ -80,6 +83,10 @@ for step in "$@"; do
     timeline) cmd=(python3 bench/step_timeline.py) ;;
     timeline_moe*) cmd=(python3 bench/step_timeline.py --model qwen3-30b-a3b --kv-cache-memory "${MOE_KV_GIB:-40}"
                         --kv-cache-dtype "$([ "$step" = timeline_moe_fp8 ] && echo fp8 || echo auto)") ;;
+    graph_moe) cmd=(python3 bench/graph_kernels.py --model qwen3-30b-a3b --kv-cache-memory "${MOE_KV_GIB:-40}" --timed) ;;
+    graph_b1_*) cmd=(python3 bench/graph_kernels.py --workload decode --kv-cache-memory 4 --model "${step#graph_b1_}"
+                     ${BENCH_QUANTIZATION:+--quantization "$BENCH_QUANTIZATION"}) ;;
+    moe_decode_bound) cmd=(python3 bench/moe_decode_bound.py) ;;
     explore) cmd=(python3 bench/attention_bench.py) ;;
     gqa) cmd=(python3 bench/attention_bench.py --gqa --batches "${GQA_BATCHES:-64,256}") ;;
     sampler) cmd=(python3 bench/sampler_bench.py) ;;
