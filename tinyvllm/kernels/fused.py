@@ -123,11 +123,12 @@ class FusedBackend:
     return collectives.all_reduce(self.linear(x, w, **fused), residual)
 
   def moe(self, x: Tensor, moe: MoEWeights, *, norm: Tensor, eps: float, residual: Tensor) -> Tensor:
-    """Decode-sized steps (up to moe.MAX_TOKENS tokens and MAX_PAIRS (token, expert) pairs) on the skinny kernels: the
-    router product, then pair by pair for a few tokens (routing in the gate_up product, the combine in down's), else
-    grouped by expert (routing and grouping, the two grouped expert products, the combine), each chosen expert's weights
-    read once (kernels/moe.py). Larger steps (prompt chunks, decode batches) on the grouped tensor-core GEMM
-    over the pairs sorted by expert (kernels/moe_grouped.py, CUDA); otherwise in tinygrad ops, said once."""
+    """Decode-sized steps (up to moe.MAX_TOKENS tokens and MAX_PAIRS (token, expert) pairs; with 16-bit experts up to
+    the tuning table's decode_kernel_max_tokens) on the skinny kernels: the router product, then pair by pair for a few
+    tokens (routing in the gate_up product, the combine in down's), else grouped by expert (routing and grouping, the
+    two grouped expert products, the combine), each chosen expert's weights read once (kernels/moe.py). Larger steps
+    (prompt chunks, decode batches) on the grouped tensor-core GEMM over the pairs sorted by expert
+    (kernels/moe_grouped.py, CUDA); otherwise in tinygrad ops, said once."""
     shape, reason = moe_shape(x, moe, eps)
     if shape is not None and reason is None and not takes_decode_step(shape, self.target):
       self.calls["moe"] += 1
