@@ -11,7 +11,8 @@ own pass), GEMM_ONLY_WGMMA=1 the planner's and the wgmma tiles, GEMM_WGMMA=0 lea
 GEMM_QUANT=int8|int4|fp8 times the weights quantized by round-to-nearest (int4 in groups of 128) with the planner's
 kernel (with GEMM_QUANT_TILES=1 every tile variant too); GEMM_NO_CHECK=1 skips the correctness checks.
 Timing: each variant is captured with TinyJit as R calls on R different weight copies (so weights come from HBM, not
-L2, as in a decode step), replayed; time per call = wall time / (replays * R).
+L2, as in a decode step), replayed; time per call = wall time / (replays * R). Products with float32 outputs are not
+chained one after another, so small grids may overlap and flatter: bench/graph_kernels.py times them inside a step.
 """
 from __future__ import annotations
 
@@ -241,7 +242,9 @@ def bench(device: str, rows: list[int], replays: int, projections: set[str] | No
   for name, o, k, opts in PROJECTIONS:
     if (name not in projections) if projections else name.startswith(OTHER_MODELS): continue
     wbytes = o * k * {"int8": 1, "fp8": 1, "int4": 0.5}.get(os.environ.get("GEMM_QUANT", ""), 2)
-    copies = max(2, min(16, math.ceil(256e6 / wbytes)))
+    # weight copies filling 256 MB, five times the L2 (a small weight in 16 copies stayed in L2: the router's 3.3 µs
+    # here against 25.7 inside a decode step's graph, bench/graph_kernels.py)
+    copies = max(2, min(512, math.ceil(256e6 / wbytes)))
     for m in rows:
       if name == "lm_head" and (m > 256 or os.environ.get("GEMM_QUANT")): continue   # (the LM head stays unquantized)
       x, ws, extra = inputs(m, o, k, opts, device, copies)
