@@ -84,8 +84,8 @@ def takes_decode_step(shape: MoEShape, target: DeviceTarget) -> bool:
   """Whether a step the decode kernels could take runs here instead: 16-bit experts past the tuning table's
   decode_kernel_max_tokens, where the grouped GEMM reads the chosen experts faster (packed experts, whose GEMM
   dequantizes each slice in shared memory, keep the decode kernels up to their bound)."""
-  return (shape.weights == (("elem", 0), ("elem", 0)) and shape.tokens > tuning_for(target.kind).moe.decode_kernel_max_tokens
-          and grouped_reason(shape, target) is None)
+  return (all(form == "elem" for form, _ in shape.weights)
+          and shape.tokens > tuning_for(target.kind).moe.decode_kernel_max_tokens and grouped_reason(shape, target) is None)
 
 
 @dataclass(frozen=True)
