@@ -29,9 +29,6 @@ class MoEWeights:
   @property
   def intermediate(self) -> int: return self.down_proj.shape[-1]
 
-  @property
-  def packed(self) -> bool: return isinstance(self.gate_up_proj, QuantizedWeight)
-
   def tensors(self) -> list[Tensor]:
     return [x for t in (self.router, self.gate_up_proj, self.down_proj)
             for x in (t.tensors() if isinstance(t, QuantizedWeight) else [t])]
