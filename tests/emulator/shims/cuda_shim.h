@@ -35,6 +35,8 @@ inline void tv_emu_mma_16816(float* c, const uint* a, const uint* b, bool bf16) 
 inline void tv_emu_cp_async16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
 inline void tv_emu_ldmatrix_x4(uint* r, const void* row, bool trans) { emu::ldmatrix_x4(r, row, trans); }
 inline void tv_emu_wgmma(float* d, int n, const void* a, const void* b, bool bf16) { emu::wgmma_m64k16(d, n, a, b, bf16); }
+inline void tv_emu_wgmma_commit() { emu::wgmma_commit(); }
+inline void tv_emu_wgmma_wait(int pending) { emu::wgmma_wait(pending); }
 // `extern __shared__` arrays (dynamic shared memory, sized by the launch): kernels take this pointer under TV_EMULATOR
 inline unsigned char* tv_emu_dynamic_shared() { return emu::dynamic_shared(); }
 // a persistent kernel's grid barrier (cooperative launches only: Launch.cooperative); kernels call it under TV_EMULATOR

@@ -43,6 +43,17 @@ constexpr size_t SHARED_GUARD = 256;   // bytes past the dynamic shared memory t
 
 enum State { READY, WAIT_GROUP, WAIT_SIMD, WAIT_GRID, DONE };
 
+// a wgmma in flight (wgmma_m64k16 below): its accumulators, its operands' tiles and the operand values this thread's
+// accumulators read when it was issued
+struct WgmmaOp {
+  float* d;
+  int n;
+  const void* a;
+  const void* b;
+  bool bf16;
+  std::vector<float> operands;
+};
+
 struct Fiber {
   ucontext_t ctx;
   std::vector<char> stack;
@@ -50,6 +61,9 @@ struct Fiber {
   State state = READY;
   unsigned wait_gen = 0;
   unsigned simd_parity = 0;
+  std::vector<WgmmaOp> wgmma_open;                  // issued, not yet committed
+  std::vector<std::vector<WgmmaOp>> wgmma_groups;   // committed groups, oldest first
+  const char* error = nullptr;                      // an asynchronous-operation hazard this thread ran into
 };
 
 struct Group;
@@ -80,7 +94,10 @@ struct Group {
 inline void fiber_entry() {
   Group* g = current_group();
   (*g->body)();
-  current_fiber()->state = DONE;
+  Fiber* f = current_fiber();
+  if (!f->error && (!f->wgmma_open.empty() || !f->wgmma_groups.empty()))
+    f->error = "the thread exited with wgmma products in flight (never waited for)";
+  f->state = DONE;
   swapcontext(&current_fiber()->ctx, &g->sched);
 }
 
@@ -199,22 +216,56 @@ inline void mma_m16n8k16(float* c, const uint32_t* a, const uint32_t* b, bool bf
 // swizzled 8-row atoms (the 16-byte chunk bits 4-6 of an address XOR its row bits 7-9). Each thread sums its own
 // accumulators, d[4j + i] = D[16 w + g + 8 (i / 2)][8 j + 2 t + i % 2] for warp w of the warpgroup: the operands sit in
 // shared memory, written before the barrier that precedes the product, so no exchange is needed.
+// Asynchronous as on the GPU: an issued product joins the open group (wgmma_commit closes it) and runs when a
+// wgmma_wait retires its group, from the operands as they are then; those must equal what they were at the issue (a
+// stage refilled while a product still reads it is an error, whichever moment the hardware would have read it).
+inline float wgmma_operand(const void* tile, int r, int k, bool bf16) {
+  const uintptr_t u = reinterpret_cast<uintptr_t>(tile) + (uintptr_t)(r * 128 + k * 2);
+  uint16_t bits;
+  std::memcpy(&bits, reinterpret_cast<const void*>(u ^ (((u >> 7) & 7u) << 4)), 2);
+  if (bf16) { const uint32_t x = (uint32_t)bits << 16; float v; std::memcpy(&v, &x, 4); return v; }
+  return half_bits_to_float(bits);
+}
+
+// the operand values thread tid's accumulators read: its two rows of A, then its n / 4 columns of B, 16 k each
+inline std::vector<float> wgmma_operands(int tid, int n, const void* a, const void* b, bool bf16) {
+  const int w = (tid / 32) % 4, lane = tid % 32, g = lane / 4, t = lane % 4;
+  std::vector<float> v;
+  v.reserve(32 + n * 4);
+  for (int half = 0; half < 2; half++) for (int k = 0; k < 16; k++) v.push_back(wgmma_operand(a, 16 * w + g + 8 * half, k, bf16));
+  for (int j = 0; j < n / 8; j++) for (int i = 0; i < 2; i++) for (int k = 0; k < 16; k++)
+    v.push_back(wgmma_operand(b, 8 * j + 2 * t + i, k, bf16));
+  return v;
+}
+
 inline void wgmma_m64k16(float* d, int n, const void* a, const void* b, bool bf16) {
-  const int tid = current_fiber()->tid, w = (tid / 32) % 4, lane = tid % 32, g = lane / 4, t = lane % 4;
-  auto at = [&](const void* tile, int r, int k) {
-    const uintptr_t u = reinterpret_cast<uintptr_t>(tile) + (uintptr_t)(r * 128 + k * 2);
-    uint16_t bits;
-    std::memcpy(&bits, reinterpret_cast<const void*>(u ^ (((u >> 7) & 7u) << 4)), 2);
-    if (bf16) { const uint32_t x = (uint32_t)bits << 16; float v; std::memcpy(&v, &x, 4); return v; }
-    return half_bits_to_float(bits);
-  };
-  for (int j = 0; j < n / 8; j++) {
-    for (int i = 0; i < 4; i++) {
-      const int r = 16 * w + g + 8 * (i / 2), c = 8 * j + 2 * t + i % 2;
-      float s = d[4 * j + i];
-      for (int k = 0; k < 16; k++) s += at(a, r, k) * at(b, c, k);
-      d[4 * j + i] = s;
+  Fiber* f = current_fiber();
+  f->wgmma_open.push_back(WgmmaOp{d, n, a, b, bf16, wgmma_operands(f->tid, n, a, b, bf16)});
+}
+
+inline void wgmma_commit() {
+  Fiber* f = current_fiber();
+  f->wgmma_groups.push_back(std::move(f->wgmma_open));
+  f->wgmma_open.clear();
+}
+
+// retire the oldest committed groups until at most `pending` remain: each product from its operands as they are now
+inline void wgmma_wait(int pending) {
+  Fiber* f = current_fiber();
+  while ((int)f->wgmma_groups.size() > pending) {
+    for (const WgmmaOp& op : f->wgmma_groups.front()) {
+      const std::vector<float> now = wgmma_operands(f->tid, op.n, op.a, op.b, op.bf16);
+      if (std::memcmp(now.data(), op.operands.data(), now.size() * sizeof(float)) != 0 && !f->error)
+        f->error = "a wgmma's operands in shared memory changed while it was in flight";
+      const float* va = now.data();
+      const float* vb = now.data() + 32;
+      for (int j = 0; j < op.n / 8; j++) for (int i = 0; i < 4; i++) {
+        float s = op.d[4 * j + i];
+        for (int k = 0; k < 16; k++) s += va[(i / 2) * 16 + k] * vb[(j * 2 + i % 2) * 16 + k];
+        op.d[4 * j + i] = s;
+      }
     }
+    f->wgmma_groups.erase(f->wgmma_groups.begin());
   }
 }
 
@@ -264,6 +315,9 @@ inline void start_group(Group& g, Dim3 block, const ucontext_t& tmpl) {
     f.tid = t;
     f.state = READY;
     f.simd_parity = 0;
+    f.wgmma_open.clear();
+    f.wgmma_groups.clear();
+    f.error = nullptr;
     f.ctx = tmpl;
     f.ctx.uc_stack.ss_sp = f.stack.data();
     f.ctx.uc_stack.ss_size = f.stack.size();
@@ -315,6 +369,16 @@ inline int report_deadlock(const Group* groups, size_t n, const char* where) {
   return finish(1);
 }
 
+// the first asynchronous-operation hazard a thread of the block ran into, or 0
+inline int report_hazard(const Group& g) {
+  for (const auto& f : g.fibers)
+    if (f.error) {
+      std::fprintf(stderr, "emu: block (%u,%u,%u) thread %d: %s\n", g.block.x, g.block.y, g.block.z, f.tid, f.error);
+      return finish(4);
+    }
+  return 0;
+}
+
 inline int report_overrun(const Group& g) {
   std::fprintf(stderr, "emu: block (%u,%u,%u) wrote past its %zu bytes of dynamic shared memory\n", g.block.x, g.block.y,
                g.block.z, g.dynamic_shared_bytes);
@@ -342,6 +406,7 @@ inline int launch(Dim3 grid, int nt, int order, unsigned seed, const std::functi
       }
     }
     if (!dynamic_shared_intact(g)) return report_overrun(g);
+    if (const int rc = report_hazard(g)) return rc;
   }
   return finish(0);
 }
@@ -378,7 +443,10 @@ inline int launch_cooperative(Dim3 grid, int nt, int order, unsigned seed, const
       return report_deadlock(groups.data(), nb, where);
     }
   }
-  for (const auto& g : groups) if (!dynamic_shared_intact(g)) return report_overrun(g);
+  for (const auto& g : groups) {
+    if (!dynamic_shared_intact(g)) return report_overrun(g);
+    if (const int rc = report_hazard(g)) return rc;
+  }
   return finish(0);
 }
 
