@@ -68,6 +68,13 @@ CASES = {
   # a router's float32 logits from a 128x64 tile with K split four ways (Qwen3-30B-A3B's at a 256-sequence step)
   "bf16_m130_wgmma_128x64_logits_split4": ("bfloat16", 130, 1024, 72, False, False, False, False, True,
                                            GemmTiles.warpgroup(128, 64, 4)),
+  # the pipelined wgmma loop (four stages: one slice's product in flight across the next slice's barrier) with the ring
+  # wrapping, over two row blocks in the tuning table's column-walking order (the emulator fails a launch whose stage
+  # refills while a product still reads it)
+  "bf16_m300_wgmma_256x128_pipelined": ("bfloat16", 300, 640, 264, False, False, False, True, False,
+                                        GemmTiles.warpgroup(256, 128, ring=4)),
+  # ten row blocks walking the columns in runs of four (the last run of two)
+  "f16_m150_raster4": ("float16", 150, 64, 136, True, False, False, False, False, GemmTiles(16, 64, 1, 4, 1, raster=4)),
 }
 # emulator self-tests of dynamic shared memory: each thread writes its slot (TV_SHIFT slots further on: past the end
 # for a shift of 1), then reads its neighbour's
@@ -145,7 +152,14 @@ def test_planner_fills_the_gpu_and_splits_only_whole_slices():
   assert mma(128, 3072, 1024, silu_mul=True) == GemmTiles(64, 64, 2, 2, 4)
   # on Hopper (wgmma), from 128 rows: the measured tiles; below, and for long K below 256 rows, mma.sync's
   hopper = lambda rows, k, o, silu=False: choose_tiles(rows, k, o, HOPPER, silu)
-  assert hopper(8192, 3072, 1024, True) == hopper(256, 1024, 151936) == GemmTiles.warpgroup(128, 128, ring=3)
+  assert hopper(2048, 3072, 1024, True) == hopper(256, 1024, 151936) == GemmTiles.warpgroup(128, 128, ring=3)
+  # from 4,096 rows four warpgroups over 256 rows, as many stages as fit (pipelined); not for the logits' wide outputs
+  assert hopper(8192, 3072, 1024, True) == hopper(4096, 2048, 5120) == GemmTiles.warpgroup(256, 128)
+  assert hopper(4096, 1024, 151936) == GemmTiles.warpgroup(128, 128, ring=3)
+  assert choose_tiles(8192, 2048, 5120, HOPPER, packed=True) == GemmTiles.warpgroup(128, 128, ring=3)
+  # blocks walk the columns in runs of the tuning table's row blocks where there is more than one row block
+  assert gemm_plan(_shape("bf16_m300_wgmma_256x128_pipelined"), HOPPER, GemmTiles.warpgroup(256, 128))[0]["TV_RASTER"] == 8
+  assert "TV_RASTER" not in gemm_plan(_shape("bf16_m200_wgmma_256x64_norm"), HOPPER, GemmTiles.warpgroup(256, 64))[0]
   assert hopper(256, 1024, 6144) == GemmTiles.warpgroup(256, 64) and hopper(256, 2048, 1024) == GemmTiles.warpgroup(128, 64, 4)
   assert hopper(128, 2048, 1024) == mma(128, 2048, 1024) and hopper(63, 1024, 4096) == mma(63, 1024, 4096)
   assert hopper(256, 1000, 4096) == mma(256, 1000, 4096)   # K not in whole 64-wide slices

@@ -45,6 +45,7 @@ class GemmTiles:
   bk: int = BK    # K slice depth: 32 or 64 (K must split into whole slices)
   wgmma: bool = False   # Hopper's warpgroup MMA (sm_90a): bk 64, wm = bm / 16, wn 1, bn in WGMMA_N
   xprime: bool | None = None   # the RMSNorm / SwiGLU prologue as its own pass (None: x_prime_pass decides)
+  raster: int | None = None    # row blocks that walk the columns together (None: the tuning table's raster_row_blocks)
 
   @classmethod
   def warpgroup(cls, bm: int, bn: int, splits: int = 1, ring: int = 0) -> GemmTiles:
@@ -100,11 +101,14 @@ def packed_reason(shape) -> str | None:
   return None
 
 
-def wgmma_tiles(rows: int, in_features: int, out_features: int, t: GemmTuning) -> GemmTiles | None:
+def wgmma_tiles(rows: int, in_features: int, out_features: int, t: GemmTuning, packed: bool = False) -> GemmTiles | None:
   """Hopper's wgmma tiles where they beat mma.sync's, None elsewhere: the 128x128 tile with 3 stages (two blocks an
-  SM) for prompt chunks and wide outputs (the logits) and, for long K from wgmma_long_k_rows, a 128x64 tile with K
-  split until the grid fills (below it mma.sync's split tile is as fast). Short K at decode batches: short_k_tiles."""
+  SM) for prompt chunks and wide outputs (the logits), four warpgroups over 256 rows (as many stages as fit, the
+  pipelined loop) for 16-bit weights from wgmma_tall_prompt_rows and, for long K from wgmma_long_k_rows, a 128x64 tile
+  with K split until the grid fills (below it mma.sync's split tile is as fast). Short K at decode batches:
+  short_k_tiles."""
   if in_features % 64 or rows < t.wgmma_min_rows: return None
+  if rows >= t.wgmma_tall_prompt_rows and out_features < t.wgmma_wide_out and not packed: return GemmTiles.warpgroup(256, 128)
   if rows >= t.wgmma_prompt_rows or out_features >= t.wgmma_wide_out: return GemmTiles.warpgroup(128, 128, ring=3)
   if in_features < t.long_k or rows < t.wgmma_long_k_rows: return None
   blocks, splits = cdiv(rows, 128) * cdiv(out_features, 64), 1
@@ -156,7 +160,7 @@ def choose_tiles(rows: int, in_features: int, out_features: int, target: DeviceT
     return tiles
   if target.wgmma and not packed and (tiles := long_k_tiles(rows, in_features, out_features, t, target.multiprocessors)):
     return tiles
-  if target.wgmma and (tiles := wgmma_tiles(rows, in_features, out_features, t)) is not None: return tiles
+  if target.wgmma and (tiles := wgmma_tiles(rows, in_features, out_features, t, packed)) is not None: return tiles
   fits = lambda tile: GemmTiles(*tile, 1).stages(target, silu_mul) >= 3
   if in_features >= t.long_k and t.long_k_rows[0] <= rows <= t.long_k_rows[1] and fits(t.long_k_tile):
     blocks, splits = cdiv(rows, t.long_k_tile[0]) * cdiv(out_features, t.long_k_tile[1]), 1
@@ -257,6 +261,8 @@ def gemm_plan(shape, target: DeviceTarget, tiles: GemmTiles | None = None) -> tu
     (pre if xprime else gemm).append(Param("g", "elem", False, k))
   if shape.silu_mul: defines["TV_PRO_SILU"] = 1
   if t.wgmma: defines["TV_WGMMA"] = t.bn
+  if (raster := tuning_for(target.kind).gemm.raster_row_blocks if t.raster is None else t.raster) > 1 and m > t.bm:
+    defines["TV_RASTER"] = raster
   if packed: defines.update({"TV_WQ": code, "TV_WGROUP": shape.group})
   if xprime: defines["TV_XPRIME_PASS"] = 1
   if shape.out_float32: defines["TV_OUT_F32"] = 1

@@ -65,6 +65,7 @@ class GemmTuning:
   wgmma_min_rows: int             # Hopper's wgmma tiles: from this many rows (long K from wgmma_long_k_rows), the
   wgmma_long_k_rows: int          # 128x128 tile for prompt chunks (wgmma_prompt_rows) and wide outputs (the logits)
   wgmma_prompt_rows: int
+  wgmma_tall_prompt_rows: int     # from this many rows (16-bit weights, outputs below wgmma_wide_out) the 256x128 tile
   wgmma_wide_out: int
   # short-K products (K below long_k: qkv, gate_up) at decode batches on Hopper: wgmma from short_k_min_rows rows
   # (packed weights from above packed_min_rows); up to short_k_split_rows a 64x64 tile with K split in two, above
@@ -76,6 +77,7 @@ class GemmTuning:
   short_k_tile_rows: tuple[int, ...]
   short_k_min_fill: float
   short_k_max_padding: float
+  raster_row_blocks: int          # runs of this many row blocks walk the columns together (L2 reuse of the weight)
 
 
 @dataclass(frozen=True)
