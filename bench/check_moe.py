@@ -137,11 +137,14 @@ def _explored(n: int) -> list:
   with 128-wide ones 455; at 2,048 and 8,192 tokens wgmma 128x128 902-923 and 2,681-2,761 us against 1,134 and 3,782
   for wgmma 64x128, 3,360 for mma.sync 128x128 at 8,192)."""
   from tinyvllm.kernels.gemm import GemmTiles
-  return [GemmTiles(32, 64, 2, 2, 1, 0, 64)] if n == 256 else []
+  if n == 256: return [GemmTiles(32, 64, 2, 2, 1, 0, 64)]
+  # prompt chunks: wgmma's deeper rings (one block an SM) and 256-wide tiles
+  return [GemmTiles.warpgroup(bm, bn, ring=ring) for bm, bn, ring in ((128, 128, 4), (128, 256, 3), (128, 256, 4), (256, 128, 0))] \
+    if n >= 2048 else []
 
 
 def _tiles_name(tiles) -> str:
-  name = lambda t: f"{t.bm}x{t.bn}x{t.bk}{' wgmma' if t.wgmma else ''}"
+  name = lambda t: f"{t.bm}x{t.bn}x{t.bk}{' wgmma' if t.wgmma else ''}{f' ring {t.ring}' if t.ring else ''}"
   return " / ".join(name(t) for t in tiles) if isinstance(tiles, tuple) else name(tiles)
 
 

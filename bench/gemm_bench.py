@@ -194,7 +194,9 @@ BK64_RINGS = {(64, 64, 2, 2): (), (64, 128, 2, 2): (), (128, 128, 2, 4): (3,)}
 # Hopper's wgmma tiles (bm, bn) tried with the planner's ring (as many stages as fit, up to 4), with these rings and
 # with split K at decode rows
 # (256 rows: one row block at a 256-row decode batch, so a packed weight's column block is dequantized once, not twice)
-WGMMA_TILES = {(64, 64): (), (128, 64): (), (128, 128): (3,), (128, 256): (3,), (256, 64): (), (256, 128): ()}
+WGMMA_TILES = {(64, 64): (), (128, 64): (), (128, 128): (3, 5, 6), (128, 256): (3, 4), (256, 64): (), (256, 128): ()}
+# tiles also timed in the grid's plain block order (raster=1)
+RASTER_OFF = ((128, 128), (256, 128))
 # (bm, bn, splits, ring) checked for correctness: every instruction width, split K, a ring of 2
 WGMMA_CHECKS = ((128, 128, 1, 0), (128, 256, 1, 3), (64, 64, 2, 0), (64, 128, 1, 2), (128, 64, 2, 3), (256, 64, 1, 0), (256, 64, 2, 0))
 
@@ -207,6 +209,8 @@ def wgmma_variants(m: int, k: int) -> list[dict]:
     for splits in (1, 2, 4) if m <= 256 else (1,):
       if k % (64 * splits) == 0: out.append({"kind": "gemm", "tiles": GemmTiles.warpgroup(bm, bn, splits)})
     out += [{"kind": "gemm", "tiles": GemmTiles.warpgroup(bm, bn, 1, ring)} for ring in rings]
+    if (bm, bn) in RASTER_OFF and m > bm:   # the grid's plain order beside the tuning table's column-walking runs
+      out.append({"kind": "gemm", "tiles": dataclasses.replace(GemmTiles.warpgroup(bm, bn), raster=1)})
   return out
 
 
@@ -218,6 +222,7 @@ def variants_for(m: int, o: int, k: int, opts: dict) -> list[dict]:
   planned = choose_tiles(m, k, o, target, silu)
   mma = {"kind": "gemm", "planner": "mma.sync", "tiles": choose_tiles(m, k, o, mma_target(target), silu)}
   out = [{"kind": "gemm"}, mma] + (wgmma_variants(m, k) if os.environ.get("GEMM_WGMMA") != "0" else [])
+  if m > planned.bm: out.append({"kind": "gemm", "tiles": dataclasses.replace(planned, raster=1)})
   # the planner's tiles with the prologue in the loop and as its own pass
   xprime = [{"kind": "gemm", "tiles": dataclasses.replace(planned, xprime=flag)} for flag in (False, True)] \
     if opts.get("norm") or silu else []
