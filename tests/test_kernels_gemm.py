@@ -113,8 +113,10 @@ def emu() -> EmulatedKernels:
 def _inputs(name: str) -> dict[str, np.ndarray]: return linear_inputs(np.random.default_rng(len(name)), _shape(name))
 
 
-def _run(emu: EmulatedKernels, name: str, a: dict[str, np.ndarray], order: str = "forward") -> np.ndarray:
-  """The plan's launches in order, buffers found by parameter name (as kernels/linear.py does); scratch ones poisoned."""
+def _run(emu: EmulatedKernels, name: str, a: dict[str, np.ndarray], order: str = "forward", late_copies: bool = False
+         ) -> np.ndarray:
+  """The plan's launches in order, buffers found by parameter name (as kernels/linear.py does); scratch ones poisoned;
+  with `late_copies` each cp.async copy lands at its wait."""
   shape = _shape(name)
   bits = {key: to_bits(v, shape.dtype).reshape(-1) for key, v in a.items()}
   buffers = {**bits, "g": bits.get("norm"), "y": np.full(shape.rows * shape.out_features, np.nan, np.float32)
@@ -123,19 +125,22 @@ def _run(emu: EmulatedKernels, name: str, a: dict[str, np.ndarray], order: str =
     for p in launch.params:
       if buffers.get(p.name) is None:
         buffers[p.name] = np.full(p.numel, np.nan, np.float32) if p.kind == "float" else poisoned(p.numel, shape.dtype)
-    emu.launch(name, i, [buffers[p.name] for p in launch.params], order)
+    emu.launch(name, i, [buffers[p.name] for p in launch.params], order, late_copies=late_copies)
   out = buffers["y"]
   return (out if shape.out_float32 else from_bits(out, shape.dtype)).reshape(shape.rows, shape.out_features)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_gemm_matches_portable(emu, name):
+  """In a random thread order with each copy landing at its issue (a stage refilled under its readers shows), then in
+  order with each landing at the wait that covers it (a slice read before its wait shows)."""
   shape, a = _shape(name), _inputs(name)
   assert unsupported_reason(shape.dtype, shape.rows, shape.in_features, shape.out_features, HOPPER) is None
-  got = _run(emu, name, a, order="random")
   ref = portable_linear_reference(a, shape)
-  assert not np.isnan(got).any(), "an output element was never written"
-  assert np.abs(got - ref).max() / np.abs(ref).max() < TOLERANCE[shape.dtype]
+  for order, late in (("random", False), ("forward", True)):
+    got = _run(emu, name, a, order, late)
+    assert not np.isnan(got).any(), f"an output element was never written ({order}, late copies {late})"
+    assert np.abs(got - ref).max() / np.abs(ref).max() < TOLERANCE[shape.dtype], f"{order}, late copies {late}"
 
 
 def test_planner_fills_the_gpu_and_splits_only_whole_slices():
@@ -336,19 +341,20 @@ def test_packed_weight_gemm_matches_portable(emu_packed, name):
   bits = {key: to_bits(v, shape.dtype).reshape(-1) for key, v in a.items()}
   shifts = qw.shifts if qw.shifts is not None else qw.scales   # FP8: a placeholder the kernel never reads
   out_dtype = "float32" if shape.out_float32 else shape.dtype
-  buffers = {**bits, "g": bits.get("norm"), "y": poisoned(shape.rows * shape.out_features, out_dtype),
-             "w": qw.codes.numpy().reshape(-1), "wscale": qw.scales.numpy().reshape(-1), "wshift": shifts.numpy().reshape(-1)}
-  for i, launch in enumerate(emu_packed.specs[name].launches):
-    for p in launch.params:
-      if buffers.get(p.name) is None:
-        buffers[p.name] = np.full(p.numel, np.nan, np.float32) if p.kind == "float" else poisoned(p.numel, shape.dtype)
-    emu_packed.launch(name, i, [buffers[p.name] for p in launch.params], "random")
-  got = from_bits(buffers["y"], out_dtype).reshape(shape.rows, shape.out_features)
   t = {key: Tensor(v) for key, v in a.items()}
   ref = portable_linear(t["x"], qw, norm=t.get("norm"), eps=EPS, silu_mul=shape.silu_mul, residual=t.get("residual"),
                         out_float32=shape.out_float32).numpy()
-  assert not np.isnan(got).any(), "an output element was never written"
-  assert np.abs(got - ref).max() / np.abs(ref).max() < TOLERANCE[shape.dtype]
+  for order, late in (("random", False), ("forward", True)):   # copies landing at their issue, then at their wait
+    buffers = {**bits, "g": bits.get("norm"), "y": poisoned(shape.rows * shape.out_features, out_dtype),
+               "w": qw.codes.numpy().reshape(-1), "wscale": qw.scales.numpy().reshape(-1), "wshift": shifts.numpy().reshape(-1)}
+    for i, launch in enumerate(emu_packed.specs[name].launches):
+      for p in launch.params:
+        if buffers.get(p.name) is None:
+          buffers[p.name] = np.full(p.numel, np.nan, np.float32) if p.kind == "float" else poisoned(p.numel, shape.dtype)
+      emu_packed.launch(name, i, [buffers[p.name] for p in launch.params], order, late_copies=late)
+    got = from_bits(buffers["y"], out_dtype).reshape(shape.rows, shape.out_features)
+    assert not np.isnan(got).any(), f"an output element was never written ({order}, late copies {late})"
+    assert np.abs(got - ref).max() / np.abs(ref).max() < TOLERANCE[shape.dtype], f"{order}, late copies {late}"
 
 
 def test_packed_weights_take_the_gemm_above_the_skinny_rows():

@@ -30,9 +30,12 @@ inline uint __byte_perm(uint x, uint y, uint s) {
 inline float tv_emu_half_to_float(ushort h) { return emu::half_bits_to_float(h); }
 inline ushort tv_emu_float_to_half(float f) { return emu::float_to_half_bits(f); }
 
-// the tensor-core kernel's PTX (mma.sync, cp.async): the mma over the SIMD group's fragments, cp.async as a plain copy
+// the tensor-core kernel's PTX (mma.sync, cp.async): the mma over the SIMD group's fragments, cp.async as emu::cp_async
 inline void tv_emu_mma_16816(float* c, const uint* a, const uint* b, bool bf16) { emu::mma_m16n8k16(c, a, b, bf16); }
-inline void tv_emu_cp_async16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
+inline void tv_emu_cp_async16(void* dst, const void* src) { emu::cp_async(dst, src, 16); }
+inline void tv_emu_cp_async(void* dst, const void* src, size_t bytes) { emu::cp_async(dst, src, bytes); }
+inline void tv_emu_cp_async_commit() { emu::cp_async_commit(); }
+inline void tv_emu_cp_async_wait(int pending) { emu::cp_async_wait(pending); }
 inline void tv_emu_ldmatrix_x4(uint* r, const void* row, bool trans) { emu::ldmatrix_x4(r, row, trans); }
 inline void tv_emu_wgmma(float* d, int n, const void* a, const void* b, bool bf16) { emu::wgmma_m64k16(d, n, a, b, bf16); }
 inline void tv_emu_wgmma_commit() { emu::wgmma_commit(); }

@@ -54,6 +54,13 @@ struct WgmmaOp {
   std::vector<float> operands;
 };
 
+// a cp.async copy not yet landed (copies landing at their wait, below): its destination and the source's bytes at the
+// issue
+struct PendingCopy {
+  void* dst;
+  std::vector<unsigned char> bytes;
+};
+
 struct Fiber {
   ucontext_t ctx;
   std::vector<char> stack;
@@ -64,6 +71,8 @@ struct Fiber {
   std::vector<WgmmaOp> wgmma_open;                  // issued, not yet committed
   std::vector<std::vector<WgmmaOp>> wgmma_groups;   // committed groups, oldest first
   const char* error = nullptr;                      // an asynchronous-operation hazard this thread ran into
+  std::vector<PendingCopy> copies_open;                 // cp.async copies issued, not yet committed
+  std::vector<std::vector<PendingCopy>> copy_groups;    // committed groups, oldest first
 };
 
 struct Group;
@@ -91,10 +100,18 @@ struct Group {
   int simd_size(int sg) const { return std::min(32, nt - sg * 32); }
 };
 
+inline void land_copies(std::vector<PendingCopy>& copies) {
+  for (const PendingCopy& c : copies) std::memcpy(c.dst, c.bytes.data(), c.bytes.size());
+  copies.clear();
+}
+
 inline void fiber_entry() {
   Group* g = current_group();
   (*g->body)();
   Fiber* f = current_fiber();
+  for (auto& group : f->copy_groups) land_copies(group);   // (a block may exit with copies in flight)
+  land_copies(f->copies_open);
+  f->copy_groups.clear();
   if (!f->error && (!f->wgmma_open.empty() || !f->wgmma_groups.empty()))
     f->error = "the thread exited with wgmma products in flight (never waited for)";
   f->state = DONE;
@@ -212,6 +229,30 @@ inline void mma_m16n8k16(float* c, const uint32_t* a, const uint32_t* b, bool bf
   }
 }
 
+// cp.async (global to shared memory, CUDA): by default a plain copy at the issue, the earliest the hardware may land
+// it (a stage refilled while other threads still read it shows up). With late copies on (the launch's choice,
+// set_late_copies), a copy lands when its thread waits for its commit group, the latest the hardware may land it
+// (data read before the wait that covers it reads what was there before: a missing wait shows up).
+inline bool& late_copies() { static thread_local bool on = false; return on; }
+inline void cp_async(void* dst, const void* src, size_t bytes) {
+  if (!late_copies()) { std::memcpy(dst, src, bytes); return; }
+  const unsigned char* s = static_cast<const unsigned char*>(src);
+  current_fiber()->copies_open.push_back(PendingCopy{dst, std::vector<unsigned char>(s, s + bytes)});
+}
+inline void cp_async_commit() {
+  Fiber* f = current_fiber();
+  f->copy_groups.push_back(std::move(f->copies_open));
+  f->copies_open.clear();
+}
+// wait until at most `pending` of this thread's committed groups are in flight: the older ones land
+inline void cp_async_wait(int pending) {
+  Fiber* f = current_fiber();
+  while ((int)f->copy_groups.size() > pending) {
+    land_copies(f->copy_groups.front());
+    f->copy_groups.erase(f->copy_groups.begin());
+  }
+}
+
 // wgmma.mma_async.m64nNk16 from shared memory (wgmma.inc): both operands K-major, 128 bytes a row in 128-byte
 // swizzled 8-row atoms (the 16-byte chunk bits 4-6 of an address XOR its row bits 7-9). Each thread sums its own
 // accumulators, d[4j + i] = D[16 w + g + 8 (i / 2)][8 j + 2 t + i % 2] for warp w of the warpgroup: the operands sit in
@@ -317,6 +358,8 @@ inline void start_group(Group& g, Dim3 block, const ucontext_t& tmpl) {
     f.simd_parity = 0;
     f.wgmma_open.clear();
     f.wgmma_groups.clear();
+    f.copies_open.clear();
+    f.copy_groups.clear();
     f.error = nullptr;
     f.ctx = tmpl;
     f.ctx.uc_stack.ss_sp = f.stack.data();
