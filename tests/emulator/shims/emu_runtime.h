@@ -100,18 +100,16 @@ struct Group {
   int simd_size(int sg) const { return std::min(32, nt - sg * 32); }
 };
 
-inline void land_copies(std::vector<PendingCopy>& copies) {
-  for (const PendingCopy& c : copies) std::memcpy(c.dst, c.bytes.data(), c.bytes.size());
-  copies.clear();
-}
+inline void land_copy(const PendingCopy& c) { std::memcpy(c.dst, c.bytes.data(), c.bytes.size()); }
 
 inline void fiber_entry() {
   Group* g = current_group();
   (*g->body)();
   Fiber* f = current_fiber();
-  for (auto& group : f->copy_groups) land_copies(group);   // (a block may exit with copies in flight)
-  land_copies(f->copies_open);
+  for (auto& group : f->copy_groups) for (const PendingCopy& c : group) land_copy(c);   // (a block may exit with copies
+  for (const PendingCopy& c : f->copies_open) land_copy(c);                             // in flight)
   f->copy_groups.clear();
+  f->copies_open.clear();
   if (!f->error && (!f->wgmma_open.empty() || !f->wgmma_groups.empty()))
     f->error = "the thread exited with wgmma products in flight (never waited for)";
   f->state = DONE;
@@ -233,24 +231,29 @@ inline void mma_m16n8k16(float* c, const uint32_t* a, const uint32_t* b, bool bf
 // it (a stage refilled while other threads still read it shows up). With late copies on (the launch's choice,
 // set_late_copies), a copy lands when its thread waits for its commit group, the latest the hardware may land it
 // (data read before the wait that covers it reads what was there before: a missing wait shows up).
+// asynchronous operations in commit groups (cp.async copies, wgmma products): commit closes the open group; a wait
+// retires the oldest committed groups, `retire` applied to each operation, until at most `pending` remain
+template <class T> inline void commit_group(std::vector<T>& open, std::vector<std::vector<T>>& groups) {
+  groups.push_back(std::move(open));
+  open.clear();
+}
+template <class T, class F> inline void retire_groups(std::vector<std::vector<T>>& groups, int pending, F retire) {
+  while ((int)groups.size() > pending) {
+    for (T& op : groups.front()) retire(op);
+    groups.erase(groups.begin());
+  }
+}
+
 inline bool& late_copies() { static thread_local bool on = false; return on; }
 inline void cp_async(void* dst, const void* src, size_t bytes) {
   if (!late_copies()) { std::memcpy(dst, src, bytes); return; }
   const unsigned char* s = static_cast<const unsigned char*>(src);
   current_fiber()->copies_open.push_back(PendingCopy{dst, std::vector<unsigned char>(s, s + bytes)});
 }
-inline void cp_async_commit() {
-  Fiber* f = current_fiber();
-  f->copy_groups.push_back(std::move(f->copies_open));
-  f->copies_open.clear();
-}
+inline void cp_async_commit() { commit_group(current_fiber()->copies_open, current_fiber()->copy_groups); }
 // wait until at most `pending` of this thread's committed groups are in flight: the older ones land
 inline void cp_async_wait(int pending) {
-  Fiber* f = current_fiber();
-  while ((int)f->copy_groups.size() > pending) {
-    land_copies(f->copy_groups.front());
-    f->copy_groups.erase(f->copy_groups.begin());
-  }
+  retire_groups(current_fiber()->copy_groups, pending, land_copy);
 }
 
 // wgmma.mma_async.m64nNk16 from shared memory (wgmma.inc): both operands K-major, 128 bytes a row in 128-byte
@@ -284,30 +287,23 @@ inline void wgmma_m64k16(float* d, int n, const void* a, const void* b, bool bf1
   f->wgmma_open.push_back(WgmmaOp{d, n, a, b, bf16, wgmma_operands(f->tid, n, a, b, bf16)});
 }
 
-inline void wgmma_commit() {
-  Fiber* f = current_fiber();
-  f->wgmma_groups.push_back(std::move(f->wgmma_open));
-  f->wgmma_open.clear();
-}
+inline void wgmma_commit() { commit_group(current_fiber()->wgmma_open, current_fiber()->wgmma_groups); }
 
 // retire the oldest committed groups until at most `pending` remain: each product from its operands as they are now
 inline void wgmma_wait(int pending) {
   Fiber* f = current_fiber();
-  while ((int)f->wgmma_groups.size() > pending) {
-    for (const WgmmaOp& op : f->wgmma_groups.front()) {
-      const std::vector<float> now = wgmma_operands(f->tid, op.n, op.a, op.b, op.bf16);
-      if (std::memcmp(now.data(), op.operands.data(), now.size() * sizeof(float)) != 0 && !f->error)
-        f->error = "a wgmma's operands in shared memory changed while it was in flight";
-      const float* va = now.data();
-      const float* vb = now.data() + 32;
-      for (int j = 0; j < op.n / 8; j++) for (int i = 0; i < 4; i++) {
-        float s = op.d[4 * j + i];
-        for (int k = 0; k < 16; k++) s += va[(i / 2) * 16 + k] * vb[(j * 2 + i % 2) * 16 + k];
-        op.d[4 * j + i] = s;
-      }
+  retire_groups(f->wgmma_groups, pending, [f](WgmmaOp& op) {
+    const std::vector<float> now = wgmma_operands(f->tid, op.n, op.a, op.b, op.bf16);
+    if (std::memcmp(now.data(), op.operands.data(), now.size() * sizeof(float)) != 0 && !f->error)
+      f->error = "a wgmma's operands in shared memory changed while it was in flight";
+    const float* va = now.data();
+    const float* vb = now.data() + 32;
+    for (int j = 0; j < op.n / 8; j++) for (int i = 0; i < 4; i++) {
+      float s = op.d[4 * j + i];
+      for (int k = 0; k < 16; k++) s += va[(i / 2) * 16 + k] * vb[(j * 2 + i % 2) * 16 + k];
+      op.d[4 * j + i] = s;
     }
-    f->wgmma_groups.erase(f->wgmma_groups.begin());
-  }
+  });
 }
 
 // value of lane (lane ^ mask) of this SIMD group (mask < 32; a partner outside a partial group returns v)
