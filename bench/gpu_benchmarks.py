@@ -159,12 +159,13 @@ def part_startup() -> dict:
 
 
 def part_prefill() -> dict:
+  """BENCH_PREFILL_BACKENDS (default "auto,portable") and BENCH_PREFILL_LENGTHS pick the sweep."""
   from tinyvllm.bench.prefill import run_prefill_sweep
   out = {}
-  for backend in ("auto", "portable"):
+  for backend in os.environ.get("BENCH_PREFILL_BACKENDS", "auto,portable").split(","):
     llm, _ = engine(kv_cache_memory=kv_gib(4), max_model_len=8192 + 16, max_num_batched_tokens=8192, max_num_seqs=8,
                     attention_backend=backend)
-    lengths = [64, 256] if SMALL else [256, 512, 1024, 2048, 4096, 8192]
+    lengths = [64, 256] if SMALL else [int(n) for n in os.environ.get("BENCH_PREFILL_LENGTHS", "256,512,1024,2048,4096,8192").split(",")]
     try: results = run_prefill_sweep(llm, lengths)
     except Exception as e:  # the naive path may run out of memory at the longest prompts: keep what ran
       print(f"prefill sweep ({backend}) stopped: {e!r}", flush=True)
