@@ -36,6 +36,8 @@ inline void tv_emu_cp_async16(void* dst, const void* src) { emu::cp_async(dst, s
 inline void tv_emu_cp_async(void* dst, const void* src, size_t bytes) { emu::cp_async(dst, src, bytes); }
 inline void tv_emu_cp_async_commit() { emu::cp_async_commit(); }
 inline void tv_emu_cp_async_wait(int pending) { emu::cp_async_wait(pending); }
+inline void tv_emu_bulk_copy(void* dst, const void* src, size_t bytes, const void* bar) { emu::bulk_copy(dst, src, bytes, bar); }
+inline void tv_emu_mbar_wait(const void* bar) { emu::mbar_wait(bar); }
 inline void tv_emu_ldmatrix_x4(uint* r, const void* row, bool trans) { emu::ldmatrix_x4(r, row, trans); }
 inline void tv_emu_wgmma(float* d, int n, const void* a, const void* b, bool bf16) { emu::wgmma_m64k16(d, n, a, b, bf16); }
 inline void tv_emu_wgmma_commit() { emu::wgmma_commit(); }

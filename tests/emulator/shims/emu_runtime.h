@@ -95,6 +95,7 @@ struct Group {
   const std::function<void()>* body = nullptr;
   const char* error = nullptr;
   std::vector<Bytes16> dynamic_shared;   // the launch's bytes, then SHARED_GUARD guard bytes
+  std::vector<std::pair<const void*, PendingCopy>> bulk_pending;   // late bulk copies and their mbarriers
   size_t dynamic_shared_bytes = 0;
 
   int simd_size(int sg) const { return std::min(32, nt - sg * 32); }
@@ -256,6 +257,19 @@ inline void cp_async_wait(int pending) {
   retire_groups(current_fiber()->copy_groups, pending, land_copy);
 }
 
+// a bulk copy (cp.async.bulk, counted on an mbarrier): at the issue, or with late copies on, when a thread of the block
+// first waits on its barrier (the hardware completes the barrier's phase only once its bytes have landed)
+inline void bulk_copy(void* dst, const void* src, size_t bytes, const void* bar) {
+  if (!late_copies()) { std::memcpy(dst, src, bytes); return; }
+  const unsigned char* s = static_cast<const unsigned char*>(src);
+  current_group()->bulk_pending.emplace_back(bar, PendingCopy{dst, std::vector<unsigned char>(s, s + bytes)});
+}
+inline void mbar_wait(const void* bar) {
+  auto& pending = current_group()->bulk_pending;
+  for (const auto& [b, c] : pending) if (b == bar) land_copy(c);
+  pending.erase(std::remove_if(pending.begin(), pending.end(), [bar](const auto& p) { return p.first == bar; }), pending.end());
+}
+
 // wgmma.mma_async.m64nNk16 from shared memory (wgmma.inc): both operands K-major, 128 bytes a row in 128-byte
 // swizzled 8-row atoms (the 16-byte chunk bits 4-6 of an address XOR its row bits 7-9). Each thread sums its own
 // accumulators, d[4j + i] = D[16 w + g + 8 (i / 2)][8 j + 2 t + i % 2] for warp w of the warpgroup: the operands sit in
@@ -345,6 +359,7 @@ inline void init_group(Group& g, Dim3 grid, int nt, size_t shared_bytes, size_t 
 inline void start_group(Group& g, Dim3 block, const ucontext_t& tmpl) {
   g.block = block;
   g.arrived = 0;
+  g.bulk_pending.clear();
   reset_dynamic_shared(g);
   for (int i = 0; i < 32; i++) g.simd_arrived[i] = 0;
   for (int t = 0; t < g.nt; t++) {
