@@ -114,7 +114,8 @@ class EmulatedKernels:
   def launch(self, spec: str, index: int, buffers: list[np.ndarray], order: str = "forward", seed: int = 0,
              late_copies: bool = False) -> None:
     """Run launch `index` of specialisation `spec` over the whole grid; buffers in the kernel's argument order. With
-    `late_copies` each cp.async copy lands when its thread waits for it rather than at the issue."""
+    `late_copies` each cp.async or bulk copy lands at the wait that covers it (its commit group's, its mbarrier's)
+    rather than at the issue."""
     launch = self.specs[spec].launches[index]
     code = dtype_code({0: "float32", 1: "float16", 2: "bfloat16"}[int(self.specs[spec].defines["TV_DTYPE"])])
     kv_fp8 = bool(self.specs[spec].defines.get("TV_KV_FP8"))
@@ -183,7 +184,7 @@ def poisoned(numel: int, dtype: str) -> np.ndarray:
 def run_attention(emu: EmulatedKernels | LazyKernels, spec: str, case, order: str = "forward", seed: int = 0,
                   late_copies: bool = False) -> np.ndarray:
   """Run a decode or prefill specialisation on a cases.PagedCase; returns the output [N, H * D] as float32 (with
-  `late_copies`, cp.async copies land at their waits)."""
+  `late_copies`, copies land at their waits)."""
   from tests.emulator.cases import from_bits, to_bits
   sh, a = case.shape, case.arrays
   launches = emu.specs[spec].launches
