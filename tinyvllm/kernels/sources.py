@@ -24,7 +24,7 @@ FOLDERS = ("neutral", "cuda")
 ALGORITHMS = {"decode": ("paged_decode.inc",), "decode_staged": ("tensor_core.inc", "paged_decode.inc"),
               "prefill": ("paged_prefill.inc",), "kv_write": ("kv_write.inc",),
               "prefill_tc": ("tensor_core.inc", "paged_prefill_tc.inc"),
-              "gemm_tc": ("tensor_core.inc", "wgmma.inc", "gemm_tc_ops.inc", "gemm_tc.inc", "gemm_xprime.inc"),
+              "gemm_tc": ("tensor_core.inc", "wgmma.inc", "gemm_tc_ops.inc", "gemm_tc_slice.inc", "gemm_tc.inc", "gemm_xprime.inc"),
               "decode_layer": ("tensor_core.inc", "decode_layer_ops.inc", "decode_layer_products.inc", "decode_layer_attend.inc",
                                "decode_layer.inc"),
               "moe": ("moe_route.inc", "moe.inc"), "moe_grouped": ("linear.inc", "moe_products.inc"),
