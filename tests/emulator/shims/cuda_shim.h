@@ -35,6 +35,7 @@ inline void tv_emu_mma_16816(float* c, const uint* a, const uint* b, bool bf16) 
 inline void tv_emu_cp_async16(void* dst, const void* src) { emu::cp_async(dst, src, 16); }
 inline void tv_emu_cp_async(void* dst, const void* src, size_t bytes) { emu::cp_async(dst, src, bytes); }
 inline void tv_emu_cp_async_commit() { emu::cp_async_commit(); }
+inline void tv_emu_prefetch(const void* p) { emu::prefetch(p); }
 inline void tv_emu_cp_async_wait(int pending) { emu::cp_async_wait(pending); }
 inline void tv_emu_bulk_copy(void* dst, const void* src, size_t bytes, const void* bar) { emu::bulk_copy(dst, src, bytes, bar); }
 inline void tv_emu_mbar_wait(const void* bar) { emu::mbar_wait(bar); }

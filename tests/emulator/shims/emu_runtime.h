@@ -246,6 +246,17 @@ template <class T, class F> inline void retire_groups(std::vector<std::vector<T>
 }
 
 inline bool& late_copies() { static thread_local bool on = false; return on; }
+// the launch's buffers (the harness sets them before each launch, tv_emu_set_buffers): an L2 prefetch, which the
+// hardware never faults on, must still name a byte of one of them (a prefetch past a weight's end is an error)
+inline std::vector<std::pair<const unsigned char*, size_t>>& launch_buffers() {
+  static thread_local std::vector<std::pair<const unsigned char*, size_t>> buffers;
+  return buffers;
+}
+inline void prefetch(const void* p) {
+  const unsigned char* c = static_cast<const unsigned char*>(p);
+  for (const auto& [base, bytes] : launch_buffers()) if (c >= base && c < base + bytes) return;
+  if (!current_fiber()->error) current_fiber()->error = "an L2 prefetch outside the launch's buffers";
+}
 inline void cp_async(void* dst, const void* src, size_t bytes) {
   if (!late_copies()) { std::memcpy(dst, src, bytes); return; }
   const unsigned char* s = static_cast<const unsigned char*>(src);
