@@ -91,17 +91,15 @@ def run_routing(emu: LazyKernels, name: str, plan: GroupedPlan, logits: np.ndarr
 
 def run_products(emu: LazyKernels, name: str, plan: GroupedPlan, a: dict[str, np.ndarray], align: np.ndarray, weights: np.ndarray,
                  order: str = "forward") -> tuple[np.ndarray, np.ndarray]:
-  """x', gate_up, the SwiGLU pass, down and the combine on poisoned outputs: (out [N, H], down's float32 rows [P, H])."""
+  """x', gate_up with its SwiGLU, down and the combine on poisoned outputs: (out [N, H], down's float32 rows [P, H])."""
   s, dt = plan.shape, plan.shape.dtype
   bits = lambda key: to_bits(a[key], dt).reshape(-1)
   xn = poisoned(s.tokens * s.hidden, dt)
   emu.launch(f"{name}__gate_up", 0, [xn, bits("x"), bits("norm")], order)
-  gate_up = poisoned(plan.rows * 2 * s.intermediate, dt)
-  emu.launch(f"{name}__gate_up", 1, [gate_up, xn, weight_bits(a, "gate_up", s), align], order)
   act = poisoned(plan.rows * s.intermediate, dt)
-  emu.launch(f"{name}__down", 0, [act, gate_up, align], order)
+  emu.launch(f"{name}__gate_up", 1, [act, xn, weight_bits(a, "gate_up", s), align], order)
   down = np.full(s.pairs * s.hidden, np.nan, np.float32)
-  emu.launch(f"{name}__down", 1, [down, act, weight_bits(a, "down", s), align], order)
+  emu.launch(f"{name}__down", 0, [down, act, weight_bits(a, "down", s), align], order)
   out = poisoned(s.tokens * s.hidden, dt)
   emu.launch(f"{name}__routing", 3, [out, down, np.ascontiguousarray(weights, np.float32).reshape(-1), bits("residual")], order)
   return from_bits(out, dt).reshape(s.tokens, s.hidden), down.reshape(s.pairs, s.hidden)
@@ -155,9 +153,11 @@ def test_plan_at_qwen3_30b_a3b():
   assert decode.rows == padded_rows(qwen(256), 32) == (2048 + 128 * 31) // 32 * 32
   prompt = grouped_plan(qwen(8192), HOPPER)
   assert prompt.tiles == GemmTiles.warpgroup(128, 128, ring=3) and prompt.rows == 65536 + 128 * 127
-  gate_up, down = prompt.gate_up.launches[1], prompt.down.launches[1]
+  gate_up, down = prompt.gate_up.launches[1], prompt.down.launches[0]
   assert gate_up.grid == (1536 // 128, prompt.rows // 128, 1) and down.grid == (2048 // 128, prompt.rows // 128, 1)
-  assert gate_up.params[0].numel * 2 < 300e6 and down.params[0].numel == 65536 * 2048   # [M, 2I] bf16, [P, H] float32
+  assert gate_up.params[0].numel == prompt.rows * 768 and down.params[0].numel == 65536 * 2048   # [M, I] bf16, [P, H] float32
+  assert [step.kernel for step, _ in prompt.steps] == ["tv_moe_topk", "tv_moe_count", "tv_moe_align", "tv_gemm", "tv_gemm",
+                                                       "tv_moe_combine"]
   assert not grouped_plan(qwen(8192), AMPERE).tiles.wgmma
   assert "sm_80" in grouped_reason(qwen(64), DeviceTarget.nominal("cuda", arch="sm_75"))
   assert "dtype" in grouped_reason(replace(qwen(64), dtype="float32"), HOPPER)

@@ -8,15 +8,15 @@ expert's weights once per row block. Launches, in order:
   2. the router's logits from x' (linear.py's product, float32 [N, E]);
   3. moe_align.inc: tv_moe_topk (each token's k experts and weights), tv_moe_count (pairs an expert), tv_moe_align (the
      padded order: each row's pair, each row block's expert, the used blocks);
-  4. tv_gemm over gate_up (gemm_tc.inc with TV_MOE_GATHER): row r multiplies x'[pair / k] with its block's expert: [M, 2I]
-     in the padded order;
-  5. tv_gemm_xprime (SwiGLU over the used rows) and tv_gemm over down (TV_MOE_SCATTER): float32 [P, H] in pair order;
+  4. tv_gemm over gate_up (gemm_tc.inc with TV_MOE_GATHER): row r multiplies x'[pair / k] with its block's expert, the
+     SwiGLU in its epilogue (TV_MOE_SWIGLU): [M, I] in the padded order;
+  5. tv_gemm over down (TV_MOE_SCATTER): float32 [P, H] in pair order;
   6. tv_moe_combine (moe.inc): residual + each token's k outputs weighted by their probabilities, rounded once.
 
 M, the padded rows, is static: P + (used experts) (BM - 1) bounds them, and blocks past the step's used ones exit at
-once. At 8,192 tokens of Qwen3-30B-A3B (P = 65,536) that is [73,600, 1,536] bf16 (226 MB) for gate_up and [65,536,
-2,048] float32 (537 MB) for down, where the dense form over every expert needed [128, 8,192, 1,536] (3.2 GB) and 16
-times the products.
+once. At 8,192 tokens of Qwen3-30B-A3B (P = 65,536) that is [73,600, 768] bf16 (113 MB) for gate_up's SwiGLU and
+[65,536, 2,048] float32 (537 MB) for down, where the dense form over every expert needed [128, 8,192, 1,536] (3.2 GB)
+and 16 times the products.
 """
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ class GroupedPlan:
   down_tiles: GemmTiles
   rows: int            # M: the padded rows' static bound, a multiple of the tiles' rows
   routing: MoEKernel   # tv_moe_topk, tv_moe_count, tv_moe_align, tv_moe_combine
-  gate_up: MoEKernel   # tv_gemm_xprime (RMSNorm over the tokens), tv_gemm (rows gathered)
-  down: MoEKernel      # tv_gemm_xprime (SwiGLU over the used rows), tv_gemm (rows scattered to pair order)
+  gate_up: MoEKernel   # tv_gemm_xprime (RMSNorm over the tokens), tv_gemm (rows gathered, SwiGLU in the epilogue)
+  down: MoEKernel      # tv_gemm (rows scattered to pair order)
 
   @property
   def kernels(self) -> tuple[MoEKernel, ...]: return self.routing, self.gate_up, self.down
@@ -61,7 +61,7 @@ class GroupedPlan:
     """Each launch after the router product with its kernel, in the order they run (x' comes before: `xprime`)."""
     topk, count, align, combine = self.routing.launches
     r, g, d = self.routing, self.gate_up, self.down
-    return (topk, r), (count, r), (align, r), (g.launches[1], g), (d.launches[0], d), (d.launches[1], d), (combine, r)
+    return (topk, r), (count, r), (align, r), (g.launches[1], g), (d.launches[0], d), (combine, r)
 
   @property
   def xprime(self) -> Launch: return self.gate_up.launches[0]
@@ -136,8 +136,8 @@ def routing_kernel(shape: MoEShape, bm: int, rows: int) -> MoEKernel:
 
 
 def product_kernel(shape: MoEShape, product: str, tiles: GemmTiles, rows: int, target: DeviceTarget) -> MoEKernel:
-  """gemm_tc.inc's grouped product for `product` "gate_up" (x': the tokens' RMSNorm, rows gathered) or "down" (x': the
-  SwiGLU of gate_up's rows, rows scattered to pair order, float32)."""
+  """gemm_tc.inc's grouped product for `product` "gate_up" (x': the tokens' RMSNorm, rows gathered, the SwiGLU of each
+  row's gate and up in the epilogue) or "down" (x: gate_up's SwiGLU, rows scattered to pair order, float32)."""
   n, h, i, e, p = shape.tokens, shape.hidden, shape.intermediate, shape.experts, shape.pairs
   gate_up = product == "gate_up"
   k, nout = (h, 2 * i) if gate_up else (i, h)
@@ -149,17 +149,17 @@ def product_kernel(shape: MoEShape, product: str, tiles: GemmTiles, rows: int, t
   defines: dict[str, int | str] = {"TV_DTYPE": dtype_code(shape.dtype), "TV_M": rows, "TV_K": k, "TV_NOUT": nout, "TV_BM": tiles.bm,
                                    "TV_BN": tiles.bn, "TV_BK": tiles.bk, "TV_WM": tiles.wm, "TV_WN": tiles.wn,
                                    "TV_NT": tiles.threads, "TV_SPLITS": 1, "TV_STAGES": stages, "TV_SMEM_BYTES": smem,
-                                   "TV_MIN_BLOCKS": tiles.min_blocks(target), "TV_XPRIME_PASS": 1}
+                                   "TV_MIN_BLOCKS": tiles.min_blocks(target)}
   if tiles.wgmma: defines["TV_WGMMA"] = tiles.bn
   if gate_up:
-    defines.update({"TV_PRO_NORM": 2, "TV_EPS": f"{shape.eps!r}f", "TV_MOE_GATHER": 1, "TV_MOE_XDIV": shape.top_k})
-    pre = Launch("tv_gemm_xprime", (n, 1, 1), tiles.threads, (
-      Param("xn", "elem", True, n * h), Param("x", "elem", False, n * h), Param("norm", "elem", False, h)))
-    params = (Param("gate_up", "elem", True, rows * nout), Param("xn", "elem", False, n * h))
+    defines.update({"TV_PRO_NORM": 2, "TV_EPS": f"{shape.eps!r}f", "TV_XPRIME_PASS": 1, "TV_MOE_GATHER": 1,
+                    "TV_MOE_XDIV": shape.top_k, "TV_MOE_SWIGLU": 1})
+    pre = (Launch("tv_gemm_xprime", (n, 1, 1), tiles.threads, (
+      Param("xn", "elem", True, n * h), Param("x", "elem", False, n * h), Param("norm", "elem", False, h))),)
+    params = (Param("act", "elem", True, rows * i), Param("xn", "elem", False, n * h))
   else:
-    defines.update({"TV_PRO_SILU": 1, "TV_OUT_F32": 1, "TV_MOE_SCATTER": 1})
-    pre = Launch("tv_gemm_xprime", (rows, 1, 1), tiles.threads, (
-      Param("act", "elem", True, rows * k), Param("gate_up", "elem", False, rows * 2 * k), align))
+    defines.update({"TV_OUT_F32": 1, "TV_MOE_SCATTER": 1})
+    pre = ()
     params = (Param("down", "float", True, p * nout), Param("act", "elem", False, rows * k))
   weight = [Param(f"w_{product}", "elem", False, e * nout * k)]
   if form != "elem":   # (gemm_tc.inc's arguments 2-4: codes, scales, shifts)
@@ -171,7 +171,7 @@ def product_kernel(shape: MoEShape, product: str, tiles: GemmTiles, rows: int, t
   params = (*params, *weight, align)
   defines["TV_MOE"] = len(params) - 1
   gemm = Launch("tv_gemm", (cdiv(nout, tiles.bn), rows // tiles.bm, 1), tiles.threads, params, smem)
-  return MoEKernel(product, "gemm_tc", defines, (pre, gemm))
+  return MoEKernel(product, "gemm_tc", defines, (*pre, gemm))
 
 
 def grouped_plan(shape: MoEShape, target: DeviceTarget, tiles: Tiles | None = None) -> GroupedPlan:
