@@ -62,6 +62,7 @@ def bench_batch(target, device: str, batch: int, iters: int, variants: dict | No
   from tinyvllm.backend.metadata import AttentionMetadata
   from tinyvllm.kernels.fused import FusedBackend
   from tinyvllm.layers.attention import paged_attention
+  from tinyvllm.worker.input_batch import launch_order
   d, bs, L = 128, 16, 2048 if mixed else 1024
   layers = 64 if batch <= 8 else 32 if batch <= 32 else 16
   rng = np.random.default_rng(batch)
@@ -78,9 +79,10 @@ def bench_batch(target, device: str, batch: int, iters: int, variants: dict | No
     q = Tensor.rand(batch, heads, d, dtype=dtypes.bfloat16, device=device).contiguous().realize()
     ints = {k: Tensor(v, device=device).realize() for k, v in
             {"bt": table, "ctx": ctx, "qs": qs, "qi": np.arange(batch, dtype=np.int32).reshape(batch, 1),
-             "qp": (ctx - 1).reshape(batch, 1), "oi": np.arange(batch, dtype=np.int32), "sm": np.full(batch, -1, np.int32)}.items()}
+             "qp": (ctx - 1).reshape(batch, 1), "oi": np.arange(batch, dtype=np.int32), "sm": np.full(batch, -1, np.int32),
+             "order": launch_order(ctx)}.items()}
     meta = AttentionMetadata(ints["sm"], ints["bt"], ints["qi"], ints["qp"], ints["oi"], ints["ctx"], ints["qs"],
-                             ints["qs"][1:] - ints["qs"][:-1], bs, L)
+                             ints["qs"][1:] - ints["qs"][:-1], ints["order"], bs, L)
     per_layer.append((q, kc, vc, meta))
   backend = FusedBackend(target)
   fns = {"fused": backend.attention, "portable": paged_attention} if variants is None else \

@@ -125,7 +125,8 @@ def check_jit(device: str) -> None:
 
   def run(h, cos, sin, slot_mapping, block_tables, context_lens, query_start, fused: bool):
     meta = AttentionMetadata(slot_mapping, block_tables, query_start[:1].reshape(1, 1), query_start[:1].reshape(1, 1),
-                             query_start[:1], context_lens, query_start, query_start[1:] - query_start[:-1], 16, 2048)
+                             query_start[:1], context_lens, query_start, query_start[1:] - query_start[:-1],
+                             query_start[:1], 16, 2048)   # (one row: its launch order [0] is query_start[:1])
     out = backend.decode_layers(stack, h, cos, sin, caches, meta, 1e-6) if fused else None
     h, new = out or model.decoder_layers(h, cos, sin, caches, meta)
     return h.realize(*[t for pair in new for t in pair])

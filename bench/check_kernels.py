@@ -126,7 +126,8 @@ def run_fused_direct(target, device: str, case, splits=None) -> tuple[np.ndarray
   src = kernel_source(target.dialect, algo, plan.defines)
   q = dev_tensor(case.q.reshape(sh.num_tokens, -1), sh.dtype, device)
   kc, vc = dev_tensor(case.k_cache, case.kv_dtype, device), dev_tensor(case.v_cache, case.kv_dtype, device)
-  ints = [Tensor(np.ascontiguousarray(a[k]), device=device).realize() for k in ("block_tables", "context_lens", "query_start")]
+  ints = [Tensor(np.ascontiguousarray(a[k]), device=device).realize()
+          for k in ("block_tables", "context_lens", "query_start", "row_order")]
   out = poisoned(sh.num_tokens * sh.num_heads * sh.head_dim, sh.dtype, device)
   info = {"kernel": algo, "splits": getattr(plan, "splits", None), "grid": [list(x.grid) for x in plan.launches]}
   numel = {p.name: p.numel for p in plan.launches[0].params}
@@ -217,9 +218,9 @@ def check_jit(target, device: str, name: str, seqs_per_step: list[list[tuple[int
   meta_shape = cases[0].shape
 
   @TinyJit
-  def step(q, k, v, slot_mapping, block_tables, query_index, context_lens, query_start):
+  def step(q, k, v, slot_mapping, block_tables, query_index, context_lens, query_start, row_order):
     meta = AttentionMetadata(slot_mapping, block_tables, query_index, query_index, slot_mapping, context_lens, query_start,
-                             query_start[1:] - query_start[:-1], meta_shape.block_size, meta_shape.context_len)
+                             query_start[1:] - query_start[:-1], row_order, meta_shape.block_size, meta_shape.context_len)
     k2, v2 = backend.write_kv(kc, vc, k, v, slot_mapping)
     out = backend.attention(q, k2, v2, meta)
     Tensor.realize(out, k2, v2)
@@ -239,7 +240,7 @@ def check_jit(target, device: str, name: str, seqs_per_step: list[list[tuple[int
     args = [dev_tensor(case.q, dtype, device), dev_tensor(k_new.reshape(nt, kv_heads, head_dim), dtype, device),
             dev_tensor(v_new.reshape(nt, kv_heads, head_dim), dtype, device)]
     args += [Tensor(np.ascontiguousarray(a[k_]), device=device).realize()
-             for k_ in ("slot_mapping", "block_tables", "query_index", "context_lens", "query_start")]
+             for k_ in ("slot_mapping", "block_tables", "query_index", "context_lens", "query_start", "row_order")]
     out = host(step(*args), dtype).reshape(case.shape.num_tokens, -1)
     errs.append(rel_err(out[:n], reference_attention(case)))
   good = all(e <= TOL[dtype] for e in errs)

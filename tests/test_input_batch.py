@@ -62,6 +62,8 @@ def test_fields_match_their_per_sequence_meaning(seed: int) -> None:
     if item.samples: rows_sampled += [(flat - 1, s) for s in (seq, *item.forks)]
   assert (a["slot_mapping"][flat:] == -1).all() and (a["context_lens"][len(items):] == 0).all()
   assert (a["query_start"][len(items):] == flat).all()
+  ctx = a["context_lens"].tolist()   # attention's launch order: the longest rows first, ties and padding in row order
+  assert a["row_order"].tolist() == sorted(range(len(ctx)), key=lambda r: (-ctx[r], r))
   assert a["logits_index"][:len(rows_sampled)].tolist() == [i for i, _ in rows_sampled]
   assert host.sample_seqs == [s for _, s in rows_sampled]
   assert host.sample_steps == [len(s.output_token_ids) for _, s in rows_sampled]
@@ -96,6 +98,8 @@ def test_split_runs_give_each_row_a_piece_of_one_sequence(seed: int) -> None:
       row += 1
     flat += n
   assert (a["context_lens"][row:] == 0).all() and (a["query_start"][row:] == flat).all()
+  ctx = a["context_lens"].tolist()   # the rows (pieces of runs) in attention's launch order
+  assert a["row_order"].tolist() == sorted(range(len(ctx)), key=lambda r: (-ctx[r], r))
 
 
 def test_split_runs_put_decodes_beside_a_prompt_chunk_in_short_rows() -> None:

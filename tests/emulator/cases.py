@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from tinyvllm.kernels.plan import AttentionShape
+from tinyvllm.worker.input_batch import launch_order
 
 
 def bucket(n: int, minimum: int = 1) -> int: return 1 << (max(n, minimum) - 1).bit_length()
@@ -132,6 +133,7 @@ def make_case(rng: np.random.Generator, seqs: list[tuple[int, int]], *, heads: i
     a["context_lens"][row], a["new_keys"][row] = ctx, new
     start += new
     a["query_start"][row + 1:] = start
+  a["row_order"] = launch_order(a["context_lens"])
   shape = AttentionShape(dtype, head_dim, heads, kv_heads, block_size, s_pad, n, tq, L, num_slots, kv_fp8)
   kv_dtype = FP8 if kv_fp8 else dtype
   q = round_to(rng.standard_normal((n, heads, head_dim)) * scale, dtype)
@@ -151,6 +153,7 @@ def as_decode_rows(case: PagedCase) -> PagedCase:
           "query_pos": a["positions"][:n].reshape(n, 1).copy(), "context_lens": (a["positions"][:n] + 1).astype(np.int32),
           "new_keys": np.concatenate([np.arange(1, new + 1) for _, new in case.seqs]).astype(np.int32),
           "query_start": np.arange(n + 1, dtype=np.int32)}
+  rows["row_order"] = launch_order(rows["context_lens"])
   return replace(case, shape=replace(case.shape, num_seqs=n, num_tokens=n, query_len=1), q=case.q[:n], arrays=rows)
 
 
@@ -182,7 +185,7 @@ def metadata_tensors(case: PagedCase, device: str | None = None):
   a, sh = case.arrays, case.shape
   t = {k: Tensor(np.ascontiguousarray(v), device=device).realize() for k, v in a.items()}
   return AttentionMetadata(t["slot_mapping"], t["block_tables"], t["query_index"], t["query_pos"], t["output_index"],
-                           t["context_lens"], t["query_start"], t["new_keys"], sh.block_size, sh.context_len)
+                           t["context_lens"], t["query_start"], t["new_keys"], t["row_order"], sh.block_size, sh.context_len)
 
 
 def portable_attention(case: PagedCase, device: str | None = None) -> np.ndarray:

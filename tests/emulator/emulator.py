@@ -196,7 +196,7 @@ def run_attention(emu: EmulatedKernels | LazyKernels, spec: str, case, order: st
   launches = emu.specs[spec].launches
   q = to_bits(case.q, sh.dtype).reshape(-1)
   kc, vc = (to_bits(x, case.kv_dtype).reshape(-1) for x in (case.k_cache, case.v_cache))
-  ints = [np.ascontiguousarray(a[k], np.int32).reshape(-1) for k in ("block_tables", "context_lens", "query_start")]
+  ints = [np.ascontiguousarray(a[k], np.int32).reshape(-1) for k in ("block_tables", "context_lens", "query_start", "row_order")]
   out = poisoned(sh.num_tokens * sh.num_heads * sh.head_dim, sh.dtype)
   if launches[0].kernel != "tv_paged_decode_split":
     emu.launch(spec, 0, [out, q, kc, vc, *ints], order, seed, late_copies)

@@ -20,6 +20,9 @@ class AttentionMetadata:
   query_start: Tensor    # [S + 1] int32: flat offset of each row's first new token
   new_keys: Tensor       # [S] int32: keys of each row's context this step computes, up to its last query (its sequence's
                          # new tokens so far: a decode row's 1; 0 for padding rows)
+  row_order: Tensor      # [S] int32: the rows by descending context_lens (padding rows last): the order in which the
+                         # kernels start their blocks, so that the longest rows' blocks do not start last and leave the
+                         # GPU waiting on a few of them
   block_size: int
   context_len: int       # L: keys gathered per sequence, a multiple of block_size
 

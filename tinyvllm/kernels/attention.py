@@ -52,7 +52,7 @@ def attention_shape(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
   if dtype is None: return None, f"{'activation' if kv_fp8 else 'cache'} dtype {(q if kv_fp8 else k_cache).dtype.name}"
   if v_cache.dtype != k_cache.dtype: return None, "K and V caches differ in dtype"
   if k_cache.shape[1] % head_dim: return None, "cache row is not a whole number of heads"
-  if any(t.dtype != dtypes.int32 for t in (meta.block_tables, meta.context_lens, meta.query_start)):
+  if any(t.dtype != dtypes.int32 for t in (meta.block_tables, meta.context_lens, meta.query_start, meta.row_order)):
     return None, "metadata not int32"
   s, tq = meta.query_index.shape
   shape = AttentionShape(dtype, head_dim, heads, k_cache.shape[1] // head_dim, meta.block_size, s, n, tq,
@@ -66,7 +66,7 @@ def run_attention(shape: AttentionShape, target: DeviceTarget, q: Tensor, k_cach
   n, elem = shape.num_tokens, q.dtype if shape.kv_fp8 else k_cache.dtype
   # q straight from a kernel (the fused qkv step) goes in as it is: a reshape + contiguous of it would cost a copy kernel
   qf = q if q.dtype == elem and has_buffer_identity(q) else q.reshape(n, shape.num_heads * shape.head_dim).cast(elem).contiguous()
-  ints = [meta.block_tables, meta.context_lens, meta.query_start]
+  ints = [meta.block_tables, meta.context_lens, meta.query_start, meta.row_order]
   out = Tensor.empty(n, shape.num_heads * shape.head_dim, dtype=elem, device=q.device)
   plan, source = plan_source or attention_source(shape, target)
   out = launch_attention(plan, source, out, qf, k_cache, v_cache, ints)
@@ -75,9 +75,9 @@ def run_attention(shape: AttentionShape, target: DeviceTarget, q: Tensor, k_cach
 
 def launch_attention(plan: DecodePlan | PrefillPlan, source: str, out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor,
                      ints: list[Tensor], scratch: tuple[Tensor, Tensor] | None = None) -> Tensor:
-  """The plan's launches writing `out`; `ints`: block tables, context lengths, query starts. A split-K decode writes its
-  splits' partial results to `scratch` (part_o, part_ml; new buffers if None), merged by the last split of each
-  (sequence, KV head) or by a second launch."""
+  """The plan's launches writing `out`; `ints`: block tables, context lengths, query starts, the rows' launch order. A
+  split-K decode writes its splits' partial results to `scratch` (part_o, part_ml; new buffers if None), merged by the
+  last split of each (sequence, KV head) or by a second launch."""
   first = plan.launches[0]
   if first.kernel != "tv_paged_decode_split": return run_kernel(first, source, [out, q, k_cache, v_cache, *ints])[0]
   numel = {p.name: p.numel for p in first.params}
@@ -85,7 +85,7 @@ def launch_attention(plan: DecodePlan | PrefillPlan, source: str, out: Tensor, q
                                 Tensor.empty(numel["part_ml"], dtype=dtypes.float32, device=q.device))
   if len(plan.launches) == 1:
     arrivals = zeroed_counters(q.device, numel["arrivals"])
-    return run_kernel(first, source, [part_o, part_ml, q, k_cache, v_cache, *ints, out, arrivals])[8]
+    return run_kernel(first, source, [part_o, part_ml, q, k_cache, v_cache, *ints, out, arrivals])[9]
   part_o, part_ml = run_kernel(first, source, [part_o, part_ml, q, k_cache, v_cache, *ints])[:2]
   return run_kernel(plan.launches[1], source, [out, part_o, part_ml, ints[1], ints[2]])[0]
 

@@ -257,13 +257,14 @@ class PrefillPlan:
 
 
 def _attention_params(shape: AttentionShape) -> tuple[Param, ...]:
-  """out, q, the caches and the int32 metadata: the decode and prefill kernels' shared argument list."""
+  """out, q, the caches and the int32 metadata (block tables, context lengths, query starts, the rows' launch order): the
+  decode and prefill kernels' shared argument list."""
   s, h, n, hd = shape.num_seqs, shape.num_heads, shape.num_tokens, shape.head_dim
   return (Param("out", "elem", True, n * h * hd), Param("q", "elem", False, n * h * hd),
           Param("k_cache", "kv", False, shape.num_slots * shape.num_kv_heads * hd),
           Param("v_cache", "kv", False, shape.num_slots * shape.num_kv_heads * hd),
           Param("block_tables", "int", False, s * shape.max_blocks), Param("context_lens", "int", False, s),
-          Param("query_start", "int", False, s + 1))
+          Param("query_start", "int", False, s + 1), Param("row_order", "int", False, s))
 
 
 def prefill_shared_bytes(rows: int, keys: int, words: int) -> int:

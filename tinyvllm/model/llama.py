@@ -65,7 +65,7 @@ class StepInputs:
   def on(self, group: Collectives) -> StepInputs:
     """The inputs on every device of the group (those on its first device broadcast, in one call)."""
     meta, names = self.attention, ("slot_mapping", "block_tables", "query_index", "query_pos", "output_index", "context_lens",
-                                   "query_start", "new_keys")
+                                   "query_start", "new_keys", "row_order")
     token_ids, positions, logits_index, *fields = broadcast_together(
       group, [self.token_ids, self.positions, self.logits_index, *(getattr(meta, name) for name in names)])
     return StepInputs(token_ids, positions, replace(meta, **dict(zip(names, fields, strict=True))), logits_index)

@@ -301,7 +301,8 @@ class ModelRunner:
   def _step_inputs(self, f: dict[str, Tensor], context_len: int, token_ids: Tensor | None = None,
                    logits_index: Tensor | None = None) -> StepInputs:
     meta = AttentionMetadata(f["slot_mapping"], f["block_tables"], f["query_index"], f["query_pos"], f["output_index"],
-                             f["context_lens"], f["query_start"], f["new_keys"], self.kv_cache.block_size, context_len)
+                             f["context_lens"], f["query_start"], f["new_keys"], f["row_order"], self.kv_cache.block_size,
+                             context_len)
     return StepInputs(f["token_ids"] if token_ids is None else token_ids, f["positions"], meta,
                       f["logits_index"] if logits_index is None else logits_index)
 
