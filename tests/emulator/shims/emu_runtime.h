@@ -101,6 +101,11 @@ struct Group {
   int simd_size(int sg) const { return std::min(32, nt - sg * 32); }
 };
 
+// a copy's source bytes as they are at its issue, to land at dst later
+inline PendingCopy pending_copy(void* dst, const void* src, size_t bytes) {
+  const unsigned char* s = static_cast<const unsigned char*>(src);
+  return PendingCopy{dst, std::vector<unsigned char>(s, s + bytes)};
+}
 inline void land_copy(const PendingCopy& c) { std::memcpy(c.dst, c.bytes.data(), c.bytes.size()); }
 
 inline void fiber_entry() {
@@ -259,8 +264,7 @@ inline void prefetch(const void* p) {
 }
 inline void cp_async(void* dst, const void* src, size_t bytes) {
   if (!late_copies()) { std::memcpy(dst, src, bytes); return; }
-  const unsigned char* s = static_cast<const unsigned char*>(src);
-  current_fiber()->copies_open.push_back(PendingCopy{dst, std::vector<unsigned char>(s, s + bytes)});
+  current_fiber()->copies_open.push_back(pending_copy(dst, src, bytes));
 }
 inline void cp_async_commit() { commit_group(current_fiber()->copies_open, current_fiber()->copy_groups); }
 // wait until at most `pending` of this thread's committed groups are in flight: the older ones land
@@ -272,8 +276,7 @@ inline void cp_async_wait(int pending) {
 // first waits on its barrier (the hardware completes the barrier's phase only once its bytes have landed)
 inline void bulk_copy(void* dst, const void* src, size_t bytes, const void* bar) {
   if (!late_copies()) { std::memcpy(dst, src, bytes); return; }
-  const unsigned char* s = static_cast<const unsigned char*>(src);
-  current_group()->bulk_pending.emplace_back(bar, PendingCopy{dst, std::vector<unsigned char>(s, s + bytes)});
+  current_group()->bulk_pending.emplace_back(bar, pending_copy(dst, src, bytes));
 }
 inline void mbar_wait(const void* bar) {
   auto& pending = current_group()->bulk_pending;
