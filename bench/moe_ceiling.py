@@ -18,7 +18,7 @@ read rate and the FLOPs at the peak; `engine_schedule` adds the engine's own sch
 each read every weight) for comparison.
 
 Usage:
-  python bench/moe_ceiling.py [--read-gbps 4268] [--tflops 989] [--routing moe_routing.json] [--kv-bytes 2]
+  python bench/moe_ceiling.py [--read-gbps 4273] [--tflops 989] [--routing moe_routing.json] [--kv-bytes 2]
   DEV=CUDA python bench/moe_ceiling.py --measure-routing   (GPU: the device's read and copy rates, torch's kernels; the
       model's routing: distinct experts a layer in decode steps of 8-256 sequences, the engine eager, the workload's
       prompts)  ->  $OUT/moe_routing.json
@@ -36,6 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROUTING_COUNTS = (8, 16, 32, 64, 128, 256)
+CHUNK_TOKENS = 8192   # the run's tokens a step (bench/moe_bench.py's throughput part)
 
 
 def shape(model: str) -> dict:
@@ -60,7 +61,7 @@ def expert_counts(routing: dict[int, float] | None, experts: int, top_k: int, n_
 
 
 def ceiling(model: str, read_gbps: float, tflops: float, routing: dict[int, float] | None, kv_bytes: float,
-            chunk_tokens: int = 8192) -> dict:
+            chunk_tokens: int = CHUNK_TOKENS) -> dict:
   from tinyvllm.bench.throughput import nano_vllm_workload
   from tinyvllm.model.presets import PRESETS
   s = shape(model)
@@ -108,10 +109,16 @@ def device_rates(gib: float = 4.0, iters: int = 20) -> dict:
   return rates
 
 
-def measure_routing(model: str, decode_steps: int = 6) -> dict:
+def save(result: dict) -> None:
+  if out := os.environ.get("OUT"): Path(out, "moe_routing.json").write_text(json.dumps(result, indent=1))
+
+
+def measure_routing(model: str, result: dict, decode_steps: int = 6) -> None:
   """Distinct experts each sparse layer's tokens chose, by the step's token count: the engine eager on dummy weights, the
-  workload's first n prompts for n in ROUTING_COUNTS, each decoding `decode_steps` steps, the router's choice recomputed
-  (the portable route on the step's x') at every call of the MoE op."""
+  workload's first n prompts for n in ROUTING_COUNTS, the router's choice recomputed (the portable route on the step's
+  x') at every call of the MoE op. A step of exactly n tokens is a decode step of all n: each request generates as many
+  tokens as the prompts take chunks, plus `decode_steps`, so that every request is still decoding once the last prompt
+  is done (the steps before mix decodes with a prompt's chunk). Into result["distinct_experts"], saved after each n."""
   from tinyvllm import LLM, SamplingParams
   from tinyvllm.bench.throughput import nano_vllm_workload
   from tinyvllm.kernels.fused import FusedBackend
@@ -124,19 +131,21 @@ def measure_routing(model: str, decode_steps: int = 6) -> dict:
     return original(self, x, moe, norm=norm, eps=eps, residual=residual)
   FusedBackend.moe = counting
   llm = LLM(model, load_format="dummy", dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False, kv_cache_memory=40,
-            max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192)
+            max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=CHUNK_TOKENS)
   prompts, _ = nano_vllm_workload(llm.engine.model_config.vocab_size).requests()
   for n in ROUTING_COUNTS:
-    llm.generate(prompts[:n], SamplingParams(temperature=0.6, max_tokens=decode_steps + 1, ignore_eos=True), use_tqdm=False)
-    print(f"{n:>4} sequences: distinct experts a layer {np.mean(seen.get(n, [np.nan])):.1f} "
-          f"(min {min(seen.get(n, [0]))}, {len(seen.get(n, []))} layer steps)", flush=True)
-  return {str(n): {"mean": float(np.mean(seen[n])), "min": int(min(seen[n])), "samples": len(seen[n])} for n in ROUTING_COUNTS if n in seen}
+    chunks = -(-sum(len(p) for p in prompts[:n]) // CHUNK_TOKENS)
+    llm.generate(prompts[:n], SamplingParams(temperature=0.6, max_tokens=chunks + decode_steps + 1, ignore_eos=True), use_tqdm=False)
+    result["distinct_experts"] = {str(c): {"mean": float(np.mean(seen[c])), "min": int(min(seen[c])), "samples": len(seen[c])}
+                                  for c in ROUTING_COUNTS if c in seen}
+    save(result)
+    print(f"{n:>4} sequences: {result['distinct_experts'].get(str(n), 'no step of exactly these tokens')}", flush=True)
 
 
 def main() -> None:
   p = argparse.ArgumentParser()
   p.add_argument("--model", default="qwen3-30b-a3b")
-  p.add_argument("--read-gbps", type=float, default=4268.0, help="the device's read rate (nvidia-h200: torch's sum, 4,268)")
+  p.add_argument("--read-gbps", type=float, default=4273.0, help="the device's read rate (nvidia-h200: torch's sum, 4,273)")
   p.add_argument("--tflops", type=float, default=989.0, help="dense bf16 tensor-core peak (H200: 989)")
   p.add_argument("--routing", help="moe_routing.json of --measure-routing (else uniform routing)")
   p.add_argument("--kv-bytes", type=float, default=2.0, help="bytes a KV cache element (2: bf16, 1: FP8)")
@@ -148,8 +157,7 @@ def main() -> None:
     print(f"device rates: {result['rates']}", flush=True)
     import torch
     torch.cuda.empty_cache()
-    result["distinct_experts"] = measure_routing(args.model)
-    if out := os.environ.get("OUT"): Path(out, "moe_routing.json").write_text(json.dumps(result, indent=1))
+    measure_routing(args.model, result)
     return
   routing = None
   if args.routing:
