@@ -45,9 +45,10 @@ def shape(model: str) -> dict:
   c = PRESETS[model]
   h, layers, e, k = c["hidden_size"], c["num_hidden_layers"], c["num_experts"], c["num_experts_per_tok"]
   q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
-  attention = h * (q + 2 * kv) + q * h + e * h + 4 * h   # qkv, o, router, norms (parameters)
+  # a layer's parameters outside the experts: qkv, o, the router, its two norms and Qwen3's q / k norms (a head each)
+  attention = h * (q + 2 * kv) + q * h + e * h + 2 * h + 2 * c["head_dim"]
   expert = 3 * h * c["moe_intermediate_size"]
-  head = c["vocab_size"] * h
+  head = c["vocab_size"] * h + h   # the LM head and the final norm
   return {"layers": layers, "experts": e, "top_k": k, "expert_bytes": 2 * expert, "dense_bytes": 2 * (layers * attention + head),
           "kv_elems_per_token": layers * 2 * kv, "flops_per_token": 2 * layers * (attention + k * expert)}
 

@@ -32,7 +32,7 @@ def tiles(spec: str):
 
 
 def main() -> None:
-  from check_moe import LAYERS, _experts_read, _inputs, _layer, _time
+  from check_moe import LAYERS, _experts_read, _inputs, _layer, _tiles_name, _time
   from tinygrad import Device
 
   from tinyvllm.kernels.moe import moe_shape
@@ -64,7 +64,7 @@ def main() -> None:
       step = lambda moe, pair=pair, shape=shape, x=x, norm=norm, residual=residual: run_grouped(target, shape, x, moe, norm, residual, pair)
       us = _time(step, layers, device, args.iters)
       rows[name] = {"us_per_layer": us, "GBps": weight_bytes / us / 1e3, "rel_diff": float(np.abs(got - want).max() / scale),
-                    "tiles": str(pair or (plan.tiles, plan.down_tiles))}
+                    "tiles": _tiles_name(pair or (plan.tiles, plan.down_tiles))}
       print(f"{n:>5} tokens, {name:<28} {us:8.1f} us/layer ({weight_bytes / us / 1e3:6.0f} GB/s), against the planner's "
             f"result {rows[name]['rel_diff']:.1e}", flush=True)
     result[n] = rows

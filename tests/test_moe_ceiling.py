@@ -12,6 +12,19 @@ from tinyvllm.bench.throughput import nano_vllm_workload
 from tinyvllm.model.presets import PRESETS
 
 
+def test_shape_counts_the_parameters_hf_builds():
+  """The bytes a step reads outside the experts (every parameter but the experts' and the embedding table's) and one
+  expert's, against HF's Qwen3MoeForCausalLM of the tiny preset."""
+  import transformers
+  config = transformers.AutoConfig.for_model("qwen3_moe", **{k: v for k, v in PRESETS["qwen3-moe-tiny"].items() if k != "architectures"})
+  hf = transformers.Qwen3MoeForCausalLM(config)
+  params = dict(hf.named_parameters())
+  experts = sum(p.numel() for n, p in params.items() if ".experts." in n)
+  dense = sum(p.numel() for n, p in params.items() if ".experts." not in n and "embed_tokens" not in n)
+  s = shape("qwen3-moe-tiny")
+  assert s["dense_bytes"] == 2 * dense and s["expert_bytes"] * s["experts"] * s["layers"] == 2 * experts
+
+
 def test_uniform_expert_counts_match_simulated_routing():
   rng = np.random.default_rng(0)
   counts = expert_counts(None, 128, 8, 64)
