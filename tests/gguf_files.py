@@ -1,9 +1,11 @@
 """GGUF test files written here: quantization blocks built with numpy from ggml's published block layouts (random codes,
 sane fp16 scales), scalar reference dequantizers transcribed from ggml-quants.c's dequantize_row_*, and a small random
-llama written with the `gguf` package's GGUFWriter (the SmolLM2 file is the real-world case)."""
+llama written with the `gguf` package's GGUFWriter, and an HF Llama's weights written as llama.cpp's converter writes
+them (the SmolLM2 file is the real-world case)."""
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 
 import numpy as np
@@ -225,3 +227,77 @@ def smollm2_file() -> Path | None:
   if spec is None or not spec.submodule_search_locations: return None
   found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
   return found[0] if found else None
+
+
+# llama.cpp's tensor names for HF Llama's (its convert_hf_to_gguf.py tensor map)
+HF_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+              "lm_head.weight": "output.weight"}
+HF_LAYER_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+                    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def llama3_rope_factors(head_dim: int, theta: float, rope: dict) -> np.ndarray:
+  """rope_freqs as llama.cpp's converter computes it for rope_type "llama3" (LlamaModel.generate_extra_tensors): a
+  frequency's wavelength below original / high_freq_factor keeps factor 1, above original / low_freq_factor takes
+  `factor`, between them 1 / ((1 - smooth) / factor + smooth)."""
+  old, low, high, factor = (rope["original_max_position_embeddings"], rope["low_freq_factor"], rope["high_freq_factor"],
+                            rope["factor"])
+  out = []
+  for freq in 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim):
+    wavelen = 2 * math.pi / freq
+    if wavelen < old / high: out.append(1.0)
+    elif wavelen > old / low: out.append(factor)
+    else:
+      smooth = (old / wavelen - low) / (high - low)
+      out.append(1 / ((1 - smooth) / factor + smooth))
+  return np.array(out, np.float32)
+
+
+def sentencepiece_fields(model_file: Path) -> dict:
+  """A SentencePiece tokenizer.model's pieces, scores and types, as llama.cpp's converter writes them to a GGUF file
+  (tokenizer.ggml.model "llama"; SentencePiece's piece types are llama.cpp's token types)."""
+  from sentencepiece import sentencepiece_model_pb2
+  proto = sentencepiece_model_pb2.ModelProto()
+  proto.ParseFromString(model_file.read_bytes())
+  return {"tokens": [p.piece for p in proto.pieces], "scores": [p.score for p in proto.pieces],
+          "types": [int(p.type) for p in proto.pieces]}
+
+
+def write_hf_llama(path: Path, state: dict[str, np.ndarray], config: dict, tokenizer: dict,
+                   rope_factors: np.ndarray | None = None) -> Path:
+  """An HF Llama's float32 weights as a GGUF file the way llama.cpp's converter writes one: its names, attn_q / attn_k
+  rows permuted (LlamaModel.permute), F32 tensors, the config as llama.* metadata; `tokenizer` from sentencepiece_fields
+  (BOS 1, EOS 2, UNK 0 as Llama 2's); `rope_factors` as rope_freqs.weight."""
+  heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+  head_dim = config["hidden_size"] // heads
+  w = gguf_writer(path, "llama")
+  for key, value in (("context_length", config["max_position_embeddings"]), ("embedding_length", config["hidden_size"]),
+                     ("block_count", config["num_hidden_layers"]), ("feed_forward_length", config["intermediate_size"]),
+                     ("attention.head_count", heads), ("attention.head_count_kv", kv_heads),
+                     ("rope.dimension_count", head_dim), ("vocab_size", config["vocab_size"])):
+    w.add_uint32(f"llama.{key}", value)
+  w.add_float32("llama.rope.freq_base", float(config.get("rope_theta", 10000.0)))
+  w.add_float32("llama.attention.layer_norm_rms_epsilon", float(config["rms_norm_eps"]))
+  w.add_string("tokenizer.ggml.model", "llama")
+  w.add_array("tokenizer.ggml.tokens", tokenizer["tokens"])
+  w.add_array("tokenizer.ggml.scores", tokenizer["scores"])
+  w.add_array("tokenizer.ggml.token_type", tokenizer["types"])
+  for key, token_id in (("bos_token_id", 1), ("eos_token_id", 2), ("unknown_token_id", 0)):
+    w.add_uint32(f"tokenizer.ggml.{key}", token_id)
+  permute = lambda a, n: a.reshape(n, 2, a.shape[0] // n // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+  for name, a in state.items():
+    if name in HF_TO_GGUF:
+      w.add_tensor(HF_TO_GGUF[name], np.ascontiguousarray(a, np.float32))
+      continue
+    layer, rest = name.removeprefix("model.layers.").split(".", 1)
+    part = rest.removesuffix(".weight")
+    if part == "self_attn.q_proj": a = permute(a, heads)
+    if part == "self_attn.k_proj": a = permute(a, kv_heads)
+    w.add_tensor(f"blk.{layer}.{HF_LAYER_TO_GGUF[part]}.weight", np.ascontiguousarray(a, np.float32))
+  if rope_factors is not None: w.add_tensor("rope_freqs.weight", rope_factors)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return path

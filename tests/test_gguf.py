@@ -171,11 +171,13 @@ def test_unknown_tensor_type_is_named(tmp_path):
   with pytest.raises(ConfigError, match="tensor w has GGUF type IQ4_XS"): GGUFFile(tmp_path / "t.gguf").raw("w")
 
 
-def test_sentencepiece_tokenizer_is_refused_by_name(tmp_path):
+@pytest.mark.parametrize("model,error", [("t5", r"tokenizer\.ggml\.model 't5' is not supported"),
+                                         ("llama", r"tokenizer\.ggml\.scores is missing")])   # SentencePiece needs scores
+def test_unreadable_tokenizer_is_refused_by_name(model, error, tmp_path):
   from tinyvllm.model.gguf.tokenizer import gguf_tokenizer
   path = write_tiny_llama(tmp_path / "t.gguf", dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
-                                                              "ffn_up", "ffn_down"), "Q8_0"), tokenizer_model="llama")
-  with pytest.raises(ConfigError, match=r"tokenizer\.ggml\.model 'llama'"): gguf_tokenizer(GGUFFile(path))
+                                                              "ffn_up", "ffn_down"), "Q8_0"), tokenizer_model=model)
+  with pytest.raises(ConfigError, match=error): gguf_tokenizer(GGUFFile(path))
 
 
 def test_not_a_gguf_file_is_named(tmp_path):

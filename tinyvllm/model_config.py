@@ -51,6 +51,8 @@ class ModelConfig:
   mlp_bias: bool = False
   qk_norm: bool = False
   rope_scaling: RopeScaling | None = None
+  # a GGUF file's rope_freqs tensor (llama.cpp's form of Llama-3.1's scaling): each inverse frequency divided by its factor
+  rope_freq_factors: tuple[float, ...] | None = None
   torch_dtype: str = "float32"
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()

@@ -9,9 +9,12 @@ from tinygrad import Tensor
 from tinyvllm.model_config import RopeScaling
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-  """1 / theta^(2i/d) as HF computes it (float32), rescaled per Llama-3.1's long-context recipe when asked."""
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None,
+                        factors: tuple[float, ...] | None = None) -> np.ndarray:
+  """1 / theta^(2i/d) as HF computes it (float32), rescaled per Llama-3.1's long-context recipe when asked, or divided by
+  per-frequency `factors` (a GGUF file's rope_freqs, as llama.cpp applies them)."""
   inv = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))).astype(np.float32)
+  if factors is not None: return (inv / np.asarray(factors, np.float32)).astype(np.float32)
   if scaling is None: return inv
   low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
   high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -24,9 +27,10 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_tables(head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None,
+                factors: tuple[float, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
   """cos and sin of shape [max_positions, head_dim // 2], float32."""
-  angles = np.arange(max_positions, dtype=np.float32)[:, None] * inverse_frequencies(head_dim, theta, scaling)[None, :]
+  angles = np.arange(max_positions, dtype=np.float32)[:, None] * inverse_frequencies(head_dim, theta, scaling, factors)[None, :]
   return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 

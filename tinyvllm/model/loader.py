@@ -141,7 +141,7 @@ def build_model(cfg: ModelConfig, get: TensorSource, device: str, max_positions:
     lm_head = embed if cfg.tie_word_embeddings else get(["lm_head.weight"], (cfg.vocab_size, cfg.hidden_size), "lm_head")
   except KeyError as e:
     raise ConfigError(f"checkpoint is missing tensor(s) {e.args[0]} needed by {cfg.architecture}") from None
-  cos, sin = rope_tables(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+  cos, sin = rope_tables(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rope_freq_factors)
   weights = ModelWeights(embed, layers, norm, lm_head, Tensor(cos, device=device), Tensor(sin, device=device))
   if group is not None: weights = _shard_outer(weights, cfg, group)
   Tensor.realize(*weights.tensors())

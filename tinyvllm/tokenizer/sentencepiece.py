@@ -167,6 +167,31 @@ def from_tokenizer_json(name: str, data: dict[str, Any]) -> ModelParts:
   return ModelParts(encoding, token_bytes, prepare, _strips_leading_space(data.get("decoder")), vocab=vocab)
 
 
+def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+  """The merges a SentencePiece BPE vocab implies (a GGUF file stores scores, not merges), as transformers recovers them
+  (tokenization_utils_base.generate_merges): every split of a piece into two pieces of the vocab, a piece's splits by the
+  ids of their halves, then every split by its piece's score, best first (then the longer left and right halves; ties
+  keep the order before)."""
+  ids = {t: i for i, t in enumerate(tokens)}
+  best = dict(zip(tokens, scores, strict=True))
+  merges: list[tuple[str, str, float]] = []
+  for piece, score in best.items():
+    splits = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in ids and piece[k:] in ids]
+    merges += [(a, b, score) for a, b in sorted(splits, key=lambda ab: (ids[ab[0]], ids[ab[1]]))]
+  merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+  return [(a, b) for a, b, _ in merges]
+
+
+def scored_pieces_json(tokens: list[str], scores: list[float], unk: str | None) -> dict[str, Any]:
+  """The tokenizer.json transformers builds for a SentencePiece BPE vocab given as pieces and scores (LlamaTokenizer:
+  byte fallback, "▁" for spaces prepended to the first run of text, the decoder dropping it again)."""
+  return {"model": {"type": "BPE", "vocab": {t: i for i, t in enumerate(tokens)}, "byte_fallback": True, "fuse_unk": True,
+                    "unk_token": unk, "merges": [[a, b] for a, b in merges_from_scores(tokens, scores)]},
+          "pre_tokenizer": {"type": "Metaspace", "replacement": SPACE, "prepend_scheme": "first", "split": False},
+          "decoder": {"type": "Sequence", "decoders": [{"type": "Replace"}, {"type": "ByteFallback"}, {"type": "Fuse"},
+                                                       {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}}
+
+
 def _piece_bytes(piece: str, space: str) -> bytes:
   m = _BYTE_TOKEN.fullmatch(piece) if len(piece) == 6 else None
   return bytes([int(m.group(1), 16)]) if m else piece.replace(space, " ").encode("utf-8")

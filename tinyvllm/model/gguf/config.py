@@ -2,8 +2,11 @@
 fields HF's config.json would hold)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from tinyvllm.config import ConfigError
 from tinyvllm.model.gguf.reader import GGUFFile
@@ -15,6 +18,9 @@ SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausal
 EXPERT_ARCHITECTURES = {"llama": "MixtralForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 # architectures whose attn_q / attn_k rows llama.cpp's converter permutes (its LlamaModel; the Qwen models keep HF's)
 PERMUTED_ARCHITECTURES = ("llama",)
+# tensors the config takes rather than the model: llama.cpp's rope_freqs, Llama-3.1/3.2's frequency scaling as a factor
+# per frequency (its converter writes no rope.scaling metadata for them)
+CONFIG_TENSORS = ("rope_freqs.weight",)
 # the compute dtype "auto" picks on a GPU: the blocks' scales are fp16, the activations of llama-family models want
 # bfloat16's range (on the CPU "auto" is float32 whatever this says)
 GGUF_TORCH_DTYPE = "bfloat16"
@@ -88,4 +94,19 @@ def _experts(f: GGUFFile, arch: str) -> dict[str, Any]:
 
 
 def gguf_model_config(f: GGUFFile) -> ModelConfig:
-  return ModelConfig.from_dict(config_dict(f), f"{f.path} (GGUF metadata)")
+  cfg = ModelConfig.from_dict(config_dict(f), f"{f.path} (GGUF metadata)")
+  return replace(cfg, rope_freq_factors=_rope_freq_factors(f, cfg.head_dim))
+
+
+def _rope_freq_factors(f: GGUFFile, head_dim: int) -> tuple[float, ...] | None:
+  """rope_freqs.weight: one factor for each of the head's head_dim / 2 frequencies, which llama.cpp divides them by."""
+  name = CONFIG_TENSORS[0]
+  if name not in f: return None
+  info = f.tensors[name]
+  if info.type_name != "F32" or info.shape != (head_dim // 2,):
+    raise ConfigError(f"{f.path}: tensor {name} is {info.type_name} {info.shape}; llama.cpp's frequency factors are F32 "
+                      f"({head_dim // 2},) for heads of {head_dim}")
+  factors = f.raw(name).view(np.float32)
+  if not np.all(np.isfinite(factors) & (factors > 0)):
+    raise ConfigError(f"{f.path}: tensor {name} holds factors that are not positive finite numbers")
+  return tuple(float(x) for x in factors)

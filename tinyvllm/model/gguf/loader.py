@@ -8,6 +8,7 @@ from tinygrad.dtype import DType
 from tinyvllm.backend.interface import ComputeBackend
 from tinyvllm.layers.tensor_parallel import TensorParallelGroup
 from tinyvllm.model.gguf import blocks
+from tinyvllm.model.gguf.config import CONFIG_TENSORS
 from tinyvllm.model.gguf.reader import GGUFFile
 from tinyvllm.model.gguf.source import GGUFSource
 from tinyvllm.model.loader import LoadedModel, build_model, check_all_used
@@ -25,6 +26,6 @@ def load_gguf_model(cfg: ModelConfig, f: GGUFFile, dtype: DType, device: str, ma
   source = GGUFSource(f, cfg, dtype, device)
   model = build_model(cfg, source, device, max_positions, backend, group)
   # a tensor nobody read means the metadata describes a different model than the file holds
-  check_all_used(sorted(n for n in f.tensors if n not in source.used),
+  check_all_used(sorted(n for n in f.tensors if n not in source.used and n not in CONFIG_TENSORS),
                  f"{f.path}: GGUF tensor(s) that {cfg.architecture} with this metadata does not use")
   return LoadedModel(model, [f"gguf: {f.path.name} holds {describe_file(f)}", *source.notices()])
