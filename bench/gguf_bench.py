@@ -36,7 +36,9 @@ MIXES = {"q4_k_m": {**dict.fromkeys(LINEARS, "Q4_K"), "attn_v": "Q6_K", "ffn_dow
          # as llama.cpp's quantizer writes it: Q6_K on some layers only, so the fused qkv and down change form by layer
          "q4_k_m_by_layer": {**dict.fromkeys(LINEARS, "Q4_K"), "attn_v": more_bits, "ffn_down": more_bits},
          "q5_k_m": {**dict.fromkeys(LINEARS, "Q5_K"), "attn_v": "Q6_K", "ffn_down": "Q6_K"},
-         "q8_0": dict.fromkeys(LINEARS, "Q8_0"), "q4_0": dict.fromkeys(LINEARS, "Q4_0")}
+         "q8_0": dict.fromkeys(LINEARS, "Q8_0"), "q4_0": dict.fromkeys(LINEARS, "Q4_0"),
+         # the non-linear 4-bit formats: their levels held as 8-bit codes in groups of 32
+         "iq4_xs": {**dict.fromkeys(LINEARS, "IQ4_XS"), "attn_v": "IQ4_NL"}}
 MIXES["qwen3moe_q4_k_m"] = MIXES["q4_k_m_by_layer"]
 SHAPE = dict(hidden=1024, ffn=3072, heads=8, kv_heads=4)   # head_dim 128, GQA 2, as Qwen3-0.6B's attention
 # mixes written as another architecture: a qwen3moe file of 64 experts of 768, 8 a token (Qwen3-30B-A3B's experts' size

@@ -14,7 +14,9 @@ from tinyvllm.tokenizer.byte_level import byte_to_unicode
 
 # ggml type: (values a block, bytes a block)
 LAYOUTS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q2_K": (256, 84),
-           "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+           "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18),
+           "IQ4_XS": (256, 136)}
+KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)   # ggml-common.h
 
 
 def _halves(rng: np.random.Generator, n: int, low: float, high: float, signed: bool = True) -> np.ndarray:
@@ -28,6 +30,8 @@ def make_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np
   n = rows * cols // block
   b = rng.integers(0, 256, (n, nbytes), dtype=np.uint8)
   if kind in ("Q8_0", "Q4_0", "Q5_0"): b[:, 0:2] = _halves(rng, n, 0.001, 0.01)
+  if kind == "IQ4_NL": b[:, 0:2] = _halves(rng, n, 2e-4, 1e-3)
+  if kind == "IQ4_XS": b[:, 0:2] = _halves(rng, n, 1e-5, 4e-5)
   if kind in ("Q4_1", "Q5_1"): b[:, 0:2], b[:, 2:4] = _halves(rng, n, 0.002, 0.01, signed=False), _halves(rng, n, 0.01, 0.08)
   if kind in ("Q4_K", "Q5_K"):
     b[:, 0:2], b[:, 2:4] = _halves(rng, n, 1e-4, 5e-4, signed=False), _halves(rng, n, 1e-4, 5e-4, signed=False)
@@ -118,6 +122,17 @@ def ref_block(kind: str, b: np.ndarray) -> list[float]:
         q4 = ((int(ql[lo + ll + 32]) >> 4) | (((h >> 6) & 3) << 4)) - 32
         y[out + ll], y[out + ll + 32] = d * sc[s + i] * q1, d * sc[s + i + 2] * q2
         y[out + ll + 64], y[out + ll + 96] = d * sc[s + i + 4] * q3, d * sc[s + i + 6] * q4
+  elif kind == "IQ4_NL":   # dequantize_row_iq4_nl
+    d, qs = _f16(b, 0), b[2:18]
+    for j in range(16): y[j], y[j + 16] = d * KVALUES_IQ4NL[int(qs[j]) & 0xF], d * KVALUES_IQ4NL[int(qs[j]) >> 4]
+  elif kind == "IQ4_XS":   # dequantize_row_iq4_xs
+    d, scales_h, scales_l, qs = _f16(b, 0), int(b[2:4].view("<u2")[0]), b[4:8], b[8:136]
+    for ib in range(8):
+      ls = ((int(scales_l[ib // 2]) >> 4 * (ib % 2)) & 0xF) | (((scales_h >> 2 * ib) & 3) << 4)
+      dl = d * (ls - 32)
+      for j in range(16):
+        q = int(qs[16 * ib + j])
+        y[32 * ib + j], y[32 * ib + j + 16] = dl * KVALUES_IQ4NL[q & 0xF], dl * KVALUES_IQ4NL[q >> 4]
   return y
 
 

@@ -60,7 +60,8 @@ def test_plain_types_read_as_stored(kind, tmp_path):
   np.testing.assert_array_equal(out, expected)
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+                                  "IQ4_XS"])
 def test_packed_form_dequantizes_to_the_same_weights(kind):
   from tinygrad import dtypes
   rows, cols = 6, 512
@@ -74,7 +75,7 @@ def test_parts_of_different_types_share_one_packed_form():
   """A fused linear whose parts come in different block types (Q4_K_M files hold attn_v in Q6_K beside Q4_K q and k)
   packs as one weight: codes of the most bits in the smallest group, every part's weights as they were."""
   from tinygrad import dtypes
-  kinds, rows, cols = ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q5_K", "Q2_K", "Q3_K"], 3, 256
+  kinds, rows, cols = ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q5_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"], 3, 256
   raws = [make_blocks(k, rows, cols, np.random.default_rng(i)).reshape(-1) for i, k in enumerate(kinds)]
   parts = common_form([blocks.unpack(r, gguf.GGMLQuantizationType[k].value, (rows, cols)) for k, r in zip(kinds, raws, strict=True)])
   assert {(p.bits, p.group_size) for p in parts} == {(8, 16)}
@@ -110,6 +111,9 @@ TINY_CASES = {
                         "ffn_up": "Q2_K", "ffn_down": "Q4_K"}, "F16", "Q6_K"),
   "q5_0-q5_1-tied": ({"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q5_1", "attn_output": "Q5_1", "ffn_gate": "Q5_0",
                       "ffn_up": "Q5_1", "ffn_down": "Q5_0"}, "Q5_0", None),
+  # the non-linear 4-bit formats (IQ4_XS files keep some tensors in IQ4_NL, or Q5_K / Q6_K)
+  "iq4_xs-iq4_nl-untied": ({"attn_q": "IQ4_XS", "attn_k": "IQ4_XS", "attn_v": "IQ4_NL", "attn_output": "IQ4_XS",
+                            "ffn_gate": "IQ4_XS", "ffn_up": "IQ4_NL", "ffn_down": "Q6_K"}, "F16", "IQ4_XS"),
   # llama.cpp's Q4_K_M as its quantizer lays it out: attn_v and ffn_down in Q6_K on some layers only (here the first)
   "q4_k_m-by-layer-tied": ({"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": lambda i, n: "Q6_K" if i == 0 else "Q4_K",
                             "attn_output": "Q4_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K",
@@ -163,12 +167,12 @@ def test_unsupported_architecture_is_named(tmp_path):
 
 def test_unknown_tensor_type_is_named(tmp_path):
   w = gguf_writer(tmp_path / "t.gguf")
-  w.add_tensor("w", np.zeros((2, 136), np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ4_XS)
+  w.add_tensor("w", np.zeros((2, 66), np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
   w.write_header_to_file()
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
   w.close()
-  with pytest.raises(ConfigError, match="tensor w has GGUF type IQ4_XS"): GGUFFile(tmp_path / "t.gguf").raw("w")
+  with pytest.raises(ConfigError, match="tensor w has GGUF type IQ2_XXS"): GGUFFile(tmp_path / "t.gguf").raw("w")
 
 
 @pytest.mark.parametrize("model,error", [("t5", r"tokenizer\.ggml\.model 't5' is not supported"),

@@ -18,6 +18,9 @@ Every block runs along a row (ne[0], the input columns of a linear). The layouts
   sub-block k's value l), 128 bytes of nibbles as Q4_K's. w = d * sc * q - dmin * m.
 - Q6_K: 256 values, 210 bytes: 128 bytes of low nibbles (ql), 64 bytes of high 2-bit pairs (qh), 16 int8 scales (one per
   16 values), d. w = d * sc * (q - 32).
+- IQ4_NL: 32 values, 18 bytes: d, nibbles as Q4_0 indexing a table of 16 non-uniform int8 levels. w = d * level[q].
+- IQ4_XS: 256 values, 136 bytes: d, scales_h (u16: bits 2i, 2i + 1 the top of sub-block i's scale), 4 bytes scales_l
+  (nibble i: the low four bits), 128 bytes of nibbles (16 a sub-block of 32, as Q4_0's). w = d * (ls - 32) * level[q].
 """
 from __future__ import annotations
 
@@ -35,6 +38,9 @@ TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8:
               20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
               29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4"}
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30
+IQ4_NL, IQ4_XS = 20, 23
+# the IQ4 formats' 16 levels (ggml-common.h's kvalues_iq4nl): int8, so a code is one of tinyvllm's 8-bit codes
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
 
 def type_name(ggml_type: int) -> str: return TYPE_NAMES.get(ggml_type, f"unknown type {ggml_type}")
@@ -161,6 +167,22 @@ def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
   return (q.reshape(n, 16, 16) * scales[:, :, None] * d[:, :, None]).reshape(n, 256)
 
 
+def _iq4_parts(blocks: np.ndarray, xs: bool) -> tuple[np.ndarray, np.ndarray]:
+  """IQ4_NL / IQ4_XS: [n, groups, 32] int8 levels and [n, groups] scales (d, or IQ4_XS's d * (ls - 32) a sub-block)."""
+  n, d = blocks.shape[0], _half(blocks, 0)
+  if not xs: return IQ4_LEVELS[_nibbles(blocks[:, 2:18])].reshape(n, 1, 32), d
+  qs = blocks[:, 8:136].reshape(n, 8, 16)
+  sub = np.arange(8)
+  high = blocks[:, 2:4].copy().view("<u2").astype(np.int32) >> (2 * sub)[None, :] & 3
+  low = blocks[:, 4:8][:, sub // 2].astype(np.int32) >> (4 * (sub % 2))[None, :] & 0xF
+  return IQ4_LEVELS[np.concatenate([qs & 0xF, qs >> 4], axis=2)], d * ((low | high << 4) - 32).astype(np.float32)
+
+
+def _dequantize_iq4(blocks: np.ndarray, xs: bool) -> np.ndarray:
+  levels, scales = _iq4_parts(blocks, xs)
+  return (levels.astype(np.float32) * scales[:, :, None]).reshape(blocks.shape[0], -1)
+
+
 @dataclass(frozen=True)
 class BlockFormat:
   name: str
@@ -184,8 +206,11 @@ BLOCK_FORMATS = {
   Q4_K: BlockFormat("Q4_K", 256, 144, dequantize_q4_k),
   Q5_K: BlockFormat("Q5_K", 256, 176, dequantize_q5_k),
   Q6_K: BlockFormat("Q6_K", 256, 210, dequantize_q6_k),
+  IQ4_NL: BlockFormat("IQ4_NL", 32, 18, lambda b: _dequantize_iq4(b, xs=False)),
+  IQ4_XS: BlockFormat("IQ4_XS", 256, 136, lambda b: _dequantize_iq4(b, xs=True)),
 }
-PACKED_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)   # blocks that are exactly tinyvllm's packed form
+# blocks that are exactly tinyvllm's packed form
+PACKED_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)
 
 
 def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
@@ -202,6 +227,9 @@ def unpack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> UnpackedW
   if ggml_type in (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): return _unpack_k(raw, ggml_type, shape)
   rows, cols = shape
   fmt = BLOCK_FORMATS[ggml_type]
+  if ggml_type in (IQ4_NL, IQ4_XS):   # the levels as 8-bit codes about 128 (as Q8_0's), groups of 32
+    levels, scales = _iq4_parts(raw.reshape(-1, fmt.nbytes), xs=ggml_type == IQ4_XS)
+    return UnpackedWeight((levels.view(np.uint8) ^ np.uint8(0x80)).reshape(rows, cols), scales.reshape(rows, -1), None, None, 32, 8)
   if ggml_type in (Q5_0, Q5_1):   # 5-bit codes held as 8-bit ones: about 16 (Q5_0), or from 0 plus the min (Q5_1)
     b = raw.reshape(rows * cols // 32, fmt.nbytes)
     codes, scales = _q5_codes(b, 2 if ggml_type == Q5_0 else 4).reshape(rows, cols), _half(b, 0).reshape(rows, -1)

@@ -1,6 +1,7 @@
 """The model loader's TensorSource over a GGUF file: HF tensor names mapped to llama.cpp's, the attention q/k rows put
-back in HF's order, Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q2_K-Q6_K linears uploaded in the packed form of backend/quantized.py (a
-linear whose parts mix them in a common one), everything else dequantized at load to the compute dtype."""
+back in HF's order, Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q2_K-Q6_K / IQ4_NL / IQ4_XS linears uploaded in the packed form
+of backend/quantized.py (a linear whose parts mix them in a common one), everything else dequantized at load to the
+compute dtype."""
 from __future__ import annotations
 
 import re
