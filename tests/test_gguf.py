@@ -189,6 +189,22 @@ def test_not_a_gguf_file_is_named(tmp_path):
   with pytest.raises(ConfigError, match="not a GGUF file"): GGUFFile(tmp_path / "x.gguf")
 
 
+def test_ollama_blob_is_read_by_its_magic(tmp_path):
+  """ollama keeps GGUF files as blobs named by their digest, without the .gguf suffix."""
+  import shutil
+  path = write_tiny_llama(tmp_path / "tiny.gguf", dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                                                 "ffn_up", "ffn_down"), "Q8_0"))
+  blob = tmp_path / "blobs" / ("sha256-" + "ab" * 32)
+  blob.parent.mkdir()
+  shutil.copy(path, blob)
+  logits = [LLM(str(p), device="CPU", max_num_seqs=2, num_gpu_blocks=32, max_model_len=128).engine.compute_logits(PROMPT)
+            for p in (path, blob)]
+  np.testing.assert_array_equal(logits[0], logits[1])
+  (tmp_path / "notes.txt").write_text("not a model")
+  with pytest.raises(ConfigError, match="is a file but not a GGUF file"):
+    LLM(str(tmp_path / "notes.txt"), device="CPU")
+
+
 def test_quantization_flag_other_than_gguf_is_refused(tmp_path):
   path = write_tiny_llama(tmp_path / "t.gguf", dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
                                                               "ffn_up", "ffn_down"), "Q8_0"))

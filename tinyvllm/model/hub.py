@@ -32,7 +32,7 @@ def resolve_model(model: str, hub: HubSettings, revision: str | None = None, wei
   if path.is_dir():
     if revision is not None: raise ConfigError(f"a revision ({revision!r}) applies to hub ids only, and {model!r} is a local folder")
     return path
-  if path.exists(): raise ConfigError(f"--model {model!r} is a file; pass the model's folder (or a .gguf file)")
+  if path.exists(): raise ConfigError(f"--model {model!r} is a file but not a GGUF file; pass the model's folder (or a GGUF file)")
   if not HUB_ID.match(model) or model.startswith((".", "/", "~")):
     raise ConfigError(f"model folder {model!r} does not exist (nor is it a hub id such as Qwen/Qwen3-0.6B)")
   folder = Path(_snapshot(model, hub, revision, METADATA_FILES))

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from tinyvllm.config import ConfigError
-from tinyvllm.model.gguf.reader import GGUFFile
+from tinyvllm.model.gguf.reader import MAGIC, GGUFFile
 from tinyvllm.model_config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -27,9 +27,14 @@ GGUF_TORCH_DTYPE = "bfloat16"
 
 
 def is_gguf_path(model: str | Path) -> bool:
-  """A model argument that names a GGUF file (rather than a folder or a hub id)."""
+  """A model argument that names a GGUF file (rather than a folder or a hub id): a .gguf file, or any file that starts
+  with GGUF's magic, as ollama's blobs (models/blobs/sha256-...) do without the suffix."""
   path = Path(model).expanduser()
-  return path.suffix.lower() == ".gguf" and path.is_file()
+  if not path.is_file(): return False
+  if path.suffix.lower() == ".gguf": return True
+  try:
+    with path.open("rb") as f: return f.read(4) == MAGIC
+  except OSError: return False
 
 
 def config_dict(f: GGUFFile) -> dict[str, Any]:
