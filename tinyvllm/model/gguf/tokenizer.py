@@ -20,11 +20,23 @@ from tinyvllm.tokenizer.tokenizer import Tokenizer
 CONTROL, USER_DEFINED = 3, 4   # llama.cpp's token types
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# tokenizer.ggml.pre -> the split regex. "smollm" and "gpt2" keep GPT-2's, as transformers does for them (llama.cpp
-# itself splits SmolLM's digits one by one; tinyvllm follows transformers, which the tests compare against)
-PRE_TOKENIZER_PATTERNS = {"default": GPT2_PATTERN, "gpt2": GPT2_PATTERN, "gpt-2": GPT2_PATTERN, "smollm": GPT2_PATTERN,
-                          "qwen2": QWEN2_PATTERN, "deepseek-r1-qwen": QWEN2_PATTERN,
-                          "llama3": LLAMA3_PATTERN, "llama-v3": LLAMA3_PATTERN, "llama-bpe": LLAMA3_PATTERN}
+# Mistral's tekken (Mistral Nemo): words cut where a lowercase run ends and an uppercase one starts
+TEKKEN_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                  r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                  r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+GPT4O_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre -> the split regex, as transformers maps the names (integrations/gguf). "smollm" and "gpt2" keep
+# GPT-2's, as transformers does (llama.cpp itself splits SmolLM's digits one by one; tinyvllm follows transformers,
+# which the tests compare against); other names are refused rather than guessed (transformers falls back to GPT-2's).
+PRE_TOKENIZER_PATTERNS = {
+  **dict.fromkeys(("default", "gpt2", "gpt-2", "smollm"), GPT2_PATTERN),
+  **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), QWEN2_PATTERN),
+  **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                   "jina-v5-nano", "dbrx", "smaug-bpe"), LLAMA3_PATTERN),
+  "tekken": TEKKEN_PATTERN,
+  **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), GPT4O_PATTERN)}
 SPECIAL_IDS = (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
                ("pad_token", "padding_token_id"))
 

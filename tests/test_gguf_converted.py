@@ -1,7 +1,8 @@
-"""GGUF files as llama.cpp's converter writes HF Llamas: a SentencePiece tokenizer ("llama": pieces and scores, no
-merges) against HF transformers reading the same file and against the real stories260K and Llama 2 tokenizers, the
-real stories260K model converted and run to its reference text, and Llama-3.1's frequency scaling as llama.cpp stores it
-(rope_freqs) against HF transformers running the original model."""
+"""GGUF files as llama.cpp's converter writes HF models and tokenizers: a SentencePiece tokenizer ("llama": pieces and
+scores, no merges) against HF transformers reading the same file and against the real stories260K and Llama 2
+tokenizers, byte-level tokenizers' pre-tokenizer names against HF, the real stories260K model converted and run to its
+reference text, and Llama-3.1's frequency scaling as llama.cpp stores it (rope_freqs) against HF transformers running
+the original model."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +13,8 @@ from tests.gguf_files import llama3_rope_factors, sentencepiece_fields, write_hf
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.config import ConfigError
 from tinyvllm.model.gguf.reader import GGUFFile
-from tinyvllm.model.gguf.tokenizer import gguf_tokenizer
+from tinyvllm.model.gguf.tokenizer import PRE_TOKENIZER_PATTERNS, gguf_tokenizer
+from tinyvllm.tokenizer.byte_level import byte_to_unicode
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (test extra) writes the test files")
 TOKENIZER_MODELS = {"stories260K": ("models", "stories260K", "tok512.model"), "llama2": ("tokenizers", "llama2", "tokenizer.model")}
@@ -52,6 +54,35 @@ def test_sentencepiece_tokenizer_matches_hf_on_the_same_file(name, tmp_path):
     assert ids == hf.encode(text), text
     assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True), text
   assert (ours.bos_token_id, ours.eos_token_id) == (hf.bos_token_id, hf.eos_token_id) == (1, 2)
+
+
+# merges whose pieces cross where one split regex cuts and another does not: case changes (tekken, gpt-4o), digit runs
+# (one at a time, up to three, any), a space before a word or a letter after punctuation, contractions
+BYTE_LEVEL_MERGES = ["o W", "l d", "1 2", "12 3", "123 4", "Ġ t", "Ġt h", "' s", "' S", "- a", "a B", "Ġ 1", "\u010a \u010a"]
+PRE_TEXTS = ["HelloWorld its 1234567 digits", "it's IT'S aBc-abc", "x\n\ny  \n z", "this is 12 and 123 4", "-abc ABC's",
+             "naïve Ünïcode İstanbul ǅemal", "tab\there / path/to\n"]
+
+
+@pytest.mark.parametrize("pre", ["gpt2", "qwen2", "llama-bpe", "tekken", "gpt-4o", "falcon3", "megrez"])
+def test_byte_level_pre_tokenizer_names_split_as_hf(pre, tmp_path):
+  from transformers import AutoTokenizer
+  alphabet = byte_to_unicode()
+  tokens = [*alphabet, *(a + b for a, b in (m.split(" ") for m in BYTE_LEVEL_MERGES)), "<|end|>"]
+  w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+  w.add_string("tokenizer.ggml.model", "gpt2")
+  w.add_string("tokenizer.ggml.pre", pre)
+  w.add_array("tokenizer.ggml.tokens", tokens)
+  w.add_array("tokenizer.ggml.token_type", [1] * (len(tokens) - 1) + [3])
+  w.add_array("tokenizer.ggml.merges", BYTE_LEVEL_MERGES)
+  w.add_uint32("tokenizer.ggml.eos_token_id", len(tokens) - 1)
+  w.add_tensor("unused", np.zeros(4, np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  ours, hf = gguf_tokenizer(GGUFFile(tmp_path / "t.gguf")), AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="t.gguf")
+  for text in PRE_TEXTS: assert ours.encode(text) == hf.encode(text), (pre, text)
+  assert len({PRE_TOKENIZER_PATTERNS[p] for p in ("gpt2", "qwen2", "llama-bpe", "tekken", "gpt-4o")}) == 5
 
 
 def test_sentencepiece_tokenizer_agrees_with_sentencepiece(tmp_path):
