@@ -23,14 +23,16 @@ TEXTS = ["Hello world!", "Once upon a time, there was a little girl named Lily."
          "Lily's mom said, \"don't\"", "a\x04b\x06", "def f():\n        return 1\n" + " " * 23 + "end"]
 
 
-def tokenizer_only_file(path, model_file):
-  """A GGUF file of just a SentencePiece tokenizer (and one tensor, which GGUF files carry)."""
+def tokenizer_only_file(path, model_file, merges: list[str] | None = None):
+  """A GGUF file of just a SentencePiece tokenizer (and one tensor, which GGUF files carry); with `merges`, as llama.cpp
+  writes a Llama converted from an HF tokenizer.json (its merges beside the scores)."""
   fields = sentencepiece_fields(model_file)
   w = gguf.GGUFWriter(str(path), "llama")
   w.add_string("tokenizer.ggml.model", "llama")
   w.add_array("tokenizer.ggml.tokens", fields["tokens"])
   w.add_array("tokenizer.ggml.scores", fields["scores"])
   w.add_array("tokenizer.ggml.token_type", fields["types"])
+  if merges is not None: w.add_array("tokenizer.ggml.merges", merges)
   for key, token_id in (("bos_token_id", 1), ("eos_token_id", 2), ("unknown_token_id", 0)): w.add_uint32(f"tokenizer.ggml.{key}", token_id)
   w.add_tensor("unused", np.zeros(4, np.float32))
   w.write_header_to_file()
@@ -40,11 +42,18 @@ def tokenizer_only_file(path, model_file):
   return path
 
 
-@pytest.mark.parametrize("name", list(TOKENIZER_MODELS))
+@pytest.mark.parametrize("name", [*TOKENIZER_MODELS, "stories260K-merges"])
 def test_sentencepiece_tokenizer_matches_hf_on_the_same_file(name, tmp_path):
+  import json
+
   from transformers import AutoTokenizer
-  model_file = require_shared(SHARED_DATA.joinpath(*TOKENIZER_MODELS[name]))
-  path = tokenizer_only_file(tmp_path / "t.gguf", model_file)
+  model_file = require_shared(SHARED_DATA.joinpath(*TOKENIZER_MODELS[name.removesuffix("-merges")]))
+  merges = None
+  if name.endswith("-merges"):   # the first 80 merges of stories260K-hf's tokenizer.json: with only these, the ids
+    # differ from those the scores' merges give, so the file's merges must be the ones taken
+    data = json.loads(require_shared(SHARED_DATA / "models" / "stories260K-hf" / "tokenizer.json").read_text())
+    merges = [" ".join(m) for m in data["model"]["merges"][:80]]
+  path = tokenizer_only_file(tmp_path / "t.gguf", model_file, merges)
   ours, hf = gguf_tokenizer(GGUFFile(path)), AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
   rng = np.random.default_rng(0)
   alphabet = list("abcXYZ  \n\t.,;éü日本🤖")   # runs of spaces: Llama 2's space pieces, whose merges interleave

@@ -182,11 +182,14 @@ def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str
   return [(a, b) for a, b, _ in merges]
 
 
-def scored_pieces_json(tokens: list[str], scores: list[float], unk: str | None) -> dict[str, Any]:
-  """The tokenizer.json transformers builds for a SentencePiece BPE vocab given as pieces and scores (LlamaTokenizer:
-  byte fallback, "▁" for spaces prepended to the first run of text, the decoder dropping it again)."""
+def scored_pieces_json(tokens: list[str], scores: list[float], unk: str | None,
+                       merges: list[tuple[str, str]] | None = None) -> dict[str, Any]:
+  """The tokenizer.json transformers builds for a SentencePiece BPE vocab given as pieces and scores, and its merges
+  where given (else recovered from the scores) (LlamaTokenizer: byte fallback, "▁" for spaces prepended to the first
+  run of text, the decoder dropping it again)."""
+  pairs = merges if merges is not None else merges_from_scores(tokens, scores)
   return {"model": {"type": "BPE", "vocab": {t: i for i, t in enumerate(tokens)}, "byte_fallback": True, "fuse_unk": True,
-                    "unk_token": unk, "merges": [[a, b] for a, b in merges_from_scores(tokens, scores)]},
+                    "unk_token": unk, "merges": [[a, b] for a, b in pairs]},
           "pre_tokenizer": {"type": "Metaspace", "replacement": SPACE, "prepend_scheme": "first", "split": False},
           "decoder": {"type": "Sequence", "decoders": [{"type": "Replace"}, {"type": "ByteFallback"}, {"type": "Fuse"},
                                                        {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}}

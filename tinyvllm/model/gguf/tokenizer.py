@@ -91,7 +91,10 @@ def _sentencepiece(f: GGUFFile, tokens: list[str], types: list[int], unk: int | 
   scores: list[float] = f.require("tokenizer.ggml.scores")
   if len(scores) != len(tokens):
     raise ConfigError(f"{f.path}: GGUF tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
-  data = sentencepiece.scored_pieces_json(tokens, scores, tokens[unk] if unk is not None and 0 <= unk < len(tokens) else None)
+  # (files converted from an HF tokenizer.json carry its merges, which transformers then takes as they are)
+  merges = f.get("tokenizer.ggml.merges")
+  data = sentencepiece.scored_pieces_json(tokens, scores, tokens[unk] if unk is not None and 0 <= unk < len(tokens) else None,
+                                          [tuple(m.split(" ", 1)) for m in merges] if merges else None)
   try: parts = sentencepiece.from_tokenizer_json(f.path.stem, data)
   except TokenizerError as e: raise ConfigError(f"{f.path}: GGUF SentencePiece tokenizer: {e}") from None
   # the unknown token is special too: transformers adds it as the tokenizer's unk_token
