@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 testing=false
 [ "${1:-}" = "test" ] && testing=true
-extras="serve,hub,structured"
+extras="serve,hub,structured,gguf"
 if $testing; then extras="$extras,ray,test"; fi
 
 # tinygrad's CPU backend compiles its kernels with clang.

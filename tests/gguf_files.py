@@ -16,6 +16,8 @@ from tinyvllm.tokenizer.byte_level import byte_to_unicode
 LAYOUTS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q2_K": (256, 84),
            "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18),
            "IQ4_XS": (256, 136)}
+# the i-quants below IQ4, read through the gguf package (no reference here: HF transformers reading the file is one)
+LIBRARY_LAYOUTS = {"IQ2_XXS": (256, 66), "IQ2_XS": (256, 74), "IQ2_S": (256, 82), "IQ3_XXS": (256, 98), "IQ3_S": (256, 110)}
 KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)   # ggml-common.h
 
 
@@ -26,9 +28,10 @@ def _halves(rng: np.random.Generator, n: int, low: float, high: float, signed: b
 
 def make_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
   """Random blocks of `kind` for a [rows, cols] matrix, as uint8 [rows, bytes a row]: random codes, scales kept small."""
-  block, nbytes = LAYOUTS[kind]
+  block, nbytes = {**LAYOUTS, **LIBRARY_LAYOUTS}[kind]
   n = rows * cols // block
   b = rng.integers(0, 256, (n, nbytes), dtype=np.uint8)
+  if kind in LIBRARY_LAYOUTS: b[:, 0:2] = _halves(rng, n, 1e-3, 4e-3, signed=False)   # (d first; grid indices any)
   if kind in ("Q8_0", "Q4_0", "Q5_0"): b[:, 0:2] = _halves(rng, n, 0.001, 0.01)
   if kind == "IQ4_NL": b[:, 0:2] = _halves(rng, n, 2e-4, 1e-3)
   if kind == "IQ4_XS": b[:, 0:2] = _halves(rng, n, 1e-5, 4e-5)
@@ -151,7 +154,7 @@ def add_tensor(writer, name: str, kind: str, rows: int, cols: int, rng: np.rando
   """A [rows, cols] tensor of `kind` (a block type, or F32 / F16 / BF16 with normal values) to the writer; with
   `experts`, as [experts, rows / experts, cols] (llama.cpp's 3-D experts' tensor)."""
   import gguf
-  if kind in LAYOUTS:
+  if kind in LAYOUTS or kind in LIBRARY_LAYOUTS:
     raw = make_blocks(kind, rows, cols, rng)
     writer.add_tensor(name, raw.reshape(experts, rows // experts, -1) if experts > 1 else raw,
                       raw_dtype=gguf.GGMLQuantizationType[kind])

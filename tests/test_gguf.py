@@ -167,12 +167,42 @@ def test_unsupported_architecture_is_named(tmp_path):
 
 def test_unknown_tensor_type_is_named(tmp_path):
   w = gguf_writer(tmp_path / "t.gguf")
-  w.add_tensor("w", np.zeros((2, 66), np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
+  w.add_tensor("w", np.zeros((2, 40), np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q8_1)
   w.write_header_to_file()
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
   w.close()
-  with pytest.raises(ConfigError, match="tensor w has GGUF type IQ2_XXS"): GGUFFile(tmp_path / "t.gguf").raw("w")
+  with pytest.raises(ConfigError, match="tensor w has GGUF type Q8_1, which neither tinyvllm nor the gguf package reads"):
+    GGUFFile(tmp_path / "t.gguf").raw("w")
+
+
+I_QUANTS = {"attn_q": "IQ2_XXS", "attn_k": "IQ2_XXS", "attn_v": "IQ3_S", "attn_output": "IQ3_XXS", "ffn_gate": "IQ2_S",
+            "ffn_up": "IQ2_XS", "ffn_down": "IQ3_S"}
+
+
+def test_i_quants_are_dequantized_at_load_as_hf_reads_them(tmp_path, capfd):
+  """The i-quants below IQ4 (grids of levels, no packed form) decoded through the gguf package at load, with a notice,
+  against HF transformers reading the same file."""
+  import torch
+  from transformers import AutoModelForCausalLM
+  path = write_tiny_llama(tmp_path / "tiny.gguf", I_QUANTS, "F16", "IQ3_XXS")
+  hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+  llm = LLM(str(path), device="CPU", max_num_seqs=2, num_gpu_blocks=32, max_model_len=128)
+  assert not isinstance(llm.engine.model.weights.layers[0].qkv_proj, QuantizedWeight)
+  err = capfd.readouterr().err
+  assert "gguf: dequantized at load" in err and "IQ2_XXS linear x4" in err and "IQ3_XXS embedding x1" in err
+  with torch.no_grad(): ref = hf(torch.tensor([PROMPT])).logits[0, -1].numpy()
+  assert relative_error(llm.engine.compute_logits(PROMPT), ref) < 1e-4
+
+
+def test_i_quants_without_the_gguf_package_are_named(tmp_path, monkeypatch):
+  import importlib.util
+  path = write_tiny_llama(tmp_path / "tiny.gguf", I_QUANTS)
+  real = importlib.util.find_spec
+  monkeypatch.setattr(blocks, "library_format", lambda ggml_type: None)
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+  with pytest.raises(ConfigError, match=r"GGUF type IQ2_XXS, which tinyvllm reads only through the gguf package \(pip install gguf"):
+    GGUFFile(path).raw("blk.0.attn_q.weight")
 
 
 @pytest.mark.parametrize("model,error", [("t5", r"tokenizer\.ggml\.model 't5' is not supported"),

@@ -24,6 +24,8 @@ Every block runs along a row (ne[0], the input columns of a linear). The layouts
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -190,6 +192,7 @@ class BlockFormat:
   nbytes: int      # bytes a block
   decode: Callable[[np.ndarray], np.ndarray]   # [blocks, nbytes] uint8 -> [blocks, block] float32 (plain: raw -> flat)
   plain: bool = False
+  library: bool = False   # decoded by the gguf package (library_format)
 
 
 BLOCK_FORMATS = {
@@ -213,9 +216,38 @@ BLOCK_FORMATS = {
 PACKED_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)
 
 
+@functools.cache
+def library_format(ggml_type: int) -> BlockFormat | None:
+  """A type tinyvllm has no decoder of its own for, decoded by the gguf package (llama.cpp's own Python package, the
+  `gguf` extra) where it has one: the i-quants IQ1_S-IQ3_S, TQ1_0 / TQ2_0, MXFP4. None: not installed, or not there."""
+  try:
+    import gguf
+    qtype = gguf.GGMLQuantizationType(ggml_type)
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    gguf.quants.dequantize(np.zeros((1, nbytes), np.uint8), qtype)   # (NotImplementedError where it has no decoder)
+  except (ImportError, ValueError, KeyError, NotImplementedError):
+    return None
+  decode = lambda b: gguf.quants.dequantize(b, qtype).reshape(b.shape[0], block).astype(np.float32)
+  return BlockFormat(type_name(ggml_type), block, nbytes, decode, library=True)
+
+
+def block_format(ggml_type: int) -> BlockFormat | None:
+  """The decoder of a type: tinyvllm's own, else the gguf package's, else None."""
+  return BLOCK_FORMATS.get(ggml_type) or library_format(ggml_type)
+
+
+def unreadable(ggml_type: int) -> str:
+  """Why a type cannot be read, and what reads it."""
+  if importlib.util.find_spec("gguf") is None:
+    return "which tinyvllm reads only through the gguf package (pip install gguf: the i-quants IQ1_S-IQ3_S, TQ1_0, TQ2_0, MXFP4)"
+  return (f"which neither tinyvllm nor the gguf package reads (tinyvllm reads {', '.join(f.name for f in BLOCK_FORMATS.values())}, "
+          "the gguf package the i-quants IQ1_S-IQ3_S, TQ1_0, TQ2_0 and MXFP4)")
+
+
 def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
   """A tensor's bytes (GGUFFile.raw) -> float32 in `shape` (numpy order)."""
-  fmt = BLOCK_FORMATS[ggml_type]
+  fmt = block_format(ggml_type)
+  assert fmt is not None, type_name(ggml_type)
   if fmt.plain: return fmt.decode(raw).reshape(shape)
   return fmt.decode(raw.reshape(-1, fmt.nbytes)).reshape(shape)
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from tinyvllm.config import ConfigError
-from tinyvllm.model.gguf.blocks import BLOCK_FORMATS, type_name
+from tinyvllm.model.gguf.blocks import block_format, type_name, unreadable
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -106,9 +106,8 @@ class GGUFFile:
   def raw(self, name: str) -> np.ndarray:
     """The tensor's bytes as stored (uint8), checked to be whole blocks of its type."""
     info = self.tensors[name]
-    fmt = BLOCK_FORMATS.get(info.ggml_type)
-    if fmt is None: raise ConfigError(f"{self.path}: tensor {name} has GGUF type {info.type_name}, which tinyvllm does not read "
-                                      f"(it reads {', '.join(f.name for f in BLOCK_FORMATS.values())})")
+    fmt = block_format(info.ggml_type)
+    if fmt is None: raise ConfigError(f"{self.path}: tensor {name} has GGUF type {info.type_name}, {unreadable(info.ggml_type)}")
     count = int(np.prod(info.shape))
     if count % fmt.block: raise ConfigError(f"{self.path}: tensor {name} ({count} values) is not whole {fmt.name} blocks of {fmt.block}")
     size = count // fmt.block * fmt.nbytes

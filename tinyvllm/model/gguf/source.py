@@ -88,7 +88,7 @@ class GGUFSource:
     parts, role = [], "linear" if kind == "linear" else "embedding"
     for i in infos:
       a = blocks.dequantize(self.f.raw(i.name), i.ggml_type, i.shape)
-      if not blocks.BLOCK_FORMATS[i.ggml_type].plain: self.dequantized[f"{i.type_name} {role}"] += 1
+      if not blocks.block_format(i.ggml_type).plain: self.dequantized[f"{i.type_name} {role}"] += 1
       parts.append(a if (heads := self._heads(i.name)) is None else unpermute_rows(a, heads))
     arr = parts[0] if len(parts) == 1 else np.concatenate(parts)
     t = Tensor(np.ascontiguousarray(arr), device=self.device)
@@ -142,7 +142,7 @@ class GGUFSource:
                   offsets=by_expert("offsets"))
       return self._upload(w, infos, "experts")
     for i in infos:
-      if not blocks.BLOCK_FORMATS[i.ggml_type].plain: self.dequantized[f"{i.type_name} experts"] += 1
+      if not blocks.block_format(i.ggml_type).plain: self.dequantized[f"{i.type_name} experts"] += 1
     arr = _by_expert([blocks.dequantize(self.f.raw(i.name), i.ggml_type, rows(i)) for i in infos], experts)
     t = Tensor(np.ascontiguousarray(arr), device=self.device)
     return (t if t.dtype == self.dtype else t.cast(self.dtype)).contiguous()
@@ -154,8 +154,8 @@ class GGUFSource:
       kept = ", ".join(f"{n} x{c}" for (r, n), c in sorted(self.packed.items()) if r == role)
       out.append(f"gguf: {role} kept packed: {kept}")
     if self.dequantized:
-      out.append(f"gguf: dequantized at load to {self.dtype.name} (embeddings always; a linear whose parts mix a "
-                 "quantized type with a plain one): "
+      out.append(f"gguf: dequantized at load to {self.dtype.name} (embeddings always; types with no packed form, the "
+                 "i-quants below IQ4 among them; a linear whose parts mix a quantized type with a plain one): "
                  + ", ".join(f"{n} x{c}" for n, c in sorted(self.dequantized.items())))
     return out
 
