@@ -1,5 +1,7 @@
 """GGUF tensor types: decoding llama.cpp's quantization blocks (ggml-quants.c) to float32 with numpy, and the formats
-whose blocks are exactly tinyvllm's packed form (backend/quantized.py) as unpacked codes and per-group scales.
+whose blocks are exactly tinyvllm's packed form (backend/quantized.py) as unpacked codes and per-group scales. Types
+with no decoder here (the i-quants below IQ4, TQ1_0 / TQ2_0, MXFP4) are decoded by llama.cpp's gguf package where it is
+installed (library_format).
 
 Every block runs along a row (ne[0], the input columns of a linear). The layouts (fp16 d / dmin are IEEE halves):
 - Q8_0: 32 values, 34 bytes: d, 32 int8 q. w = q * d.
