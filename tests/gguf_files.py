@@ -283,10 +283,11 @@ def sentencepiece_fields(model_file: Path) -> dict:
 
 
 def write_hf_llama(path: Path, state: dict[str, np.ndarray], config: dict, tokenizer: dict,
-                   rope_factors: np.ndarray | None = None) -> Path:
+                   rope_factors: np.ndarray | None = None, metadata: dict | None = None) -> Path:
   """An HF Llama's float32 weights as a GGUF file the way llama.cpp's converter writes one: its names, attn_q / attn_k
   rows permuted (LlamaModel.permute), F32 tensors, the config as llama.* metadata; `tokenizer` from sentencepiece_fields
-  (BOS 1, EOS 2, UNK 0 as Llama 2's); `rope_factors` as rope_freqs.weight."""
+  (BOS 1, EOS 2, UNK 0 as Llama 2's); `rope_factors` as rope_freqs.weight; `metadata`: more llama.* keys (strings and
+  floats)."""
   heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
   head_dim = config["hidden_size"] // heads
   w = gguf_writer(path, "llama")
@@ -297,6 +298,9 @@ def write_hf_llama(path: Path, state: dict[str, np.ndarray], config: dict, token
     w.add_uint32(f"llama.{key}", value)
   w.add_float32("llama.rope.freq_base", float(config.get("rope_theta", 10000.0)))
   w.add_float32("llama.attention.layer_norm_rms_epsilon", float(config["rms_norm_eps"]))
+  for key, value in (metadata or {}).items():
+    if isinstance(value, str): w.add_string(f"llama.{key}", value)
+    else: w.add_float32(f"llama.{key}", float(value))
   w.add_string("tokenizer.ggml.model", "llama")
   w.add_array("tokenizer.ggml.tokens", tokenizer["tokens"])
   w.add_array("tokenizer.ggml.scores", tokenizer["scores"])

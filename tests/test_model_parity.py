@@ -19,6 +19,7 @@ CASES = {
   "llama-untied": ("llama", dict(tie_word_embeddings=False)),
   "llama-tied": ("llama", dict(tie_word_embeddings=True)),
   "llama3-rope-scaling": ("llama", dict(tie_word_embeddings=True, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE)),
+  "llama-linear-rope-scaling": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 4.0})),
   "llama-attention-bias": ("llama", dict(attention_bias=True)),
   "qwen2-bias": ("qwen2", dict(tie_word_embeddings=True)),
   # Mistral v0.1's 4096-token window is longer than this model's context, so it never applies (as in the engine's check)

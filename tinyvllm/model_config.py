@@ -51,7 +51,8 @@ class ModelConfig:
   mlp_bias: bool = False
   qk_norm: bool = False
   rope_scaling: RopeScaling | None = None
-  # a GGUF file's rope_freqs tensor (llama.cpp's form of Llama-3.1's scaling): each inverse frequency divided by its factor
+  # each inverse frequency divided by its factor: linear scaling's one factor for every frequency (rope_type "linear"), or
+  # a GGUF file's rope_freqs tensor (llama.cpp's form of Llama-3.1's scaling)
   rope_freq_factors: tuple[float, ...] | None = None
   torch_dtype: str = "float32"
   bos_token_id: int | None = None
@@ -87,14 +88,15 @@ class ModelConfig:
     heads = int(raw["num_attention_heads"])
     kv_heads = int(raw.get("num_key_value_heads") or heads)
     if heads % kv_heads: raise ConfigError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-    theta, scaling = _rope(raw, source)
+    theta, scaling, linear = _rope(raw, source)
+    head_dim = int(raw.get("head_dim") or raw["hidden_size"] // heads)
     eos = raw.get("eos_token_id")
     return ModelConfig(
       architecture=arch, hidden_size=int(raw["hidden_size"]), intermediate_size=int(raw["intermediate_size"]),
       num_layers=int(raw["num_hidden_layers"]), num_heads=heads, num_kv_heads=kv_heads,
-      head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads), vocab_size=int(raw["vocab_size"]),
+      head_dim=head_dim, vocab_size=int(raw["vocab_size"]),
       max_position_embeddings=int(raw.get("max_position_embeddings", 2048)), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-      rope_theta=theta, rope_scaling=scaling,
+      rope_theta=theta, rope_scaling=scaling, rope_freq_factors=None if linear is None else (linear,) * (head_dim // 2),
       tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch == "GemmaForCausalLM")),   # HF's default: tied for Gemma only
       qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
       o_bias=arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias", False)),
@@ -136,13 +138,20 @@ def _architecture_fields(arch: str, raw: dict[str, Any], source: str) -> dict[st
   if act != "gelu_pytorch_tanh":
     raise ConfigError(f"{source}: {field_name} {act!r} is not supported for {arch} (gelu_pytorch_tanh is)")
   return {"hidden_act": act, "norm_weight_offset": 1.0, "embed_scale": float(raw["hidden_size"]) ** 0.5}
-def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
-  """rope_theta and scaling, from either the classic fields or transformers 5's `rope_parameters`."""
+def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None, float | None]:
+  """rope_theta, Llama-3.1's scaling and linear scaling's factor, from either the classic fields or transformers 5's
+  `rope_parameters`."""
   params = dict(raw.get("rope_parameters") or {})
   scaling = raw.get("rope_scaling") or params
   theta = float(raw.get("rope_theta", params.get("rope_theta", 10000.0)))
   rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-  if rope_type == "default": return theta, None
-  if rope_type != "llama3": raise ConfigError(f"{source}: rope scaling type {rope_type!r} is not supported (default and llama3 are)")
+  if rope_type == "default": return theta, None, None
+  if rope_type == "linear":   # positions divided by the factor: every frequency divided by it (HF's linear rope)
+    factor = scaling.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+      raise ConfigError(f"{source}: linear rope scaling needs a positive factor, got {factor!r}")
+    return theta, None, float(factor)
+  if rope_type != "llama3":
+    raise ConfigError(f"{source}: rope scaling type {rope_type!r} is not supported (default, linear and llama3 are)")
   return theta, RopeScaling(float(scaling["factor"]), float(scaling.get("low_freq_factor", 1.0)),
-                            float(scaling.get("high_freq_factor", 4.0)), int(scaling["original_max_position_embeddings"]))
+                            float(scaling.get("high_freq_factor", 4.0)), int(scaling["original_max_position_embeddings"])), None

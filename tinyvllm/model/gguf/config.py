@@ -44,10 +44,7 @@ def config_dict(f: GGUFFile) -> dict[str, Any]:
     raise ConfigError(f"{f.path}: GGUF general.architecture {arch!r} is not supported (tinyvllm reads "
                       f"{', '.join(SUPPORTED_ARCHITECTURES)} GGUF files)")
   key = lambda name: f"{arch}.{name}"
-  for scaling in (key("rope.scaling.type"), key("rope.scaling.factor")):
-    value = f.get(scaling)
-    if value not in (None, "none", 1.0, 0.0):
-      raise ConfigError(f"{f.path}: GGUF metadata {scaling} = {value!r}: rope scaling in GGUF files is not supported")
+  rope_scaling = _rope_scaling(f, key)
   hidden, heads = int(f.require(key("embedding_length"))), int(f.require(key("attention.head_count")))
   head_dim = int(f.get(key("attention.key_length"), hidden // heads))
   rot = f.get(key("rope.dimension_count"))
@@ -69,7 +66,20 @@ def config_dict(f: GGUFFile) -> dict[str, Any]:
     "rope_theta": float(f.get(key("rope.freq_base"), 10000.0)),
     "tie_word_embeddings": "output.weight" not in f, "torch_dtype": GGUF_TORCH_DTYPE,
     "bos_token_id": f.get("tokenizer.ggml.bos_token_id"), "eos_token_id": eos, **experts,
+    **({"rope_scaling": rope_scaling} if rope_scaling else {}),
   }
+
+
+def _rope_scaling(f: GGUFFile, key) -> dict[str, Any] | None:
+  """rope.scaling.type / .factor as HF's rope_scaling: linear scaling (positions divided by the factor), or none."""
+  kind, factor = f.get(key("rope.scaling.type")), f.get(key("rope.scaling.factor"))
+  if kind == "linear": return {"rope_type": "linear", "factor": factor}
+  if kind not in (None, "none"):
+    raise ConfigError(f"{f.path}: GGUF metadata {key('rope.scaling.type')} = {kind!r}: rope scaling other than linear is not "
+                      "supported")
+  if factor not in (None, 1.0, 0.0):
+    raise ConfigError(f"{f.path}: GGUF metadata {key('rope.scaling.factor')} = {factor!r} without a rope.scaling.type")
+  return None
 
 
 def _dense_size(f: GGUFFile, key: str, experts: dict[str, Any]) -> int:
@@ -100,7 +110,11 @@ def _experts(f: GGUFFile, arch: str) -> dict[str, Any]:
 
 def gguf_model_config(f: GGUFFile) -> ModelConfig:
   cfg = ModelConfig.from_dict(config_dict(f), f"{f.path} (GGUF metadata)")
-  return replace(cfg, rope_freq_factors=_rope_freq_factors(f, cfg.head_dim))
+  factors = _rope_freq_factors(f, cfg.head_dim)
+  if factors is None: return cfg
+  # (llama.cpp applies both: a linear factor times each frequency's own)
+  linear = cfg.rope_freq_factors or (1.0,) * len(factors)
+  return replace(cfg, rope_freq_factors=tuple(a * b for a, b in zip(factors, linear, strict=True)))
 
 
 def _rope_freq_factors(f: GGUFFile, head_dim: int) -> tuple[float, ...] | None:
