@@ -286,8 +286,8 @@ def write_hf_llama(path: Path, state: dict[str, np.ndarray], config: dict, token
                    rope_factors: np.ndarray | None = None, metadata: dict | None = None) -> Path:
   """An HF Llama's float32 weights as a GGUF file the way llama.cpp's converter writes one: its names, attn_q / attn_k
   rows permuted (LlamaModel.permute), F32 tensors, the config as llama.* metadata; `tokenizer` from sentencepiece_fields
-  (BOS 1, EOS 2, UNK 0 as Llama 2's); `rope_factors` as rope_freqs.weight; `metadata`: more llama.* keys (strings and
-  floats)."""
+  (BOS 1, EOS 2, UNK 0 as Llama 2's); `rope_factors` as rope_freqs.weight; `metadata`: more llama.* keys (strings,
+  integers, floats)."""
   heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
   head_dim = config["hidden_size"] // heads
   w = gguf_writer(path, "llama")
@@ -300,6 +300,7 @@ def write_hf_llama(path: Path, state: dict[str, np.ndarray], config: dict, token
   w.add_float32("llama.attention.layer_norm_rms_epsilon", float(config["rms_norm_eps"]))
   for key, value in (metadata or {}).items():
     if isinstance(value, str): w.add_string(f"llama.{key}", value)
+    elif isinstance(value, int): w.add_uint32(f"llama.{key}", value)
     else: w.add_float32(f"llama.{key}", float(value))
   w.add_string("tokenizer.ggml.model", "llama")
   w.add_array("tokenizer.ggml.tokens", tokenizer["tokens"])

@@ -179,16 +179,19 @@ def test_rope_freqs_of_the_wrong_length_are_named(tmp_path):
     LLM(str(path), device="CPU", max_num_seqs=2, max_model_len=128)
 
 
-def test_linear_rope_scaling_metadata_matches_hf(tmp_path):
-  """rope.scaling.type linear with its factor (as llama.cpp writes a model whose config scales RoPE linearly) against
-  HF running the original model."""
+@pytest.mark.parametrize("kind", ["linear", "yarn"])
+def test_rope_scaling_metadata_matches_hf(kind, tmp_path):
+  """rope.scaling.* as llama.cpp writes a model whose config scales RoPE linearly, or by YaRN (type, factor, original
+  context), against HF running the original model."""
   from tests.hf_models import hf_logits, make_model
   fields = sentencepiece_fields(require_shared(SHARED_DATA / "models" / "stories260K" / "tok512.model"))
-  hf = make_model("llama", tmp_path / "hf", vocab_size=512, rope_scaling={"rope_type": "linear", "factor": 4.0})
+  rope = {"rope_type": kind, "factor": 4.0, **({"original_max_position_embeddings": 32} if kind == "yarn" else {})}
+  hf = make_model("llama", tmp_path / "hf", vocab_size=512, rope_scaling=rope)
   config = hf.config.to_dict()
   state = {k: v.numpy() for k, v in hf.state_dict().items()}
-  path = write_hf_llama(tmp_path / "m.gguf", state, config, fields,
-                        metadata={"rope.scaling.type": "linear", "rope.scaling.factor": 4.0})
+  metadata = {"rope.scaling.type": kind, "rope.scaling.factor": 4.0,
+              **({"rope.scaling.original_context_length": 32} if kind == "yarn" else {})}
+  path = write_hf_llama(tmp_path / "m.gguf", state, config, fields, metadata=metadata)
   prompt = [int(x) for x in np.random.default_rng(3).integers(3, 512, 100)]
   llm = LLM(str(path), device="CPU", dtype="float32", max_num_seqs=2, max_model_len=256)
   ref = hf_logits(hf, prompt)[-1]
@@ -196,7 +199,9 @@ def test_linear_rope_scaling_metadata_matches_hf(tmp_path):
 
 
 @pytest.mark.parametrize("metadata,error", [
-  ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}, r"rope\.scaling\.type = 'yarn': rope scaling other than linear"),
+  ({"rope.scaling.type": "longrope", "rope.scaling.factor": 4.0}, r"rope\.scaling\.type = 'longrope': rope scaling other"),
+  ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.yarn_log_multiplier": 0.1},
+   r"rope\.scaling\.yarn_log_multiplier: YaRN's own tuning is not supported"),
   ({"rope.scaling.factor": 2.0}, r"rope\.scaling\.factor = 2\.0 without a rope\.scaling\.type"),
   ({"rope.scaling.type": "linear"}, r"linear rope scaling needs a positive factor, got None")])
 def test_rope_scaling_metadata_it_cannot_run_is_named(metadata, error, tmp_path):

@@ -20,6 +20,9 @@ CASES = {
   "llama-tied": ("llama", dict(tie_word_embeddings=True)),
   "llama3-rope-scaling": ("llama", dict(tie_word_embeddings=True, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE)),
   "llama-linear-rope-scaling": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 4.0})),
+  # Qwen's long-context recipe: YaRN over an original context of 32 positions, its attention factor on cos / sin
+  "qwen3-yarn": ("qwen3", dict(head_dim=24, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                         "original_max_position_embeddings": 32})),
   "llama-attention-bias": ("llama", dict(attention_bias=True)),
   "qwen2-bias": ("qwen2", dict(tie_word_embeddings=True)),
   # Mistral v0.1's 4096-token window is longer than this model's context, so it never applies (as in the engine's check)

@@ -3,6 +3,7 @@ sizes, RoPE, MoE routing (moe_config.py) and quantization block, each field chec
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,19 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class YarnScaling:
+  """YaRN (rope_type "yarn"; Qwen's long-context recipe): frequencies blended between the original and the interpolated
+  (divided by factor) along a ramp between the dimensions beta_fast and beta_slow rotations pin, and cos/sin scaled by
+  attention_factor."""
+  factor: float
+  original_max_position_embeddings: int
+  attention_factor: float
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  truncate: bool = True
+
+
+@dataclass(frozen=True)
 class ModelConfig:
   architecture: str
   hidden_size: int
@@ -50,7 +64,7 @@ class ModelConfig:
   o_bias: bool = False
   mlp_bias: bool = False
   qk_norm: bool = False
-  rope_scaling: RopeScaling | None = None
+  rope_scaling: RopeScaling | YarnScaling | None = None
   # each inverse frequency divided by its factor: linear scaling's one factor for every frequency (rope_type "linear"), or
   # a GGUF file's rope_freqs tensor (llama.cpp's form of Llama-3.1's scaling)
   rope_freq_factors: tuple[float, ...] | None = None
@@ -88,7 +102,7 @@ class ModelConfig:
     heads = int(raw["num_attention_heads"])
     kv_heads = int(raw.get("num_key_value_heads") or heads)
     if heads % kv_heads: raise ConfigError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-    theta, scaling, linear = _rope(raw, source)
+    theta, scaling, linear = _rope(raw, source, int(raw.get("max_position_embeddings", 2048)))
     head_dim = int(raw.get("head_dim") or raw["hidden_size"] // heads)
     eos = raw.get("eos_token_id")
     return ModelConfig(
@@ -138,9 +152,9 @@ def _architecture_fields(arch: str, raw: dict[str, Any], source: str) -> dict[st
   if act != "gelu_pytorch_tanh":
     raise ConfigError(f"{source}: {field_name} {act!r} is not supported for {arch} (gelu_pytorch_tanh is)")
   return {"hidden_act": act, "norm_weight_offset": 1.0, "embed_scale": float(raw["hidden_size"]) ** 0.5}
-def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None, float | None]:
-  """rope_theta, Llama-3.1's scaling and linear scaling's factor, from either the classic fields or transformers 5's
-  `rope_parameters`."""
+def _rope(raw: dict[str, Any], source: str, max_positions: int) -> tuple[float, RopeScaling | YarnScaling | None, float | None]:
+  """rope_theta, Llama-3.1's or YaRN's scaling and linear scaling's factor, from either the classic fields or
+  transformers 5's `rope_parameters`."""
   params = dict(raw.get("rope_parameters") or {})
   scaling = raw.get("rope_scaling") or params
   theta = float(raw.get("rope_theta", params.get("rope_theta", 10000.0)))
@@ -151,7 +165,24 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None, 
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
       raise ConfigError(f"{source}: linear rope scaling needs a positive factor, got {factor!r}")
     return theta, None, float(factor)
+  if rope_type == "yarn": return theta, _yarn(scaling, source, max_positions), None
   if rope_type != "llama3":
-    raise ConfigError(f"{source}: rope scaling type {rope_type!r} is not supported (default, linear and llama3 are)")
+    raise ConfigError(f"{source}: rope scaling type {rope_type!r} is not supported (default, linear, llama3 and yarn are)")
   return theta, RopeScaling(float(scaling["factor"]), float(scaling.get("low_freq_factor", 1.0)),
                             float(scaling.get("high_freq_factor", 4.0)), int(scaling["original_max_position_embeddings"])), None
+
+
+def _yarn(scaling: dict[str, Any], source: str, max_positions: int) -> YarnScaling:
+  """HF's YaRN parameters: the original context (default max_position_embeddings), the factor (default the ratio of the
+  two), the attention factor (default 0.1 ln(factor) + 1, or the ratio of two such with mscale / mscale_all_dim)."""
+  if scaling.get("partial_rotary_factor", 1.0) != 1.0: raise ConfigError(f"{source}: partial rotary embeddings are not supported")
+  original = int(scaling.get("original_max_position_embeddings") or max_positions)
+  factor = float(scaling.get("factor") or max_positions / original)
+  if not factor > 0: raise ConfigError(f"{source}: yarn rope scaling needs a positive factor, got {scaling.get('factor')!r}")
+  mscale = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+  attention = scaling.get("attention_factor")
+  if attention is None:
+    both = scaling.get("mscale") and scaling.get("mscale_all_dim")
+    attention = mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"]) if both else mscale(1.0)
+  return YarnScaling(factor, original, float(attention), float(scaling.get("beta_fast") or 32.0),
+                     float(scaling.get("beta_slow") or 1.0), bool(scaling.get("truncate", True)))

@@ -6,15 +6,16 @@ import math
 import numpy as np
 from tinygrad import Tensor
 
-from tinyvllm.model_config import RopeScaling
+from tinyvllm.model_config import RopeScaling, YarnScaling
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None,
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | YarnScaling | None,
                         factors: tuple[float, ...] | None = None) -> np.ndarray:
-  """1 / theta^(2i/d) as HF computes it (float32), rescaled per Llama-3.1's long-context recipe when asked, or divided by
-  per-frequency `factors` (a GGUF file's rope_freqs, as llama.cpp applies them)."""
+  """1 / theta^(2i/d) as HF computes it (float32), rescaled per Llama-3.1's or YaRN's long-context recipe when asked, or
+  divided by per-frequency `factors` (linear scaling, a GGUF file's rope_freqs as llama.cpp applies them)."""
   inv = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))).astype(np.float32)
   if factors is not None: return (inv / np.asarray(factors, np.float32)).astype(np.float32)
+  if isinstance(scaling, YarnScaling): return _yarn_frequencies(head_dim, theta, scaling)
   if scaling is None: return inv
   low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
   high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -27,11 +28,27 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_tables(head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None,
+def _yarn_frequencies(head_dim: int, theta: float, y: YarnScaling) -> np.ndarray:
+  """HF's YaRN frequencies: the original ones (extrapolation) for dimensions that turn more than beta_fast times over the
+  original context, the interpolated ones (divided by factor) below beta_slow turns, a linear ramp between."""
+  def dim_of(turns: float) -> float:   # the dimension that turns `turns` times over the original context
+    return head_dim * math.log(y.original_max_position_embeddings / (turns * 2 * math.pi)) / (2 * math.log(theta))
+  low, high = dim_of(y.beta_fast), dim_of(y.beta_slow)
+  if y.truncate: low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, head_dim - 1)
+  if low == high: high += 0.001
+  ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+  extrapolation = (1 - ramp).astype(np.float32)
+  pos = (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim)).astype(np.float32)
+  return ((1.0 / (y.factor * pos)) * (1 - extrapolation) + (1.0 / pos) * extrapolation).astype(np.float32)
+
+
+def rope_tables(head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | YarnScaling | None,
                 factors: tuple[float, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
-  """cos and sin of shape [max_positions, head_dim // 2], float32."""
+  """cos and sin of shape [max_positions, head_dim // 2], float32 (YaRN's scaled by its attention factor, as HF's)."""
   angles = np.arange(max_positions, dtype=np.float32)[:, None] * inverse_frequencies(head_dim, theta, scaling, factors)[None, :]
-  return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+  scale = np.float32(scaling.attention_factor if isinstance(scaling, YarnScaling) else 1.0)
+  return (np.cos(angles) * scale).astype(np.float32), (np.sin(angles) * scale).astype(np.float32)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

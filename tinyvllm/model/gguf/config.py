@@ -71,12 +71,17 @@ def config_dict(f: GGUFFile) -> dict[str, Any]:
 
 
 def _rope_scaling(f: GGUFFile, key) -> dict[str, Any] | None:
-  """rope.scaling.type / .factor as HF's rope_scaling: linear scaling (positions divided by the factor), or none."""
+  """rope.scaling.* as HF's rope_scaling: linear (positions divided by the factor), YaRN (the factor over
+  original_context_length, as llama.cpp's converter writes Qwen's; its other yarn_* tuning refused by name), or none."""
   kind, factor = f.get(key("rope.scaling.type")), f.get(key("rope.scaling.factor"))
   if kind == "linear": return {"rope_type": "linear", "factor": factor}
+  if kind == "yarn":
+    tuned = sorted(k for k in f.metadata if k.startswith(key("rope.scaling.yarn_")))
+    if tuned: raise ConfigError(f"{f.path}: GGUF metadata {', '.join(tuned)}: YaRN's own tuning is not supported")
+    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": f.get(key("rope.scaling.original_context_length"))}
   if kind not in (None, "none"):
-    raise ConfigError(f"{f.path}: GGUF metadata {key('rope.scaling.type')} = {kind!r}: rope scaling other than linear is not "
-                      "supported")
+    raise ConfigError(f"{f.path}: GGUF metadata {key('rope.scaling.type')} = {kind!r}: rope scaling other than linear and "
+                      "yarn is not supported")
   if factor not in (None, 1.0, 0.0):
     raise ConfigError(f"{f.path}: GGUF metadata {key('rope.scaling.factor')} = {factor!r} without a rope.scaling.type")
   return None
