@@ -1,4 +1,5 @@
-"""Mistral and Gemma configs as HF writes them: what is taken from them, and what is refused with a reason."""
+"""Mistral and Gemma configs as HF writes them, and RoPE scaling's fields: what is taken from them, and what is refused
+with a reason."""
 from __future__ import annotations
 
 import json
@@ -69,3 +70,24 @@ def test_mistral_window_shorter_than_the_context(tmp_path):
   ours = LLM(str(tmp_path), max_model_len=32, max_num_seqs=2).engine.compute_logits(prompt)
   ref = hf_logits(hf, prompt)[-1]
   assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-5
+
+
+def test_rope_scaling_sets_the_context_as_vllm_derives_it():
+  """Linear scaling multiplies max_position_embeddings by its factor, YaRN makes it factor x the original context (the
+  point of either); Llama-3.1's config counts its own. Qwen3's published YaRN recipe: 40,960 -> 131,072."""
+  assert config("LlamaForCausalLM", rope_scaling={"rope_type": "linear", "factor": 4.0}).max_position_embeddings == 4 * 256
+  qwen = {**SHAPE, "max_position_embeddings": 40960}
+  yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+  cfg = ModelConfig.from_dict({"architectures": ["Qwen3ForCausalLM"], **qwen, "rope_scaling": yarn})
+  assert cfg.max_position_embeddings == 131072 and abs(cfg.rope_scaling.attention_factor - (0.1 * np.log(4.0) + 1)) < 1e-9
+  llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}
+  assert config("LlamaForCausalLM", rope_scaling=llama3).max_position_embeddings == 256
+
+
+@pytest.mark.parametrize("rope,message", [({"rope_type": "dynamic", "factor": 2.0}, "rope scaling type 'dynamic'"),
+                                          ({"rope_type": "linear"}, "linear rope scaling needs a positive factor"),
+                                          ({"rope_type": "yarn", "factor": 2.0, "partial_rotary_factor": 0.5},
+                                           "partial rotary embeddings")])
+def test_rope_scaling_it_cannot_run_is_named(rope, message):
+  with pytest.raises(ConfigError, match=message): config("LlamaForCausalLM", rope_scaling=rope)

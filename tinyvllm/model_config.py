@@ -109,7 +109,8 @@ class ModelConfig:
       architecture=arch, hidden_size=int(raw["hidden_size"]), intermediate_size=int(raw["intermediate_size"]),
       num_layers=int(raw["num_hidden_layers"]), num_heads=heads, num_kv_heads=kv_heads,
       head_dim=head_dim, vocab_size=int(raw["vocab_size"]),
-      max_position_embeddings=int(raw.get("max_position_embeddings", 2048)), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+      max_position_embeddings=_context(int(raw.get("max_position_embeddings", 2048)), scaling, linear),
+      rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
       rope_theta=theta, rope_scaling=scaling, rope_freq_factors=None if linear is None else (linear,) * (head_dim // 2),
       tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch == "GemmaForCausalLM")),   # HF's default: tied for Gemma only
       qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
@@ -186,3 +187,11 @@ def _yarn(scaling: dict[str, Any], source: str, max_positions: int) -> YarnScali
     attention = mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"]) if both else mscale(1.0)
   return YarnScaling(factor, original, float(attention), float(scaling.get("beta_fast") or 32.0),
                      float(scaling.get("beta_slow") or 1.0), bool(scaling.get("truncate", True)))
+
+
+def _context(max_positions: int, scaling: RopeScaling | YarnScaling | None, linear: float | None) -> int:
+  """The positions the model takes, as vLLM derives them: max_position_embeddings, times a linear factor, or YaRN's
+  factor times its original context (what the scaling is for; Llama-3.1's config already counts its own)."""
+  if linear is not None: return int(max_positions * linear)
+  if isinstance(scaling, YarnScaling): return max(max_positions, int(scaling.original_max_position_embeddings * scaling.factor))
+  return max_positions
