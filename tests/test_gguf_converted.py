@@ -1,8 +1,8 @@
 """GGUF files as llama.cpp's converter writes HF models and tokenizers: a SentencePiece tokenizer ("llama": pieces and
 scores, no merges) against HF transformers reading the same file and against the real stories260K and Llama 2
 tokenizers, byte-level tokenizers' pre-tokenizer names against HF, the real stories260K model converted and run to its
-reference text, and Llama-3.1's frequency scaling as llama.cpp stores it (rope_freqs) against HF transformers running
-the original model."""
+reference text, and RoPE scaling as llama.cpp stores it (Llama-3.1's rope_freqs tensor, linear and YaRN metadata)
+against HF transformers running the original model, with the scalings it cannot run named."""
 from __future__ import annotations
 
 import numpy as np
