@@ -272,6 +272,11 @@ def llama3_rope_factors(head_dim: int, theta: float, rope: dict) -> np.ndarray:
   return np.array(out, np.float32)
 
 
+def llama_cpp_permute(a: np.ndarray, heads: int) -> np.ndarray:
+  """convert_hf_to_gguf.py's LlamaModel.permute of attn_q / attn_k rows (each head's rows interleaved in pairs)."""
+  return a.reshape(heads, 2, a.shape[0] // heads // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
 def sentencepiece_fields(model_file: Path) -> dict:
   """A SentencePiece tokenizer.model's pieces, scores and types, as llama.cpp's converter writes them to a GGUF file
   (tokenizer.ggml.model "llama"; SentencePiece's piece types are llama.cpp's token types)."""
@@ -308,15 +313,14 @@ def write_hf_llama(path: Path, state: dict[str, np.ndarray], config: dict, token
   w.add_array("tokenizer.ggml.token_type", tokenizer["types"])
   for key, token_id in (("bos_token_id", 1), ("eos_token_id", 2), ("unknown_token_id", 0)):
     w.add_uint32(f"tokenizer.ggml.{key}", token_id)
-  permute = lambda a, n: a.reshape(n, 2, a.shape[0] // n // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
   for name, a in state.items():
     if name in HF_TO_GGUF:
       w.add_tensor(HF_TO_GGUF[name], np.ascontiguousarray(a, np.float32))
       continue
     layer, rest = name.removeprefix("model.layers.").split(".", 1)
     part = rest.removesuffix(".weight")
-    if part == "self_attn.q_proj": a = permute(a, heads)
-    if part == "self_attn.k_proj": a = permute(a, kv_heads)
+    if part == "self_attn.q_proj": a = llama_cpp_permute(a, heads)
+    if part == "self_attn.k_proj": a = llama_cpp_permute(a, kv_heads)
     w.add_tensor(f"blk.{layer}.{HF_LAYER_TO_GGUF[part]}.weight", np.ascontiguousarray(a, np.float32))
   if rope_factors is not None: w.add_tensor("rope_freqs.weight", rope_factors)
   w.write_header_to_file()

@@ -8,7 +8,16 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tests.gguf_files import LAYOUTS, add_tensor, gguf_writer, make_blocks, ref_dequantize, smollm2_file, write_tiny_llama
+from tests.gguf_files import (
+  LAYOUTS,
+  add_tensor,
+  gguf_writer,
+  llama_cpp_permute,
+  make_blocks,
+  ref_dequantize,
+  smollm2_file,
+  write_tiny_llama,
+)
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.config import ConfigError
@@ -91,9 +100,7 @@ def test_parts_of_different_types_share_one_packed_form():
 def test_unpermute_undoes_llama_cpp_permute():
   heads, head_dim, cols = 3, 8, 5
   w = np.arange(heads * head_dim * cols).reshape(heads * head_dim, cols)
-  # convert_hf_to_gguf.py's LlamaModel.permute
-  permuted = w.reshape(heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(w.shape)
-  np.testing.assert_array_equal(unpermute_rows(permuted, heads), w)
+  np.testing.assert_array_equal(unpermute_rows(llama_cpp_permute(w, heads), heads), w)
 
 
 TINY_CASES = {
