@@ -15,7 +15,7 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | Yarn
   divided by per-frequency `factors` (linear scaling, a GGUF file's rope_freqs as llama.cpp applies them)."""
   inv = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))).astype(np.float32)
   if factors is not None: return (inv / np.asarray(factors, np.float32)).astype(np.float32)
-  if isinstance(scaling, YarnScaling): return _yarn_frequencies(head_dim, theta, scaling)
+  if isinstance(scaling, YarnScaling): return _yarn_frequencies(inv, head_dim, theta, scaling)
   if scaling is None: return inv
   low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
   high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -28,9 +28,9 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | Yarn
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def _yarn_frequencies(head_dim: int, theta: float, y: YarnScaling) -> np.ndarray:
-  """HF's YaRN frequencies: the original ones (extrapolation) for dimensions that turn more than beta_fast times over the
-  original context, the interpolated ones (divided by factor) below beta_slow turns, a linear ramp between."""
+def _yarn_frequencies(inv: np.ndarray, head_dim: int, theta: float, y: YarnScaling) -> np.ndarray:
+  """HF's YaRN frequencies from the plain ones `inv`: kept (extrapolation) for dimensions that turn more than beta_fast
+  times over the original context, divided by factor (interpolation) below beta_slow turns, a linear ramp between."""
   def dim_of(turns: float) -> float:   # the dimension that turns `turns` times over the original context
     return head_dim * math.log(y.original_max_position_embeddings / (turns * 2 * math.pi)) / (2 * math.log(theta))
   low, high = dim_of(y.beta_fast), dim_of(y.beta_slow)
@@ -38,9 +38,7 @@ def _yarn_frequencies(head_dim: int, theta: float, y: YarnScaling) -> np.ndarray
   low, high = max(low, 0), min(high, head_dim - 1)
   if low == high: high += 0.001
   ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
-  extrapolation = (1 - ramp).astype(np.float32)
-  pos = (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim)).astype(np.float32)
-  return ((1.0 / (y.factor * pos)) * (1 - extrapolation) + (1.0 / pos) * extrapolation).astype(np.float32)
+  return ((inv / np.float32(y.factor)) * ramp + inv * (1 - ramp)).astype(np.float32)
 
 
 def rope_tables(head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | YarnScaling | None,
