@@ -144,9 +144,10 @@ def ref_dequantize(kind: str, raw: np.ndarray, rows: int, cols: int) -> np.ndarr
   return np.array([ref_block(kind, b) for b in blocks], np.float64).reshape(rows, cols)
 
 
-def gguf_writer(path: Path, arch: str = "llama"):
+def gguf_writer(path: Path, arch: str = "llama", split_max_tensors: int = 0):
+  """llama.cpp's own writer; with split_max_tensors, it cuts the model into PATH-0000i-of-0000N.gguf as gguf-split does."""
   import gguf
-  return gguf.GGUFWriter(str(path), arch)
+  return gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
 
 
 def add_tensor(writer, name: str, kind: str, rows: int, cols: int, rng: np.random.Generator, scale: float = 0.05,
@@ -171,17 +172,18 @@ TINY = dict(hidden=256, ffn=512, layers=2, heads=4, kv_heads=2, vocab=258)
 
 def write_tiny_llama(path: Path, linears: dict[str, str], embed: str = "F32", output: str | None = None, seed: int = 0,
                      arch: str = "llama", tokenizer_model: str = "gpt2", experts: tuple[int, int, int] | None = None,
-                     **dims: int) -> Path:
+                     split_max_tensors: int = 0, **dims: int) -> Path:
   """A random 2-layer llama GGUF: `linears` maps attn_q/attn_k/attn_v/attn_output/ffn_gate/ffn_up/ffn_down to their type
   (or to a function of the layer and the layer count giving it: llama.cpp's mixes differ from layer to layer);
   `output` None ties the LM head to the embeddings; a byte-level tokenizer of the 256 bytes, "Ġt" and <|end|>. With
   arch qwen2 the attention's q/k/v biases too, with qwen3 / qwen3moe its q/k norms (llama.cpp's names for them); with
   `experts` (count, used a token, each one's intermediate size) every layer's MLP is a mixture of experts as llama.cpp
   writes one (the router ffn_gate_inp, F32; ffn_gate_exps / ffn_up_exps / ffn_down_exps of `linears`' ffn_gate / ffn_up /
-  ffn_down types); `dims` override TINY's."""
+  ffn_down types); with `split_max_tensors`, split as llama.cpp's gguf-split does (the files named from `path`, which
+  itself is not written); `dims` override TINY's."""
   rng = np.random.default_rng(seed)
   t = {**TINY, **dims}
-  w = gguf_writer(path, arch)
+  w = gguf_writer(path, arch, split_max_tensors)
   a = arch
   w.add_uint32(f"{a}.block_count", t["layers"])
   w.add_uint32(f"{a}.context_length", 512)

@@ -28,4 +28,5 @@ def load_gguf_model(cfg: ModelConfig, f: GGUFFile, dtype: DType, device: str, ma
   # a tensor nobody read means the metadata describes a different model than the file holds
   check_all_used(sorted(n for n in f.tensors if n not in source.used and n not in CONFIG_TENSORS),
                  f"{f.path}: GGUF tensor(s) that {cfg.architecture} with this metadata does not use")
-  return LoadedModel(model, [f"gguf: {f.path.name} holds {describe_file(f)}", *source.notices()])
+  splits = f" (and its {len(f.splits) - 1} other splits)" if len(f.splits) > 1 else ""
+  return LoadedModel(model, [f"gguf: {f.path.name}{splits} holds {describe_file(f)}", *source.notices()])
