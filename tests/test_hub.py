@@ -4,7 +4,6 @@ the hub unreachable; an id that is not cached fails at once, naming its cache fo
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import subprocess
@@ -18,6 +17,7 @@ from huggingface_hub import constants
 from huggingface_hub.utils import filter_repo_objects
 
 from tests.conftest import REPO
+from tests.hf_cache import add_commit
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.cli.args import add_engine_args, engine_config
 from tinyvllm.config import ConfigError, EngineConfig, HubSettings
@@ -25,22 +25,6 @@ from tinyvllm.model.hub import IGNORED_FILES, METADATA_FILES, resolve_model, res
 
 REPO_ID = "tinyvllm-tests/stories260K"
 MAIN, TAGGED = "a" * 40, "b" * 40   # commits: main, and the one tagged v1 (a shorter context, to tell them apart)
-
-
-def add_commit(cache: Path, repo_id: str, commit: str, files: dict[str, bytes], refs: tuple[str, ...]) -> Path:
-  """One commit of `repo_id` in HF's cache layout: content-addressed blobs, the snapshot's symlinks to them, refs."""
-  repo = cache / f"models--{repo_id.replace('/', '--')}"
-  snapshot = repo / "snapshots" / commit
-  for name, data in files.items():
-    blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-    blob.parent.mkdir(parents=True, exist_ok=True)
-    blob.write_bytes(data)
-    (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
-    (snapshot / name).symlink_to(os.path.relpath(blob, (snapshot / name).parent))
-  for ref in refs:
-    (repo / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
-    (repo / "refs" / ref).write_text(commit)
-  return snapshot
 
 
 @pytest.fixture(scope="module")

@@ -97,8 +97,9 @@ def output_file(text: str) -> str:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
   g = p.add_argument_group("model and engine")
-  g.add_argument("--model", help="local HF model folder, hub id, or (with --load-format dummy) a preset name (default: the "
-                                 "stories260K model shipped in the package)")
+  g.add_argument("--model", help="local HF model folder, hub id, GGUF file (a split one's first), hub GGUF as REPO_ID:QUANT_TYPE, "
+                                 "or (with --load-format dummy) a preset name (default: the stories260K model shipped in "
+                                 "the package)")
   g.add_argument("--tokenizer", help="tokenizer folder, if not the model's")
   g.add_argument("--dtype", default="auto", choices=(*DTYPES, *DTYPE_ALIASES),
                  help="compute dtype (auto: checkpoint's on GPU, float32 on CPU; half = float16, float = float32)")

@@ -19,7 +19,8 @@ from tinyvllm.engine.speculator import NgramSpeculator
 from tinyvllm.kernels.selection import BackendRequest, select_backend
 from tinyvllm.layers.fp8 import FP8_STORAGE
 from tinyvllm.layers.tensor_parallel import TensorParallelGroup, group_devices
-from tinyvllm.model.gguf.config import gguf_model_config, is_gguf_path
+from tinyvllm.model.gguf.config import gguf_model_config
+from tinyvllm.model.gguf.hub import gguf_model_file
 from tinyvllm.model.gguf.loader import load_gguf_model
 from tinyvllm.model.gguf.reader import GGUFFile
 from tinyvllm.model.hub import resolve_model
@@ -58,14 +59,13 @@ class LocatedModel:
 
 
 def locate_model(cfg: EngineConfig) -> LocatedModel:
-  """A dummy preset name needs no folder; a .gguf file holds everything; anything else is a local folder or a hub id."""
+  """A dummy preset name needs no folder; a GGUF model (a .gguf file, or REPO_ID:QUANT_TYPE on the hub) holds
+  everything; anything else is a local folder or a hub id."""
   if cfg.load_format == "dummy" and cfg.model in PRESETS:
     return LocatedModel(ModelConfig.from_dict(PRESETS[cfg.model], f"preset {cfg.model}"), None)
-  if is_gguf_path(cfg.model):
-    if cfg.revision is not None:
-      raise ConfigError(f"a revision ({cfg.revision!r}) applies to hub ids only, and {cfg.model!r} is a GGUF file")
+  if (path := gguf_model_file(cfg.model, cfg.hub_settings(), cfg.revision)) is not None:
     if cfg.load_format == "safetensors": raise ConfigError(f"--load-format safetensors cannot read the GGUF file {cfg.model!r}")
-    gguf = GGUFFile(Path(cfg.model).expanduser())
+    gguf = GGUFFile(path)
     return LocatedModel(gguf_model_config(gguf), None, gguf)
   folder = resolve_model(cfg.model, cfg.hub_settings(), cfg.revision, weights=cfg.load_format != "dummy")
   return LocatedModel(ModelConfig.from_folder(folder), folder)

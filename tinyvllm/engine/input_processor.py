@@ -16,6 +16,7 @@ from tinyvllm.engine.generation_config import default_sampling_params
 from tinyvllm.engine.messages import EngineCoreInfo, EngineCoreRequest
 from tinyvllm.engine.structured_outputs import check_grammar
 from tinyvllm.model.gguf.config import gguf_model_config, is_gguf_path
+from tinyvllm.model.gguf.hub import gguf_model_file, is_hub_gguf
 from tinyvllm.model.gguf.reader import GGUFFile
 from tinyvllm.model.gguf.tokenizer import gguf_tokenizer
 from tinyvllm.model.hub import resolve_model, resolve_tokenizer
@@ -43,14 +44,14 @@ class FrontendFiles:
 def model_folder(config: EngineConfig) -> Path | None:
   """The model's folder for its tokenizer and configs (no weights fetched); None for a dummy preset or a GGUF file."""
   if config.load_format == "dummy" and config.model in PRESETS: return None
-  if is_gguf_path(config.model): return None
+  if is_gguf_path(config.model) or is_hub_gguf(config.model): return None
   return resolve_model(config.model, config.hub_settings(), config.revision, weights=False)
 
 
 def load_frontend_files(config: EngineConfig, folder: Path | None) -> FrontendFiles:
   """The tokenizer (checked against the model's vocabulary) and the sampling defaults: no weights are read, so that a
   tokenizer problem shows before the weights load."""
-  gguf = GGUFFile(Path(config.model).expanduser()) if is_gguf_path(config.model) else None
+  gguf = gguf_model(config)
   tokenizer = _tokenizer(config, folder, gguf)
   if tokenizer is not None: check_tokenizer_fits(tokenizer, *_model_vocab_size(config, folder, gguf))
   return FrontendFiles(tokenizer, _sampling_defaults(config, folder))
@@ -92,8 +93,13 @@ def bad_words_token_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int
 
 def engine_tokenizer(config: EngineConfig) -> Tokenizer | None:
   """The frontend's tokenizer, loaded again (the engine core's structured output builds its grammars' tokenizer on it)."""
-  gguf = GGUFFile(Path(config.model).expanduser()) if is_gguf_path(config.model) else None
-  return _tokenizer(config, model_folder(config), gguf)
+  return _tokenizer(config, model_folder(config), gguf_model(config))
+
+
+def gguf_model(config: EngineConfig) -> GGUFFile | None:
+  """The GGUF model --model names (a local file, or REPO_ID:QUANT_TYPE on the hub); None for any other model."""
+  path = gguf_model_file(config.model, config.hub_settings(), config.revision)
+  return None if path is None else GGUFFile(path)
 
 
 def _tokenizer(config: EngineConfig, folder: Path | None, gguf: GGUFFile | None) -> Tokenizer | None:

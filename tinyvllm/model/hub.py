@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import re
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from tinyvllm.config import ConfigError, EngineConfig, HubSettings
@@ -35,9 +36,9 @@ def resolve_model(model: str, hub: HubSettings, revision: str | None = None, wei
   if path.exists(): raise ConfigError(f"--model {model!r} is a file but not a GGUF file; pass the model's folder (or a GGUF file)")
   if not HUB_ID.match(model) or model.startswith((".", "/", "~")):
     raise ConfigError(f"model folder {model!r} does not exist (nor is it a hub id such as Qwen/Qwen3-0.6B)")
-  folder = Path(_snapshot(model, hub, revision, METADATA_FILES))
+  folder = Path(snapshot(model, hub, revision, METADATA_FILES))
   if not (folder / "config.json").is_file(): raise ConfigError(f"hub model {model!r} has no config.json; is it a transformers model?")
-  if weights: _snapshot(model, hub, revision, weight_patterns(folder))
+  if weights: snapshot(model, hub, revision, weight_patterns(folder))
   return folder
 
 
@@ -49,19 +50,28 @@ def weight_patterns(folder: Path) -> list[str]:
   except (json.JSONDecodeError, KeyError) as e: raise ConfigError(f"{index}: not a valid safetensors index ({e})") from e
 
 
-def _snapshot(model: str, hub: HubSettings, revision: str | None, patterns: list[str]) -> str:
-  hf = _huggingface_hub(model)
+def snapshot(model: str, hub: HubSettings, revision: str | None, patterns: list[str],
+             ignore: list[str] = IGNORED_FILES) -> str:
+  """The snapshot folder of hub id `model` at `revision` holding the files that match `patterns` (fetched where needed)."""
+  hf = huggingface_hub_module(model)
   from huggingface_hub import constants, errors
   cache_dir = None if hub.cache_dir is None else str(Path(hub.cache_dir).expanduser())
   fetch = lambda **local: hf.snapshot_download(model, revision=revision, cache_dir=cache_dir, token=hub.token,
-                                               allow_patterns=patterns, ignore_patterns=IGNORED_FILES, **local)
-  try:
+                                               allow_patterns=patterns, ignore_patterns=ignore, **local)
+  with hub_errors(model, hub, revision):
     if revision is not None and COMMIT_HASH.fullmatch(revision):
       # a commit never changes: one in the cache needs no network (as hf_hub_download does for a file). For one that is
       # not, ask the hub once first: the library lists a commit's files with retries (~20 s) when the hub is unreachable
       with suppress(errors.LocalEntryNotFoundError): return fetch(local_files_only=True)
-      if not constants.HF_HUB_OFFLINE: _check_reachable(hf, model, hub, revision)
+      if not constants.HF_HUB_OFFLINE: check_reachable(hf, model, hub, revision)
     return fetch()
+
+
+@contextmanager
+def hub_errors(model: str, hub: HubSettings, revision: str | None) -> Iterator[None]:
+  """huggingface_hub's errors as ConfigErrors that say what to do."""
+  from huggingface_hub import constants, errors
+  try: yield
   except errors.RevisionNotFoundError as e:
     raise ConfigError(f"hub model {model!r} has no revision {revision!r} (a branch, tag or commit hash)") from e
   except errors.GatedRepoError as e:
@@ -77,7 +87,7 @@ def _snapshot(model: str, hub: HubSettings, revision: str | None, patterns: list
                       f"downloaded stays in the cache and the next attempt resumes it") from e
 
 
-def _huggingface_hub(model: str):
+def huggingface_hub_module(model: str):
   try:
     import huggingface_hub
   except ImportError as e:
@@ -86,7 +96,7 @@ def _huggingface_hub(model: str):
   return huggingface_hub
 
 
-def _check_reachable(hf, model: str, hub: HubSettings, revision: str) -> None:
+def check_reachable(hf, model: str, hub: HubSettings, revision: str | None) -> None:
   """One request, no retries: the hub's answers (no such repo or revision, gated) go on as the library raises them."""
   from huggingface_hub import errors
   try: hf.HfApi().repo_info(model, revision=revision, token=hub.token)
