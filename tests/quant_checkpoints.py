@@ -23,6 +23,7 @@ dequantized weights are returned fused, under those names.
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 from collections.abc import Iterator
@@ -121,6 +122,21 @@ def fp8_tensors(w: np.ndarray, block: tuple[int, int] | None) -> tuple[dict, np.
   return {"weight": codes, **scales}, deq
 
 
+def modelopt_tensors(w: np.ndarray, options: dict, prefix: str) -> tuple[dict, np.ndarray]:
+  """ModelOpt's FP8 export of one linear: scales per tensor (with a static input_scale), per row, or per 128 x 128
+  block as [out / 128, 1, in / 128, 1]; k_proj / v_proj carry the KV cache's scale where kv_scales is set."""
+  algo, cols = options["algo"], w.shape[1]
+  packed, deq = fp8_tensors(w, {"FP8": None, "FP8_PER_CHANNEL_PER_TOKEN": (1, cols), "FP8_PB_WO": (128, 128)}[algo])
+  scale = packed.pop("weight_scale", None) if algo == "FP8" else packed.pop("weight_scale_inv")
+  if algo == "FP8_PER_CHANNEL_PER_TOKEN": scale = scale.reshape(-1)
+  if algo == "FP8_PB_WO": scale = scale.reshape(scale.shape[0], 1, scale.shape[1], 1)
+  tensors = {"weight": packed["weight"], "weight_scale": scale}
+  if algo == "FP8": tensors["input_scale"] = torch.tensor(0.05)
+  if options.get("kv_scales") and prefix.endswith(("k_proj", "v_proj")):
+    tensors[f"{prefix[-6]}_scale"] = torch.tensor(1.0)
+  return tensors, deq
+
+
 def sym_quantize(w: np.ndarray, bits: int, groups_of: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Symmetric round-to-nearest per (row, group): signed codes [out, in], float16 scales [out, groups], and the
   dequantized weight from the stored scales."""
@@ -171,7 +187,8 @@ def write_quantized(hf_model, folder: Path, method: str, seed: int = 0, **option
     prefix = name.removesuffix(".weight")
     # compressed-tensors' ignore list (regular expressions); HF's modules_to_not_convert (parts of the names)
     left_float = (any(re.match(p, prefix) for p in options.get("ignore", ()))
-                  or any(k in prefix for k in options.get("not_converted", ())))
+                  or any(k in prefix for k in options.get("not_converted", ()))
+                  or any(fnmatch.fnmatch(prefix, p) for p in options.get("exclude", ())))   # ModelOpt's wildcards
     if not (name.endswith(".weight") and (prefix.endswith(LINEARS) or EXPERT_LINEARS.search(prefix))) or left_float:
       tensors[name] = t.contiguous()
       continue
@@ -185,6 +202,7 @@ def write_quantized(hf_model, folder: Path, method: str, seed: int = 0, **option
     if method == "gptq": packed, deq = gptq_tensors(w, options["bits"], options["group_size"], orders[role])
     elif method == "awq": packed, deq = awq_tensors(w, options["group_size"])
     elif method == "compressed-tensors": packed, deq = compressed_tensors(w, options, orders[role])
+    elif method == "modelopt": packed, deq = modelopt_tensors(w, options, prefix)
     else: packed, deq = fp8_tensors(w, options.get("weight_block_size"))
     dequantized[name] = deq
     for suffix, a in packed.items():
@@ -194,7 +212,12 @@ def write_quantized(hf_model, folder: Path, method: str, seed: int = 0, **option
       dequantized[name] = np.stack([np.concatenate([dequantized.pop(n) for n in names]) for names in experts])
   hf_model.config.save_pretrained(folder)
   config = json.loads((folder / "config.json").read_text())
-  config["quantization_config"] = quantization_config(method, options)
+  if method == "modelopt" and options.get("hf_quant_config"):   # ModelOpt's own file beside config.json, not in it
+    kv = "FP8" if options.get("kv_scales") else None
+    quant = {"quant_algo": options["algo"], "kv_cache_quant_algo": kv, "exclude_modules": ["lm_head", *options.get("exclude", ())]}
+    (folder / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt", "version": "0.29.0"},
+                                                             "quantization": quant}))
+  else: config["quantization_config"] = quantization_config(method, options)
   if options.get("not_converted"): config["quantization_config"]["modules_to_not_convert"] = list(options["not_converted"])
   (folder / "config.json").write_text(json.dumps(config))
   save_file(tensors, str(folder / "model.safetensors"))
@@ -216,6 +239,10 @@ def quantization_config(method: str, options: dict) -> dict:
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "output_activations": None,
                                           "input_activations": activations if options.get("activations") else None}},
             "ignore": ["lm_head", *(f"re:{p}" for p in options.get("ignore", ()))], "kv_cache_scheme": None, "sparsity_config": {}}
+  if method == "modelopt":
+    kv = {"type": "float", "num_bits": 8, "dynamic": False} if options.get("kv_scales") else None
+    return {"quant_method": "modelopt", "quant_algo": options["algo"], "ignore": ["lm_head", *options.get("exclude", ())],
+            "kv_cache_scheme": kv}
   block = options.get("weight_block_size")
   return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", **({"weight_block_size": list(block)} if block else {})}
 

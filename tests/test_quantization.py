@@ -1,6 +1,6 @@
-"""Weight quantization on the portable path: GPTQ, AWQ and FP8 checkpoints (written by tests/quant_checkpoints.py from
-the formats' descriptions) and int8 / int4 / fp8 quantized at load, each against HF transformers run on the
-dequantized float32 weights; and the clear errors of bad quantized checkpoints."""
+"""Weight quantization on the portable path: GPTQ, AWQ, FP8, compressed-tensors and ModelOpt checkpoints (written by
+tests/quant_checkpoints.py from the formats' descriptions) and int8 / int4 / fp8 quantized at load, each against HF
+transformers run on the dequantized float32 weights; and the clear errors of bad quantized checkpoints."""
 from __future__ import annotations
 
 import json
@@ -44,9 +44,15 @@ CHECKPOINTS = {
   "ct-fp8-g32-qwen3": ("qwen3", "compressed-tensors", dict(format="float-quantized", bits=8, strategy="group", group_size=32)),
   "ct-fp8-tensor-down-float-llama": ("llama", "compressed-tensors",
                                      dict(format="float-quantized", bits=8, strategy="tensor", ignore=(r".*mlp\.down_proj$",))),
+  # NVIDIA ModelOpt's FP8 exports: its hf_quant_config.json (with the KV cache's scales) or config.json's own form
+  "modelopt-fp8-tensor-kv-llama": ("llama", "modelopt", dict(algo="FP8", hf_quant_config=True, kv_scales=True)),
+  "modelopt-fp8-channel-down-float-qwen3": ("qwen3", "modelopt",
+                                            dict(algo="FP8_PER_CHANNEL_PER_TOKEN", exclude=("model.layers.*.mlp.down_proj",))),
+  "modelopt-fp8-blocks-qwen3": ("qwen3-256", "modelopt", dict(algo="FP8_PB_WO", hf_quant_config=True)),
 }
 SHAPES = {"qwen3": ("qwen3", dict(head_dim=24, tie_word_embeddings=True)), "llama": ("llama", dict(tie_word_embeddings=False)),
-          "llama-128": ("llama", dict(tie_word_embeddings=False, intermediate_size=128))}   # a group of 64 divides every input
+          "llama-128": ("llama", dict(tie_word_embeddings=False, intermediate_size=128)),   # a group of 64 divides every input
+          "qwen3-256": ("qwen3", dict(hidden_size=256, intermediate_size=384, head_dim=32, tie_word_embeddings=True))}   # 128 too
 
 
 def relative_error(ours: np.ndarray, ref: np.ndarray) -> float: return float(np.abs(ours - ref).max() / np.abs(ref).max())
@@ -68,7 +74,7 @@ def test_quantized_checkpoint_matches_hf_on_its_dequantized_weights(case, tmp_pa
   llm = LLM(str(tmp_path / "q"), max_num_seqs=2, num_gpu_blocks=32)
   layer = llm.engine.model.weights.layers[0]
   assert layer.qkv_proj.method == method and layer.qkv_proj.bits == options.get("bits", 4 if method == "awq" else 8)
-  left_float = bool(options.get("ignore") or options.get("not_converted"))
+  left_float = bool(options.get("ignore") or options.get("not_converted") or options.get("exclude"))
   assert isinstance(layer.down_proj, QuantizedWeight) != left_float   # a linear the checkpoint leaves float stays float
   # act-order: loaded with its columns sorted by group (its input read in that order), which is what HF is checked against
   act_order = bool(options.get("desc_act") or options.get("actorder"))
@@ -117,7 +123,7 @@ def gptq_folder(tmp_path_factory):
 def edited(folder, tmp_path, config_edit=None, drop: str | None = None):
   import shutil
 
-  from safetensors.numpy import load_file, save_file
+  from safetensors.torch import load_file, save_file  # (numpy has no FP8 type)
   dest = tmp_path / "edited"
   shutil.copytree(folder, dest)
   config = json.loads((dest / "config.json").read_text())
@@ -147,7 +153,7 @@ def test_quantization_flag_must_match_the_checkpoint(gptq_folder, stories_dir):
     LLM(str(stories_dir), quantization="gptq", num_gpu_blocks=16)
   with pytest.raises(ConfigError, match="--quantization gguf needs a GGUF model file"):
     LLM(str(stories_dir), quantization="gguf", num_gpu_blocks=16)
-  methods = "gptq, awq, fp8, compressed-tensors, int8, int4, gguf, gptq_marlin, awq_marlin"
+  methods = "gptq, awq, fp8, compressed-tensors, modelopt, int8, int4, gguf, gptq_marlin, awq_marlin"
   with pytest.raises(ConfigError, match=re.escape(f"quantization must be one of {methods}, got 'nf4'")):
     LLM(str(stories_dir), quantization="nf4")
 
@@ -184,6 +190,36 @@ def test_compressed_tensors_says_what_it_does_not_apply(compressed_folder, capfd
   assert "2 linears left float by the checkpoint's quantization_config: model.layers.0.mlp.down_proj" in err
 
 
+@pytest.fixture(scope="module")
+def modelopt_folder(tmp_path_factory):
+  """A ModelOpt FP8 export (per-tensor scales, static input scales, the KV cache's scales) with hf_quant_config.json."""
+  folder = tmp_path_factory.mktemp("modelopt")
+  write_quantized(make_model("llama", folder / "float"), folder / "q", "modelopt", algo="FP8", hf_quant_config=True, kv_scales=True)
+  return folder / "q"
+
+
+def test_modelopt_says_what_it_does_not_apply(modelopt_folder, capfd):
+  LLM(str(modelopt_folder), quantization="modelopt", num_gpu_blocks=16, max_num_seqs=2)
+  err = capfd.readouterr().err
+  assert "modelopt (8-bit, float-quantized, per tensor)" in err
+  assert "the checkpoint's input_scale tensors are not used: activations stay in the compute dtype" in err
+  assert "the checkpoint's k_scale tensors are not used: the KV cache is --kv-cache-dtype's" in err
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+  (lambda q: q["quantization"].update(quant_algo="NVFP4"), "quantization_config.quantization.quant_algo 'NVFP4' is not supported"),
+  (lambda q: q["quantization"].update(exclude_modules="lm_head"), "exclude_modules must be a list of module names or wildcards"),
+  (lambda q: q.update(quantization=["FP8"]), "quantization_config.quantization must be an object, got list"),
+])
+def test_bad_modelopt_config_is_named(modelopt_folder, tmp_path, edit, message):
+  import shutil
+  dest = shutil.copytree(modelopt_folder, tmp_path / "edited")
+  quant = json.loads((dest / "hf_quant_config.json").read_text())
+  edit(quant)
+  (dest / "hf_quant_config.json").write_text(json.dumps(quant))
+  with pytest.raises(ConfigError, match=re.escape(message)): LLM(str(dest), num_gpu_blocks=16)
+
+
 def _scheme(q: dict) -> dict: return q["config_groups"]["group_0"]
 
 
@@ -218,6 +254,7 @@ def test_bad_quantization_config_is_named(request, tmp_path, folder, edit, messa
 @pytest.mark.parametrize(("folder", "name", "method"), [
   ("gptq_folder", "model.layers.1.mlp.down_proj.scales", "GPTQ"),
   ("compressed_folder", "model.layers.1.self_attn.o_proj.weight_scale", "COMPRESSED-TENSORS"),
+  ("modelopt_folder", "model.layers.1.mlp.up_proj.weight_scale", "MODELOPT"),
 ])
 def test_missing_scales_tensor_is_named(request, tmp_path, folder, name, method):
   with pytest.raises(ConfigError, match=f"{method} checkpoint is missing tensor {name}"):

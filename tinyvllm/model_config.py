@@ -127,7 +127,20 @@ class ModelConfig:
     if not path.is_file(): raise ConfigError(f"{folder}: no config.json (is this a HuggingFace model folder?)")
     try: raw = json.loads(path.read_text())
     except json.JSONDecodeError as e: raise ConfigError(f"{path}: not valid JSON ({e})") from e
-    return ModelConfig.from_dict(raw, str(path))
+    return ModelConfig.from_dict(_with_quant_config_file(raw, folder), str(path))
+
+
+def _with_quant_config_file(raw: dict[str, Any], folder: Path) -> dict[str, Any]:
+  """config.json with its quantization config where a checkpoint keeps it elsewhere, as vLLM finds it: older
+  llm-compressor's `compression_config`, or NVIDIA ModelOpt's `hf_quant_config.json` beside config.json."""
+  if raw.get("quantization_config") is not None: return raw
+  if raw.get("compression_config") is not None: return {**raw, "quantization_config": raw["compression_config"]}
+  path = folder / "hf_quant_config.json"
+  if not path.is_file(): return raw
+  try: quant = json.loads(path.read_text())
+  except json.JSONDecodeError as e: raise ConfigError(f"{path}: not valid JSON ({e})") from e
+  if not isinstance(quant, dict): raise ConfigError(f"{path}: must hold an object, got {type(quant).__name__}")
+  return {**raw, "quantization_config": {**quant, "quant_method": "modelopt"}}
 
 
 def _quantization_config(raw: dict[str, Any], source: str) -> dict[str, Any] | None:

@@ -18,9 +18,10 @@ from tinyvllm.config import ConfigError, EngineConfig, HubSettings
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 COMMIT_HASH = re.compile(r"^[0-9a-f]{40}$")
 INDEX = "model.safetensors.index.json"
-# what the engine reads besides the weights: the configs, the weights' index, the tokenizer's files, the chat template
-METADATA_FILES = ["config.json", "generation_config.json", INDEX, "tokenizer*", "special_tokens_map.json", "added_tokens.json",
-                  "vocab.json", "merges.txt", "chat_template.jinja"]
+# what the engine reads besides the weights: the configs (ModelOpt's quantization config too), the weights' index, the
+# tokenizer's files, the chat template
+METADATA_FILES = ["config.json", "generation_config.json", "hf_quant_config.json", INDEX, "tokenizer*", "special_tokens_map.json",
+                  "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja"]
 # top-level files only (the patterns match across "/"): Llama's and Mistral's repos also hold their weights in other
 # formats, in sub-folders (original/) and as consolidated*.safetensors
 IGNORED_FILES = ["*/*", "consolidated*"]

@@ -1,4 +1,5 @@
-"""GPTQ, AWQ, FP8 and compressed-tensors (layouts in compressed_tensors.py) checkpoints' linear weights, read into one unpacked
+"""GPTQ, AWQ, FP8, compressed-tensors and ModelOpt (layouts in compressed_tensors.py, modelopt.py) checkpoints' linear
+weights, read into one unpacked
 form (numpy, before upload): codes [out, in], scales and zero points [out, groups], each column's group where it is not
 a contiguous run.
 
@@ -157,7 +158,23 @@ def _ct_zero_points(r: Reader, qc: QuantizationConfig, out: int, groups: int) ->
   return np.ascontiguousarray(unpack_bits(zero, qc.bits, 0)[:out])
 
 
-READERS = {"gptq": read_gptq, "awq": read_awq, "fp8": read_fp8, "compressed-tensors": read_compressed}
+def read_modelopt(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeight:
+  """A ModelOpt FP8 linear (layouts in modelopt.py): E4M3 codes, scales per tensor, row or 128 x 128 block."""
+  codes = r.get("weight", ("F8_E4M3",))
+  out = codes.shape[0]
+  r.check("weight", codes, (out, cols))
+  if qc.strategy == "tensor": return UnpackedWeight(codes.copy(), _tensor_scale(r, "weight_scale", out), None, None, cols, 8)
+  stored = bf16_as_float32(r.get("weight_scale", ("F32", "F16", "BF16"))).astype(np.float32)
+  scale = stored.reshape(stored.shape[0] if stored.ndim else 1, -1)   # [out] / [blocks, 1, blocks, 1]: two dimensions
+  if qc.strategy == "channel":
+    r.check("weight_scale", scale, (out, 1))
+    return UnpackedWeight(codes.copy(), scale.copy(), None, None, cols, 8)
+  rows, columns = qc.block_size
+  r.check("weight_scale", scale, (-(-out // rows), -(-cols // columns)))
+  return UnpackedWeight(codes.copy(), np.repeat(scale, rows, axis=0)[:out].copy(), None, None, columns, 8)
+
+
+READERS = {"gptq": read_gptq, "awq": read_awq, "fp8": read_fp8, "compressed-tensors": read_compressed, "modelopt": read_modelopt}
 
 
 def read_parts(checkpoint: Checkpoint, prefixes: list[str], qc: QuantizationConfig, cols: int, used: set[str]) -> list[UnpackedWeight]:

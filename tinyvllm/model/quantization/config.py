@@ -1,4 +1,5 @@
-"""Which weight quantization a model runs: the checkpoint's `quantization_config` (GPTQ, AWQ, FP8, compressed-tensors),
+"""Which weight quantization a model runs: the checkpoint's `quantization_config` (GPTQ, AWQ, FP8, compressed-tensors,
+ModelOpt FP8),
 or --quantization quantizing a float checkpoint at load (int8, int4, fp8: round-to-nearest)."""
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tinyvllm.config import ConfigError
-from tinyvllm.model.quantization import compressed_tensors
+from tinyvllm.model.quantization import compressed_tensors, modelopt
 
-CHECKPOINT_METHODS = ("gptq", "awq", "fp8", "compressed-tensors")   # read from a checkpoint's quantization_config
+CHECKPOINT_METHODS = ("gptq", "awq", "fp8", "compressed-tensors", "modelopt")   # read from a checkpoint's quantization_config
 ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}   # vLLM's kernel choices for the same checkpoints
 ON_THE_FLY_METHODS = ("int8", "int4", "fp8")       # quantize a float checkpoint at load
 INT4_GROUP = 128   # on-the-fly int4's group (a layer whose input the group does not divide: one scale per row)
@@ -75,7 +76,7 @@ def _group(value: Any, source: str, name: str) -> int:
 def from_checkpoint(raw: dict[str, Any], source: str) -> QuantizationConfig:
   """The checkpoint's quantization_config, checked; raises naming the field that tinyvllm cannot run."""
   config = _method_config(raw, source)
-  if config.method == "compressed-tensors": return config
+  if config.method in ("compressed-tensors", "modelopt"): return config
   return replace(config, ignore=_not_converted(raw.get("modules_to_not_convert"), source))
 
 
@@ -99,6 +100,10 @@ def _method_config(raw: dict[str, Any], source: str) -> QuantizationConfig:
       raise ConfigError(f"{source}: quantization_config.ignore must be a list of module names, got {ignore!r}")
     return QuantizationConfig("compressed-tensors", ct.bits, ct.group_size, block_size=ct.block, storage=ct.format,
                               strategy=ct.strategy, symmetric=ct.symmetric, ignore=tuple(ignore), activations=ct.activations)
+  if method == "modelopt":
+    mo = modelopt.scheme(raw, source)
+    return QuantizationConfig("modelopt", 8, block_size=modelopt.BLOCK if mo.strategy == "block" else None,
+                              storage="float-quantized", strategy=mo.strategy, ignore=mo.ignore, activations=mo.activations)
   if method == "gptq":
     version = str(raw.get("checkpoint_format", "gptq"))
     if version not in ("gptq", "gptq_v2"):

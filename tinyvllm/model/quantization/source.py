@@ -1,4 +1,4 @@
-"""The loader's source of quantized linears: a checkpoint's packed ones (GPTQ, AWQ, FP8, compressed-tensors) uploaded in
+"""The loader's source of quantized linears: a checkpoint's packed ones (GPTQ, AWQ, FP8, compressed-tensors, ModelOpt) uploaded in
 the packed form of tinyvllm/backend/quantized.py, or float ones quantized at load (int8, int4, fp8). Every other tensor
 (embeddings, LM head, norms, biases, the linears a compressed-tensors checkpoint leaves float) comes from the plain
 source unchanged."""
@@ -57,12 +57,21 @@ class QuantizedSource:
     w = stack(parts, prefixes)
     if w.codes.shape[0] != out:
       raise ConfigError(f"{label(prefixes)}: quantized weights have {w.codes.shape[0]} output rows, the config implies {out}")
-    for p in prefixes:   # static activation scales: activations stay in the compute dtype here (weight-only)
-      for name in (f"{p}.input_scale", f"{p}.input_zero_point"):
-        if name in self.checkpoint:
-          self.used.add(name)
-          self._notice(f"the checkpoint's {name.rsplit('.', 1)[1]} tensors are not used: activations stay in the compute dtype")
+    self._unused_scales(prefixes)
     return upload(w, self.qc.method, self.qc.packed_kind, self.dtype, self.device)
+
+  def _unused_scales(self, prefixes: list[str]) -> None:
+    """Static activation scales (activations stay in the compute dtype here: weight-only) and the KV cache's scales
+    (ModelOpt writes them beside k_proj / v_proj, or on the attention module): read past, and said at start-up."""
+    for p in prefixes:
+      parent = p.rsplit(".", 1)[0]
+      for name in (f"{p}.input_scale", f"{p}.input_zero_point", f"{p}.k_scale", f"{p}.v_scale", f"{parent}.k_scale",
+                   f"{parent}.v_scale"):
+        if name not in self.checkpoint or name in self.used: continue
+        self.used.add(name)
+        kind = name.rsplit(".", 1)[1]
+        self._notice(f"the checkpoint's {kind} tensors are not used: " + (
+          "the KV cache is --kv-cache-dtype's" if kind in ("k_scale", "v_scale") else "activations stay in the compute dtype"))
 
   def _quantize(self, weight: Tensor, cols: int, names: list[str]) -> QuantizedWeight:
     group = cols
