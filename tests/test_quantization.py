@@ -190,6 +190,17 @@ def test_compressed_tensors_says_what_it_does_not_apply(compressed_folder, capfd
   assert "2 linears left float by the checkpoint's quantization_config: model.layers.0.mlp.down_proj" in err
 
 
+def test_older_compression_config_key_is_read(compressed_folder, tmp_path):
+  """llm-compressor's older checkpoints keep the scheme under config.json's compression_config (as vLLM reads them)."""
+  import shutil
+  dest = shutil.copytree(compressed_folder, tmp_path / "older")
+  config = json.loads((dest / "config.json").read_text())
+  config["compression_config"] = config.pop("quantization_config")
+  (dest / "config.json").write_text(json.dumps(config))
+  logits = [LLM(str(f), num_gpu_blocks=16, max_num_seqs=2).engine.compute_logits(PROMPT) for f in (compressed_folder, dest)]
+  np.testing.assert_array_equal(logits[0], logits[1])
+
+
 @pytest.fixture(scope="module")
 def modelopt_folder(tmp_path_factory):
   """A ModelOpt FP8 export (per-tensor scales, static input scales, the KV cache's scales) with hf_quant_config.json."""
