@@ -43,6 +43,8 @@ def check_quant(target, device: str) -> list[dict]:
            # GGUF's packed forms (tinyvllm/model/gguf): Q4_K's int4 groups of 32, Q6_K's int8 groups of 16, Q8_0's int8 groups of 32
            ("int4", 1, 1024, 4096, 32, "norm"), ("int8", 3, 3072, 1024, 16, "silu"), ("int8", 1, 1024, 1024, 32, "residual"),
            ("int4", 64, 1024, 6144, 32, "norm"), ("int8", 256, 3072, 1024, 16, "silu"), ("int8", 512, 1024, 4096, 32, "norm"),
+           # FP8 in blocks of 128 x 128 (Qwen's FP8 releases, ModelOpt's FP8_PB_WO): E4M3 codes in groups of 128 a row
+           ("fp8", 1, 1024, 4096, 128, "norm"), ("fp8", 2, 3072, 1024, 128, "silu"), ("fp8", 256, 1024, 4096, 128, "norm"),
            # act-order (columns sorted by group, the input gathered into that order, as the portable path does too)
            ("act4", 1, 1024, 4096, 128, "norm"), ("act4", 2, 3072, 1024, 128, "silu"), ("act4", 256, 1024, 4096, 128, "norm")]
   for kind, rows, cols, out, group, prologue in cases:
