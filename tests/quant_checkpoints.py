@@ -137,6 +137,48 @@ def modelopt_tensors(w: np.ndarray, options: dict, prefix: str) -> tuple[dict, n
   return tensors, deq
 
 
+# bitsandbytes' 4-bit levels: NF4 (QLoRA's normal-float quantiles) and FP4 (its E2M1 grid over 12), as bitsandbytes
+# tabulates them; the checkpoint carries its table (quant_map), which the reader uses
+NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635, -0.18477343022823334,
+       -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+       0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0]
+FP4 = [v / 12 for v in (0, 0.0625, 8, 12, 4, 6, 2, 3, -0.0, -0.0625, -8, -12, -4, -6, -2, -3)]
+
+
+def _nearest(values: np.ndarray, levels: np.ndarray) -> np.ndarray:
+  return np.abs(values[..., None] - levels).argmin(axis=-1).astype(np.uint8)
+
+
+def bnb_tensors(w: np.ndarray, options: dict) -> tuple[dict, np.ndarray]:
+  """bitsandbytes' serialization of one linear: LLM.int8 (int8 rows and their SCB), or 4-bit codes of the flattened
+  weight in blocks of 64, two a byte with the first high, a scale a block (double quantization: 8-bit codes into a
+  nested map, a nested scale per 256 of them, plus their mean), the quant state as JSON bytes."""
+  out, cols = w.shape
+  if options["bits"] == 8:
+    scb = np.abs(w).max(axis=1).astype(np.float32)
+    q = np.round(w * 127 / scb[:, None]).astype(np.int8)
+    return {"weight": q, "SCB": scb, "weight_format": np.array(0, np.uint8)}, (q * (scb / 127)[:, None]).astype(np.float32)
+  levels = np.array(NF4 if options["kind"] == "nf4" else FP4, np.float32)
+  blocks = w.reshape(-1, 64)
+  absmax = np.abs(blocks).max(axis=1).astype(np.float32)
+  codes = _nearest(blocks / absmax[:, None], levels).reshape(-1)
+  state = {"quant_type": options["kind"], "blocksize": 64, "dtype": "float32", "shape": [out, cols]}
+  tensors = {"weight.quant_map": levels}
+  if options.get("nested"):
+    nested_map = np.linspace(-1, 1, 256, dtype=np.float32)
+    offset, blocks_n = np.float32(absmax.mean()), absmax.size
+    shifted = np.pad(absmax - offset, (0, -blocks_n % 256)).reshape(-1, 256)   # (the last nested block partial)
+    nested = np.abs(shifted).max(axis=1).astype(np.float32)
+    acodes = _nearest(shifted / nested[:, None], nested_map).reshape(-1)[:blocks_n]
+    absmax = (nested_map[acodes] * np.repeat(nested, 256)[:blocks_n] + offset).astype(np.float32)
+    state.update(nested_blocksize=256, nested_dtype="float32", nested_offset=float(offset))
+    tensors.update({"weight.absmax": acodes, "weight.nested_absmax": nested, "weight.nested_quant_map": nested_map})
+  else: tensors["weight.absmax"] = absmax
+  tensors["weight"] = ((codes[0::2] << 4) | codes[1::2]).astype(np.uint8).reshape(-1, 1)
+  tensors[f"weight.quant_state.bitsandbytes__{options['kind']}"] = np.frombuffer(json.dumps(state).encode(), np.uint8).copy()
+  return tensors, (levels[codes] * np.repeat(absmax, 64)).reshape(out, cols).astype(np.float32)
+
+
 def sym_quantize(w: np.ndarray, bits: int, groups_of: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Symmetric round-to-nearest per (row, group): signed codes [out, in], float16 scales [out, groups], and the
   dequantized weight from the stored scales."""
@@ -203,6 +245,7 @@ def write_quantized(hf_model, folder: Path, method: str, seed: int = 0, **option
     elif method == "awq": packed, deq = awq_tensors(w, options["group_size"])
     elif method == "compressed-tensors": packed, deq = compressed_tensors(w, options, orders[role])
     elif method == "modelopt": packed, deq = modelopt_tensors(w, options, prefix)
+    elif method == "bitsandbytes": packed, deq = bnb_tensors(w, options)
     else: packed, deq = fp8_tensors(w, options.get("weight_block_size"))
     dequantized[name] = deq
     for suffix, a in packed.items():
@@ -218,7 +261,9 @@ def write_quantized(hf_model, folder: Path, method: str, seed: int = 0, **option
     (folder / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt", "version": "0.29.0"},
                                                              "quantization": quant}))
   else: config["quantization_config"] = quantization_config(method, options)
-  if options.get("not_converted"): config["quantization_config"]["modules_to_not_convert"] = list(options["not_converted"])
+  if options.get("not_converted"):
+    key = "llm_int8_skip_modules" if method == "bitsandbytes" else "modules_to_not_convert"
+    config["quantization_config"][key] = list(options["not_converted"])
   (folder / "config.json").write_text(json.dumps(config))
   save_file(tensors, str(folder / "model.safetensors"))
   return dequantized
@@ -239,6 +284,11 @@ def quantization_config(method: str, options: dict) -> dict:
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "output_activations": None,
                                           "input_activations": activations if options.get("activations") else None}},
             "ignore": ["lm_head", *(f"re:{p}" for p in options.get("ignore", ()))], "kv_cache_scheme": None, "sparsity_config": {}}
+  if method == "bitsandbytes":
+    four = options["bits"] == 4
+    return {"quant_method": "bitsandbytes", "load_in_4bit": four, "load_in_8bit": not four, "llm_int8_threshold": 6.0,
+            "llm_int8_has_fp16_weight": False, "bnb_4bit_quant_type": options.get("kind", "fp4"), "bnb_4bit_quant_storage": "uint8",
+            "bnb_4bit_use_double_quant": bool(options.get("nested")), "bnb_4bit_compute_dtype": "float32"}
   if method == "modelopt":
     kv = {"type": "float", "num_bits": 8, "dynamic": False} if options.get("kv_scales") else None
     return {"quant_method": "modelopt", "quant_algo": options["algo"], "ignore": ["lm_head", *options.get("exclude", ())],

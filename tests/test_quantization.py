@@ -49,6 +49,10 @@ CHECKPOINTS = {
   "modelopt-fp8-channel-down-float-qwen3": ("qwen3", "modelopt",
                                             dict(algo="FP8_PER_CHANNEL_PER_TOKEN", exclude=("model.layers.*.mlp.down_proj",))),
   "modelopt-fp8-blocks-qwen3": ("qwen3-256", "modelopt", dict(algo="FP8_PB_WO", hf_quant_config=True)),
+  # bitsandbytes (HF's load_in_4bit / load_in_8bit saves): NF4 with double quantization, FP4, LLM.int8 rows
+  "bnb-nf4-double-quant-qwen3": ("qwen3-256", "bitsandbytes", dict(bits=4, kind="nf4", nested=True)),
+  "bnb-fp4-llama": ("llama", "bitsandbytes", dict(bits=4, kind="fp4")),
+  "bnb-int8-down-float-qwen3": ("qwen3", "bitsandbytes", dict(bits=8, not_converted=("mlp.down_proj",))),
 }
 SHAPES = {"qwen3": ("qwen3", dict(head_dim=24, tie_word_embeddings=True)), "llama": ("llama", dict(tie_word_embeddings=False)),
           "llama-128": ("llama", dict(tie_word_embeddings=False, intermediate_size=128)),   # a group of 64 divides every input
@@ -73,6 +77,9 @@ def test_quantized_checkpoint_matches_hf_on_its_dequantized_weights(case, tmp_pa
   dequantized = write_quantized(hf, tmp_path / "q", method, **options)
   llm = LLM(str(tmp_path / "q"), max_num_seqs=2, num_gpu_blocks=32)
   layer = llm.engine.model.weights.layers[0]
+  if method == "bitsandbytes" and options["bits"] == 4:   # its levels dequantized at load
+    assert not isinstance(layer.qkv_proj, QuantizedWeight) and not isinstance(layer.down_proj, QuantizedWeight)
+    return check_against(load_dequantized(hf, dequantized), llm)
   assert layer.qkv_proj.method == method and layer.qkv_proj.bits == options.get("bits", 4 if method == "awq" else 8)
   left_float = bool(options.get("ignore") or options.get("not_converted") or options.get("exclude"))
   assert isinstance(layer.down_proj, QuantizedWeight) != left_float   # a linear the checkpoint leaves float stays float
@@ -137,7 +144,7 @@ def edited(folder, tmp_path, config_edit=None, drop: str | None = None):
 
 
 GPTQ_BAD_CONFIGS = [
-  (lambda q: q.update(quant_method="bitsandbytes"), "quant_method 'bitsandbytes' is not supported"),
+  (lambda q: q.update(quant_method="hqq"), "quant_method 'hqq' is not supported"),
   (lambda q: q.update(bits=3), "quantization_config.bits is 3"),
   (lambda q: q.update(group_size=48), "group_size 48 does not divide model.layers.0.self_attn.q_proj's input dimension 64"),
   (lambda q: q.update(checkpoint_format="marlin"), "checkpoint_format 'marlin' is not supported"),
@@ -153,7 +160,7 @@ def test_quantization_flag_must_match_the_checkpoint(gptq_folder, stories_dir):
     LLM(str(stories_dir), quantization="gptq", num_gpu_blocks=16)
   with pytest.raises(ConfigError, match="--quantization gguf needs a GGUF model file"):
     LLM(str(stories_dir), quantization="gguf", num_gpu_blocks=16)
-  methods = "gptq, awq, fp8, compressed-tensors, modelopt, int8, int4, gguf, gptq_marlin, awq_marlin"
+  methods = "gptq, awq, fp8, compressed-tensors, modelopt, bitsandbytes, int8, int4, gguf, gptq_marlin, awq_marlin"
   with pytest.raises(ConfigError, match=re.escape(f"quantization must be one of {methods}, got 'nf4'")):
     LLM(str(stories_dir), quantization="nf4")
 
@@ -186,7 +193,7 @@ def test_compressed_tensors_says_what_it_does_not_apply(compressed_folder, capfd
   LLM(str(compressed_folder), quantization="compressed-tensors", num_gpu_blocks=16, max_num_seqs=2)
   err = capfd.readouterr().err
   assert "compressed-tensors (8-bit, int-quantized, per channel)" in err
-  assert "activation quantization (input_activations) is not applied" in err
+  assert "compressed-tensors: the checkpoint's activation quantization is not applied" in err
   assert "2 linears left float by the checkpoint's quantization_config: model.layers.0.mlp.down_proj" in err
 
 
@@ -231,6 +238,34 @@ def test_bad_modelopt_config_is_named(modelopt_folder, tmp_path, edit, message):
   with pytest.raises(ConfigError, match=re.escape(message)): LLM(str(dest), num_gpu_blocks=16)
 
 
+@pytest.fixture(scope="module")
+def bnb_folder(tmp_path_factory):
+  """An NF4 bitsandbytes checkpoint with double quantization."""
+  folder = tmp_path_factory.mktemp("bnb")
+  write_quantized(make_model("llama", folder / "float"), folder / "q", "bitsandbytes", bits=4, kind="nf4", nested=True)
+  return folder / "q"
+
+
+def test_bitsandbytes_says_what_it_does(bnb_folder, tmp_path, capfd):
+  LLM(str(bnb_folder), num_gpu_blocks=16, max_num_seqs=2)
+  err = capfd.readouterr().err
+  assert "bitsandbytes (4-bit, nf4, group 64)" in err
+  assert "bitsandbytes: nf4 weights are dequantized at load to float (no kernel reads their 4-bit levels packed)" in err
+  int8 = tmp_path / "int8"
+  write_quantized(make_model("qwen3", tmp_path / "float"), int8, "bitsandbytes", bits=8)
+  LLM(str(int8), num_gpu_blocks=16, max_num_seqs=2)
+  err = capfd.readouterr().err
+  assert "bitsandbytes (8-bit, int8, per channel)" in err and "bitsandbytes: the checkpoint's activation quantization is not applied" in err
+
+
+BNB_BAD_CONFIGS = [
+  (lambda q: q.update(load_in_4bit=False), "quantization_config has neither load_in_4bit nor load_in_8bit set"),
+  (lambda q: q.update(bnb_4bit_quant_type="int4"), "quantization_config.bnb_4bit_quant_type 'int4' is not supported"),
+  (lambda q: q.update(bnb_4bit_quant_storage="bfloat16"), "bnb_4bit_quant_storage 'bfloat16' is not supported"),
+  (lambda q: q.update(llm_int8_skip_modules="lm_head"), "llm_int8_skip_modules must be a list of module names, got 'lm_head'"),
+]
+
+
 def _scheme(q: dict) -> dict: return q["config_groups"]["group_0"]
 
 
@@ -256,7 +291,8 @@ def test_vllm_marlin_names_take_the_same_checkpoints(gptq_folder):
 
 
 @pytest.mark.parametrize(("folder", "edit", "message"), [("gptq_folder", *case) for case in GPTQ_BAD_CONFIGS]
-                         + [("compressed_folder", *case) for case in COMPRESSED_BAD_CONFIGS])
+                         + [("compressed_folder", *case) for case in COMPRESSED_BAD_CONFIGS]
+                         + [("bnb_folder", *case) for case in BNB_BAD_CONFIGS])
 def test_bad_quantization_config_is_named(request, tmp_path, folder, edit, message):
   with pytest.raises(ConfigError, match=re.escape(message)):
     LLM(str(edited(request.getfixturevalue(folder), tmp_path, edit)), num_gpu_blocks=16)
@@ -266,6 +302,7 @@ def test_bad_quantization_config_is_named(request, tmp_path, folder, edit, messa
   ("gptq_folder", "model.layers.1.mlp.down_proj.scales", "GPTQ"),
   ("compressed_folder", "model.layers.1.self_attn.o_proj.weight_scale", "COMPRESSED-TENSORS"),
   ("modelopt_folder", "model.layers.1.mlp.up_proj.weight_scale", "MODELOPT"),
+  ("bnb_folder", "model.layers.1.mlp.up_proj.weight.nested_absmax", "BITSANDBYTES"),
 ])
 def test_missing_scales_tensor_is_named(request, tmp_path, folder, name, method):
   with pytest.raises(ConfigError, match=f"{method} checkpoint is missing tensor {name}"):

@@ -1,7 +1,6 @@
-"""GPTQ, AWQ, FP8, compressed-tensors and ModelOpt (layouts in compressed_tensors.py, modelopt.py) checkpoints' linear
-weights, read into one unpacked
-form (numpy, before upload): codes [out, in], scales and zero points [out, groups], each column's group where it is not
-a contiguous run.
+"""GPTQ, AWQ, FP8, compressed-tensors, ModelOpt and bitsandbytes 8-bit (layouts in compressed_tensors.py, modelopt.py,
+bitsandbytes.py) checkpoints' linear weights, read into one unpacked form (numpy, before upload): codes [out, in],
+scales and zero points [out, groups], each column's group where it is not a contiguous run.
 
 The layouts, from the formats' own descriptions:
 - GPTQ (AutoGPTQ / GPTQModel, Hugging Face): `qweight` int32 [in * bits / 32, out], each int32 holding 32 / bits
@@ -19,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from tinyvllm.config import ConfigError
+from tinyvllm.model.quantization import bitsandbytes
 from tinyvllm.model.quantization.config import QuantizationConfig
 from tinyvllm.model.quantization.unpacked import UnpackedWeight, unpack_bits
 from tinyvllm.model.safetensors_file import Checkpoint, bf16_as_float32
@@ -174,7 +174,8 @@ def read_modelopt(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeigh
   return UnpackedWeight(codes.copy(), np.repeat(scale, rows, axis=0)[:out].copy(), None, None, columns, 8)
 
 
-READERS = {"gptq": read_gptq, "awq": read_awq, "fp8": read_fp8, "compressed-tensors": read_compressed, "modelopt": read_modelopt}
+READERS = {"gptq": read_gptq, "awq": read_awq, "fp8": read_fp8, "compressed-tensors": read_compressed, "modelopt": read_modelopt,
+           "bitsandbytes": lambda r, qc, cols: bitsandbytes.read_int8(r, cols)}   # (its 4-bit levels: source.py dequantizes them)
 
 
 def read_parts(checkpoint: Checkpoint, prefixes: list[str], qc: QuantizationConfig, cols: int, used: set[str]) -> list[UnpackedWeight]:

@@ -1,5 +1,5 @@
 """Which weight quantization a model runs: the checkpoint's `quantization_config` (GPTQ, AWQ, FP8, compressed-tensors,
-ModelOpt FP8),
+ModelOpt FP8, bitsandbytes),
 or --quantization quantizing a float checkpoint at load (int8, int4, fp8: round-to-nearest)."""
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tinyvllm.config import ConfigError
-from tinyvllm.model.quantization import compressed_tensors, modelopt
+from tinyvllm.model.quantization import bitsandbytes, compressed_tensors, modelopt
 
-CHECKPOINT_METHODS = ("gptq", "awq", "fp8", "compressed-tensors", "modelopt")   # read from a checkpoint's quantization_config
+# read from a checkpoint's quantization_config
+CHECKPOINT_METHODS = ("gptq", "awq", "fp8", "compressed-tensors", "modelopt", "bitsandbytes")
 ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}   # vLLM's kernel choices for the same checkpoints
 ON_THE_FLY_METHODS = ("int8", "int4", "fp8")       # quantize a float checkpoint at load
 INT4_GROUP = 128   # on-the-fly int4's group (a layer whose input the group does not divide: one scale per row)
@@ -76,15 +77,15 @@ def _group(value: Any, source: str, name: str) -> int:
 def from_checkpoint(raw: dict[str, Any], source: str) -> QuantizationConfig:
   """The checkpoint's quantization_config, checked; raises naming the field that tinyvllm cannot run."""
   config = _method_config(raw, source)
-  if config.method in ("compressed-tensors", "modelopt"): return config
+  if config.method in ("compressed-tensors", "modelopt", "bitsandbytes"): return config
   return replace(config, ignore=_not_converted(raw.get("modules_to_not_convert"), source))
 
 
-def _not_converted(keys: Any, source: str) -> tuple[str, ...]:
+def _not_converted(keys: Any, source: str, field: str = "modules_to_not_convert") -> tuple[str, ...]:
   """HF's modules_to_not_convert (module names holding any of these stay float) as ignore patterns."""
   if keys is None: return ()
   if not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys):
-    raise ConfigError(f"{source}: quantization_config.modules_to_not_convert must be a list of module names, got {keys!r}")
+    raise ConfigError(f"{source}: quantization_config.{field} must be a list of module names, got {keys!r}")
   return tuple(f"re:.*{re.escape(k)}" for k in keys)
 
 
@@ -104,6 +105,10 @@ def _method_config(raw: dict[str, Any], source: str) -> QuantizationConfig:
     mo = modelopt.scheme(raw, source)
     return QuantizationConfig("modelopt", 8, block_size=modelopt.BLOCK if mo.strategy == "block" else None,
                               storage="float-quantized", strategy=mo.strategy, ignore=mo.ignore, activations=mo.activations)
+  if method == "bitsandbytes":
+    bits, kind = bitsandbytes.scheme(raw, source)
+    return QuantizationConfig("bitsandbytes", bits, -1 if bits == 8 else 64, storage=kind, activations=bits == 8,   # (LLM.int8)
+                              ignore=_not_converted(raw.get("llm_int8_skip_modules"), source, "llm_int8_skip_modules"))
   if method == "gptq":
     version = str(raw.get("checkpoint_format", "gptq"))
     if version not in ("gptq", "gptq_v2"):

@@ -1,18 +1,20 @@
-"""The loader's source of quantized linears: a checkpoint's packed ones (GPTQ, AWQ, FP8, compressed-tensors, ModelOpt) uploaded in
-the packed form of tinyvllm/backend/quantized.py, or float ones quantized at load (int8, int4, fp8). Every other tensor
-(embeddings, LM head, norms, biases, the linears a compressed-tensors checkpoint leaves float) comes from the plain
-source unchanged."""
+"""The loader's source of quantized linears: a checkpoint's packed ones (GPTQ, AWQ, FP8, compressed-tensors, ModelOpt,
+bitsandbytes 8-bit) uploaded in the packed form of tinyvllm/backend/quantized.py, bitsandbytes' 4-bit ones dequantized,
+or float ones quantized at load (int8, int4, fp8). Every other tensor (embeddings, LM head, norms, biases, the linears
+a checkpoint leaves float) comes from the plain source unchanged."""
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 from tinygrad import Tensor
 from tinygrad.dtype import DType
 
 from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.config import ConfigError
 from tinyvllm.layers.quantized import quantize_rtn
-from tinyvllm.model.quantization.checkpoint_formats import read_parts
+from tinyvllm.model.quantization import bitsandbytes
+from tinyvllm.model.quantization.checkpoint_formats import Reader, read_parts
 from tinyvllm.model.quantization.config import INT4_GROUP, QuantizationConfig
 from tinyvllm.model.quantization.unpacked import label, stack, upload
 from tinyvllm.model.safetensors_file import Checkpoint
@@ -31,7 +33,7 @@ class QuantizedSource:
     self._per_row: dict[str, int] = {}   # int4: projections whose input the group does not divide -> that input
     self._float: list[str] = []          # linears the checkpoint leaves float (QuantizationConfig.ignore)
     if qc.activations:
-      self._notice(f"{qc.method}: the checkpoint's activation quantization (input_activations) is not applied: activations "
+      self._notice(f"{qc.method}: the checkpoint's activation quantization is not applied: activations "
                    "stay in the compute dtype (weight-only)")
 
   def __call__(self, names: list[str], shape: tuple[int, ...], kind: str) -> Tensor | QuantizedWeight:
@@ -50,6 +52,7 @@ class QuantizedSource:
                           "quantized parts, which one fused product cannot take")
       self._float += left
       return self.plain(names, shape, kind)
+    if self.qc.method == "bitsandbytes" and self.qc.bits == 4: return self._dequantized(prefixes, shape)
     parts = read_parts(self.checkpoint, prefixes, self.qc, cols, self.used)
     if kind == "experts" and any(p.g_idx is not None for p in parts):   # checked before stacking, which refuses unequal g_idx
       raise ConfigError(f"{names[0].rsplit('.experts.', 1)[0]}.experts: act-order (desc_act / g_idx) experts are not supported: "
@@ -59,6 +62,17 @@ class QuantizedSource:
       raise ConfigError(f"{label(prefixes)}: quantized weights have {w.codes.shape[0]} output rows, the config implies {out}")
     self._unused_scales(prefixes)
     return upload(w, self.qc.method, self.qc.packed_kind, self.dtype, self.device)
+
+  def _dequantized(self, prefixes: list[str], shape: tuple[int, ...]) -> Tensor:
+    """bitsandbytes' 4-bit levels (no packed form holds them exactly), as float weights in the compute dtype."""
+    out, cols = shape
+    parts = [bitsandbytes.dequantize_4bit(Reader(self.checkpoint, p, self.qc.method, self.used), cols) for p in prefixes]
+    w = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    if w.shape[0] != out:
+      raise ConfigError(f"{label(prefixes)}: quantized weights have {w.shape[0]} output rows, the config implies {out}")
+    self._notice(f"bitsandbytes: {self.qc.storage} weights are dequantized at load to {self.dtype.name} (no kernel reads "
+                 "their 4-bit levels packed): they take the compute dtype's memory")
+    return Tensor(w, device=self.device).cast(self.dtype).contiguous().realize()
 
   def _unused_scales(self, prefixes: list[str]) -> None:
     """Static activation scales (activations stay in the compute dtype here: weight-only) and the KV cache's scales
