@@ -49,9 +49,11 @@ CHECKPOINTS = {
   "modelopt-fp8-channel-down-float-qwen3": ("qwen3", "modelopt",
                                             dict(algo="FP8_PER_CHANNEL_PER_TOKEN", exclude=("model.layers.*.mlp.down_proj",))),
   "modelopt-fp8-blocks-qwen3": ("qwen3-256", "modelopt", dict(algo="FP8_PB_WO", hf_quant_config=True)),
-  # bitsandbytes (HF's load_in_4bit / load_in_8bit saves): NF4 with double quantization, FP4, LLM.int8 rows
+  # bitsandbytes (HF's load_in_4bit / load_in_8bit saves): NF4 with double quantization, FP4, LLM.int8 rows. (Inputs
+  # of whole 64-value blocks: bitsandbytes 0.50's CPU dequantize_4bit, the reference, is wrong for a row that ends
+  # inside a block, where its CUDA kernel and this reader read the flattened blocks its quantize_4bit wrote)
   "bnb-nf4-double-quant-qwen3": ("qwen3-256", "bitsandbytes", dict(bits=4, kind="nf4", nested=True)),
-  "bnb-fp4-llama": ("llama", "bitsandbytes", dict(bits=4, kind="fp4")),
+  "bnb-fp4-llama": ("llama-128", "bitsandbytes", dict(bits=4, kind="fp4")),
   "bnb-int8-down-float-qwen3": ("qwen3", "bitsandbytes", dict(bits=8, not_converted=("mlp.down_proj",))),
 }
 SHAPES = {"qwen3": ("qwen3", dict(head_dim=24, tie_word_embeddings=True)), "llama": ("llama", dict(tie_word_embeddings=False)),
