@@ -153,7 +153,7 @@ def test_vllm_device_names_work(model_dir):
 
 
 @pytest.mark.parametrize("quantization_config", [
-  {"quant_method": "bitsandbytes", "load_in_4bit": True},
+  {"quant_method": "aqlm", "in_group_size": 8, "nbits_per_codebook": 16},
   {"quant_method": "hqq", "nbits": 4, "group_size": 64},
 ])
 def test_an_unsupported_quantized_checkpoint_fails_naming_its_method(model_dir, tmp_path, quantization_config):
