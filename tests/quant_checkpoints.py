@@ -219,6 +219,9 @@ def write_quantized(hf_model, folder: Path, method: str, seed: int = 0, **option
     elif method == "compressed-tensors": packed, deq = compressed_tensors(w, options, orders[role])
     elif method == "modelopt": packed, deq = modelopt_tensors(w, options, prefix)
     elif method == "bitsandbytes": packed, deq = bnb_tensors(w, options)
+    elif method == "fbgemm_fp8":   # E4M3 rows, each with its float32 scale [out, 1]
+      packed, deq = fp8_tensors(w, (1, w.shape[1]))
+      packed["weight_scale"] = packed.pop("weight_scale_inv")
     else: packed, deq = fp8_tensors(w, options.get("weight_block_size"))
     dequantized[name] = deq
     for suffix, a in packed.items():
@@ -257,6 +260,7 @@ def quantization_config(method: str, options: dict) -> dict:
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "output_activations": None,
                                           "input_activations": activations if options.get("activations") else None}},
             "ignore": ["lm_head", *(f"re:{p}" for p in options.get("ignore", ()))], "kv_cache_scheme": None, "sparsity_config": {}}
+  if method == "fbgemm_fp8": return {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}
   if method == "bitsandbytes":
     four = options["bits"] == 4
     return {"quant_method": "bitsandbytes", "load_in_4bit": four, "load_in_8bit": not four, "llm_int8_threshold": 6.0,

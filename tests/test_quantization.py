@@ -1,6 +1,7 @@
-"""Weight quantization on the portable path: GPTQ, AWQ, FP8, compressed-tensors and ModelOpt checkpoints (written by
-tests/quant_checkpoints.py from the formats' descriptions) and int8 / int4 / fp8 quantized at load, each against HF
-transformers run on the dequantized float32 weights; and the clear errors of bad quantized checkpoints."""
+"""Weight quantization on the portable path: GPTQ, AWQ, FP8, compressed-tensors, ModelOpt, FBGEMM FP8 and bitsandbytes
+checkpoints (written by tests/quant_checkpoints.py from the formats' descriptions, bitsandbytes' by bitsandbytes itself)
+and int8 / int4 / fp8 quantized at load, each against HF transformers run on the dequantized float32 weights; and the
+clear errors of bad quantized checkpoints."""
 from __future__ import annotations
 
 import json
@@ -49,6 +50,8 @@ CHECKPOINTS = {
   "modelopt-fp8-channel-down-float-qwen3": ("qwen3", "modelopt",
                                             dict(algo="FP8_PER_CHANNEL_PER_TOKEN", exclude=("model.layers.*.mlp.down_proj",))),
   "modelopt-fp8-blocks-qwen3": ("qwen3-256", "modelopt", dict(algo="FP8_PB_WO", hf_quant_config=True)),
+  # FBGEMM's FP8 (Meta's Llama 3.1 FP8 releases: per-row scales, modules_to_not_convert)
+  "fbgemm-fp8-down-float-llama": ("llama", "fbgemm_fp8", dict(not_converted=("mlp.down_proj",))),
   # bitsandbytes (HF's load_in_4bit / load_in_8bit saves): NF4 with double quantization, FP4, LLM.int8 rows. (Inputs
   # of whole 64-value blocks: bitsandbytes 0.50's CPU dequantize_4bit, the reference, is wrong for a row that ends
   # inside a block, where its CUDA kernel and this reader read the flattened blocks its quantize_4bit wrote)
@@ -162,7 +165,7 @@ def test_quantization_flag_must_match_the_checkpoint(gptq_folder, stories_dir):
     LLM(str(stories_dir), quantization="gptq", num_gpu_blocks=16)
   with pytest.raises(ConfigError, match="--quantization gguf needs a GGUF model file"):
     LLM(str(stories_dir), quantization="gguf", num_gpu_blocks=16)
-  methods = "gptq, awq, fp8, compressed-tensors, modelopt, bitsandbytes, int8, int4, gguf, gptq_marlin, awq_marlin"
+  methods = "gptq, awq, fp8, compressed-tensors, modelopt, fbgemm_fp8, bitsandbytes, int8, int4, gguf, gptq_marlin, awq_marlin"
   with pytest.raises(ConfigError, match=re.escape(f"quantization must be one of {methods}, got 'nf4'")):
     LLM(str(stories_dir), quantization="nf4")
 

@@ -1,5 +1,5 @@
-"""GPTQ, AWQ, FP8, compressed-tensors, ModelOpt and bitsandbytes 8-bit (layouts in compressed_tensors.py, modelopt.py,
-bitsandbytes.py) checkpoints' linear weights, read into one unpacked form (numpy, before upload): codes [out, in],
+"""GPTQ, AWQ, FP8, compressed-tensors, ModelOpt, FBGEMM FP8 and bitsandbytes 8-bit (layouts in compressed_tensors.py,
+modelopt.py, bitsandbytes.py) checkpoints' linear weights, read into one unpacked form (numpy, before upload): codes [out, in],
 scales and zero points [out, groups], each column's group where it is not a contiguous run.
 
 The layouts, from the formats' own descriptions:
@@ -158,8 +158,9 @@ def _ct_zero_points(r: Reader, qc: QuantizationConfig, out: int, groups: int) ->
   return np.ascontiguousarray(unpack_bits(zero, qc.bits, 0)[:out])
 
 
-def read_modelopt(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeight:
-  """A ModelOpt FP8 linear (layouts in modelopt.py): E4M3 codes, scales per tensor, row or 128 x 128 block."""
+def read_scaled_fp8(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeight:
+  """A ModelOpt FP8 linear (layouts in modelopt.py; E4M3 codes, scales per tensor, row or 128 x 128 block) or an FBGEMM
+  FP8 one (`weight` E4M3 [out, in], `weight_scale` float32 [out, 1]: per row)."""
   codes = r.get("weight", ("F8_E4M3",))
   out = codes.shape[0]
   r.check("weight", codes, (out, cols))
@@ -174,7 +175,8 @@ def read_modelopt(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeigh
   return UnpackedWeight(codes.copy(), np.repeat(scale, rows, axis=0)[:out].copy(), None, None, columns, 8)
 
 
-READERS = {"gptq": read_gptq, "awq": read_awq, "fp8": read_fp8, "compressed-tensors": read_compressed, "modelopt": read_modelopt,
+READERS = {"gptq": read_gptq, "awq": read_awq, "fp8": read_fp8, "compressed-tensors": read_compressed, "modelopt": read_scaled_fp8,
+           "fbgemm_fp8": read_scaled_fp8,
            "bitsandbytes": lambda r, qc, cols: bitsandbytes.read_int8(r, cols)}   # (its 4-bit levels: source.py dequantizes them)
 
 

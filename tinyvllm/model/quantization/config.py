@@ -1,5 +1,5 @@
 """Which weight quantization a model runs: the checkpoint's `quantization_config` (GPTQ, AWQ, FP8, compressed-tensors,
-ModelOpt FP8, bitsandbytes),
+ModelOpt FP8, FBGEMM FP8, bitsandbytes),
 or --quantization quantizing a float checkpoint at load (int8, int4, fp8: round-to-nearest)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tinyvllm.config import ConfigError
 from tinyvllm.model.quantization import bitsandbytes, compressed_tensors, modelopt
 
 # read from a checkpoint's quantization_config
-CHECKPOINT_METHODS = ("gptq", "awq", "fp8", "compressed-tensors", "modelopt", "bitsandbytes")
+CHECKPOINT_METHODS = ("gptq", "awq", "fp8", "compressed-tensors", "modelopt", "bitsandbytes", "fbgemm_fp8")
 ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}   # vLLM's kernel choices for the same checkpoints
 ON_THE_FLY_METHODS = ("int8", "int4", "fp8")       # quantize a float checkpoint at load
 INT4_GROUP = 128   # on-the-fly int4's group (a layer whose input the group does not divide: one scale per row)
@@ -105,6 +105,8 @@ def _method_config(raw: dict[str, Any], source: str) -> QuantizationConfig:
     mo = modelopt.scheme(raw, source)
     return QuantizationConfig("modelopt", 8, block_size=modelopt.BLOCK if mo.strategy == "block" else None,
                               storage="float-quantized", strategy=mo.strategy, ignore=mo.ignore, activations=mo.activations)
+  if method == "fbgemm_fp8":   # FBGEMM's FP8 (Meta's Llama 3.1 FP8 releases): E4M3 rows, one scale each, dynamic activations
+    return QuantizationConfig("fbgemm_fp8", 8, storage="float-quantized", strategy="channel", activations=True)
   if method == "bitsandbytes":
     bits, kind = bitsandbytes.scheme(raw, source)
     return QuantizationConfig("bitsandbytes", bits, -1 if bits == 8 else 64, storage=kind, activations=bits == 8,   # (LLM.int8)

@@ -1,5 +1,5 @@
 """The loader's source of quantized linears: a checkpoint's packed ones (GPTQ, AWQ, FP8, compressed-tensors, ModelOpt,
-bitsandbytes 8-bit) uploaded in the packed form of tinyvllm/backend/quantized.py, bitsandbytes' 4-bit ones dequantized,
+FBGEMM FP8, bitsandbytes 8-bit) uploaded in the packed form of tinyvllm/backend/quantized.py, bitsandbytes' 4-bit ones dequantized,
 or float ones quantized at load (int8, int4, fp8). Every other tensor (embeddings, LM head, norms, biases, the linears
 a checkpoint leaves float) comes from the plain source unchanged."""
 from __future__ import annotations
@@ -79,8 +79,8 @@ class QuantizedSource:
     (ModelOpt writes them beside k_proj / v_proj, or on the attention module): read past, and said at start-up."""
     for p in prefixes:
       parent = p.rsplit(".", 1)[0]
-      for name in (f"{p}.input_scale", f"{p}.input_zero_point", f"{p}.k_scale", f"{p}.v_scale", f"{parent}.k_scale",
-                   f"{parent}.v_scale"):
+      for name in (f"{p}.input_scale", f"{p}.input_zero_point", f"{p}.input_scale_ub", f"{p}.k_scale", f"{p}.v_scale",
+                   f"{parent}.k_scale", f"{parent}.v_scale"):
         if name not in self.checkpoint or name in self.used: continue
         self.used.add(name)
         kind = name.rsplit(".", 1)[1]
