@@ -194,9 +194,14 @@ def compressed_folder(tmp_path_factory):
   return folder / "q"
 
 
+def startup_log(folder, capfd, **kw) -> str:
+  """What loading the checkpoint says on stderr."""
+  LLM(str(folder), num_gpu_blocks=16, max_num_seqs=2, **kw)
+  return capfd.readouterr().err
+
+
 def test_compressed_tensors_says_what_it_does_not_apply(compressed_folder, capfd):
-  LLM(str(compressed_folder), quantization="compressed-tensors", num_gpu_blocks=16, max_num_seqs=2)
-  err = capfd.readouterr().err
+  err = startup_log(compressed_folder, capfd, quantization="compressed-tensors")
   assert "compressed-tensors (8-bit, int-quantized, per channel)" in err
   assert "compressed-tensors: the checkpoint's activation quantization is not applied" in err
   assert "2 linears left float by the checkpoint's quantization_config: model.layers.0.mlp.down_proj" in err
@@ -222,8 +227,7 @@ def modelopt_folder(tmp_path_factory):
 
 
 def test_modelopt_says_what_it_does_not_apply(modelopt_folder, capfd):
-  LLM(str(modelopt_folder), quantization="modelopt", num_gpu_blocks=16, max_num_seqs=2)
-  err = capfd.readouterr().err
+  err = startup_log(modelopt_folder, capfd, quantization="modelopt")
   assert "modelopt (8-bit, float-quantized, per tensor)" in err
   assert "the checkpoint's input_scale tensors are not used: activations stay in the compute dtype" in err
   assert "the checkpoint's k_scale tensors are not used: the KV cache is --kv-cache-dtype's" in err
@@ -252,14 +256,12 @@ def bnb_folder(tmp_path_factory):
 
 
 def test_bitsandbytes_says_what_it_does(bnb_folder, tmp_path, capfd):
-  LLM(str(bnb_folder), num_gpu_blocks=16, max_num_seqs=2)
-  err = capfd.readouterr().err
+  err = startup_log(bnb_folder, capfd)
   assert "bitsandbytes (4-bit, nf4, group 64)" in err
   assert "bitsandbytes: nf4 weights are dequantized at load to float (no kernel reads their 4-bit levels packed)" in err
   int8 = tmp_path / "int8"
   write_quantized(make_model("qwen3", tmp_path / "float"), int8, "bitsandbytes", bits=8)
-  LLM(str(int8), num_gpu_blocks=16, max_num_seqs=2)
-  err = capfd.readouterr().err
+  err = startup_log(int8, capfd)
   assert "bitsandbytes (8-bit, int8, per channel)" in err and "bitsandbytes: the checkpoint's activation quantization is not applied" in err
 
 
