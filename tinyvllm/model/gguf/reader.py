@@ -107,7 +107,7 @@ def _read_split(path: Path) -> _Split:
   return _Split(path, data, metadata, [(name, shape, t, start + off) for name, shape, t, off in infos])
 
 
-def split_paths(path: Path, count: int) -> list[Path]:
+def _split_paths(path: Path, count: int) -> list[Path]:
   """A split model's files, from its first: llama.cpp's gguf-split names them PREFIX-00001-of-0000N.gguf."""
   match = SPLIT_NAME.match(path.name)
   if match is None or int(match["count"]) != count:
@@ -127,7 +127,7 @@ def _read_splits(path: Path) -> list[_Split]:
     first_name = SPLIT_NAME.sub(lambda m: f"{m['prefix']}-00001-of-{m['count']}.gguf", path.name)
     raise ConfigError(f"{path}: the file is split {index + 1} of {count}; pass the model's first split ({first_name})")
   splits = [first]
-  for i, p in enumerate(split_paths(path, count)[1:], start=1):
+  for i, p in enumerate(_split_paths(path, count)[1:], start=1):
     if not p.is_file(): raise ConfigError(f"{path}: split {i + 1} of {count} ({p.name}) is missing beside it")
     split = _read_split(p)
     got = (split.metadata.get(SPLIT_NO), split.metadata.get(SPLIT_COUNT))
