@@ -137,19 +137,46 @@ def modelopt_tensors(w: np.ndarray, options: dict, prefix: str) -> tuple[dict, n
   return tensors, deq
 
 
+# bitsandbytes' 4-bit levels: NF4 (QLoRA's normal-float quantiles) and FP4 (its E2M1 grid over 12), as bitsandbytes
+# tabulates them; the checkpoint carries its table (quant_map), which the reader uses
+NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635, -0.18477343022823334,
+       -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+       0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0]
+FP4 = [v / 12 for v in (0, 0.0625, 8, 12, 4, 6, 2, 3, -0.0, -0.0625, -8, -12, -4, -6, -2, -3)]
+
+
+def _nearest(values: np.ndarray, levels: np.ndarray) -> np.ndarray:
+  return np.abs(values[..., None] - levels).argmin(axis=-1).astype(np.uint8)
+
+
 def bnb_tensors(w: np.ndarray, options: dict) -> tuple[dict, np.ndarray]:
-  """One linear as bitsandbytes itself quantizes and serializes it (its CPU functions, the state dict HF saves):
-  LLM.int8 rows of the float16 weight with their SCB, or 4-bit NF4 / FP4 codes in blocks of 64 with the quant state's
-  tensors (double quantization: compress_statistics); and bitsandbytes' own dequantization of them."""
-  import bitsandbytes.functional as bnb
+  """bitsandbytes' serialization of one linear: LLM.int8 (int8 rows and their SCB), or 4-bit codes of the flattened
+  weight in blocks of 64, two a byte with the first high, a scale a block (double quantization: 8-bit codes into a
+  nested map, a nested scale per 256 of them, plus their mean), the quant state as JSON bytes."""
+  out, cols = w.shape
   if options["bits"] == 8:
-    codes, scb, _ = bnb.int8_vectorwise_quant(torch.from_numpy(w).half())
-    deq = codes.float() * (scb / 127)[:, None]
-    return {"weight": codes, "SCB": scb, "weight_format": torch.tensor(0, dtype=torch.uint8)}, deq.numpy()
-  q, state = bnb.quantize_4bit(torch.from_numpy(w), blocksize=64, quant_type=options["kind"],
-                               compress_statistics=bool(options.get("nested")))
-  tensors = {"weight": q, **{f"weight.{k}": v for k, v in state.as_dict(packed=True).items()}}
-  return tensors, bnb.dequantize_4bit(q, state).float().numpy().copy()   # (its output buffer is reused)
+    scb = np.abs(w).max(axis=1).astype(np.float32)
+    q = np.round(w * 127 / scb[:, None]).astype(np.int8)
+    return {"weight": q, "SCB": scb, "weight_format": np.array(0, np.uint8)}, (q * (scb / 127)[:, None]).astype(np.float32)
+  levels = np.array(NF4 if options["kind"] == "nf4" else FP4, np.float32)
+  blocks = w.reshape(-1, 64)
+  absmax = np.abs(blocks).max(axis=1).astype(np.float32)
+  codes = _nearest(blocks / absmax[:, None], levels).reshape(-1)
+  state = {"quant_type": options["kind"], "blocksize": 64, "dtype": "float32", "shape": [out, cols]}
+  tensors = {"weight.quant_map": levels}
+  if options.get("nested"):
+    nested_map = np.linspace(-1, 1, 256, dtype=np.float32)
+    offset, blocks_n = np.float32(absmax.mean()), absmax.size
+    shifted = np.pad(absmax - offset, (0, -blocks_n % 256)).reshape(-1, 256)   # (the last nested block partial)
+    nested = np.abs(shifted).max(axis=1).astype(np.float32)
+    acodes = _nearest(shifted / nested[:, None], nested_map).reshape(-1)[:blocks_n]
+    absmax = (nested_map[acodes] * np.repeat(nested, 256)[:blocks_n] + offset).astype(np.float32)
+    state.update(nested_blocksize=256, nested_dtype="float32", nested_offset=float(offset))
+    tensors.update({"weight.absmax": acodes, "weight.nested_absmax": nested, "weight.nested_quant_map": nested_map})
+  else: tensors["weight.absmax"] = absmax
+  tensors["weight"] = ((codes[0::2] << 4) | codes[1::2]).astype(np.uint8).reshape(-1, 1)
+  tensors[f"weight.quant_state.bitsandbytes__{options['kind']}"] = np.frombuffer(json.dumps(state).encode(), np.uint8).copy()
+  return tensors, (levels[codes] * np.repeat(absmax, 64)).reshape(out, cols).astype(np.float32)
 
 
 def sym_quantize(w: np.ndarray, bits: int, groups_of: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

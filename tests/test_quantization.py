@@ -1,7 +1,7 @@
 """Weight quantization on the portable path: GPTQ, AWQ, FP8, compressed-tensors, ModelOpt, FBGEMM FP8 and bitsandbytes
-checkpoints (written by tests/quant_checkpoints.py from the formats' descriptions, bitsandbytes' by bitsandbytes itself)
-and int8 / int4 / fp8 quantized at load, each against HF transformers run on the dequantized float32 weights; and the
-clear errors of bad quantized checkpoints."""
+checkpoints (written by tests/quant_checkpoints.py from the formats' descriptions) and int8 / int4 / fp8 quantized at
+load, each against HF transformers run on the dequantized float32 weights; and the clear errors of bad quantized
+checkpoints."""
 from __future__ import annotations
 
 import json
@@ -52,11 +52,10 @@ CHECKPOINTS = {
   "modelopt-fp8-blocks-qwen3": ("qwen3-256", "modelopt", dict(algo="FP8_PB_WO", hf_quant_config=True)),
   # FBGEMM's FP8 (Meta's Llama 3.1 FP8 releases: per-row scales, modules_to_not_convert)
   "fbgemm-fp8-down-float-llama": ("llama", "fbgemm_fp8", dict(not_converted=("mlp.down_proj",))),
-  # bitsandbytes (HF's load_in_4bit / load_in_8bit saves): NF4 with double quantization, FP4, LLM.int8 rows. (Inputs
-  # of whole 64-value blocks: bitsandbytes 0.50's CPU dequantize_4bit, the reference, is wrong for a row that ends
-  # inside a block, where its CUDA kernel and this reader read the flattened blocks its quantize_4bit wrote)
+  # bitsandbytes (HF's load_in_4bit / load_in_8bit saves): NF4 with double quantization, FP4 (down's rows of 96 end
+  # inside 64-value blocks: the blocks run over the flattened weight), LLM.int8 rows
   "bnb-nf4-double-quant-qwen3": ("qwen3-256", "bitsandbytes", dict(bits=4, kind="nf4", nested=True)),
-  "bnb-fp4-llama": ("llama-128", "bitsandbytes", dict(bits=4, kind="fp4")),
+  "bnb-fp4-llama": ("llama", "bitsandbytes", dict(bits=4, kind="fp4")),
   "bnb-int8-down-float-qwen3": ("qwen3", "bitsandbytes", dict(bits=8, not_converted=("mlp.down_proj",))),
 }
 SHAPES = {"qwen3": ("qwen3", dict(head_dim=24, tie_word_embeddings=True)), "llama": ("llama", dict(tie_word_embeddings=False)),
