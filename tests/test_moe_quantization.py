@@ -1,8 +1,9 @@
 """Quantized mixture-of-experts models (Qwen3-MoE, Mixtral) on the portable path, each sparse layer's experts loaded as
-one stacked packed weight: int8 / int4 / fp8 quantized at load, and GPTQ, AWQ, FP8 (block-wise and per-tensor) and
-compressed-tensors checkpoints whose experts are quantized one linear each under HF's per-expert names (written by
-tests/quant_checkpoints.py), against HF transformers run on the dequantized float32 weights (logits, 32 greedy tokens,
-batched equal to alone); and the clear errors of act-order experts and of an expert's missing scales."""
+one stacked packed weight: int8 / int4 / fp8 quantized at load (experts_int8: the experts alone), and GPTQ, AWQ, FP8
+(block-wise and per-tensor) and compressed-tensors checkpoints whose experts are quantized one linear each under HF's
+per-expert names (written by tests/quant_checkpoints.py), against HF transformers run on the dequantized float32
+weights (logits, 32 greedy tokens, batched equal to alone); and the clear errors of act-order experts and of an
+expert's missing scales."""
 from __future__ import annotations
 
 import re
@@ -79,6 +80,24 @@ def test_quantized_at_load_matches_hf_on_round_to_nearest_experts(case: str, tmp
   llm = LLM(str(tmp_path), quantization=method, max_num_seqs=2, num_gpu_blocks=32)
   assert_packed_experts(sparse_layer(llm), method, 4 if method == "int4" else 8, 128 if method == "int4" else None)
   check_against(load_dequantized(hf, round_to_nearest(hf, method)), llm)
+
+
+def test_experts_int8_quantizes_the_experts_only(tmp_path: Path):
+  """vLLM's experts_int8: each expert's rows int8 per channel at load; attention, the dense layer and the router float."""
+  hf = make_model("qwen3_moe", tmp_path, **QWEN3_MOE_128)
+  llm = LLM(str(tmp_path), quantization="experts_int8", max_num_seqs=2, num_gpu_blocks=32)
+  assert_packed_experts(sparse_layer(llm), "experts_int8", 8)
+  layers = llm.engine.model.weights.layers
+  assert not any(isinstance(w, QuantizedWeight) for w in (layers[0].qkv_proj, layers[0].o_proj, layers[1].gate_up_proj))
+  experts = {n: w for n, w in round_to_nearest(hf, "int8").items() if ".experts." in n}
+  check_against(load_dequantized(hf, experts), llm)
+
+
+def test_experts_int8_on_a_dense_model_is_refused(tmp_path: Path):
+  make_model("qwen3", tmp_path)
+  with pytest.raises(ConfigError, match=re.escape("--quantization experts_int8 quantizes a mixture of experts' experts, and "
+                                                  "Qwen3ForCausalLM has none")):
+    LLM(str(tmp_path), quantization="experts_int8", num_gpu_blocks=16)
 
 
 @pytest.mark.slow

@@ -164,7 +164,8 @@ def test_quantization_flag_must_match_the_checkpoint(gptq_folder, stories_dir):
     LLM(str(stories_dir), quantization="gptq", num_gpu_blocks=16)
   with pytest.raises(ConfigError, match="--quantization gguf needs a GGUF model file"):
     LLM(str(stories_dir), quantization="gguf", num_gpu_blocks=16)
-  methods = "gptq, awq, fp8, compressed-tensors, modelopt, fbgemm_fp8, bitsandbytes, int8, int4, gguf, gptq_marlin, awq_marlin"
+  methods = ("gptq, awq, fp8, compressed-tensors, modelopt, fbgemm_fp8, bitsandbytes, int8, int4, experts_int8, gguf, "
+             "gptq_marlin, awq_marlin")
   with pytest.raises(ConfigError, match=re.escape(f"quantization must be one of {methods}, got 'nf4'")):
     LLM(str(stories_dir), quantization="nf4")
 

@@ -110,8 +110,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                  help="weight quantization: the checkpoint's (gptq, awq, fp8, compressed-tensors, modelopt, fbgemm_fp8, "
                       "bitsandbytes; read from its config.json or hf_quant_config.json when not given; gptq_marlin / "
                       "awq_marlin: the same checkpoints, on tinyvllm's kernels) or a float checkpoint's linears quantized "
-                      "at load (int8, int4 group 128, fp8: round-to-nearest); gguf: a .gguf model file's own blocks (implied "
-                      "by the file)")
+                      "at load (int8, int4 group 128, fp8: round-to-nearest; experts_int8: only a mixture of experts' "
+                      "experts, int8); gguf: a .gguf model file's own blocks (implied by the file)")
   g.add_argument("--seed", type=sampling_value("seed", non_negative_int),
                  help="random seed: makes sampling reproducible (default: a fresh one each run)")
   g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,

@@ -221,6 +221,9 @@ def load_weights(config: EngineConfig, mc: ModelConfig, folder: Path | None, dty
                  backend: ComputeBackend, group: TensorParallelGroup | None = None) -> TransformerLM:
   """The model, its linears quantized as the checkpoint or --quantization says; logs the format and the weights' bytes."""
   quantization = resolve_quantization(config.quantization, mc.quantization_config, str(folder or config.model))
+  if quantization is not None and quantization.method == "experts_int8" and mc.moe is None:
+    raise ConfigError(f"--quantization experts_int8 quantizes a mixture of experts' experts, and {mc.architecture} has none "
+                      "(int8 quantizes every linear)")
   loaded = load_model(mc, folder, config.load_format, dtype, device, max_model_len, backend, config.seed, quantization, group)
   if quantization is not None:
     weights = loaded.model.weights

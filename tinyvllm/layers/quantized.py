@@ -59,7 +59,7 @@ def quantize_rtn(weight: Tensor, method: str, group_size: int) -> QuantizedWeigh
   """Round-to-nearest, symmetric, one scale per row and group of `group_size` input columns (dividing in):
   int8 (codes 1..255 about 128), int4 (1..15 about 8) or fp8 (E4M3, the group's largest magnitude at 448)."""
   out, cols = weight.shape
-  bits, kind = {"int8": (8, "int"), "int4": (4, "int"), "fp8": (8, "fp8")}[method]
+  bits, kind = {"int8": (8, "int"), "experts_int8": (8, "int"), "int4": (4, "int"), "fp8": (8, "fp8")}[method]
   groups = weight.float().reshape(out, cols // group_size, group_size)
   top = groups.abs().max(axis=-1, keepdim=True)
   limit = FP8_MAX if kind == "fp8" else 2 ** (bits - 1) - 1

@@ -13,7 +13,8 @@ from tinyvllm.model.quantization import bitsandbytes, compressed_tensors, modelo
 # read from a checkpoint's quantization_config
 CHECKPOINT_METHODS = ("gptq", "awq", "fp8", "compressed-tensors", "modelopt", "bitsandbytes", "fbgemm_fp8")
 ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}   # vLLM's kernel choices for the same checkpoints
-ON_THE_FLY_METHODS = ("int8", "int4", "fp8")       # quantize a float checkpoint at load
+# quantize a float checkpoint at load (experts_int8: only a mixture of experts' experts, int8 per channel, as vLLM's)
+ON_THE_FLY_METHODS = ("int8", "int4", "fp8", "experts_int8")
 INT4_GROUP = 128   # on-the-fly int4's group (a layer whose input the group does not divide: one scale per row)
 
 

@@ -43,7 +43,9 @@ class QuantizedSource:
 
   def _linear(self, names: list[str], shape: tuple[int, ...], kind: str) -> Tensor | QuantizedWeight:
     out, cols = shape
-    if not self.qc.from_checkpoint: return self._quantize(self.plain(names, shape, kind), cols, names)
+    if not self.qc.from_checkpoint:
+      if self.qc.method == "experts_int8" and kind != "experts": return self.plain(names, shape, kind)
+      return self._quantize(self.plain(names, shape, kind), cols, names)
     if self.checkpoint is None: raise ConfigError(f"{self.qc.method} weights need a checkpoint (not --load-format dummy)")
     prefixes = [n.removesuffix(".weight") for n in names]
     if (left := [p for p in prefixes if self.qc.ignores(p)]):
