@@ -125,9 +125,7 @@ class ModelConfig:
   def from_folder(folder: Path) -> ModelConfig:
     path = folder / "config.json"
     if not path.is_file(): raise ConfigError(f"{folder}: no config.json (is this a HuggingFace model folder?)")
-    try: raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e: raise ConfigError(f"{path}: not valid JSON ({e})") from e
-    return ModelConfig.from_dict(_with_quant_config_file(raw, folder), str(path))
+    return ModelConfig.from_dict(_with_quant_config_file(_json_object(path), folder), str(path))
 
 
 def _with_quant_config_file(raw: dict[str, Any], folder: Path) -> dict[str, Any]:
@@ -137,10 +135,14 @@ def _with_quant_config_file(raw: dict[str, Any], folder: Path) -> dict[str, Any]
   if raw.get("compression_config") is not None: return {**raw, "quantization_config": raw["compression_config"]}
   path = folder / "hf_quant_config.json"
   if not path.is_file(): return raw
-  try: quant = json.loads(path.read_text())
+  return {**raw, "quantization_config": {**_json_object(path), "quant_method": "modelopt"}}
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+  try: value = json.loads(path.read_text())
   except json.JSONDecodeError as e: raise ConfigError(f"{path}: not valid JSON ({e})") from e
-  if not isinstance(quant, dict): raise ConfigError(f"{path}: must hold an object, got {type(quant).__name__}")
-  return {**raw, "quantization_config": {**quant, "quant_method": "modelopt"}}
+  if not isinstance(value, dict): raise ConfigError(f"{path}: must hold a JSON object, got {type(value).__name__}")
+  return value
 
 
 def _quantization_config(raw: dict[str, Any], source: str) -> dict[str, Any] | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tinyvllm.config import ConfigError, HubSettings
 from tinyvllm.model.gguf.config import is_gguf_path
-from tinyvllm.model.gguf.reader import SPLIT_NAME
+from tinyvllm.model.gguf.reader import SPLIT_NAME, split_names
 from tinyvllm.model.hub import HUB_ID, check_reachable, hub_errors, huggingface_hub_module, snapshot
 
 HUB_GGUF = re.compile(r"^(?P<repo>[^:]+):(?P<quant>\w[\w.-]*)$")
@@ -56,8 +56,7 @@ def matching_files(names: list[str], repo: str, quant: str) -> list[str]:
   (files,) = models.values()
   split = SPLIT_NAME.match(Path(files[0]).name)
   if split is not None:
-    count = int(split["count"])
-    expected = [str(Path(files[0]).parent / f"{split['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    expected = [str(Path(files[0]).parent / name) for name in split_names(split["prefix"], int(split["count"]))]
     if files != expected:
       raise ConfigError(f"hub model {repo!r}: the split GGUF model {quant} lacks {', '.join(sorted(set(expected) - set(files)))}")
   return files

@@ -107,13 +107,18 @@ def _read_split(path: Path) -> _Split:
   return _Split(path, data, metadata, [(name, shape, t, start + off) for name, shape, t, off in infos])
 
 
+def split_names(prefix: str, count: int) -> list[str]:
+  """A split model's file names, first to last, as llama.cpp's gguf-split names them: PREFIX-00001-of-0000N.gguf."""
+  return [f"{prefix}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+
+
 def _split_paths(path: Path, count: int) -> list[Path]:
-  """A split model's files, from its first: llama.cpp's gguf-split names them PREFIX-00001-of-0000N.gguf."""
+  """A split model's files, from its first."""
   match = SPLIT_NAME.match(path.name)
   if match is None or int(match["count"]) != count:
     raise ConfigError(f"{path}: the file is split 1 of {count} (split.count), but its name does not end in "
                       f"-00001-of-{count:05d}.gguf, so the other splits cannot be found; keep llama.cpp's split names")
-  return [path.with_name(f"{match['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+  return [path.with_name(name) for name in split_names(match["prefix"], count)]
 
 
 def _read_splits(path: Path) -> list[_Split]:
@@ -124,8 +129,9 @@ def _read_splits(path: Path) -> list[_Split]:
   if count <= 1: return [first]
   index = int(first.metadata.get(SPLIT_NO, 0))
   if index != 0:
-    first_name = SPLIT_NAME.sub(lambda m: f"{m['prefix']}-00001-of-{m['count']}.gguf", path.name)
-    raise ConfigError(f"{path}: the file is split {index + 1} of {count}; pass the model's first split ({first_name})")
+    match = SPLIT_NAME.match(path.name)
+    first = split_names(match["prefix"], count)[0] if match else "its -00001-of- file"
+    raise ConfigError(f"{path}: the file is split {index + 1} of {count}; pass the model's first split ({first})")
   splits = [first]
   for i, p in enumerate(_split_paths(path, count)[1:], start=1):
     if not p.is_file(): raise ConfigError(f"{path}: split {i + 1} of {count} ({p.name}) is missing beside it")

@@ -20,14 +20,13 @@ from typing import Any
 
 from tinyvllm.config import ConfigError
 
-# quant_algo -> what one weight scale covers (the strategies of checkpoint_formats.read_float)
+# quant_algo -> what one weight scale covers (the strategies checkpoint_formats.read_scaled_fp8 reads)
 ALGORITHMS = {"FP8": "tensor", "FP8_PER_CHANNEL_PER_TOKEN": "channel", "FP8_PB_WO": "block"}
 BLOCK = (128, 128)
 
 
 @dataclass(frozen=True)
 class ModelOptScheme:
-  algorithm: str
   strategy: str
   ignore: tuple[str, ...]   # as QuantizationConfig.ignore: "re:" regular expressions
   activations: bool         # the checkpoint also quantizes activations (not applied here)
@@ -47,7 +46,7 @@ def scheme(raw: dict[str, Any], source: str) -> ModelOptScheme:
   if not isinstance(excluded, list) or not all(isinstance(e, str) and e for e in excluded):
     raise ConfigError(f"{source}: {where}.{'exclude_modules' if nested is not None else 'ignore'} must be a list of module "
                       f"names or wildcards, got {excluded!r}")
-  return ModelOptScheme(algorithm, ALGORITHMS[algorithm], ignore_patterns(excluded), algorithm != "FP8_PB_WO")
+  return ModelOptScheme(ALGORITHMS[algorithm], ignore_patterns(excluded), algorithm != "FP8_PB_WO")
 
 
 def ignore_patterns(excluded: list[str]) -> tuple[str, ...]:

@@ -22,6 +22,10 @@ from tinyvllm.model.safetensors_file import Checkpoint
 Source = Callable[[list[str], tuple[int, ...], str], "Tensor | QuantizedWeight"]
 
 
+def _check_rows(prefixes: list[str], rows: int, out: int) -> None:
+  if rows != out: raise ConfigError(f"{label(prefixes)}: quantized weights have {rows} output rows, the config implies {out}")
+
+
 class QuantizedSource:
   """Wraps the plain source: kind "linear" tensors come back quantized. `notices` collects what start-up should say
   (a layer whose input the int4 group does not divide, activation scales left unused)."""
@@ -60,8 +64,7 @@ class QuantizedSource:
       raise ConfigError(f"{names[0].rsplit('.experts.', 1)[0]}.experts: act-order (desc_act / g_idx) experts are not supported: "
                         "each expert would read its input in an order of its own")
     w = stack(parts, prefixes)
-    if w.codes.shape[0] != out:
-      raise ConfigError(f"{label(prefixes)}: quantized weights have {w.codes.shape[0]} output rows, the config implies {out}")
+    _check_rows(prefixes, w.codes.shape[0], out)
     self._unused_scales(prefixes)
     return upload(w, self.qc.method, self.qc.packed_kind, self.dtype, self.device)
 
@@ -70,8 +73,7 @@ class QuantizedSource:
     out, cols = shape
     parts = [bitsandbytes.dequantize_4bit(Reader(self.checkpoint, p, self.qc.method, self.used), cols) for p in prefixes]
     w = parts[0] if len(parts) == 1 else np.concatenate(parts)
-    if w.shape[0] != out:
-      raise ConfigError(f"{label(prefixes)}: quantized weights have {w.shape[0]} output rows, the config implies {out}")
+    _check_rows(prefixes, w.shape[0], out)
     self._notice(f"bitsandbytes: {self.qc.storage} weights are dequantized at load to {self.dtype.name} (no kernel reads "
                  "their 4-bit levels packed): they take the compute dtype's memory")
     return Tensor(w, device=self.device).cast(self.dtype).contiguous().realize()
