@@ -45,6 +45,8 @@ def check_quant(target, device: str) -> list[dict]:
            ("int4", 64, 1024, 6144, 32, "norm"), ("int8", 256, 3072, 1024, 16, "silu"), ("int8", 512, 1024, 4096, 32, "norm"),
            # FP8 in blocks of 128 x 128 (Qwen's FP8 releases, ModelOpt's FP8_PB_WO): E4M3 codes in groups of 128 a row
            ("fp8", 1, 1024, 4096, 128, "norm"), ("fp8", 2, 3072, 1024, 128, "silu"), ("fp8", 256, 1024, 4096, 128, "norm"),
+           # NVFP4 checkpoints (modelopt_fp4, compressed-tensors nvfp4-pack-quantized): E4M3 codes in groups of 16
+           ("fp8", 1, 1024, 4096, 16, "norm"), ("fp8", 2, 3072, 1024, 16, "silu"), ("fp8", 256, 1024, 4096, 16, "norm"),
            # act-order (columns sorted by group, the input gathered into that order, as the portable path does too)
            ("act4", 1, 1024, 4096, 128, "norm"), ("act4", 2, 3072, 1024, 128, "silu"), ("act4", 256, 1024, 4096, 128, "norm")]
   for kind, rows, cols, out, group, prologue in cases:

@@ -15,6 +15,12 @@ the packed checkpoint, and returns the dequantized float32 weights, which HF tra
   weight; weight_scale per tensor [1], channel [out, 1], group [out, groups] or block; actorder's weight_g_idx [in];
   w = (q - zero_point) * scale. Linears named in `ignore` stay float.
 
+- NVFP4 (ModelOpt's `modelopt_fp4` export, compressed-tensors' nvfp4-pack-quantized): E2M1 codes two a byte (the even
+  column in the low nibble; bit 3 the sign, bits 0-2 index 0, 0.5, 1, 1.5, 2, 3, 4, 6) as uint8 [out, in / 2]
+  (`weight` / `weight_packed`), float8_e4m3fn `weight_scale` [out, in / 16] a block of 16 columns, and a float32 global
+  scale per tensor: ModelOpt's `weight_scale_2` (w = e2m1 * weight_scale * weight_scale_2, the global amax / (6 *
+  448)), compressed-tensors' `weight_global_scale` (its inverse: w = e2m1 * (weight_scale / weight_global_scale)).
+
 A mixture-of-experts model (Qwen3-MoE, Mixtral) is written as save_pretrained writes it, and as the published
 quantized MoE checkpoints are: each expert's gate / up / down (Mixtral's w1 / w3 / w2) a linear of its own under its
 per-expert name, quantized like any other; the router (mlp.gate) float. transformers 5 holds the experts fused
@@ -137,6 +143,31 @@ def modelopt_tensors(w: np.ndarray, options: dict, prefix: str) -> tuple[dict, n
   return tensors, deq
 
 
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+
+
+def nvfp4_tensors(w: np.ndarray, options: dict) -> tuple[dict, np.ndarray]:
+  """One linear in NVFP4: each block of 16 columns scaled so that its largest magnitude lands on 6, the block scale
+  rounded to E4M3 under the tensor's global scale, each value rounded to the nearest E2M1 magnitude."""
+  out, cols = w.shape
+  blocks = w.reshape(out, cols // 16, 16)
+  global_scale = np.float32(np.abs(w).max() / (6 * 448))   # ModelOpt's multiplier (compressed-tensors stores 1 / it)
+  block = torch.from_numpy(np.abs(blocks).max(axis=-1) / 6 / global_scale).to(torch.float8_e4m3fn)
+  divides = options.get("method") == "compressed-tensors"
+  block_f = block.float().numpy()
+  stored_global = np.float32(1 / global_scale) if divides else global_scale
+  full = (block_f / stored_global if divides else block_f * stored_global)[..., None]   # each block's scale
+  scaled = np.divide(blocks, full, out=np.zeros_like(blocks), where=full > 0)
+  codes = (_nearest(np.abs(scaled), E2M1) | (np.signbit(scaled) << 3)).reshape(out, cols).astype(np.uint8)
+  deq = (np.where(codes >> 3, -1, 1) * E2M1[codes & 7]).reshape(out, cols // 16, 16) * full
+  names = ("weight_packed", "weight_global_scale") if divides else ("weight", "weight_scale_2")
+  tensors = {names[0]: (codes[:, 1::2] << 4) | codes[:, 0::2], "weight_scale": block,
+             names[1]: torch.tensor([stored_global] if divides else stored_global)}
+  if options.get("activations"):
+    tensors["input_global_scale" if divides else "input_scale"] = torch.tensor([2.5] if divides else 0.4)
+  return tensors, deq.reshape(out, cols).astype(np.float32)
+
+
 # bitsandbytes' 4-bit levels: NF4 (QLoRA's normal-float quantiles) and FP4 (its E2M1 grid over 12), as bitsandbytes
 # tabulates them; the checkpoint carries its table (quant_map), which the reader uses
 NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635, -0.18477343022823334,
@@ -241,7 +272,9 @@ def write_quantized(hf_model, folder: Path, method: str, seed: int = 0, **option
     if role not in orders:
       shuffled = options.get("desc_act") or options.get("actorder")
       orders[role] = rng.permutation(w.shape[1]) if shuffled else np.arange(w.shape[1])
-    if method == "gptq": packed, deq = gptq_tensors(w, options["bits"], options["group_size"], orders[role])
+    if options.get("algo") == "NVFP4" or options.get("format") == "nvfp4-pack-quantized":
+      packed, deq = nvfp4_tensors(w, {**options, "method": method})
+    elif method == "gptq": packed, deq = gptq_tensors(w, options["bits"], options["group_size"], orders[role])
     elif method == "awq": packed, deq = awq_tensors(w, options["group_size"])
     elif method == "compressed-tensors": packed, deq = compressed_tensors(w, options, orders[role])
     elif method == "modelopt": packed, deq = modelopt_tensors(w, options, prefix)
@@ -260,7 +293,8 @@ def write_quantized(hf_model, folder: Path, method: str, seed: int = 0, **option
   config = json.loads((folder / "config.json").read_text())
   if method == "modelopt" and options.get("hf_quant_config"):   # ModelOpt's own file beside config.json, not in it
     kv = "FP8" if options.get("kv_scales") else None
-    quant = {"quant_algo": options["algo"], "kv_cache_quant_algo": kv, "exclude_modules": ["lm_head", *options.get("exclude", ())]}
+    quant = {"quant_algo": options["algo"], "kv_cache_quant_algo": kv, "exclude_modules": ["lm_head", *options.get("exclude", ())],
+             **({"group_size": 16} if options["algo"] == "NVFP4" else {})}
     (folder / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt", "version": "0.29.0"},
                                                              "quantization": quant}))
   else: config["quantization_config"] = quantization_config(method, options)
@@ -277,6 +311,12 @@ def quantization_config(method: str, options: dict) -> dict:
     return {"quant_method": "gptq", "bits": options["bits"], "group_size": options["group_size"], "sym": False,
             "desc_act": options.get("desc_act", False), "checkpoint_format": "gptq"}
   if method == "awq": return {"quant_method": "awq", "bits": 4, "group_size": options["group_size"], "zero_point": True, "version": "gemm"}
+  if method == "compressed-tensors" and options["format"] == "nvfp4-pack-quantized":
+    fp4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True}
+    return {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {**fp4, "dynamic": False}, "output_activations": None,
+                                          "input_activations": {**fp4, "dynamic": "local"} if options.get("activations") else None}},
+            "ignore": ["lm_head", *(f"re:{p}" for p in options.get("ignore", ()))], "kv_cache_scheme": None}
   if method == "compressed-tensors":
     weights = {"num_bits": options.get("bits", 8), "type": "float" if options["format"] == "float-quantized" else "int",
                "symmetric": options.get("symmetric", True), "strategy": options["strategy"], "group_size": options.get("group_size"),
@@ -296,7 +336,7 @@ def quantization_config(method: str, options: dict) -> dict:
   if method == "modelopt":
     kv = {"type": "float", "num_bits": 8, "dynamic": False} if options.get("kv_scales") else None
     return {"quant_method": "modelopt", "quant_algo": options["algo"], "ignore": ["lm_head", *options.get("exclude", ())],
-            "kv_cache_scheme": kv}
+            "kv_cache_scheme": kv, **({"group_size": 16} if options["algo"] == "NVFP4" else {})}
   block = options.get("weight_block_size")
   return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", **({"weight_block_size": list(block)} if block else {})}
 

@@ -294,6 +294,7 @@ PACKED = {
   # 32-wide slices of int4: one 16-byte chunk of codes a row; K split with its reduce
   "int4_bf16_m40_g128_residual_split2_bk32": ("bfloat16", 40, 512, 130, "int4", 128, False, False, True, GemmTiles(32, 64, 2, 2, 2)),
   "fp8_bf16_m130_g64_wgmma_128x128": ("bfloat16", 130, 320, 136, "fp8", 64, False, False, False, GemmTiles.warpgroup(128, 128)),
+  "fp8_bf16_m48_g16_silu": ("bfloat16", 48, 256, 40, "fp8", 16, False, True, False, None),   # NVFP4's form: blocks of 16
   "int8_bf16_m65_g128_wgmma_norm_xprime": ("bfloat16", 65, 384, 330, "int8", 128, True, False, False, GemmTiles.warpgroup(64, 64)),
   # four warpgroups over 256 rows (a 256-row decode batch's column block dequantized once), the last row block partial
   "int4_bf16_m260_g64_wgmma_256x64_norm": ("bfloat16", 260, 256, 72, "int4", 64, True, False, False, GemmTiles.warpgroup(256, 64)),

@@ -218,6 +218,7 @@ PACKED = {
   "int4_bf16_g64_silu_residual": ("bfloat16", 4, 192, 17, "int4", 64, False, True, True),
   "int4_f16_channel": ("float16", 1, 256, 24, "int4", 256, False, False, False),
   "fp8_bf16_g128_norm": ("bfloat16", 2, 256, 9, "fp8", 128, True, False, False),
+  "fp8_bf16_g16_silu": ("bfloat16", 1, 512, 11, "fp8", 16, False, True, False),   # NVFP4's form: E4M3 codes, blocks of 16
   "int8_bf16_16rows_tail": ("bfloat16", 16, 264, 12, "int8", 8, False, False, True),
   "int4_f32_g16_halfwords": ("float32", 2, 96, 7, "int4", 16, False, False, False),   # 4-element vectors: half a word
   # 16-byte code spans a lane (TV_WSPAN): whole steps of 32 lanes, and whole steps with a tail

@@ -1,6 +1,6 @@
 """Quantized mixture-of-experts models (Qwen3-MoE, Mixtral) on the portable path, each sparse layer's experts loaded as
 one stacked packed weight: int8 / int4 / fp8 quantized at load (experts_int8: the experts alone), and GPTQ, AWQ, FP8
-(block-wise and per-tensor) and compressed-tensors checkpoints whose experts are quantized one linear each under HF's
+(block-wise and per-tensor), compressed-tensors and NVFP4 checkpoints whose experts are quantized one linear each under HF's
 per-expert names (written by tests/quant_checkpoints.py), against HF transformers run on the dequantized float32
 weights (logits, 32 greedy tokens, batched equal to alone); and the clear errors of act-order experts and of an
 expert's missing scales."""
@@ -37,6 +37,7 @@ CHECKPOINTS = {
   "gptq-4bit-g32-qwen3-moe": ("qwen3-moe", "gptq", dict(bits=4, group_size=32)),
   "awq-g32-qwen3-moe": ("qwen3-moe", "awq", dict(group_size=32)),
   "ct-w4a16-g32-qwen3-moe": ("qwen3-moe", "compressed-tensors", dict(format="pack-quantized", bits=4, strategy="group", group_size=32)),
+  "modelopt-nvfp4-qwen3-moe": ("qwen3-moe", "modelopt", dict(algo="NVFP4", hf_quant_config=True)),   # (its experts: E4M3 codes)
   "gptq-8bit-channel-mixtral": ("mixtral", "gptq", dict(bits=8, group_size=-1)),
   "fp8-blocks-mixtral": ("mixtral", "fp8", dict(weight_block_size=(16, 32))),
 }
@@ -109,7 +110,8 @@ def test_quantized_moe_checkpoint_matches_hf_on_its_dequantized_weights(case: st
   dequantized = write_quantized(hf, tmp_path / "q", method, **options)
   assert any(name.endswith("experts.gate_up_proj") for name in dequantized)   # the experts were quantized too
   llm = LLM(str(tmp_path / "q"), max_num_seqs=2, num_gpu_blocks=32)
-  assert_packed_experts(sparse_layer(llm), method, options.get("bits", 4 if method == "awq" else 8))
+  loaded_as = "modelopt_fp4" if options.get("algo") == "NVFP4" else method
+  assert_packed_experts(sparse_layer(llm), loaded_as, options.get("bits", 4 if method == "awq" else 8))
   check_against(load_dequantized(hf, dequantized), llm)
 
 

@@ -50,6 +50,11 @@ CHECKPOINTS = {
   "modelopt-fp8-channel-down-float-qwen3": ("qwen3", "modelopt",
                                             dict(algo="FP8_PER_CHANNEL_PER_TOKEN", exclude=("model.layers.*.mlp.down_proj",))),
   "modelopt-fp8-blocks-qwen3": ("qwen3-256", "modelopt", dict(algo="FP8_PB_WO", hf_quant_config=True)),
+  # NVFP4: ModelOpt's (modelopt_fp4, activations' input_scale beside) and compressed-tensors' W4A4 / W4A16 forms
+  "modelopt-nvfp4-llama": ("llama", "modelopt", dict(algo="NVFP4", hf_quant_config=True, activations=True)),
+  "ct-nvfp4-w4a4-qwen3": ("qwen3", "compressed-tensors", dict(format="nvfp4-pack-quantized", activations=True)),
+  "ct-nvfp4a16-down-float-llama": ("llama", "compressed-tensors",
+                                   dict(format="nvfp4-pack-quantized", ignore=(r".*mlp\.down_proj$",))),
   # FBGEMM's FP8 (Meta's Llama 3.1 FP8 releases: per-row scales, modules_to_not_convert)
   "fbgemm-fp8-down-float-llama": ("llama", "fbgemm_fp8", dict(not_converted=("mlp.down_proj",))),
   # bitsandbytes (HF's load_in_4bit / load_in_8bit saves): NF4 with double quantization, FP4 (down's rows of 96 end
@@ -84,7 +89,10 @@ def test_quantized_checkpoint_matches_hf_on_its_dequantized_weights(case, tmp_pa
   if method == "bitsandbytes" and options["bits"] == 4:   # its levels dequantized at load
     assert not isinstance(layer.qkv_proj, QuantizedWeight) and not isinstance(layer.down_proj, QuantizedWeight)
     return check_against(load_dequantized(hf, dequantized), llm)
-  assert layer.qkv_proj.method == method and layer.qkv_proj.bits == options.get("bits", 4 if method == "awq" else 8)
+  nvfp4 = options.get("algo") == "NVFP4" or options.get("format") == "nvfp4-pack-quantized"
+  assert layer.qkv_proj.method == ("modelopt_fp4" if method == "modelopt" and nvfp4 else method)
+  assert layer.qkv_proj.bits == options.get("bits", 4 if method == "awq" else 8)
+  if nvfp4: assert (layer.qkv_proj.kind, layer.qkv_proj.group_size) == ("fp8", 16)   # E2M1 values as E4M3 codes, blocks of 16
   left_float = bool(options.get("ignore") or options.get("not_converted") or options.get("exclude"))
   assert isinstance(layer.down_proj, QuantizedWeight) != left_float   # a linear the checkpoint leaves float stays float
   # act-order: loaded with its columns sorted by group (its input read in that order), which is what HF is checked against
@@ -164,7 +172,7 @@ def test_quantization_flag_must_match_the_checkpoint(gptq_folder, stories_dir):
     LLM(str(stories_dir), quantization="gptq", num_gpu_blocks=16)
   with pytest.raises(ConfigError, match="--quantization gguf needs a GGUF model file"):
     LLM(str(stories_dir), quantization="gguf", num_gpu_blocks=16)
-  methods = ("gptq, awq, fp8, compressed-tensors, modelopt, fbgemm_fp8, bitsandbytes, int8, int4, experts_int8, gguf, "
+  methods = ("gptq, awq, fp8, compressed-tensors, modelopt, modelopt_fp4, fbgemm_fp8, bitsandbytes, int8, int4, experts_int8, gguf, "
              "gptq_marlin, awq_marlin")
   with pytest.raises(ConfigError, match=re.escape(f"quantization must be one of {methods}, got 'nf4'")):
     LLM(str(stories_dir), quantization="nf4")
@@ -233,8 +241,39 @@ def test_modelopt_says_what_it_does_not_apply(modelopt_folder, capfd):
   assert "the checkpoint's k_scale tensors are not used: the KV cache is --kv-cache-dtype's" in err
 
 
+@pytest.fixture(scope="module")
+def nvfp4_folder(tmp_path_factory):
+  """ModelOpt's NVFP4 export with its activations' input_scale."""
+  folder = tmp_path_factory.mktemp("nvfp4")
+  write_quantized(make_model("llama", folder / "float"), folder / "q", "modelopt", algo="NVFP4", hf_quant_config=True, activations=True)
+  return folder / "q"
+
+
+def test_nvfp4_says_how_it_runs(nvfp4_folder, tmp_path, capfd):
+  """ModelOpt's NVFP4 export is vLLM's modelopt_fp4, which --quantization modelopt also names (vLLM's override); start-up
+  says its values run as E4M3 codes and its activation scales go unused."""
+  folder = nvfp4_folder
+  for flag in (None, "modelopt_fp4", "modelopt"):
+    err = startup_log(folder, capfd, quantization=flag)
+    assert "modelopt_fp4 (4-bit, nvfp4-pack-quantized, group 16)" in err
+    assert "modelopt_fp4: NVFP4 weights run as E4M3 codes with a float32 scale a block of 16" in err
+    assert "modelopt_fp4: the checkpoint's activation quantization is not applied" in err
+    assert "the checkpoint's input_scale tensors are not used" in err
+  ct = tmp_path / "ct"
+  write_quantized(make_model("qwen3", tmp_path / "float3"), ct, "compressed-tensors", format="nvfp4-pack-quantized", activations=True)
+  assert "the checkpoint's input_global_scale tensors are not used" in startup_log(ct, capfd)
+  with pytest.raises(ConfigError, match=re.escape("--quantization fp8 does not match the checkpoint's quantization_config."
+                                                  "quant_method 'modelopt_fp4'")):
+    LLM(str(folder), quantization="fp8", num_gpu_blocks=16)
+
+
 @pytest.mark.parametrize(("edit", "message"), [
-  (lambda q: q["quantization"].update(quant_algo="NVFP4"), "quantization_config.quantization.quant_algo 'NVFP4' is not supported"),
+  (lambda q: q["quantization"].update(quant_algo="W4A16_AWQ"), "quantization_config.quantization.quant_algo 'W4A16_AWQ' is not supported"),
+  # an FP8 export labelled NVFP4: its tensors are named
+  (lambda q: q["quantization"].update(quant_algo="NVFP4"),
+   "MODELOPT_FP4 tensor model.layers.0.self_attn.q_proj.weight is F8_E4M3, expected U8"),
+  (lambda q: q["quantization"].update(quant_algo="NVFP4", group_size=32),
+   "quantization.group_size 32 is not supported (NVFP4's blocks are 16"),
   (lambda q: q["quantization"].update(exclude_modules="lm_head"), "exclude_modules must be a list of module names or wildcards"),
   (lambda q: q.update(quantization=["FP8"]), "quantization_config.quantization must be an object, got list"),
 ])
@@ -287,6 +326,9 @@ COMPRESSED_BAD_CONFIGS = [
   (lambda q: q["config_groups"].update(group_1={**_scheme(q), "weights": {**_scheme(q)["weights"], "strategy": "group",
                                                                           "group_size": 32}}), "different weight schemes"),
   (lambda q: q.update(ignore=[r"re:.*mlp\.up_proj$"]), "quantization_config leaves model.layers.0.mlp.up_proj float beside"),
+  (lambda q: _scheme(q).update(format="nvfp4-pack-quantized"), "weights.type 'int' does not match format 'nvfp4-pack-quantized'"),
+  (lambda q: _scheme(q).update(format="nvfp4-pack-quantized", weights={**_scheme(q)["weights"], "type": "float", "num_bits": 4}),
+   "nvfp4-pack-quantized weights take strategy 'tensor_group' with group_size 16, got 'channel' with None"),
 ]
 
 
@@ -309,6 +351,7 @@ def test_bad_quantization_config_is_named(request, tmp_path, folder, edit, messa
   ("gptq_folder", "model.layers.1.mlp.down_proj.scales", "GPTQ"),
   ("compressed_folder", "model.layers.1.self_attn.o_proj.weight_scale", "COMPRESSED-TENSORS"),
   ("modelopt_folder", "model.layers.1.mlp.up_proj.weight_scale", "MODELOPT"),
+  ("nvfp4_folder", "model.layers.1.mlp.up_proj.weight_scale_2", "MODELOPT_FP4"),
   ("bnb_folder", "model.layers.1.mlp.up_proj.weight.nested_absmax", "BITSANDBYTES"),
 ])
 def test_missing_scales_tensor_is_named(request, tmp_path, folder, name, method):

@@ -22,11 +22,11 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")   # vLLM's names; fp8 = fp8_e4m3
 CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "NONE")   # vLLM's names: which step layouts are captured
 SCHEDULING_POLICIES = ("fcfs", "priority")   # vLLM's: first come first served, or by each request's priority
 PREEMPTION_MODES = ("recompute", "swap")     # vLLM's: what happens to a preempted sequence's KV blocks
-# weight quantization (vLLM's names): a checkpoint's format (gptq, awq, fp8, compressed-tensors, modelopt, fbgemm_fp8,
-# bitsandbytes; gptq_marlin and awq_marlin name the same checkpoints), or a float checkpoint quantized at load (int8,
+# weight quantization (vLLM's names): a checkpoint's format (gptq, awq, fp8, compressed-tensors, modelopt, modelopt_fp4,
+# fbgemm_fp8, bitsandbytes; gptq_marlin and awq_marlin name the same checkpoints), or a float checkpoint quantized at load (int8,
 # int4, fp8; experts_int8: only a mixture of experts' experts); gguf: a .gguf model file's own blocks
-QUANTIZATION_METHODS = ("gptq", "awq", "fp8", "compressed-tensors", "modelopt", "fbgemm_fp8", "bitsandbytes", "int8", "int4",
-                        "experts_int8", "gguf", "gptq_marlin", "awq_marlin")
+QUANTIZATION_METHODS = ("gptq", "awq", "fp8", "compressed-tensors", "modelopt", "modelopt_fp4", "fbgemm_fp8", "bitsandbytes",
+                        "int8", "int4", "experts_int8", "gguf", "gptq_marlin", "awq_marlin")
 SPECULATIVE_METHODS = ("ngram", "draft_model")   # vLLM's speculative_config methods tinyvllm runs
 MAX_LOGPROBS = 20   # the most top-k alternatives the sampler returns per token (vLLM's default max_logprobs)
 # the generation_config.json fields that become request defaults (vLLM's list); max_new_tokens is max_tokens

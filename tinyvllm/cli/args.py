@@ -107,7 +107,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
   g.add_argument("--max-model-len", type=positive_int, help="context length limit (default: the model's)")
   g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"), help="dummy: random weights")
   g.add_argument("-q", "--quantization", choices=QUANTIZATION_METHODS,
-                 help="weight quantization: the checkpoint's (gptq, awq, fp8, compressed-tensors, modelopt, fbgemm_fp8, "
+                 help="weight quantization: the checkpoint's (gptq, awq, fp8, compressed-tensors, modelopt, modelopt_fp4 "
+                      "(NVFP4), fbgemm_fp8, "
                       "bitsandbytes; read from its config.json or hf_quant_config.json when not given; gptq_marlin / "
                       "awq_marlin: the same checkpoints, on tinyvllm's kernels) or a float checkpoint's linears quantized "
                       "at load (int8, int4 group 128, fp8: round-to-nearest; experts_int8: only a mixture of experts' "

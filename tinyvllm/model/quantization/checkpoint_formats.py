@@ -1,5 +1,5 @@
 """GPTQ, AWQ, FP8, compressed-tensors, ModelOpt, FBGEMM FP8 and bitsandbytes 8-bit (layouts in compressed_tensors.py,
-modelopt.py, bitsandbytes.py) checkpoints' linear weights, read into one unpacked form (numpy, before upload): codes [out, in],
+modelopt.py, nvfp4.py, bitsandbytes.py) checkpoints' linear weights, read into one unpacked form (numpy, before upload): codes [out, in],
 scales and zero points [out, groups], each column's group where it is not a contiguous run.
 
 The layouts, from the formats' own descriptions:
@@ -19,7 +19,9 @@ import numpy as np
 
 from tinyvllm.config import ConfigError
 from tinyvllm.model.quantization import bitsandbytes
+from tinyvllm.model.quantization.compressed_tensors import NVFP4
 from tinyvllm.model.quantization.config import QuantizationConfig
+from tinyvllm.model.quantization.nvfp4 import read_nvfp4
 from tinyvllm.model.quantization.unpacked import UnpackedWeight, unpack_bits
 from tinyvllm.model.safetensors_file import Checkpoint, bf16_as_float32
 
@@ -117,7 +119,8 @@ def read_fp8(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeight:
 
 
 def read_compressed(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWeight:
-  """One linear's codes, scales and zero points (their unsigned form: code = q + 2^(bits - 1))."""
+  """One linear's codes, scales and zero points (their unsigned form: code = q + 2^(bits - 1)); NVFP4's as E4M3 codes."""
+  if qc.storage == NVFP4: return read_nvfp4(r, "compressed-tensors", cols)
   if qc.storage == "pack-quantized":
     packed = r.get("weight_packed", ("I32",))
     out, per = packed.shape[0], 32 // qc.bits
@@ -176,7 +179,7 @@ def read_scaled_fp8(r: Reader, qc: QuantizationConfig, cols: int) -> UnpackedWei
 
 
 READERS = {"gptq": read_gptq, "awq": read_awq, "fp8": read_fp8, "compressed-tensors": read_compressed, "modelopt": read_scaled_fp8,
-           "fbgemm_fp8": read_scaled_fp8,
+           "fbgemm_fp8": read_scaled_fp8, "modelopt_fp4": lambda r, qc, cols: read_nvfp4(r, "modelopt_fp4", cols),
            "bitsandbytes": lambda r, qc, cols: bitsandbytes.read_int8(r, cols)}   # (its 4-bit levels: source.py dequantizes them)
 
 

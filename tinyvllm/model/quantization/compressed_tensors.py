@@ -10,6 +10,8 @@ The layouts, from compressed-tensors' published format:
 - int-quantized (W8A8 int8): `weight` int8 [out, in], `weight_scale` as above, `weight_zero_point` int8 [out, groups].
 - float-quantized (FP8 W8A8 / W8A16): `weight` float8_e4m3fn [out, in]; `weight_scale` per tensor [1], per channel
   [out, 1], per group [out, in / group] or per block [ceil(out / rows), ceil(in / cols)]. w = e4m3(weight) * scale.
+- nvfp4-pack-quantized (NVFP4 W4A4 / W4A16): E2M1 values two a byte with FP8 block scales of 16 columns and a global
+  scale (layout in nvfp4.py); weights type float, num_bits 4, strategy tensor_group, group_size 16.
 Linears the config's `ignore` list names (a module name, or `re:` and a regular expression matched from the start, as
 compressed-tensors matches them) stay float. Activation schemes (`input_activations`) are not applied: activations stay
 in the compute dtype (weight-only), and start-up says so.
@@ -21,10 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from tinyvllm.config import ConfigError
+from tinyvllm.model.quantization import nvfp4
 
 # the storage formats read here: the weight's type each holds
-FORMATS = {"pack-quantized": "int", "int-quantized": "int", "float-quantized": "float"}
+FORMATS = {"pack-quantized": "int", "int-quantized": "int", "float-quantized": "float", "nvfp4-pack-quantized": "float"}
 STRATEGIES = {"int": ("tensor", "channel", "group"), "float": ("tensor", "channel", "group", "block")}
+NVFP4 = "nvfp4-pack-quantized"
 
 
 @dataclass(frozen=True)
@@ -67,21 +71,30 @@ def _group_scheme(group: Any, default_format: Any, where: str) -> WeightScheme:
     raise ConfigError(f"{where}: format {fmt!r} is not supported (tinyvllm reads {', '.join(FORMATS)})")
   kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
   if kind != FORMATS[fmt]: raise ConfigError(f"{where}.weights.type {kind!r} does not match format {fmt!r}")
-  allowed = (4, 8) if fmt == "pack-quantized" else (8,)
+  allowed = (4, 8) if fmt == "pack-quantized" else (4,) if fmt == NVFP4 else (8,)
   if bits not in allowed:
     raise ConfigError(f"{where}.weights.num_bits is {bits!r}; {fmt} weights run with {' or '.join(map(str, allowed))} bits")
-  if strategy not in STRATEGIES[kind]:
+  if fmt != NVFP4 and strategy not in STRATEGIES[kind]:
     raise ConfigError(f"{where}.weights.strategy {strategy!r} is not supported for {kind} weights "
                       f"({', '.join(STRATEGIES[kind])})")
   if weights.get("dynamic"): raise ConfigError(f"{where}.weights.dynamic true is not supported (stored scales are)")
   symmetric = bool(weights.get("symmetric", True))
   if kind == "float" and not symmetric: raise ConfigError(f"{where}.weights.symmetric false is not supported for float weights")
+  if fmt == NVFP4: return _nvfp4_scheme(group, weights, where)
   group_size, block = weights.get("group_size"), None
   if strategy == "group" and (not isinstance(group_size, int) or group_size < 1):
     raise ConfigError(f"{where}.weights.group_size must be a positive integer for the group strategy, got {group_size!r}")
   if strategy == "block": block = _block(weights.get("block_structure"), f"{where}.weights.block_structure")
   return WeightScheme(fmt, int(bits), strategy, group_size if strategy == "group" else -1, block, symmetric,
                       bool(group.get("input_activations")))
+
+
+def _nvfp4_scheme(group: dict[str, Any], weights: dict[str, Any], where: str) -> WeightScheme:
+  """NVFP4's one weight scheme: FP8 scales a block of 16 columns under a global scale (strategy tensor_group)."""
+  if weights.get("strategy") != "tensor_group" or weights.get("group_size") != nvfp4.BLOCK:
+    raise ConfigError(f"{where}.weights: {NVFP4} weights take strategy 'tensor_group' with group_size {nvfp4.BLOCK}, got "
+                      f"{weights.get('strategy')!r} with {weights.get('group_size')!r}")
+  return WeightScheme(NVFP4, 4, "tensor_group", nvfp4.BLOCK, None, True, bool(group.get("input_activations")))
 
 
 def _block(value: Any, where: str) -> tuple[int, int]:

@@ -1,5 +1,5 @@
 """Which weight quantization a model runs: the checkpoint's `quantization_config` (GPTQ, AWQ, FP8, compressed-tensors,
-ModelOpt FP8, FBGEMM FP8, bitsandbytes),
+ModelOpt FP8 and NVFP4, FBGEMM FP8, bitsandbytes),
 or --quantization quantizing a float checkpoint at load (int8, int4, fp8: round-to-nearest)."""
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tinyvllm.config import ConfigError
-from tinyvllm.model.quantization import bitsandbytes, compressed_tensors, modelopt
+from tinyvllm.model.quantization import bitsandbytes, compressed_tensors, modelopt, nvfp4
 
 # read from a checkpoint's quantization_config
 CHECKPOINT_METHODS = ("gptq", "awq", "fp8", "compressed-tensors", "modelopt", "bitsandbytes", "fbgemm_fp8")
 ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}   # vLLM's kernel choices for the same checkpoints
+# vLLM's names for what a checkpoint's quant_method holds: "modelopt" is FP8 or, with quant_algo NVFP4, modelopt_fp4
+SUBMETHODS = {"modelopt_fp4": "modelopt"}
 # quantize a float checkpoint at load (experts_int8: only a mixture of experts' experts, int8 per channel, as vLLM's)
 ON_THE_FLY_METHODS = ("int8", "int4", "fp8", "experts_int8")
 INT4_GROUP = 128   # on-the-fly int4's group (a layer whose input the group does not divide: one scale per row)
@@ -41,7 +43,7 @@ class QuantizationConfig:
   @property
   def packed_kind(self) -> str:
     """The packed form's kind (tinyvllm/backend/quantized.py): "fp8" codes or "int" ones."""
-    return "fp8" if self.method == "fp8" or self.storage == "float-quantized" else "int"
+    return "fp8" if self.method == "fp8" or self.storage in ("float-quantized", compressed_tensors.NVFP4) else "int"
 
   def ignores(self, module: str) -> bool:
     """Whether the checkpoint leaves this linear (e.g. "model.layers.0.mlp.down_proj") float."""
@@ -78,7 +80,7 @@ def _group(value: Any, source: str, name: str) -> int:
 def from_checkpoint(raw: dict[str, Any], source: str) -> QuantizationConfig:
   """The checkpoint's quantization_config, checked; raises naming the field that tinyvllm cannot run."""
   config = _method_config(raw, source)
-  if config.method in ("compressed-tensors", "modelopt", "bitsandbytes"): return config
+  if config.method in ("compressed-tensors", "modelopt", "modelopt_fp4", "bitsandbytes"): return config
   return replace(config, ignore=_not_converted(raw.get("modules_to_not_convert"), source))
 
 
@@ -104,6 +106,9 @@ def _method_config(raw: dict[str, Any], source: str) -> QuantizationConfig:
                               strategy=ct.strategy, symmetric=ct.symmetric, ignore=tuple(ignore), activations=ct.activations)
   if method == "modelopt":
     mo = modelopt.scheme(raw, source)
+    if mo.strategy == "tensor_group":   # NVFP4
+      return QuantizationConfig("modelopt_fp4", 4, nvfp4.BLOCK, storage=compressed_tensors.NVFP4, strategy=mo.strategy,
+                                ignore=mo.ignore, activations=True)
     return QuantizationConfig("modelopt", 8, block_size=modelopt.BLOCK if mo.strategy == "block" else None,
                               storage="float-quantized", strategy=mo.strategy, ignore=mo.ignore, activations=mo.activations)
   if method == "fbgemm_fp8":   # FBGEMM's FP8 (Meta's Llama 3.1 FP8 releases): E4M3 rows, one scale each, dynamic activations
@@ -139,7 +144,7 @@ def resolve(requested: str | None, checkpoint: dict[str, Any] | None, source: st
   requested = ALIASES.get(requested, requested) if requested else requested
   if checkpoint:
     config = from_checkpoint(checkpoint, source)
-    if requested is not None and requested != config.method:
+    if requested is not None and requested not in (config.method, SUBMETHODS.get(config.method)):
       raise ConfigError(f"--quantization {requested} does not match the checkpoint's quantization_config.quant_method "
                         f"{config.method!r} ({source})")
     return config

@@ -13,8 +13,9 @@ from tinygrad.dtype import DType
 from tinyvllm.backend.quantized import QuantizedWeight
 from tinyvllm.config import ConfigError
 from tinyvllm.layers.quantized import quantize_rtn
-from tinyvllm.model.quantization import bitsandbytes
+from tinyvllm.model.quantization import bitsandbytes, nvfp4
 from tinyvllm.model.quantization.checkpoint_formats import Reader, read_parts
+from tinyvllm.model.quantization.compressed_tensors import NVFP4
 from tinyvllm.model.quantization.config import INT4_GROUP, QuantizationConfig
 from tinyvllm.model.quantization.unpacked import label, stack, upload
 from tinyvllm.model.safetensors_file import Checkpoint
@@ -36,6 +37,7 @@ class QuantizedSource:
     self._notices: list[str] = []
     self._per_row: dict[str, int] = {}   # int4: projections whose input the group does not divide -> that input
     self._float: list[str] = []          # linears the checkpoint leaves float (QuantizationConfig.ignore)
+    if qc.storage == NVFP4: self._notice(f"{qc.method}: {nvfp4.NOTICE}")
     if qc.activations:
       self._notice(f"{qc.method}: the checkpoint's activation quantization is not applied: activations "
                    "stay in the compute dtype (weight-only)")
@@ -83,8 +85,8 @@ class QuantizedSource:
     (ModelOpt writes them beside k_proj / v_proj, or on the attention module): read past, and said at start-up."""
     for p in prefixes:
       parent = p.rsplit(".", 1)[0]
-      for name in (f"{p}.input_scale", f"{p}.input_zero_point", f"{p}.input_scale_ub", f"{p}.k_scale", f"{p}.v_scale",
-                   f"{parent}.k_scale", f"{parent}.v_scale"):
+      for name in (f"{p}.input_scale", f"{p}.input_global_scale", f"{p}.input_zero_point", f"{p}.input_scale_ub",
+                   f"{p}.k_scale", f"{p}.v_scale", f"{parent}.k_scale", f"{parent}.v_scale"):
         if name not in self.checkpoint or name in self.used: continue
         self.used.add(name)
         kind = name.rsplit(".", 1)[1]
