@@ -262,7 +262,8 @@ def write_quantized(hf_model, folder: Path, method: str, seed: int = 0, **option
     left_float = (any(re.match(p, prefix) for p in options.get("ignore", ()))
                   or any(k in prefix for k in options.get("not_converted", ()))
                   or any(fnmatch.fnmatch(prefix, p) for p in options.get("exclude", ())))   # ModelOpt's wildcards
-    if not (name.endswith(".weight") and (prefix.endswith(LINEARS) or EXPERT_LINEARS.search(prefix))) or left_float:
+    quantized_head = prefix == "lm_head" and options.get("lm_head")   # (GPTQ's lm_head true; compressed-tensors not ignoring it)
+    if not (name.endswith(".weight") and (prefix.endswith(LINEARS) or EXPERT_LINEARS.search(prefix) or quantized_head)) or left_float:
       tensors[name] = t.contiguous()
       continue
     w = t.float().numpy()
@@ -309,7 +310,7 @@ def write_quantized(hf_model, folder: Path, method: str, seed: int = 0, **option
 def quantization_config(method: str, options: dict) -> dict:
   if method == "gptq":
     return {"quant_method": "gptq", "bits": options["bits"], "group_size": options["group_size"], "sym": False,
-            "desc_act": options.get("desc_act", False), "checkpoint_format": "gptq"}
+            "desc_act": options.get("desc_act", False), "checkpoint_format": "gptq", "lm_head": bool(options.get("lm_head"))}
   if method == "awq": return {"quant_method": "awq", "bits": 4, "group_size": options["group_size"], "zero_point": True, "version": "gemm"}
   if method == "compressed-tensors" and options["format"] == "nvfp4-pack-quantized":
     fp4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True}
@@ -326,7 +327,8 @@ def quantization_config(method: str, options: dict) -> dict:
     return {"quant_method": "compressed-tensors", "format": options["format"], "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "output_activations": None,
                                           "input_activations": activations if options.get("activations") else None}},
-            "ignore": ["lm_head", *(f"re:{p}" for p in options.get("ignore", ()))], "kv_cache_scheme": None, "sparsity_config": {}}
+            "ignore": [*([] if options.get("lm_head") else ["lm_head"]), *(f"re:{p}" for p in options.get("ignore", ()))],
+            "kv_cache_scheme": None, "sparsity_config": {}}
   if method == "fbgemm_fp8": return {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}
   if method == "bitsandbytes":
     four = options["bits"] == 4

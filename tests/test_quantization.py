@@ -50,6 +50,10 @@ CHECKPOINTS = {
   "modelopt-fp8-channel-down-float-qwen3": ("qwen3", "modelopt",
                                             dict(algo="FP8_PER_CHANNEL_PER_TOKEN", exclude=("model.layers.*.mlp.down_proj",))),
   "modelopt-fp8-blocks-qwen3": ("qwen3-256", "modelopt", dict(algo="FP8_PB_WO", hf_quant_config=True)),
+  # an LM head the checkpoint quantized (GPTQModel's lm_head true, with act-order; a compressed-tensors scheme whose
+  # ignore list leaves it in): packed, as the file holds it
+  "gptq-4bit-act-order-lm-head-llama": ("llama", "gptq", dict(bits=4, group_size=32, desc_act=True, lm_head=True)),
+  "ct-w8a16-lm-head-llama": ("llama", "compressed-tensors", dict(format="pack-quantized", bits=8, strategy="channel", lm_head=True)),
   # NVFP4: ModelOpt's (modelopt_fp4, activations' input_scale beside) and compressed-tensors' W4A4 / W4A16 forms
   "modelopt-nvfp4-llama": ("llama", "modelopt", dict(algo="NVFP4", hf_quant_config=True, activations=True)),
   "ct-nvfp4-w4a4-qwen3": ("qwen3", "compressed-tensors", dict(format="nvfp4-pack-quantized", activations=True)),
@@ -98,6 +102,9 @@ def test_quantized_checkpoint_matches_hf_on_its_dequantized_weights(case, tmp_pa
   # act-order: loaded with its columns sorted by group (its input read in that order), which is what HF is checked against
   act_order = bool(options.get("desc_act") or options.get("actorder"))
   assert (layer.qkv_proj.perm is not None) == act_order and layer.qkv_proj.g_idx is None
+  head = llm.engine.model.weights.lm_head
+  assert isinstance(head, QuantizedWeight) == bool(options.get("lm_head"))   # the LM head as the checkpoint holds it
+  if options.get("lm_head"): assert head.method == method and (head.perm is not None) == act_order
   check_against(load_dequantized(hf, dequantized), llm)
 
 
@@ -239,6 +246,11 @@ def test_modelopt_says_what_it_does_not_apply(modelopt_folder, capfd):
   assert "modelopt (8-bit, float-quantized, per tensor)" in err
   assert "the checkpoint's input_scale tensors are not used: activations stay in the compute dtype" in err
   assert "the checkpoint's k_scale tensors are not used: the KV cache is --kv-cache-dtype's" in err
+
+
+def test_a_quantized_lm_head_is_said(tmp_path, capfd):
+  write_quantized(make_model("llama", tmp_path / "float"), tmp_path / "q", "gptq", bits=8, group_size=-1, lm_head=True)
+  assert "gptq: the LM head is quantized in the checkpoint and runs packed" in startup_log(tmp_path / "q", capfd)
 
 
 @pytest.fixture(scope="module")

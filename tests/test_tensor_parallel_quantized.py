@@ -51,10 +51,12 @@ def test_quantized_at_load_split_over_devices_gives_hf_greedy(case: str, tmp_pat
 
 @pytest.mark.slow
 def test_gptq_checkpoint_split_over_devices_gives_hf_greedy(tmp_path: Path):
+  """With its LM head quantized too (GPTQModel's lm_head true), split by vocabulary rows."""
   kind, overrides = DENSE
-  hf = make_model(kind, tmp_path / "float", **overrides)
-  dequantized = write_quantized(hf, tmp_path / "q", "gptq", bits=4, group_size=32)
+  hf = make_model(kind, tmp_path / "float", **{**overrides, "tie_word_embeddings": False})
+  dequantized = write_quantized(hf, tmp_path / "q", "gptq", bits=4, group_size=32, lm_head=True)
   llm = LLM(str(tmp_path / "q"), tensor_parallel_size=2, max_num_seqs=4, num_gpu_blocks=48)
+  assert isinstance(llm.engine.model.weights.lm_head.codes.device, tuple)
   same_greedy_as_hf(load_dequantized(hf, dequantized), llm)
 
 

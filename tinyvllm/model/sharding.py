@@ -170,7 +170,8 @@ def shard_vocabulary(table: Weight, group: TensorParallelGroup, split: bool) -> 
   if split: return place(group, split_rows(table, lambda t: _split_rows(t, group.size)))
   if not isinstance(table, QuantizedWeight): return group.replicate(table)
   whole = lambda t: None if t is None else group.replicate(t)
-  return replace(table, codes=whole(table.codes), scales=whole(table.scales), shifts=whole(table.shifts))
+  return replace(table, codes=whole(table.codes), scales=whole(table.scales), shifts=whole(table.shifts),
+                 g_idx=whole(table.g_idx), perm=whole(table.perm))
 
 
 def vocabulary_starts(cfg: ModelConfig, group: TensorParallelGroup) -> Tensor:

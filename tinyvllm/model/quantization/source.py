@@ -20,6 +20,8 @@ from tinyvllm.model.quantization.config import INT4_GROUP, QuantizationConfig
 from tinyvllm.model.quantization.unpacked import label, stack, upload
 from tinyvllm.model.safetensors_file import Checkpoint
 
+# a weight tensor's dtypes that hold codes rather than float values (FP8, NVFP4 bytes, int8 rows, bitsandbytes' packing)
+PACKED_DTYPES = ("F8_E4M3", "U8", "I8", "I32")
 Source = Callable[[list[str], tuple[int, ...], str], "Tensor | QuantizedWeight"]
 
 
@@ -43,9 +45,21 @@ class QuantizedSource:
                    "stay in the compute dtype (weight-only)")
 
   def __call__(self, names: list[str], shape: tuple[int, ...], kind: str) -> Tensor | QuantizedWeight:
-    """A linear's weight, or a sparse layer's experts' (kind "experts": every expert's rows stacked, as one weight)."""
+    """A linear's weight, a sparse layer's experts' (kind "experts": every expert's rows stacked, as one weight), or
+    an untied LM head the checkpoint quantized (GPTQ's lm_head true, a compressed-tensors scheme not ignoring it)."""
+    if kind == "lm_head" and self._quantized_in_checkpoint(names[0].removesuffix(".weight")):
+      self._notice(f"{self.qc.method}: the LM head is quantized in the checkpoint and runs packed")
+      return self._linear(names, shape, kind)
     if kind not in ("linear", "experts"): return self.plain(names, shape, kind)
     return self._linear(names, shape, kind)
+
+  def _quantized_in_checkpoint(self, prefix: str) -> bool:
+    """Whether the checkpoint holds this module quantized: tensors beside (or instead of) a float weight, or a
+    weight of packed codes."""
+    if not self.qc.from_checkpoint or self.checkpoint is None or self.qc.ignores(prefix): return False
+    weight = f"{prefix}.weight"
+    if weight in self.checkpoint and self.checkpoint.dtype(weight) in PACKED_DTYPES: return True
+    return any(n.startswith(f"{prefix}.") and n not in (weight, f"{prefix}.bias") for n in self.checkpoint.names())
 
   def _linear(self, names: list[str], shape: tuple[int, ...], kind: str) -> Tensor | QuantizedWeight:
     out, cols = shape
