@@ -143,6 +143,14 @@ def modelopt_tensors(w: np.ndarray, options: dict, prefix: str) -> tuple[dict, n
   return tensors, deq
 
 
+def kv_scale_tensors(prefix: str, method: str) -> dict[str, torch.Tensor]:
+  """The KV cache's static scales a checkpoint carries: compressed-tensors' kv_cache_scheme puts k_scale / v_scale on
+  the attention module; AutoFP8's static FP8 exports an output_scale on k_proj / v_proj (and every linear's
+  input_scale)."""
+  if method == "compressed-tensors": return {f"{prefix.rsplit('.', 1)[0]}.{prefix[-6]}_scale": torch.tensor(0.02)}
+  return {f"{prefix}.output_scale": torch.tensor(0.03)}
+
+
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
 
@@ -287,6 +295,9 @@ def write_quantized(hf_model, folder: Path, method: str, seed: int = 0, **option
     dequantized[name] = deq
     for suffix, a in packed.items():
       tensors[f"{prefix}.{suffix}"] = a if isinstance(a, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(a))
+    if options.get("kv_scales") and method == "fp8": tensors[f"{prefix}.input_scale"] = torch.tensor(0.05)   # (AutoFP8's static)
+    if options.get("kv_scales") and method in ("compressed-tensors", "fp8") and prefix.endswith(("k_proj", "v_proj")):
+      tensors.update(kv_scale_tensors(prefix, method))
   for name, experts in fused.items():   # the experts' dequantized weights, fused as the HF model holds them
     if all(n in dequantized for names in experts for n in names):
       dequantized[name] = np.stack([np.concatenate([dequantized.pop(n) for n in names]) for names in experts])
@@ -328,7 +339,8 @@ def quantization_config(method: str, options: dict) -> dict:
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "output_activations": None,
                                           "input_activations": activations if options.get("activations") else None}},
             "ignore": [*([] if options.get("lm_head") else ["lm_head"]), *(f"re:{p}" for p in options.get("ignore", ()))],
-            "kv_cache_scheme": None, "sparsity_config": {}}
+            "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+            if options.get("kv_scales") else None, "sparsity_config": {}}
   if method == "fbgemm_fp8": return {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}
   if method == "bitsandbytes":
     four = options["bits"] == 4
@@ -340,7 +352,8 @@ def quantization_config(method: str, options: dict) -> dict:
     return {"quant_method": "modelopt", "quant_algo": options["algo"], "ignore": ["lm_head", *options.get("exclude", ())],
             "kv_cache_scheme": kv, **({"group_size": 16} if options["algo"] == "NVFP4" else {})}
   block = options.get("weight_block_size")
-  return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", **({"weight_block_size": list(block)} if block else {})}
+  return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static" if options.get("kv_scales") else "dynamic",
+          **({"weight_block_size": list(block)} if block else {})}
 
 
 def load_dequantized(hf_model, dequantized: dict[str, np.ndarray]):

@@ -27,6 +27,8 @@ CHECKPOINTS = {
   "awq-g64-llama": ("llama-128", "awq", dict(group_size=64)),
   "fp8-blocks-qwen3": ("qwen3", "fp8", dict(weight_block_size=(16, 32))),
   "fp8-tensor-llama": ("llama", "fp8", {}),
+  # AutoFP8's static exports: every linear's input_scale, k_proj / v_proj's output_scale (the KV cache's), not used here
+  "fp8-tensor-static-kv-llama": ("llama", "fp8", dict(kv_scales=True)),
   # HF's modules_to_not_convert: the linears whose names hold one of them stay float
   "awq-g32-down-float-qwen3": ("qwen3", "awq", dict(group_size=32, not_converted=("mlp.down_proj",))),
   # compressed-tensors (llm-compressor's W4A16 / W8A16 / W8A8 / FP8 schemes)
@@ -43,6 +45,9 @@ CHECKPOINTS = {
   "ct-fp8-dynamic-qwen3": ("qwen3", "compressed-tensors", dict(format="float-quantized", bits=8, strategy="channel", activations=True)),
   "ct-fp8-block-llama": ("llama", "compressed-tensors", dict(format="float-quantized", bits=8, strategy="block", block=(16, 32))),
   "ct-fp8-g32-qwen3": ("qwen3", "compressed-tensors", dict(format="float-quantized", bits=8, strategy="group", group_size=32)),
+  # a kv_cache_scheme: the attention modules' k_scale / v_scale, not used here (the KV cache is --kv-cache-dtype's)
+  "ct-fp8-kv-scheme-qwen3": ("qwen3", "compressed-tensors",
+                             dict(format="float-quantized", bits=8, strategy="channel", activations=True, kv_scales=True)),
   "ct-fp8-tensor-down-float-llama": ("llama", "compressed-tensors",
                                      dict(format="float-quantized", bits=8, strategy="tensor", ignore=(r".*mlp\.down_proj$",))),
   # NVIDIA ModelOpt's FP8 exports: its hf_quant_config.json (with the KV cache's scales) or config.json's own form
@@ -248,6 +253,16 @@ def test_modelopt_says_what_it_does_not_apply(modelopt_folder, capfd):
   assert "the checkpoint's k_scale tensors are not used: the KV cache is --kv-cache-dtype's" in err
 
 
+@pytest.mark.parametrize(("method", "options", "kind"), [
+  ("fp8", {}, "output_scale"),   # AutoFP8's static export
+  ("compressed-tensors", dict(format="float-quantized", bits=8, strategy="channel"), "k_scale"),   # a kv_cache_scheme
+])
+def test_kv_cache_scales_are_said_unused(method, options, kind, tmp_path, capfd):
+  write_quantized(make_model("llama", tmp_path / "float"), tmp_path / "q", method, kv_scales=True, **options)
+  err = startup_log(tmp_path / "q", capfd, kv_cache_dtype="fp8")
+  assert f"the checkpoint's {kind} tensors are not used: the KV cache is --kv-cache-dtype's" in err
+
+
 def test_a_quantized_lm_head_is_said(tmp_path, capfd):
   write_quantized(make_model("llama", tmp_path / "float"), tmp_path / "q", "gptq", bits=8, group_size=-1, lm_head=True)
   assert "gptq: the LM head is quantized in the checkpoint and runs packed" in startup_log(tmp_path / "q", capfd)
@@ -334,7 +349,7 @@ COMPRESSED_BAD_CONFIGS = [
   (lambda q: _scheme(q)["weights"].update(strategy="token"), "weights.strategy 'token' is not supported for int weights"),
   (lambda q: _scheme(q).update(targets=["re:.*self_attn.*"]), "targets ['re:.*self_attn.*'] is not supported"),
   (lambda q: q.update(sparsity_config={"format": "sparse-24-bitmask"}), "sparsity_config format 'sparse-24-bitmask' is not supported"),
-  (lambda q: q.update(kv_cache_scheme={"num_bits": 8, "type": "float"}), "quantization_config.kv_cache_scheme is not supported"),
+  (lambda q: q.update(transform_config={"config_groups": {}}), "quantization_config.transform_config is not supported"),
   (lambda q: q["config_groups"].update(group_1={**_scheme(q), "weights": {**_scheme(q)["weights"], "strategy": "group",
                                                                           "group_size": 32}}), "different weight schemes"),
   (lambda q: q.update(ignore=[r"re:.*mlp\.up_proj$"]), "quantization_config leaves model.layers.0.mlp.up_proj float beside"),

@@ -14,7 +14,8 @@ The layouts, from compressed-tensors' published format:
   scale (layout in nvfp4.py); weights type float, num_bits 4, strategy tensor_group, group_size 16.
 Linears the config's `ignore` list names (a module name, or `re:` and a regular expression matched from the start, as
 compressed-tensors matches them) stay float. Activation schemes (`input_activations`) are not applied: activations stay
-in the compute dtype (weight-only), and start-up says so.
+in the compute dtype (weight-only), and start-up says so; nor are a `kv_cache_scheme`'s static k_scale / v_scale (on
+the attention modules): the KV cache is --kv-cache-dtype's.
 """
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ class WeightScheme:
 def scheme(raw: dict[str, Any], source: str) -> WeightScheme:
   """The weight scheme every Linear takes (checked), with its storage format and whether activations are quantized."""
   where = f"{source}: quantization_config"
-  for name in ("kv_cache_scheme", "transform_config"):
-    if raw.get(name): raise ConfigError(f"{where}.{name} is not supported (tinyvllm reads compressed-tensors weight schemes)")
+  if raw.get("transform_config"):   # (rotations the weights were stored under, to be undone at run time)
+    raise ConfigError(f"{where}.transform_config is not supported (tinyvllm reads compressed-tensors weight schemes)")
   sparsity = raw.get("sparsity_config") or {}
   if sparsity.get("format", "dense") != "dense":
     raise ConfigError(f"{where}.sparsity_config format {sparsity.get('format')!r} is not supported (dense weights are)")

@@ -22,6 +22,7 @@ from tinyvllm.model.safetensors_file import Checkpoint
 
 # a weight tensor's dtypes that hold codes rather than float values (FP8, NVFP4 bytes, int8 rows, bitsandbytes' packing)
 PACKED_DTYPES = ("F8_E4M3", "U8", "I8", "I32")
+KV_SCALES = ("k_scale", "v_scale", "output_scale", "kv_scale")   # the KV cache's static scales, by the names formats give them
 Source = Callable[[list[str], tuple[int, ...], str], "Tensor | QuantizedWeight"]
 
 
@@ -96,16 +97,18 @@ class QuantizedSource:
 
   def _unused_scales(self, prefixes: list[str]) -> None:
     """Static activation scales (activations stay in the compute dtype here: weight-only) and the KV cache's scales
-    (ModelOpt writes them beside k_proj / v_proj, or on the attention module): read past, and said at start-up."""
+    (ModelOpt writes them beside k_proj / v_proj or on the attention module, compressed-tensors on the attention
+    module, AutoFP8 as k_proj / v_proj's output_scale or the older kv_scale): read past, and said at start-up."""
     for p in prefixes:
       parent = p.rsplit(".", 1)[0]
       for name in (f"{p}.input_scale", f"{p}.input_global_scale", f"{p}.input_zero_point", f"{p}.input_scale_ub",
-                   f"{p}.k_scale", f"{p}.v_scale", f"{parent}.k_scale", f"{parent}.v_scale"):
+                   f"{p}.k_scale", f"{p}.v_scale", f"{p}.output_scale", f"{parent}.k_scale", f"{parent}.v_scale",
+                   f"{parent}.kv_scale"):
         if name not in self.checkpoint or name in self.used: continue
         self.used.add(name)
         kind = name.rsplit(".", 1)[1]
         self._notice(f"the checkpoint's {kind} tensors are not used: " + (
-          "the KV cache is --kv-cache-dtype's" if kind in ("k_scale", "v_scale") else "activations stay in the compute dtype"))
+          "the KV cache is --kv-cache-dtype's" if kind in KV_SCALES else "activations stay in the compute dtype"))
 
   def _quantize(self, weight: Tensor, cols: int, names: list[str]) -> QuantizedWeight:
     group = cols
