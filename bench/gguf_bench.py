@@ -4,9 +4,12 @@ qwen3moe_q4_k_m: a qwen3moe file of 64 experts a layer in Q4_K_M's mix), then fo
 - check: the hand-written kernels' logits against the portable path's on a 4-layer file (the packed products'
   correctness, including the common form of q/k/v parts of different types), beside the same gap of the file
   dequantized to bf16 at load (`GGUFSource`'s packed types emptied: the control, bf16 rounding through random layers);
-- decode: batch-1 / batch-8 decode tok/s of a 28-layer file, packed and dequantized to bf16 at load.
+- decode: batch-1 / batch-8 decode tok/s of a 28-layer file, packed and dequantized to bf16 at load;
+- replay: the GPU's decode step of that file at batch 1 and 8, packed and dequantized (bench/gpu_profile.py's captured
+  graph replayed back to back in five rounds, the median round: free of the host's pace, which moves engine steps by
+  more than a kernel change).
 
-  DEV=CUDA python3 bench/gguf_bench.py [--mixes q4_k_m,q4_k_m_by_layer,q5_k_m,q8_0] [--parts check,decode] [--layers 28]
+  DEV=CUDA python3 bench/gguf_bench.py [--mixes q4_k_m,q4_k_m_by_layer,q5_k_m,q8_0] [--parts check,decode,replay] [--layers 28]
   (bash bench/run_on_device.sh gguf; GGUF_MIXES and GGUF_PARTS pick)
 The `gguf` package writes the file: carry its wheel (`pip download gguf==0.19.0 --no-deps -d .whl`; numpy, pyyaml and
 tqdm are on the GPU machine). Writes $OUT/gguf_bench.json; exits 1 if a mix's packed logits part from the portable
@@ -99,22 +102,34 @@ def decode(path: Path, batch: int, new_tokens: int, dtype: str) -> dict:
   return {"batch": batch, "decode_tok_s": run.decode_tok_s, "median_step_ms": run.median_step_ms}
 
 
+def replay(path: Path, batch: int, dtype: str) -> dict:
+  from bench.gpu_profile import step_breakdown
+  ms = step_breakdown(engine(path, None, dtype).engine, batch, rounds=5)["graph_replay_ms"]
+  print(f"  batch {batch}: GPU step {ms:.3f} ms (graph replay, median of 5 rounds)", flush=True)
+  return {"batch": batch, "graph_replay_ms": ms}
+
+
 def bench_mix(name: str, layers: int, new_tokens: int, dtype: str, folder: Path, parts: set[str]) -> dict:
   from tests.gguf_files import write_tiny_llama
   types = {k: v if isinstance(v, str) else f"{v.__name__} (by layer)" for k, v in MIXES[name].items()}
   result = {"mix": name, "types": types, **(check_mix(name, dtype, folder) if "check" in parts else {})}
-  if "decode" not in parts: return result
+  timed = [part for part in ("decode", "replay") if part in parts]
+  if not timed: return result
   path = write_tiny_llama(folder / f"{name}.gguf", MIXES[name], "F16", None, layers=layers, **SHAPE, **FILE_ARGS.get(name, {}))
-  result["packed"] = [decode(path, b, new_tokens, dtype) for b in (1, 8)]
-  print(f"{name} dequantized at load:", flush=True)
-  with dequantized_at_load(): result["dequantized"] = [decode(path, b, new_tokens, dtype) for b in (1, 8)]
+  run = lambda part, b: decode(path, b, new_tokens, dtype) if part == "decode" else replay(path, b, dtype)
+  for part in timed:
+    print(f"{name} packed, {part}:", flush=True)
+    result[f"packed_{part}"] = [run(part, b) for b in (1, 8)]
+    print(f"{name} dequantized at load, {part}:", flush=True)
+    with dequantized_at_load(): result[f"dequantized_{part}"] = [run(part, b) for b in (1, 8)]
   return result
 
 
 def main() -> int:
   p = argparse.ArgumentParser()
   p.add_argument("--mixes", default="q4_k_m,q4_k_m_by_layer,q5_k_m,q8_0")
-  p.add_argument("--parts", default="check,decode", help="check: logits against the portable path; decode: tok/s")
+  p.add_argument("--parts", default="check,decode",
+                 help="check: logits against the portable path; decode: tok/s; replay: the GPU's step alone")
   p.add_argument("--layers", type=int, default=28, help="the decode part's depth")
   p.add_argument("--new-tokens", type=int, default=256)
   p.add_argument("--dtype", default="bfloat16", help="the compute dtype (float32 for a run on the CPU)")
