@@ -76,7 +76,8 @@ PACKED = {
   # GGUF-like: each product its own form, o left in the activations' dtype
   "qwen2_mixed": ("qwen2", [300, 17], False, "float16", 5, 128, 2, (("int8", 32), ("elem", 0), ("fp8", 64), ("int4", 32))),
   # six rows: each warp's rows' grouped codes held while x' is read row by row
-  "qwen3_groups_6_rows": ("qwen3", [40, 5, 70, 1, 9, 33], False, "bfloat16", 9, 64, 1, (("int8", 16), ("int4", 32), ("fp8", 16), ("int8", 16))),
+  "qwen3_groups_6_rows": ("qwen3", [40, 5, 70, 1, 9, 33], False, "bfloat16", 9, 64, 1,
+                          (("int8", 16), ("int4", 32), ("fp8", 16), ("int8", 16))),
 }
 CASES.update({name: case[:7] for name, case in PACKED.items()})
 # verifications of proposals laid out as decode rows (as_decode_rows): name -> each sequence's new tokens. A row sees its

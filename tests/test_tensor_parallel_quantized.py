@@ -1,9 +1,10 @@
-"""Tensor parallelism with quantized weights over 2 and 4 tinygrad CPU devices: int8 / int4 / fp8 quantized at load and a
-GPTQ checkpoint, dense (Qwen3) and mixture-of-experts (Qwen3-MoE) models, give HF transformers' greedy tokens on the
-dequantized weights, and GGUF files (a llama file's packed output layer split by vocabulary rows; a qwen3moe file) HF's
-logits reading the same file; each device's packed share is the packed form of its float share (rows for qkv and gate_up, input
-columns in whole scale groups for o and down, a per-channel scale kept whole, codes repacked where a device's columns
-end inside a word); what cannot be split is refused naming the weight."""
+"""Tensor parallelism with quantized weights over 2 and 4 tinygrad CPU devices: int8 / int4 / fp8 quantized at load, a
+GPTQ checkpoint (its LM head quantized too) and an NVFP4 one, dense (Qwen3) and mixture-of-experts (Qwen3-MoE)
+models, give HF transformers' greedy tokens on the dequantized weights, and GGUF files (a llama file's packed output
+layer split by vocabulary rows; a qwen3moe file) HF's logits reading the same file; each device's packed share is the
+packed form of its float share (rows for qkv and gate_up, input columns in whole scale groups for o and down, a
+per-channel scale kept whole, codes repacked where a device's columns end inside a word); what cannot be split is
+refused naming the weight."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -50,13 +51,18 @@ def test_quantized_at_load_split_over_devices_gives_hf_greedy(case: str, tmp_pat
 
 
 @pytest.mark.slow
-def test_gptq_checkpoint_split_over_devices_gives_hf_greedy(tmp_path: Path):
-  """With its LM head quantized too (GPTQModel's lm_head true), split by vocabulary rows."""
+@pytest.mark.parametrize(("method", "options"), [
+  ("gptq", dict(bits=4, group_size=32, lm_head=True)),   # its LM head quantized too (GPTQModel's lm_head true)
+  ("modelopt", dict(algo="NVFP4", hf_quant_config=True)),   # E4M3 codes in blocks of 16, each part its own global scale
+])
+def test_checkpoint_split_over_devices_gives_hf_greedy(method: str, options: dict, tmp_path: Path):
+  """A quantized checkpoint over two devices; a quantized LM head split by vocabulary rows."""
   kind, overrides = DENSE
   hf = make_model(kind, tmp_path / "float", **{**overrides, "tie_word_embeddings": False})
-  dequantized = write_quantized(hf, tmp_path / "q", "gptq", bits=4, group_size=32, lm_head=True)
+  dequantized = write_quantized(hf, tmp_path / "q", method, **options)
   llm = LLM(str(tmp_path / "q"), tensor_parallel_size=2, max_num_seqs=4, num_gpu_blocks=48)
-  assert isinstance(llm.engine.model.weights.lm_head.codes.device, tuple)
+  head = llm.engine.model.weights.lm_head
+  assert isinstance(head.codes.device, tuple) if options.get("lm_head") else isinstance(head.device, tuple)
   same_greedy_as_hf(load_dequantized(hf, dequantized), llm)
 
 
