@@ -18,18 +18,24 @@ file takes 4.5, which start-up says.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from tinyvllm.config import ConfigError
 from tinyvllm.model.quantization.unpacked import UnpackedWeight
 from tinyvllm.model.safetensors_file import bf16_as_float32
 
+if TYPE_CHECKING:   # (checkpoint_formats imports this module)
+  from tinyvllm.model.quantization.checkpoint_formats import Reader
+
 BLOCK = 16   # input columns a block scale covers
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # E2M1 code -> the E4M3 byte of the same value: sign bit 7, exponent bits 3-6 (bias 7), mantissa bits 0-2
 E4M3_OF_E2M1 = np.array([0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C], np.uint8)
 E4M3_OF_E2M1 = np.concatenate([E4M3_OF_E2M1, E4M3_OF_E2M1 | 0x80])
-# the tensor holding the values and the global scale, by format; whether the global scale divides
+
+
 def _e4m3_values() -> np.ndarray:
   """float32 [256]: each E4M3 (float8_e4m3fn) byte's value (subnormals at exponent 0; 0x7F and 0xFF are NaN)."""
   b = np.arange(256)
@@ -40,13 +46,14 @@ def _e4m3_values() -> np.ndarray:
 
 
 E4M3_VALUES = _e4m3_values()
+# by format: the tensor holding the values, the global scale's, and whether the global scale divides
 NAMES = {"modelopt_fp4": ("weight", "weight_scale_2", False), "compressed-tensors": ("weight_packed", "weight_global_scale", True)}
 NOTICE = ("NVFP4 weights run as E4M3 codes with a float32 scale a block of 16 (the same values: 10 bits a weight, where "
           "the file takes 4.5)")
 
 
-def read_nvfp4(r, method: str, cols: int) -> UnpackedWeight:
-  """One linear (r: checkpoint_formats.Reader) as E4M3 codes [out, in] and float32 scales [out, in / 16]."""
+def read_nvfp4(r: Reader, method: str, cols: int) -> UnpackedWeight:
+  """One linear as E4M3 codes [out, in] and float32 scales [out, in / 16]."""
   values, global_name, divides = NAMES[method]
   if cols % BLOCK: raise ConfigError(f"NVFP4 linear {r.prefix} has {cols} input columns, not a multiple of its block of {BLOCK}")
   packed = r.get(values, ("U8",))
