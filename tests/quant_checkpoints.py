@@ -128,9 +128,9 @@ def fp8_tensors(w: np.ndarray, block: tuple[int, int] | None) -> tuple[dict, np.
   return {"weight": codes, **scales}, deq
 
 
-def modelopt_tensors(w: np.ndarray, options: dict, prefix: str) -> tuple[dict, np.ndarray]:
+def modelopt_tensors(w: np.ndarray, options: dict) -> tuple[dict, np.ndarray]:
   """ModelOpt's FP8 export of one linear: scales per tensor (with a static input_scale), per row, or per 128 x 128
-  block as [out / 128, 1, in / 128, 1]; k_proj / v_proj carry the KV cache's scale where kv_scales is set."""
+  block as [out / 128, 1, in / 128, 1]."""
   algo, cols = options["algo"], w.shape[1]
   packed, deq = fp8_tensors(w, {"FP8": None, "FP8_PER_CHANNEL_PER_TOKEN": (1, cols), "FP8_PB_WO": (128, 128)}[algo])
   scale = packed.pop("weight_scale", None) if algo == "FP8" else packed.pop("weight_scale_inv")
@@ -138,17 +138,20 @@ def modelopt_tensors(w: np.ndarray, options: dict, prefix: str) -> tuple[dict, n
   if algo == "FP8_PB_WO": scale = scale.reshape(scale.shape[0], 1, scale.shape[1], 1)
   tensors = {"weight": packed["weight"], "weight_scale": scale}
   if algo == "FP8": tensors["input_scale"] = torch.tensor(0.05)
-  if options.get("kv_scales") and prefix.endswith(("k_proj", "v_proj")):
-    tensors[f"{prefix[-6]}_scale"] = torch.tensor(1.0)
   return tensors, deq
 
 
-def kv_scale_tensors(prefix: str, method: str) -> dict[str, torch.Tensor]:
-  """The KV cache's static scales a checkpoint carries: compressed-tensors' kv_cache_scheme puts k_scale / v_scale on
-  the attention module; AutoFP8's static FP8 exports an output_scale on k_proj / v_proj (and every linear's
-  input_scale)."""
-  if method == "compressed-tensors": return {f"{prefix.rsplit('.', 1)[0]}.{prefix[-6]}_scale": torch.tensor(0.02)}
-  return {f"{prefix}.output_scale": torch.tensor(0.03)}
+KV_SCALES = (0.05, 0.02)   # (k_scale, v_scale) a checkpoint's kv_scales=True carries in every layer
+
+
+def kv_scale_tensors(prefix: str, method: str, scales: tuple[float, float]) -> dict[str, torch.Tensor]:
+  """The KV cache's static scales a checkpoint carries: ModelOpt's k_scale / v_scale on k_proj / v_proj;
+  compressed-tensors' kv_cache_scheme puts them on the attention module; AutoFP8's static FP8 exports an output_scale
+  on k_proj / v_proj (and every linear's input_scale)."""
+  value = torch.tensor(scales[0] if prefix.endswith("k_proj") else scales[1])
+  if method == "modelopt": return {f"{prefix}.{prefix[-6]}_scale": value}
+  if method == "compressed-tensors": return {f"{prefix.rsplit('.', 1)[0]}.{prefix[-6]}_scale": value}
+  return {f"{prefix}.output_scale": value}
 
 
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
@@ -286,7 +289,7 @@ def write_quantized(hf_model, folder: Path, method: str, seed: int = 0, **option
     elif method == "gptq": packed, deq = gptq_tensors(w, options["bits"], options["group_size"], orders[role])
     elif method == "awq": packed, deq = awq_tensors(w, options["group_size"])
     elif method == "compressed-tensors": packed, deq = compressed_tensors(w, options, orders[role])
-    elif method == "modelopt": packed, deq = modelopt_tensors(w, options, prefix)
+    elif method == "modelopt": packed, deq = modelopt_tensors(w, options)
     elif method == "bitsandbytes": packed, deq = bnb_tensors(w, options)
     elif method == "fbgemm_fp8":   # E4M3 rows, each with its float32 scale [out, 1]
       packed, deq = fp8_tensors(w, (1, w.shape[1]))
@@ -296,8 +299,8 @@ def write_quantized(hf_model, folder: Path, method: str, seed: int = 0, **option
     for suffix, a in packed.items():
       tensors[f"{prefix}.{suffix}"] = a if isinstance(a, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(a))
     if options.get("kv_scales") and method == "fp8": tensors[f"{prefix}.input_scale"] = torch.tensor(0.05)   # (AutoFP8's static)
-    if options.get("kv_scales") and method in ("compressed-tensors", "fp8") and prefix.endswith(("k_proj", "v_proj")):
-      tensors.update(kv_scale_tensors(prefix, method))
+    if options.get("kv_scales") and prefix.endswith(("k_proj", "v_proj")):
+      tensors.update(kv_scale_tensors(prefix, method, KV_SCALES if options["kv_scales"] is True else options["kv_scales"]))
   for name, experts in fused.items():   # the experts' dequantized weights, fused as the HF model holds them
     if all(n in dequantized for names in experts for n in names):
       dequantized[name] = np.stack([np.concatenate([dequantized.pop(n) for n in names]) for names in experts])

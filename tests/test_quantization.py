@@ -45,7 +45,7 @@ CHECKPOINTS = {
   "ct-fp8-dynamic-qwen3": ("qwen3", "compressed-tensors", dict(format="float-quantized", bits=8, strategy="channel", activations=True)),
   "ct-fp8-block-llama": ("llama", "compressed-tensors", dict(format="float-quantized", bits=8, strategy="block", block=(16, 32))),
   "ct-fp8-g32-qwen3": ("qwen3", "compressed-tensors", dict(format="float-quantized", bits=8, strategy="group", group_size=32)),
-  # a kv_cache_scheme: the attention modules' k_scale / v_scale, not used here (the KV cache is --kv-cache-dtype's)
+  # a kv_cache_scheme: the attention modules' k_scale / v_scale (used only with an FP8 KV cache: tests/test_kv_scales.py)
   "ct-fp8-kv-scheme-qwen3": ("qwen3", "compressed-tensors",
                              dict(format="float-quantized", bits=8, strategy="channel", activations=True, kv_scales=True)),
   "ct-fp8-tensor-down-float-llama": ("llama", "compressed-tensors",
@@ -250,17 +250,7 @@ def test_modelopt_says_what_it_does_not_apply(modelopt_folder, capfd):
   err = startup_log(modelopt_folder, capfd, quantization="modelopt")
   assert "modelopt (8-bit, float-quantized, per tensor)" in err
   assert "the checkpoint's input_scale tensors are not used: activations stay in the compute dtype" in err
-  assert "the checkpoint's k_scale tensors are not used: the KV cache is --kv-cache-dtype's" in err
-
-
-@pytest.mark.parametrize(("method", "options", "kind"), [
-  ("fp8", {}, "output_scale"),   # AutoFP8's static export
-  ("compressed-tensors", dict(format="float-quantized", bits=8, strategy="channel"), "k_scale"),   # a kv_cache_scheme
-])
-def test_kv_cache_scales_are_said_unused(method, options, kind, tmp_path, capfd):
-  write_quantized(make_model("llama", tmp_path / "float"), tmp_path / "q", method, kv_scales=True, **options)
-  err = startup_log(tmp_path / "q", capfd, kv_cache_dtype="fp8")
-  assert f"the checkpoint's {kind} tensors are not used: the KV cache is --kv-cache-dtype's" in err
+  assert "the checkpoint's k_scale tensors are not used: the KV cache is not FP8 (--kv-cache-dtype fp8 applies them)" in err
 
 
 def test_a_quantized_lm_head_is_said(tmp_path, capfd):

@@ -224,7 +224,8 @@ def load_weights(config: EngineConfig, mc: ModelConfig, folder: Path | None, dty
   if quantization is not None and quantization.method == "experts_int8" and mc.moe is None:
     raise ConfigError(f"--quantization experts_int8 quantizes a mixture of experts' experts, and {mc.architecture} has none "
                       "(int8 quantizes every linear)")
-  loaded = load_model(mc, folder, config.load_format, dtype, device, max_model_len, backend, config.seed, quantization, group)
+  loaded = load_model(mc, folder, config.load_format, dtype, device, max_model_len, backend, config.seed, quantization, group,
+                      kv_fp8=config.kv_cache_dtype != "auto")
   if quantization is not None:
     weights = loaded.model.weights
     log(f"weights: {quantization.describe()} linears, {weights.nbytes() / 2**20:.1f} MiB in all "

@@ -15,6 +15,7 @@ from tinyvllm.backend.weights import DecoderLayerWeights, MoEWeights
 from tinyvllm.config import ConfigError
 from tinyvllm.layers.rotary import rope_tables
 from tinyvllm.layers.tensor_parallel import TensorParallelGroup
+from tinyvllm.model.kv_scales import fold_kv_scales, read_kv_scales
 from tinyvllm.model.llama import ModelWeights, TransformerLM
 from tinyvllm.model.quantization.config import QuantizationConfig
 from tinyvllm.model.quantization.source import QuantizedSource
@@ -129,14 +130,16 @@ def _realized(layer: DecoderLayerWeights) -> DecoderLayerWeights:
 
 
 def build_model(cfg: ModelConfig, get: TensorSource, device: str, max_positions: int, backend: ComputeBackend,
-                group: TensorParallelGroup | None = None) -> TransformerLM:
+                group: TensorParallelGroup | None = None, kv_scales: dict[int, tuple[float, float]] | None = None) -> TransformerLM:
   """The model from `get`'s tensors (on `device`); with a tensor-parallel `group` (its first device is `device`), each
-  layer split over the group as soon as it is loaded (model/sharding.py)."""
+  layer split over the group as soon as it is loaded (model/sharding.py); `kv_scales`: layers' (k_scale, v_scale)
+  folded into their weights (model/kv_scales.py)."""
   if cfg.norm_weight_offset: get = offset_norms(get, cfg.norm_weight_offset)
   place = (lambda layer: layer) if group is None else (lambda layer: shard_layer(layer, cfg, group))
+  scaled = lambda i, layer: fold_kv_scales(layer, cfg, *kv_scales[i]) if kv_scales and i in kv_scales else layer
   try:
     embed = get(["model.embed_tokens.weight"], (cfg.vocab_size, cfg.hidden_size), "matrix")
-    layers = [place(_realized(_layer(cfg, get, i))) for i in range(cfg.num_layers)]
+    layers = [place(_realized(scaled(i, _layer(cfg, get, i)))) for i in range(cfg.num_layers)]
     norm = get(["model.norm.weight"], (cfg.hidden_size,), "norm")
     lm_head = embed if cfg.tie_word_embeddings else get(["lm_head.weight"], (cfg.vocab_size, cfg.hidden_size), "lm_head")
   except KeyError as e:
@@ -159,14 +162,19 @@ def _shard_outer(w: ModelWeights, cfg: ModelConfig, group: TensorParallelGroup) 
 
 def load_model(cfg: ModelConfig, folder: Path | None, load_format: str, dtype: DType, device: str, max_positions: int,
                backend: ComputeBackend, seed: int = 0, quantization: QuantizationConfig | None = None,
-               group: TensorParallelGroup | None = None) -> LoadedModel:
+               group: TensorParallelGroup | None = None, kv_fp8: bool = False) -> LoadedModel:
   """The model with its weights on `device` (split over `group`, whose first device it is), its ops run by `backend`,
-  its linears quantized as `quantization` says."""
+  its linears quantized as `quantization` says; with an FP8 KV cache (`kv_fp8`), the checkpoint's KV cache scales
+  applied."""
   checkpoint, used = None if load_format == "dummy" else Checkpoint(folder), set()
+  kv_scales = read_kv_scales(checkpoint, cfg.num_layers, used) if kv_fp8 and checkpoint is not None else {}
   get = dummy_source(dtype, device, seed) if checkpoint is None else checkpoint_source(checkpoint, dtype, device, used)
   if quantization is not None: get = QuantizedSource(get, quantization, checkpoint, dtype, device, used)
-  model = build_model(cfg, get, device, max_positions, backend, group)
+  model = build_model(cfg, get, device, max_positions, backend, group, kv_scales)
   notices = get.notices if isinstance(get, QuantizedSource) else []
+  if kv_scales:
+    notices = [*notices, f"the checkpoint's KV cache scales are applied in {len(kv_scales)} layers: the FP8 cache holds k / "
+               "k_scale and v / v_scale"]
   if checkpoint is None: return LoadedModel(model, notices)
   extra = [n for n in checkpoint.names() if n not in used and not n.endswith(IGNORED_SUFFIXES)]
   if cfg.tie_word_embeddings and "lm_head.weight" in extra: extra.remove("lm_head.weight")

@@ -14,8 +14,8 @@ The layouts, from compressed-tensors' published format:
   scale (layout in nvfp4.py); weights type float, num_bits 4, strategy tensor_group, group_size 16.
 Linears the config's `ignore` list names (a module name, or `re:` and a regular expression matched from the start, as
 compressed-tensors matches them) stay float. Activation schemes (`input_activations`) are not applied: activations stay
-in the compute dtype (weight-only), and start-up says so; nor are a `kv_cache_scheme`'s static k_scale / v_scale (on
-the attention modules): the KV cache is --kv-cache-dtype's.
+in the compute dtype (weight-only), and start-up says so. A `kv_cache_scheme`'s static k_scale / v_scale (on the
+attention modules) apply to an FP8 KV cache (model/kv_scales.py).
 """
 from __future__ import annotations
 

@@ -96,9 +96,8 @@ class QuantizedSource:
     return Tensor(w, device=self.device).cast(self.dtype).contiguous().realize()
 
   def _unused_scales(self, prefixes: list[str]) -> None:
-    """Static activation scales (activations stay in the compute dtype here: weight-only) and the KV cache's scales
-    (ModelOpt writes them beside k_proj / v_proj or on the attention module, compressed-tensors on the attention
-    module, AutoFP8 as k_proj / v_proj's output_scale or the older kv_scale): read past, and said at start-up."""
+    """Static activation scales (activations stay in the compute dtype here: weight-only) and, with a cache that is
+    not FP8, the KV cache's scales (model/kv_scales.py reads them for an FP8 one): read past, and said at start-up."""
     for p in prefixes:
       parent = p.rsplit(".", 1)[0]
       for name in (f"{p}.input_scale", f"{p}.input_global_scale", f"{p}.input_zero_point", f"{p}.input_scale_ub",
@@ -108,7 +107,8 @@ class QuantizedSource:
         self.used.add(name)
         kind = name.rsplit(".", 1)[1]
         self._notice(f"the checkpoint's {kind} tensors are not used: " + (
-          "the KV cache is --kv-cache-dtype's" if kind in KV_SCALES else "activations stay in the compute dtype"))
+          "the KV cache is not FP8 (--kv-cache-dtype fp8 applies them)" if kind in KV_SCALES
+          else "activations stay in the compute dtype"))
 
   def _quantize(self, weight: Tensor, cols: int, names: list[str]) -> QuantizedWeight:
     group = cols
