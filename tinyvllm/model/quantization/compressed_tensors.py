@@ -26,10 +26,10 @@ from typing import Any
 from tinyvllm.config import ConfigError
 from tinyvllm.model.quantization import nvfp4
 
-# the storage formats read here: the weight's type each holds
-FORMATS = {"pack-quantized": "int", "int-quantized": "int", "float-quantized": "float", "nvfp4-pack-quantized": "float"}
-STRATEGIES = {"int": ("tensor", "channel", "group"), "float": ("tensor", "channel", "group", "block")}
 NVFP4 = "nvfp4-pack-quantized"
+# the storage formats read here: the weight's type each holds
+FORMATS = {"pack-quantized": "int", "int-quantized": "int", "float-quantized": "float", NVFP4: "float"}
+STRATEGIES = {"int": ("tensor", "channel", "group"), "float": ("tensor", "channel", "group", "block")}
 
 
 @dataclass(frozen=True)
