@@ -16,22 +16,14 @@ Modules in llm_int8_skip_modules (names holding one of them, as HF matches them)
 from __future__ import annotations
 
 import json
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from tinyvllm.config import ConfigError
-from tinyvllm.model.quantization.unpacked import UnpackedWeight
+from tinyvllm.model.quantization.unpacked import TensorReader, UnpackedWeight
 
 ROW_FORMAT = 0   # bitsandbytes' weight_format codes: 0 row (the only layout saved by current versions), 1-3 GPU tiles
-
-
-class TensorReader(Protocol):   # checkpoint_formats.Reader
-  prefix: str
-
-  def has(self, suffix: str) -> bool: ...
-  def get(self, suffix: str, dtypes: tuple[str, ...]) -> np.ndarray: ...
-  def check(self, suffix: str, a: np.ndarray, shape: tuple[int, ...]) -> None: ...
 
 
 def scheme(raw: dict[str, Any], source: str) -> tuple[int, str]:

@@ -18,16 +18,11 @@ file takes 4.5, which start-up says.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from tinyvllm.config import ConfigError
-from tinyvllm.model.quantization.unpacked import UnpackedWeight
+from tinyvllm.model.quantization.unpacked import TensorReader, UnpackedWeight
 from tinyvllm.model.safetensors_file import bf16_as_float32
-
-if TYPE_CHECKING:   # (checkpoint_formats imports this module)
-  from tinyvllm.model.quantization.checkpoint_formats import Reader
 
 BLOCK = 16   # input columns a block scale covers
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -52,7 +47,7 @@ NOTICE = ("NVFP4 weights run as E4M3 codes with a float32 scale a block of 16 (t
           "the file takes 4.5)")
 
 
-def read_nvfp4(r: Reader, method: str, cols: int) -> UnpackedWeight:
+def read_nvfp4(r: TensorReader, method: str, cols: int) -> UnpackedWeight:
   """One linear as E4M3 codes [out, in] and float32 scales [out, in / 16]."""
   values, global_name, divides = NAMES[method]
   if cols % BLOCK: raise ConfigError(f"NVFP4 linear {r.prefix} has {cols} input columns, not a multiple of its block of {BLOCK}")

@@ -4,6 +4,7 @@ QuantizedWeight of tinyvllm/backend/quantized.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import numpy as np
 from tinygrad import Tensor
@@ -22,6 +23,14 @@ class UnpackedWeight:
   group_size: int
   bits: int                      # 4 or 8
   offsets: np.ndarray | None = None   # [out, groups] added after scaling (GGUF Q4_1's min); None: none
+
+
+class TensorReader(Protocol):   # checkpoint_formats.Reader: one linear's tensors, as the format readers take them
+  prefix: str
+
+  def has(self, suffix: str) -> bool: ...
+  def get(self, suffix: str, dtypes: tuple[str, ...]) -> np.ndarray: ...
+  def check(self, suffix: str, a: np.ndarray, shape: tuple[int, ...]) -> None: ...
 
 
 def unpack_bits(packed: np.ndarray, bits: int, axis: int) -> np.ndarray:
