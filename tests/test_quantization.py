@@ -27,7 +27,8 @@ CHECKPOINTS = {
   "awq-g64-llama": ("llama-128", "awq", dict(group_size=64)),
   "fp8-blocks-qwen3": ("qwen3", "fp8", dict(weight_block_size=(16, 32))),
   "fp8-tensor-llama": ("llama", "fp8", {}),
-  # AutoFP8's static exports: every linear's input_scale, k_proj / v_proj's output_scale (the KV cache's), not used here
+  # AutoFP8's static exports: every linear's input_scale, k_proj / v_proj's output_scale (the KV cache's, applied only
+  # under an FP8 KV cache: tests/test_kv_scales.py)
   "fp8-tensor-static-kv-llama": ("llama", "fp8", dict(kv_scales=True)),
   # HF's modules_to_not_convert: the linears whose names hold one of them stay float
   "awq-g32-down-float-qwen3": ("qwen3", "awq", dict(group_size=32, not_converted=("mlp.down_proj",))),
