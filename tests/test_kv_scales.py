@@ -15,9 +15,10 @@ from tinyvllm import LLM
 from tinyvllm.config import ConfigError
 
 SCALES = (0.05, 0.02)   # k_scale, v_scale: unlike 1.0 they move e4m3's rounding, so a dropped scale shows in the logits
-CASES = {  # model, checkpoint format, its options, the name its k scale goes by
-  "modelopt-fp8-llama": ("llama", "modelopt", dict(algo="FP8", hf_quant_config=True), "k_scale"),
-  "ct-fp8-kv-scheme-qwen3": ("qwen3", "compressed-tensors", dict(format="float-quantized", bits=8, strategy="channel"), "k_scale"),
+CASES = {  # model, checkpoint format, its options, the names its scales go by
+  "modelopt-fp8-llama": ("llama", "modelopt", dict(algo="FP8", hf_quant_config=True), "k_scale, v_scale"),
+  "ct-fp8-kv-scheme-qwen3": ("qwen3", "compressed-tensors", dict(format="float-quantized", bits=8, strategy="channel"),
+                             "k_scale, v_scale"),
   "autofp8-static-qwen2": ("qwen2", "fp8", {}, "output_scale"),   # q/k/v biases scaled with their rows
 }
 
@@ -43,7 +44,8 @@ def test_an_fp8_cache_holds_k_and_v_over_their_scales(case, tmp_path, capfd):
   hf = make_model(kind, tmp_path / "float")
   dequantized = write_quantized(hf, tmp_path / "q", method, kv_scales=SCALES, **options)
   llm = LLM(str(tmp_path / "q"), kv_cache_dtype="fp8", num_gpu_blocks=16, max_num_seqs=2)
-  assert f"the checkpoint's KV cache scales are applied in {hf.config.num_hidden_layers} layers" in capfd.readouterr().err
+  assert (f"the checkpoint's KV cache scales ({name}) are applied in {hf.config.num_hidden_layers} layers: the FP8 cache "
+          "holds k / k_scale and v / v_scale") in capfd.readouterr().err
   ours = llm.engine.compute_logits(PROMPT)
   reference = load_dequantized(hf, dequantized)
   with_scales = hf_logits(fp8_cache_reference(reference, SCALES), PROMPT)[-1]
@@ -52,7 +54,7 @@ def test_an_fp8_cache_holds_k_and_v_over_their_scales(case, tmp_path, capfd):
   assert relative_error(ours, without) > 10 * max(relative_error(ours, with_scales), 1e-6)   # the scales were applied
   # without an FP8 cache the scales are not used: the model is the checkpoint's own
   err = startup_log(tmp_path / "q", capfd)
-  assert f"the checkpoint's {name} tensors are not used: the KV cache is not FP8 (--kv-cache-dtype fp8 applies them)" in err
+  assert f"the checkpoint's KV cache scales ({name}) are not used: the KV cache is not FP8 (--kv-cache-dtype fp8 applies them)" in err
   reference.set_attn_implementation("eager")
   plain = LLM(str(tmp_path / "q"), num_gpu_blocks=16, max_num_seqs=2).engine.compute_logits(PROMPT)
   assert relative_error(plain, hf_logits(reference, PROMPT)[-1]) < 1e-4

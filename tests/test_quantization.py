@@ -251,7 +251,8 @@ def test_modelopt_says_what_it_does_not_apply(modelopt_folder, capfd):
   err = startup_log(modelopt_folder, capfd, quantization="modelopt")
   assert "modelopt (8-bit, float-quantized, per tensor)" in err
   assert "the checkpoint's input_scale tensors are not used: activations stay in the compute dtype" in err
-  assert "the checkpoint's k_scale tensors are not used: the KV cache is not FP8 (--kv-cache-dtype fp8 applies them)" in err
+  assert ("the checkpoint's KV cache scales (k_scale, v_scale) are not used: the KV cache is not FP8 (--kv-cache-dtype fp8 "
+          "applies them)") in err
 
 
 def test_a_quantized_lm_head_is_said(tmp_path, capfd):

@@ -6,7 +6,8 @@ kernels, the persistent layer kernel) runs unchanged: q is multiplied by k_scale
 v is divided by v_scale and o_proj's input multiplied by it (o is the same); what reaches the cache is k / k_scale and
 v / v_scale. Qwen3's q and k are RMS-normed per head after their projections, so there the factors go to q_norm and
 k_norm. A packed weight takes them in its float32 scales and shifts; a float one is multiplied in float32 and rounded
-back to its dtype. Without an FP8 cache the scales are not used (the cache holds k and v as they are).
+back to its dtype. Without an FP8 cache the scales are not used (the cache holds k and v as they are); start-up says
+which it is.
 
 Where checkpoints put them (per layer, one float32 value each; the first found is used):
 - ModelOpt (kv_cache_quant_algo FP8): `self_attn.k_proj.k_scale`, `self_attn.v_proj.v_scale`;
@@ -16,7 +17,7 @@ Where checkpoints put them (per layer, one float32 value each; the first found i
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 from tinygrad import Tensor, dtypes
@@ -31,19 +32,31 @@ NAMES = {"k": ("self_attn.k_scale", "self_attn.k_proj.k_scale", "self_attn.k_pro
          "v": ("self_attn.v_scale", "self_attn.v_proj.v_scale", "self_attn.v_proj.output_scale", "self_attn.kv_scale")}
 
 
-def read_kv_scales(checkpoint: Checkpoint, num_layers: int, used: set[str]) -> dict[int, tuple[float, float]]:
+@dataclass(frozen=True)
+class KVScales:
+  layers: dict[int, tuple[float, float]]   # each layer's (k_scale, v_scale) where the checkpoint has either
+  kinds: tuple[str, ...]                   # the tensors' own names (k_scale, output_scale, ...), for start-up
+
+  def notice(self, applied: bool) -> str:
+    what = f"the checkpoint's KV cache scales ({', '.join(self.kinds)})"
+    if applied: return f"{what} are applied in {len(self.layers)} layers: the FP8 cache holds k / k_scale and v / v_scale"
+    return f"{what} are not used: the KV cache is not FP8 (--kv-cache-dtype fp8 applies them)"
+
+
+def read_kv_scales(checkpoint: Checkpoint, num_layers: int, used: set[str]) -> KVScales:
   """Each layer's (k_scale, v_scale) where the checkpoint has either (1.0 for the other), the tensors marked used."""
-  scales = {}
+  scales, kinds = {}, set()
   for i in range(num_layers):
-    found = [_scale(checkpoint, [f"model.layers.{i}.{n}" for n in NAMES[part]], used) for part in ("k", "v")]
+    found = [_scale(checkpoint, [f"model.layers.{i}.{n}" for n in NAMES[part]], used, kinds) for part in ("k", "v")]
     if any(s is not None for s in found): scales[i] = (found[0] or 1.0, found[1] or 1.0)
-  return scales
+  return KVScales(scales, tuple(sorted(kinds)))
 
 
-def _scale(checkpoint: Checkpoint, names: list[str], used: set[str]) -> float | None:
+def _scale(checkpoint: Checkpoint, names: list[str], used: set[str], kinds: set[str]) -> float | None:
   name = next((n for n in names if n in checkpoint), None)
   if name is None: return None
   used.update(n for n in names if n in checkpoint)   # (every name holding this scale: one of them is read)
+  kinds.add(name.rsplit(".", 1)[1])
   values = bf16_as_float32(np.asarray(checkpoint.array(name))).astype(np.float32).reshape(-1)
   if values.size != 1 or not np.isfinite(values[0]) or values[0] <= 0:
     raise ConfigError(f"KV cache scale {name} is {values.tolist()}, expected one finite positive value")

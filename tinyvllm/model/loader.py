@@ -165,16 +165,14 @@ def load_model(cfg: ModelConfig, folder: Path | None, load_format: str, dtype: D
                group: TensorParallelGroup | None = None, kv_fp8: bool = False) -> LoadedModel:
   """The model with its weights on `device` (split over `group`, whose first device it is), its ops run by `backend`,
   its linears quantized as `quantization` says; with an FP8 KV cache (`kv_fp8`), the checkpoint's KV cache scales
-  applied."""
+  applied (read, and said unused, otherwise)."""
   checkpoint, used = None if load_format == "dummy" else Checkpoint(folder), set()
-  kv_scales = read_kv_scales(checkpoint, cfg.num_layers, used) if kv_fp8 and checkpoint is not None else {}
+  kv_scales = read_kv_scales(checkpoint, cfg.num_layers, used) if checkpoint is not None else None
   get = dummy_source(dtype, device, seed) if checkpoint is None else checkpoint_source(checkpoint, dtype, device, used)
   if quantization is not None: get = QuantizedSource(get, quantization, checkpoint, dtype, device, used)
-  model = build_model(cfg, get, device, max_positions, backend, group, kv_scales)
+  model = build_model(cfg, get, device, max_positions, backend, group, kv_scales.layers if kv_scales and kv_fp8 else None)
   notices = get.notices if isinstance(get, QuantizedSource) else []
-  if kv_scales:
-    notices = [*notices, f"the checkpoint's KV cache scales are applied in {len(kv_scales)} layers: the FP8 cache holds k / "
-               "k_scale and v / v_scale"]
+  if kv_scales and kv_scales.layers: notices = [*notices, kv_scales.notice(applied=kv_fp8)]
   if checkpoint is None: return LoadedModel(model, notices)
   extra = [n for n in checkpoint.names() if n not in used and not n.endswith(IGNORED_SUFFIXES)]
   if cfg.tie_word_embeddings and "lm_head.weight" in extra: extra.remove("lm_head.weight")

@@ -22,7 +22,6 @@ from tinyvllm.model.safetensors_file import Checkpoint
 
 # a weight tensor's dtypes that hold codes rather than float values (FP8, NVFP4 bytes, int8 rows, bitsandbytes' packing)
 PACKED_DTYPES = ("F8_E4M3", "U8", "I8", "I32")
-KV_SCALES = ("k_scale", "v_scale", "output_scale", "kv_scale")   # the KV cache's static scales, by the names formats give them
 Source = Callable[[list[str], tuple[int, ...], str], "Tensor | QuantizedWeight"]
 
 
@@ -96,19 +95,13 @@ class QuantizedSource:
     return Tensor(w, device=self.device).cast(self.dtype).contiguous().realize()
 
   def _unused_scales(self, prefixes: list[str]) -> None:
-    """Static activation scales (activations stay in the compute dtype here: weight-only) and, with a cache that is
-    not FP8, the KV cache's scales (model/kv_scales.py reads them for an FP8 one): read past, and said at start-up."""
+    """Static activation scales (activations stay in the compute dtype here: weight-only): read past, and said at
+    start-up. (The KV cache's scales are model/kv_scales.py's.)"""
     for p in prefixes:
-      parent = p.rsplit(".", 1)[0]
-      for name in (f"{p}.input_scale", f"{p}.input_global_scale", f"{p}.input_zero_point", f"{p}.input_scale_ub",
-                   f"{p}.k_scale", f"{p}.v_scale", f"{p}.output_scale", f"{parent}.k_scale", f"{parent}.v_scale",
-                   f"{parent}.kv_scale"):
+      for name in (f"{p}.input_scale", f"{p}.input_global_scale", f"{p}.input_zero_point", f"{p}.input_scale_ub"):
         if name not in self.checkpoint or name in self.used: continue
         self.used.add(name)
-        kind = name.rsplit(".", 1)[1]
-        self._notice(f"the checkpoint's {kind} tensors are not used: " + (
-          "the KV cache is not FP8 (--kv-cache-dtype fp8 applies them)" if kind in KV_SCALES
-          else "activations stay in the compute dtype"))
+        self._notice(f"the checkpoint's {name.rsplit('.', 1)[1]} tensors are not used: activations stay in the compute dtype")
 
   def _quantize(self, weight: Tensor, cols: int, names: list[str]) -> QuantizedWeight:
     group = cols
