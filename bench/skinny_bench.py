@@ -150,11 +150,17 @@ def main() -> None:
   p.add_argument("--only", help="comma-separated shape names")
   p.add_argument("--planned", action="store_true", help="time only the planner's layout")
   p.add_argument("--layout", help="time only these layouts, RPW:KSPLIT, comma-separated (e.g. 4:8,8:4)")
+  p.add_argument("--vector-codes", action="store_true",
+                 help="packed codes a 16-byte activation vector's worth a lane (linear.lane_columns' fallback) instead of spans")
   p.add_argument("--plain-graphs", action="store_true",
                  help="tinygrad's CUDA graphs without programmatic launch (platform/cuda_graph.py), for comparison")
   args = p.parse_args()
   from tinyvllm.platform import cuda_graph
   if args.plain_graphs: cuda_graph.use_programmatic_graphs = lambda device: False
+  if args.vector_codes:
+    from tinyvllm.kernels import linear
+    from tinyvllm.kernels.plan import ELEM_BYTES, dtype_code
+    linear.lane_columns = lambda shape: 16 // ELEM_BYTES[dtype_code(shape.dtype)]
   relink, edges = cuda_graph._relink, []
   cuda_graph._relink = lambda graph, e: (edges.append(len(e)), relink(graph, e))[1]
   device = Device.DEFAULT
