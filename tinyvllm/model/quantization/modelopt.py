@@ -11,8 +11,8 @@ w = e4m3(weight) * scale. NVFP4 (vLLM's `modelopt_fp4`): E2M1 values in blocks o
 a global `weight_scale_2` (layout in nvfp4.py), the block its config's `group_size` (16, the only one NVFP4 has).
 Activation quantization is not applied (weight-only, as tinyvllm runs every FP8 checkpoint;
 start-up says so); the exclude list's wildcards (fnmatch, as ModelOpt writes them: "lm_head", "model.layers.0.mlp*")
-leave modules float. The KV cache's `k_scale` / `v_scale` (kv_cache_quant_algo FP8) are not used: the cache is
---kv-cache-dtype's.
+leave modules float. The KV cache's `k_scale` / `v_scale` (kv_cache_quant_algo FP8) apply to an FP8 KV cache
+(model/kv_scales.py).
 """
 from __future__ import annotations
 

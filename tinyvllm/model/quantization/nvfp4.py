@@ -4,7 +4,7 @@ values in blocks of 16 input columns, each block's scale an FP8 E4M3 number, tim
 The layouts, from NVIDIA ModelOpt's unified HF export and compressed-tensors' published format:
 - the values: ModelOpt's `weight` / compressed-tensors' `weight_packed`, uint8 [out, in / 2], two E2M1 codes a byte,
   the even column in the low nibble; a code's bit 3 is its sign, bits 0-2 index the magnitudes 0, 0.5, 1, 1.5, 2, 3,
-  4, 6 (E2M1_VALUES);
+  4, 6;
 - `weight_scale`: float8_e4m3fn [out, in / 16], one a block;
 - the global scale, float32 (shape [] or [1]): ModelOpt's `weight_scale_2` multiplies, w = e2m1 * weight_scale *
   weight_scale_2; compressed-tensors' `weight_global_scale` divides, w = e2m1 * weight_scale / weight_global_scale.
@@ -18,29 +18,30 @@ file takes 4.5, which start-up says.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
+from tinygrad import Tensor, dtypes
 
 from tinyvllm.config import ConfigError
+from tinyvllm.layers.fp8 import decode_e4m3
 from tinyvllm.model.quantization.unpacked import TensorReader, UnpackedWeight
 from tinyvllm.model.safetensors_file import bf16_as_float32
 
 BLOCK = 16   # input columns a block scale covers
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # E2M1 code -> the E4M3 byte of the same value: sign bit 7, exponent bits 3-6 (bias 7), mantissa bits 0-2
 E4M3_OF_E2M1 = np.array([0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C], np.uint8)
 E4M3_OF_E2M1 = np.concatenate([E4M3_OF_E2M1, E4M3_OF_E2M1 | 0x80])
 
 
-def _e4m3_values() -> np.ndarray:
-  """float32 [256]: each E4M3 (float8_e4m3fn) byte's value (subnormals at exponent 0; 0x7F and 0xFF are NaN)."""
-  b = np.arange(256)
-  exp, mant = (b >> 3) & 0xF, (b & 7).astype(np.float64)
-  magnitude = np.where(exp == 0, mant / 8 * 2.0 ** -6, (1 + mant / 8) * 2.0 ** (exp - 7))
-  magnitude = np.where((b & 0x7F) == 0x7F, np.nan, magnitude)
-  return np.where(b & 0x80, -magnitude, magnitude).astype(np.float32)
+@functools.cache
+def e4m3_values() -> np.ndarray:
+  """float32 [256]: each E4M3 (float8_e4m3fn) byte's value, by layers/fp8.py's decoder (0x7F and 0xFF: NaN)."""
+  values = decode_e4m3(Tensor(np.arange(256, dtype=np.uint8)), dtypes.float32).numpy()
+  values[[0x7F, 0xFF]] = np.nan
+  return values
 
 
-E4M3_VALUES = _e4m3_values()
 # by format: the tensor holding the values, the global scale's, and whether the global scale divides
 NAMES = {"modelopt_fp4": ("weight", "weight_scale_2", False), "compressed-tensors": ("weight_packed", "weight_global_scale", True)}
 NOTICE = ("NVFP4 weights run as E4M3 codes with a float32 scale a block of 16 (the same values: 10 bits a weight, where "
@@ -62,6 +63,6 @@ def read_nvfp4(r: TensorReader, method: str, cols: int) -> UnpackedWeight:
   if stored.size != 1: raise ConfigError(f"NVFP4 tensor {r.prefix}.{global_name} holds {stored.size} values, expected one")
   if not np.isfinite(stored[0]) or stored[0] == 0:
     raise ConfigError(f"NVFP4 tensor {r.prefix}.{global_name} is {stored[0]}, not a finite non-zero scale")
-  block = E4M3_VALUES[block_scales.view(np.uint8)]
+  block = e4m3_values()[block_scales.view(np.uint8)]
   scales = block / np.float32(stored[0]) if divides else block * np.float32(stored[0])
   return UnpackedWeight(codes, scales.astype(np.float32), None, None, BLOCK, 8)
