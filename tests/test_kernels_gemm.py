@@ -305,6 +305,9 @@ PACKED = {
                                              GemmTiles.warpgroup(128, 64)),
   "int4_f16_m250_g32_wgmma_256x64_split2": ("float16", 250, 256, 72, "int4", 32, False, False, True,
                                             GemmTiles.warpgroup(256, 64, 2)),
+  # a longer K through a ring of five stages (four slices of copies ahead, the two w tiles in turn over ten slices)
+  "int8_bf16_m100_g128_wgmma_64x64_ring5": ("bfloat16", 100, 640, 136, "int8", 128, False, False, True,
+                                            GemmTiles.warpgroup(64, 64, ring=5)),
   # the planner's packed tiles at decode batches (short_k_tiles: 64x64, K split in two where the weight is large
   # enough, then 64x64 or 128x64)
   "int4_bf16_m48_g64_norm_planned": ("bfloat16", 48, 256, 72, "int4", 64, True, False, False, None),

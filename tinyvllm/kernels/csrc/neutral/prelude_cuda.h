@@ -81,6 +81,8 @@ __device__ __forceinline__ ushort tv_cuda_f2h(float f) { ushort h; asm("cvt.rn.f
 #define TV_BYTE_UNDER_2P23(w, j) __byte_perm((w), 0x4b000000u, 0x7540u + (j))
 // byte j of w as the third byte of float 2.0 (a nibble c there: 2 + c / 64, common.inc's tv_int4_biased8) in one permute
 #define TV_BYTE_IN_2(w, j) __byte_perm((w), 0x40000000u, 0x7054u + ((j) << 8))
+// byte j of w as the second byte of float 2.0 (an 8-bit code c there: 2 + c / 16384, common.inc's tv_int8_biased4)
+#define TV_BYTE_IN_1(w, j) __byte_perm((w), 0x40000000u, 0x7404u + ((j) << 4))
 #if !defined(TV_EMULATOR) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 // float32 to bfloat16 in hardware (sm_80+; common.inc has the portable rounding, the same bits but for a NaN's payload):
 // one instruction for two values, where the bit arithmetic takes eight for one (a packed weight's dequantized tile
