@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# Workload 2 (docs/benchmarks.md, section 2, with a warm-up of 32 requests) of another checkout (e.g. main before a
-# change, exported with `git archive REV | tar -x -C .before`) and this one alternating run by run, for each weight
-# format of QUANT_FORMATS ("none" = bf16; those also in THIS_ONLY run on this checkout alone), ROUNDS times. One line a
-# run in $OUT/throughput_ab.txt; each run's JSON and log under $OUT/throughput_ab/<side>-<format>-<round>/.
+# Workload 2 (docs/benchmarks.md, section 2, with a warm-up of 32 requests) for each weight format of QUANT_FORMATS
+# ("none" = bf16), ROUNDS times, the formats alternating. With another checkout named (e.g. main before a change,
+# exported with `git archive REV | tar -x -C .before`), it and this one alternate run by run (formats also in THIS_ONLY
+# run on this checkout alone). One line a run in $OUT/throughput_ab.txt; each run's JSON and log in
+# $OUT/throughput_ab.tgz (<side>-<format>-<round>/; one file back from the device). A format's first run on a fresh
+# machine compiles its kernels at load and has come out slower: compare the later rounds.
 #   ROUNDS=3 QUANT_FORMATS="none int8" THIS_ONLY=none bash bench/throughput_ab.sh .before
+#   ROUNDS=2 QUANT_FORMATS="none int4 int8" bash bench/throughput_ab.sh
 set -u
-other=$1
+other=${1:-}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-[ -e "$other/.whl" ] || ln -s "$PWD/.whl" "$other/.whl"
-[ -e "$other/.data" ] || ln -s "$PWD/.data" "$other/.data"
+if [ -n "$other" ]; then
+  [ -e "$other/.whl" ] || ln -s "$PWD/.whl" "$other/.whl"
+  [ -e "$other/.data" ] || ln -s "$PWD/.data" "$other/.data"
+fi
 failed=0
 run() {   # side, checkout, format, round
   local out="$OUT/throughput_ab/$1-$3-$4" quant=()
@@ -26,8 +31,10 @@ EOF_PY
 }
 for r in $(seq 1 "${ROUNDS:-1}"); do
   for q in ${QUANT_FORMATS:-none int8}; do
-    [[ " ${THIS_ONLY:-} " == *" $q "* ]] || run before "$other" "$q" "$r"
-    run after "$PWD" "$q" "$r"
+    [ -z "$other" ] || [[ " ${THIS_ONLY:-} " == *" $q "* ]] || run before "$other" "$q" "$r"
+    run "$([ -n "$other" ] && echo after || echo this)" "$PWD" "$q" "$r"
   done
 done
+tar czf "$OUT/throughput_ab.tgz" -C "$OUT" throughput_ab && rm -rf "$OUT/throughput_ab"
+cat "$OUT/throughput_ab.txt"
 exit $failed
